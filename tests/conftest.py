@@ -1,0 +1,27 @@
+"""Test-wide set-up: 8 fake CPU devices, forced before JAX is first imported."""
+
+import os
+
+# Must run before any `import jax`: XLA reads the flag once, at backend start-up.
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tests must never reach the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TFDS_DISABLE_GCS", "1")
+
+import pathlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> pathlib.Path:
+  """The read-only `../shared` folder (real data and tokenizers); skips when absent."""
+  if not (SHARED / "data").is_dir():
+    pytest.skip(f"../shared not present at {SHARED}: real-data test skipped")
+  return SHARED
