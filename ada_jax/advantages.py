@@ -252,10 +252,12 @@ def allocate_budget(
 
   Finds the scale c with sum_i clip(c * w_i, n_min, n_max) = budget (bisection), then
   rounds by largest remainder: every prompt gets floor(x_i) and the leftover units go to
-  the largest fractional parts (ties: lower index), never past n_max. So the counts sum
-  exactly to the budget, each lies in [n_min, n_max], and larger weights never get fewer
-  samples. Reference: Reinforce-Ada-Est budget K*B split by w(p̂) with at least one
-  sample each (released code) or [N_min, N_max] clipping (paper v3).
+  the largest fractional parts, never past n_max. So the counts sum exactly to the
+  budget, each lies in [n_min, n_max], and a larger weight never gets fewer samples
+  (equal fractional parts, which float rounding can give nearly equal weights, go to the
+  larger weight first, then to the lower index). Reference: Reinforce-Ada-Est, a K*B
+  budget split by w(p̂) with at least one sample each (released code) or with
+  [N_min, N_max] clipping (paper v3).
 
   Args:
     weights: float[B] positive weights.
@@ -291,13 +293,13 @@ def allocate_budget(
   # small; the loops settle any remainder exactly while respecting the bounds.
   while left > 0:
     room = np.flatnonzero(counts < hi)
-    give = room[np.argsort(-frac[room], kind="stable")][:left]
+    give = room[np.lexsort((-w[room], -frac[room]))][:left]
     counts[give] += 1
     frac[give] = -1.0
     left -= give.size
   while left < 0:
     room = np.flatnonzero(counts > n_min)
-    take = room[np.argsort(frac[room], kind="stable")][:-left]
+    take = room[np.lexsort((w[room], frac[room]))][:-left]
     counts[take] -= 1
     frac[take] = 2.0
     left += take.size

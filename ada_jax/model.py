@@ -26,8 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
-from flax import struct
+from flax import nnx, struct
 
 Params = dict[str, Any]
 

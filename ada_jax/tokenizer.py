@@ -76,8 +76,9 @@ def _raise_exception(message):
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
   # jinja's own `tojson` HTML-escapes '<', '>', '&' and "'", which would put escapes into
   # tool schemas and change the prompt; transformers replaces it with plain json.dumps.
-  return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                    sort_keys=sort_keys)
+  return json.dumps(
+    x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+  )
 
 
 def _strftime_now(fmt):
@@ -132,8 +133,7 @@ def _token_string(value: Any, path: pathlib.Path, field: str) -> str | None:
   if isinstance(value, Mapping) and isinstance(value.get("content"), str):
     return value["content"]
   raise ValueError(
-    f"{path}: field {field!r} must be a string or an object with a string 'content', "
-    f"got {value!r}"
+    f"{path}: field {field!r} must be a string or an object with a string 'content', got {value!r}"
   )
 
 
@@ -143,8 +143,9 @@ def _int_list(value: Any, path: pathlib.Path, field: str) -> list[int]:
     return []
   values = value if isinstance(value, list) else [value]
   if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-    raise ValueError(f"{path}: field {field!r} must be a non-negative int or a list of them, "
-                     f"got {value!r}")
+    raise ValueError(
+      f"{path}: field {field!r} must be a non-negative int or a list of them, got {value!r}"
+    )
   return list(values)
 
 
@@ -157,14 +158,21 @@ def _read_templates(folder: pathlib.Path, config: dict | None) -> dict[str, str]
     templates["default"] = raw
   elif isinstance(raw, list):
     for i, entry in enumerate(raw):
-      if not (isinstance(entry, Mapping) and isinstance(entry.get("name"), str)
-              and isinstance(entry.get("template"), str)):
-        raise ValueError(f"{config_path}: field 'chat_template'[{i}] must be an object with "
-                         f"string 'name' and 'template', got {entry!r}")
+      if not (
+        isinstance(entry, Mapping)
+        and isinstance(entry.get("name"), str)
+        and isinstance(entry.get("template"), str)
+      ):
+        raise ValueError(
+          f"{config_path}: field 'chat_template'[{i}] must be an object with "
+          f"string 'name' and 'template', got {entry!r}"
+        )
       templates[entry["name"]] = entry["template"]
   elif raw is not None:
-    raise ValueError(f"{config_path}: field 'chat_template' must be a string or a list of "
-                     f"{{name, template}} objects, got {type(raw).__name__}")
+    raise ValueError(
+      f"{config_path}: field 'chat_template' must be a string or a list of "
+      f"{{name, template}} objects, got {type(raw).__name__}"
+    )
   # Template files override the config field, as transformers' from_pretrained does.
   files = {}
   if (folder / TEMPLATE_FILE).exists():
@@ -211,8 +219,10 @@ def pad_left(
     if buckets is not None:
       fitting = sorted(b for b in buckets if b >= longest)
       if not fitting:
-        raise ValueError(f"longest sequence has {longest} tokens, more than the largest bucket "
-                         f"{max(buckets, default=0)}")
+        raise ValueError(
+          f"longest sequence has {longest} tokens, more than the largest bucket "
+          f"{max(buckets, default=0)}"
+        )
       length = fitting[0]
     else:
       multiple = pad_to_multiple or 1
@@ -223,9 +233,9 @@ def pad_left(
   ids = np.full((len(seqs), length), pad_id, dtype=np.int32)
   mask = np.zeros((len(seqs), length), dtype=bool)
   for row, seq in enumerate(seqs):
-    if seq:
-      ids[row, length - len(seq):] = seq
-      mask[row, length - len(seq):] = True
+    if len(seq):
+      ids[row, length - len(seq) :] = seq
+      mask[row, length - len(seq) :] = True
   return ids, mask
 
 
@@ -327,9 +337,7 @@ class Tokenizer:
       value = _token_string(config.get(field), config_path, field)
       if value is not None:
         special[field] = value
-    special_ids = {
-      f: token_id(s, f"{config_path}: field {f!r}") for f, s in special.items()
-    }
+    special_ids = {f: token_id(s, f"{config_path}: field {f!r}") for f, s in special.items()}
 
     if bos_id is None:
       bos_id = special_ids.get("bos_token")
@@ -343,8 +351,10 @@ class Tokenizer:
       stops += _int_list(gen.get("eos_token_id"), gen_path, "eos_token_id")
     stops = list(dict.fromkeys(stops))
     if not stops:
-      raise ValueError(f"{folder}: no stop id: neither {CONFIG_FILE} field 'eos_token' nor "
-                       f"{GENERATION_CONFIG_FILE} field 'eos_token_id' is present; pass eos_ids")
+      raise ValueError(
+        f"{folder}: no stop id: neither {CONFIG_FILE} field 'eos_token' nor "
+        f"{GENERATION_CONFIG_FILE} field 'eos_token_id' is present; pass eos_ids"
+      )
     if pad_id is None:
       pad_id = special_ids.get("pad_token")
       if pad_id is None:
@@ -373,8 +383,10 @@ class Tokenizer:
     # template, anything else is template source.
     if chat_template is None:
       if len(self.chat_templates) > 1 and "default" not in self.chat_templates:
-        raise ValueError("the tokenizer has several chat templates and none is 'default': "
-                         f"pass chat_template= one of {sorted(self.chat_templates)}")
+        raise ValueError(
+          "the tokenizer has several chat templates and none is 'default': "
+          f"pass chat_template= one of {sorted(self.chat_templates)}"
+        )
       return self.chat_templates.get("default")
     return self.chat_templates.get(chat_template, chat_template)
 
@@ -438,16 +450,23 @@ class Tokenizer:
     Raises:
       ValueError: a text has more tokens than `length` or the largest bucket.
     """
-    return pad_left(self.encode_many(texts, add_bos=add_bos), self.pad_id, length=length,
-                    pad_to_multiple=pad_to_multiple, buckets=buckets)
+    return pad_left(
+      self.encode_many(texts, add_bos=add_bos),
+      self.pad_id,
+      length=length,
+      pad_to_multiple=pad_to_multiple,
+      buckets=buckets,
+    )
 
   def decode(self, ids: Sequence[int] | np.ndarray, *, skip_special_tokens: bool = True) -> str:
     """Text of `ids` (int sequence or 1-D array); no stopping at EOS, the caller trims."""
-    return self._tok.decode(np.asarray(ids, dtype=np.int64).reshape(-1).tolist(),
-                            skip_special_tokens=skip_special_tokens)
+    return self._tok.decode(
+      np.asarray(ids, dtype=np.int64).reshape(-1).tolist(), skip_special_tokens=skip_special_tokens
+    )
 
-  def decode_many(self, rows: Sequence[Sequence[int]] | np.ndarray, *,
-                  skip_special_tokens: bool = True) -> list[str]:
+  def decode_many(
+    self, rows: Sequence[Sequence[int]] | np.ndarray, *, skip_special_tokens: bool = True
+  ) -> list[str]:
     """`decode` of each row (lists of ids, or int[B, L] — trim with masks first)."""
     lists = [np.asarray(r, dtype=np.int64).reshape(-1).tolist() for r in rows]
     return self._tok.decode_batch(lists, skip_special_tokens=skip_special_tokens)
@@ -482,8 +501,10 @@ class Tokenizer:
       jinja2.TemplateError: the template raised (e.g. through `raise_exception`).
     """
     if self._template is None:
-      raise ValueError(f"no chat template: the tokenizer folder has no {CONFIG_FILE} field "
-                       f"'chat_template' and no {TEMPLATE_FILE}; pass chat_template= to from_dir")
+      raise ValueError(
+        f"no chat template: the tokenizer folder has no {CONFIG_FILE} field "
+        f"'chat_template' and no {TEMPLATE_FILE}; pass chat_template= to from_dir"
+      )
     chat = []
     for i, m in enumerate(messages):
       if not isinstance(m, Mapping):
@@ -491,6 +512,9 @@ class Tokenizer:
       chat.append({k: v for k, v in m.items() if v is not None})
     variables = {**self.special_tokens, **template_kwargs}
     return _compile(self._template).render(
-      messages=chat, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+      messages=chat,
+      tools=None,
+      documents=None,
+      add_generation_prompt=add_generation_prompt,
       **variables,
     )

@@ -2,7 +2,6 @@
 
 import json
 import re
-import pathlib
 
 import jinja2
 import numpy as np
@@ -58,8 +57,10 @@ Today Date: {{ date_string }}
 CONVERSATIONS = [
   [{"role": "user", "content": "What is 2+2?"}],
   [
-    {"role": "system", "content": "Please reason step by step, and put your final answer "
-                                  "within \\boxed{}."},
+    {
+      "role": "system",
+      "content": "Please reason step by step, and put your final answer within \\boxed{}.",
+    },
     {"role": "user", "content": "Compute $\\frac{1}{2}+\\frac{1}{3}$.  "},
   ],
   [
@@ -77,14 +78,23 @@ def llama3_dir(shared_dir, tmp_path_factory):
   src = shared_dir / "tokenizers" / "llama3" / "tokenizer.json"
   folder = tmp_path_factory.mktemp("llama3")
   (folder / "tokenizer.json").symlink_to(src)
-  (folder / "tokenizer_config.json").write_text(json.dumps({
-    "bos_token": "<|begin_of_text|>",
-    "eos_token": {"__type": "AddedToken", "content": "<|eot_id|>", "special": True},
-    "chat_template": LLAMA3_STYLE_TEMPLATE,
-  }))
-  (folder / "generation_config.json").write_text(json.dumps({
-    "bos_token_id": 128000, "eos_token_id": [128001, 128009],
-  }))
+  (folder / "tokenizer_config.json").write_text(
+    json.dumps(
+      {
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": {"__type": "AddedToken", "content": "<|eot_id|>", "special": True},
+        "chat_template": LLAMA3_STYLE_TEMPLATE,
+      }
+    )
+  )
+  (folder / "generation_config.json").write_text(
+    json.dumps(
+      {
+        "bos_token_id": 128000,
+        "eos_token_id": [128001, 128009],
+      }
+    )
+  )
   return folder
 
 
@@ -115,7 +125,8 @@ def test_special_ids_from_configs(tok):
 def test_round_trip_real_problems(tok, shared_dir):
   data = shared_dir / "data"
   texts = _jsonl(data / "gsm8k_test.jsonl", "question") + _jsonl(
-    data / "math500_test.jsonl", "problem")
+    data / "math500_test.jsonl", "problem"
+  )
   assert len(texts) == 1319 + 500
   ids = tok.encode_many(texts)
   assert all(len(i) > 5 for i in ids)
@@ -133,7 +144,8 @@ def test_encode_bos_and_decode_skips_special(tok):
   with_stop = ids + [128009]
   assert tok.decode(with_stop) == "Hello world"
   assert tok.decode(with_stop, skip_special_tokens=False) == (
-    "<|begin_of_text|>Hello world<|eot_id|>")
+    "<|begin_of_text|>Hello world<|eot_id|>"
+  )
   # Special-token strings inside text map to their ids (chat-template output relies on it).
   assert tok.encode("<|eot_id|>") == [128009]
 
@@ -144,11 +156,12 @@ def test_chat_template_matches_transformers(tok, oracle, conv, add_generation_pr
   kwargs = {"date_string": "26 Jul 2024"}
   ours = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, **kwargs)
   theirs = oracle.apply_chat_template(
-    conv, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+    conv, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+  )
   assert ours == theirs
   theirs_ids = oracle.apply_chat_template(
-    conv, tokenize=True, return_dict=False, add_generation_prompt=add_generation_prompt,
-    **kwargs)
+    conv, tokenize=True, return_dict=False, add_generation_prompt=add_generation_prompt, **kwargs
+  )
   assert tok.encode(ours) == list(theirs_ids)
 
 
@@ -157,8 +170,11 @@ def test_chat_template_details(tok, oracle):
   conv = CONVERSATIONS[2]
   ours = tok.apply_chat_template(conv)
   assert ours == oracle.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
-  assert re.match(r"<\|begin_of_text\|>\n<\|start_header_id\|>system<\|end_header_id\|>\n\n"
-                  r"Today Date: \d\d \w\w\w \d{4}\n<\|eot_id\|>\n", ours)
+  assert re.match(
+    r"<\|begin_of_text\|>\n<\|start_header_id\|>system<\|end_header_id\|>\n\n"
+    r"Today Date: \d\d \w\w\w \d{4}\n<\|eot_id\|>\n",
+    ours,
+  )
   assert '{"tag": "<é&\'>", "n": [1, 2]}' in ours
   assert "ignored" not in ours
   assert ours.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
@@ -180,8 +196,8 @@ def test_encode_batch_left_pads(tok):
   lengths = [len(tok.encode(t)) for t in texts]
   np.testing.assert_array_equal(mask.sum(1), lengths)
   for row, n in enumerate(lengths):
-    assert not mask[row, : 8 - n].any() and mask[row, 8 - n:].all()
-    assert list(ids[row, 8 - n:]) == tok.encode(texts[row])
+    assert not mask[row, : 8 - n].any() and mask[row, 8 - n :].all()
+    assert list(ids[row, 8 - n :]) == tok.encode(texts[row])
     assert (ids[row, : 8 - n] == tok.pad_id).all()
   ids, _ = tok.encode_batch(texts, length=12)
   assert ids.shape == (3, 12)
@@ -218,8 +234,13 @@ def test_tokenizer_json_alone_needs_overrides(tmp_path, llama3_dir):
   folder = _folder(tmp_path, llama3_dir)
   with pytest.raises(ValueError, match="eos_ids"):
     Tokenizer.from_dir(folder)
-  tok = Tokenizer.from_dir(folder, eos_ids=["<|eot_id|>", 128001], pad_id=0, bos_id=128000,
-                           chat_template="{{ bos_token }}{{ messages[0]['content'] }}")
+  tok = Tokenizer.from_dir(
+    folder,
+    eos_ids=["<|eot_id|>", 128001],
+    pad_id=0,
+    bos_id=128000,
+    chat_template="{{ bos_token }}{{ messages[0]['content'] }}",
+  )
   assert tok.eos_ids == (128009, 128001) and tok.pad_id == 0 and tok.bos_id == 128000
   assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<|begin_of_text|>hi"
   no_template = Tokenizer.from_dir(folder, eos_ids=[128009])
@@ -229,10 +250,13 @@ def test_tokenizer_json_alone_needs_overrides(tmp_path, llama3_dir):
 
 
 def test_named_templates_and_template_file(tmp_path, llama3_dir):
-  config = {"eos_token": "<|eot_id|>", "chat_template": [
-    {"name": "default", "template": "D{{ messages[0]['content'] }}"},
-    {"name": "tool_use", "template": "T{{ messages[0]['content'] }}"},
-  ]}
+  config = {
+    "eos_token": "<|eot_id|>",
+    "chat_template": [
+      {"name": "default", "template": "D{{ messages[0]['content'] }}"},
+      {"name": "tool_use", "template": "T{{ messages[0]['content'] }}"},
+    ],
+  }
   folder = _folder(tmp_path, llama3_dir, config)
   msg = [{"role": "user", "content": "x"}]
   assert Tokenizer.from_dir(folder).apply_chat_template(msg) == "Dx"
@@ -243,8 +267,10 @@ def test_named_templates_and_template_file(tmp_path, llama3_dir):
 
 
 def test_several_templates_without_default(tmp_path, llama3_dir):
-  config = {"eos_token": "<|eot_id|>", "chat_template": [{"name": "a", "template": "A"},
-                                                         {"name": "b", "template": "B"}]}
+  config = {
+    "eos_token": "<|eot_id|>",
+    "chat_template": [{"name": "a", "template": "A"}, {"name": "b", "template": "B"}],
+  }
   folder = _folder(tmp_path, llama3_dir, config)
   with pytest.raises(ValueError, match=r"\['a', 'b'\]"):
     Tokenizer.from_dir(folder)
@@ -260,14 +286,26 @@ def test_missing_tokenizer_json(tmp_path):
   [
     ("{not json", None, r"tokenizer_config.json: malformed JSON"),
     ("[1, 2]", None, r"tokenizer_config.json: expected a JSON object"),
-    ({"eos_token": "<|eot_id|>", "chat_template": 5}, None,
-     r"tokenizer_config.json: field 'chat_template'"),
-    ({"eos_token": "<|eot_id|>", "chat_template": [{"name": "x"}]}, None,
-     r"tokenizer_config.json: field 'chat_template'\[0\]"),
-    ({"eos_token": "<|no_such_token|>"}, None,
-     r"tokenizer_config.json: field 'eos_token': token '<\|no_such_token\|>'"),
-    ({"bos_token": {"id": 3}, "eos_token": "<|eot_id|>"}, None,
-     r"tokenizer_config.json: field 'bos_token'"),
+    (
+      {"eos_token": "<|eot_id|>", "chat_template": 5},
+      None,
+      r"tokenizer_config.json: field 'chat_template'",
+    ),
+    (
+      {"eos_token": "<|eot_id|>", "chat_template": [{"name": "x"}]},
+      None,
+      r"tokenizer_config.json: field 'chat_template'\[0\]",
+    ),
+    (
+      {"eos_token": "<|no_such_token|>"},
+      None,
+      r"tokenizer_config.json: field 'eos_token': token '<\|no_such_token\|>'",
+    ),
+    (
+      {"bos_token": {"id": 3}, "eos_token": "<|eot_id|>"},
+      None,
+      r"tokenizer_config.json: field 'bos_token'",
+    ),
     ({}, {"eos_token_id": "eot"}, r"generation_config.json: field 'eos_token_id'"),
     ({}, {"eos_token_id": [999999]}, r"eos_ids=999999 is outside the vocabulary"),
   ],

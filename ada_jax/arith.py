@@ -1,0 +1,203 @@
+"""Procedural arithmetic task and its small tokenizer: the CPU-sized RL job.
+
+DESIGN.md §6: a tiny model must be able to learn it on a laptop, with a difficulty mix
+that puts many prompts at small but non-zero pass rates. A problem is `a<op>b=` with
+op in {+, -, *}; its level is the digit count of BOTH operands (level 1: 0–9, level d > 1:
+10^(d-1) .. 10^d - 1). Subtraction puts the larger operand first, so answers are never
+negative. The reference answer is the exact integer; a correct response is `\\boxed{357}`
+(then EOS), so rewards go through the same last-box path as the maths sets.
+
+Train and held-out problems never overlap for any seed: a problem is held out iff a hash
+of its text falls below `heldout_fraction`, and each split only keeps its own problems.
+
+The tokenizer is a real tokenizer.json (character-level WordLevel model from the
+`tokenizers` library, with `\\boxed{` as one token, BOS/EOS/PAD/UNK and chat-turn tokens,
+a one-line chat template), written deterministically by `write_tokenizer` and shipped in
+`ada_jax/assets/arith_tokenizer/`, so it loads through the normal `Tokenizer.from_dir`.
+Regenerate with `python -m ada_jax.arith`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import operator
+import pathlib
+import string
+
+import numpy as np
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+
+from ada_jax.tokenizer import Tokenizer
+
+TOKENIZER_DIR = pathlib.Path(__file__).resolve().parent / "assets" / "arith_tokenizer"
+
+OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+SPLITS = ("train", "test")
+
+
+@dataclasses.dataclass(frozen=True)
+class ArithConfig:
+  """The problem distribution.
+
+  Attributes:
+    levels: digit counts to draw from (1..9).
+    level_weights: relative probability of each level; empty means uniform.
+    ops: operators to draw from, uniformly (subset of '+', '-', '*').
+    heldout_fraction: share of all problems reserved for the held-out split.
+  """
+
+  levels: tuple[int, ...] = (1, 2, 3, 4, 5)
+  level_weights: tuple[float, ...] = ()
+  ops: tuple[str, ...] = ("+", "-", "*")
+  heldout_fraction: float = 0.1
+
+  def __post_init__(self):
+    if not self.levels or not all(1 <= d <= 9 for d in self.levels):
+      raise ValueError(f"levels={self.levels}: need one or more digit counts in 1..9")
+    if self.level_weights and (
+      len(self.level_weights) != len(self.levels)
+      or min(self.level_weights) < 0
+      or sum(self.level_weights) <= 0
+    ):
+      raise ValueError(
+        f"level_weights={self.level_weights}: need {len(self.levels)} "
+        "non-negative weights with a positive sum"
+      )
+    if not self.ops or any(op not in OPS for op in self.ops):
+      raise ValueError(f"ops={self.ops}: need one or more of {sorted(OPS)}")
+    if not 0.0 < self.heldout_fraction < 1.0:
+      raise ValueError(f"heldout_fraction={self.heldout_fraction} must be in (0, 1)")
+
+
+def problem_text(a: int, op: str, b: int) -> str:
+  """The prompt of a problem, e.g. '12+345='."""
+  return f"{a}{op}{b}="
+
+
+def is_heldout(a: int, op: str, b: int, fraction: float) -> bool:
+  """Whether a problem belongs to the held-out split (a fixed hash of its text, no seed)."""
+  h = hashlib.blake2b(problem_text(a, op, b).encode(), digest_size=8).digest()
+  return int.from_bytes(h, "big") < fraction * 2**64
+
+
+def _operand(rng: np.random.Generator, digits: int) -> int:
+  low = 0 if digits == 1 else 10 ** (digits - 1)
+  return int(rng.integers(low, 10**digits))
+
+
+def examples(config: ArithConfig, split: str, n: int, *, seed: int) -> list[dict[str, str]]:
+  """n problems of one split, deterministic for (config, split, n, seed).
+
+  Problems may repeat (level 1 has only 100 additions); each draw is its own prompt.
+
+  Args:
+    config: the distribution.
+    split: 'train' or 'test' (held out).
+    n: number of problems.
+    seed: seed of the draw.
+
+  Returns:
+    Example dicts with `prompt_id` ('arith/<split>/<seed>/<i>'), `problem` ('12+345='),
+    `answer` ('357') and `source` ('arith/L<level>', so metrics can be split by level).
+
+  Raises:
+    ValueError: unknown split.
+  """
+  if split not in SPLITS:
+    raise ValueError(f"split={split!r}; known: {SPLITS}")
+  heldout = split == "test"
+  rng = np.random.default_rng([seed, SPLITS.index(split)])
+  weights = np.asarray(config.level_weights or [1.0] * len(config.levels), np.float64)
+  weights = weights / weights.sum()
+  out = []
+  while len(out) < n:
+    level = int(config.levels[rng.choice(len(config.levels), p=weights)])
+    op = config.ops[int(rng.integers(len(config.ops)))]
+    a, b = _operand(rng, level), _operand(rng, level)
+    if op == "-" and b > a:
+      a, b = b, a
+    # Rejection keeps the splits disjoint; it costs ~1/fraction draws per held-out problem.
+    if is_heldout(a, op, b, config.heldout_fraction) != heldout:
+      continue
+    out.append(
+      {
+        "prompt_id": f"arith/{split}/{seed}/{len(out)}",
+        "problem": problem_text(a, op, b),
+        "answer": str(OPS[op](a, b)),
+        "source": f"arith/L{level}",
+      }
+    )
+  return out
+
+
+def response_text(answer: str) -> str:
+  """The target response of a problem (what a correct model writes before EOS)."""
+  return f"\\boxed{{{answer}}}"
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+TURN_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK, *TURN_TOKENS)
+BOXED = "\\boxed{"
+# Every printable ASCII character plus newline: enough for prompts, answers and
+# instructions; anything else maps to <unk>.
+CHARS = tuple(string.printable[:95]) + ("\n",)
+VOCAB = SPECIAL_TOKENS + (BOXED,) + CHARS
+
+CHAT_TEMPLATE = (
+  "{{ bos_token }}{% for message in messages %}"
+  "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+  "{{ raise_exception('role must be system, user or assistant, got ' + message['role']) }}"
+  "{% endif %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endfor %}"
+  "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def build_tokenizer() -> tokenizers.Tokenizer:
+  """The character-level tokenizer (same object on every call)."""
+  tok = tokenizers.Tokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token=UNK))
+  # One token per character; [\s\S] rather than '.' so that newlines split too.
+  tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+  tok.decoder = decoders.Fuse()  # WordLevel would otherwise join tokens with spaces
+  tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+  tok.add_tokens([AddedToken(BOXED, normalized=False)])
+  return tok
+
+
+def write_tokenizer(folder: str | pathlib.Path = TOKENIZER_DIR) -> pathlib.Path:
+  """Writes tokenizer.json, tokenizer_config.json and generation_config.json to `folder`.
+
+  The files are byte-identical on every call (tests compare them with the shipped copy).
+
+  Returns:
+    The folder.
+  """
+  folder = pathlib.Path(folder)
+  folder.mkdir(parents=True, exist_ok=True)
+  (folder / "tokenizer.json").write_text(build_tokenizer().to_str(pretty=True) + "\n")
+  config = {
+    "bos_token": BOS,
+    "eos_token": EOS,
+    "pad_token": PAD,
+    "unk_token": UNK,
+    "chat_template": CHAT_TEMPLATE,
+  }
+  (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+  ids = {t: i for i, t in enumerate(VOCAB)}
+  generation = {"bos_token_id": ids[BOS], "eos_token_id": [ids[EOS]], "pad_token_id": ids[PAD]}
+  (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+  return folder
+
+
+def load_tokenizer() -> Tokenizer:
+  """The shipped arithmetic tokenizer, through the normal `Tokenizer.from_dir` path."""
+  return Tokenizer.from_dir(TOKENIZER_DIR)
+
+
+if __name__ == "__main__":
+  print(write_tokenizer())

@@ -1,0 +1,33 @@
+"""Entry point: `python -m ada_jax.main --config=configs/<experiment>.py --workdir=DIR`.
+
+Thin on purpose (STYLE.md §1): parse flags, log the process/device facts, hand over to
+`ada_jax.loop.run`.
+"""
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics.")
+
+
+def main(argv):
+  del argv
+  import jax
+
+  logging.info("process %d/%d, %d local / %d global devices (%s)", jax.process_index(),
+               jax.process_count(), jax.local_device_count(), jax.device_count(),
+               jax.devices()[0].platform)
+  try:
+    from ada_jax import loop
+  except ImportError:
+    raise SystemExit("ada_jax.main: the training loop is not implemented yet "
+                     "(the main-job issue); the model, weights and tokenizer are usable "
+                     "as a library.") from None
+  loop.run(_CONFIG.value, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["config", "workdir"])
+  app.run(main)

@@ -1,0 +1,92 @@
+"""Tiny fixtures shared by the tests: random Hugging Face checkpoints and reference decoders.
+
+Importing this module needs only JAX; `save_tiny_hf` needs torch and transformers (dev
+requirements), which are test oracles only.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ada_jax import model as model_lib
+
+# transformers config kwargs of one tiny checkpoint per family; the Llama one uses the
+# llama3 rope scaling (factor 32, as Llama-3.2-3B) and tied embeddings.
+TINY_HF = {
+    "llama": dict(
+        model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+        max_position_embeddings=256, tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="llama3", rope_theta=500_000.0, factor=32.0,
+                             low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=16)),
+    "qwen2": dict(
+        model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+        max_position_embeddings=256, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="default", rope_theta=10_000.0)),
+    "qwen3": dict(
+        model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="default", rope_theta=1_000_000.0)),
+}
+
+
+def save_tiny_hf(family: str, folder: str | pathlib.Path, seed: int = 0,
+                 init_std: float = 0.2):
+  """Saves a random tiny `*ForCausalLM` of `family` with transformers; returns the model.
+
+  `init_std` is larger than transformers' 0.02 so that logits are peaked enough for greedy
+  decoding to have clear winners (no near-ties that fp32 rounding could flip).
+  """
+  import torch
+  import transformers
+
+  kwargs = dict(TINY_HF[family])
+  config = transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs,
+                                             initializer_range=init_std)
+  torch.manual_seed(seed)
+  hf_model = transformers.AutoModelForCausalLM.from_config(config).eval()
+  with torch.no_grad():  # RMSNorm scales start at 1; perturb them so they are tested too.
+    for name, p in hf_model.named_parameters():
+      if "norm" in name:
+        p.add_(0.1 * torch.randn_like(p))
+  hf_model.save_pretrained(folder)
+  return hf_model
+
+
+def left_padded_batch(lengths, total: int, vocab: int, seed: int = 0):
+  """Random left-padded prompts: (tokens int32[B, total], mask bool[B, total])."""
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(1, vocab, size=(len(lengths), total)).astype(np.int32)
+  mask = np.arange(total)[None, :] >= total - np.asarray(lengths)[:, None]
+  return np.where(mask, tokens, 0).astype(np.int32), mask
+
+
+def greedy_reference(config, params, tokens, mask, steps: int) -> np.ndarray:
+  """Greedy continuation by re-running the full (no-cache) forward each step.
+
+  Slow on purpose: it shares no code path with the KV cache, so it is the oracle for the
+  cached decoders. Tokens are appended into a fixed buffer so that one compile serves all
+  steps (causal attention never reads the empty slots to the right). Returns
+  `int32[B, steps]`.
+  """
+  b, t = tokens.shape
+  buf = jnp.concatenate([jnp.asarray(tokens), jnp.zeros((b, steps), jnp.int32)], 1)
+  mask = jnp.concatenate([jnp.asarray(mask), jnp.ones((b, steps), bool)], 1)
+  pos = model_lib.positions_from_mask(mask)
+
+  @jax.jit
+  def step(buf, i):
+    out = model_lib.logits(config, params, buf, pos, mask)
+    nxt = jnp.argmax(jax.lax.dynamic_index_in_dim(out, t - 1 + i, 1, keepdims=False), -1)
+    return jax.lax.dynamic_update_index_in_dim(buf, nxt.astype(jnp.int32), t + i, 1)
+
+  for i in range(steps):
+    buf = step(buf, i)
+  return np.asarray(buf[:, t:])

@@ -1,0 +1,328 @@
+"""Hugging Face checkpoint folders <-> (ModelConfig, params).
+
+`load_hf` streams a folder (config.json plus one or several `*.safetensors`, with
+`model.safetensors.index.json` when sharded) tensor by tensor: each tensor is read,
+re-laid out, cast and placed on its target sharding before the next is read, so the host
+never holds more than one tensor of the model. `save_hf` writes the inverse, a folder that
+`transformers.AutoModelForCausalLM.from_pretrained` loads. Every name, shape and config
+field is checked; nothing loads partially.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from ada_jax import model as model_lib
+from ada_jax.model import ModelConfig, Params, RopeScaling
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM"}
+# Buffers some exporters write that are derived, not learned.
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+class CheckpointError(ValueError):
+  """A Hugging Face folder that cannot be loaded as-is; the message names the file/field."""
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def config_from_hf(hf: dict[str, Any], *, source: str = "config.json",
+                   dtype: str = "float32") -> ModelConfig:
+  """Reads a transformers `config.json` dict (v4 `rope_scaling` or v5 `rope_parameters`).
+
+  Args:
+    hf: the parsed config.json.
+    source: the file name to quote in errors.
+    dtype: parameter and compute dtype of the returned config.
+
+  Raises:
+    CheckpointError: unsupported `model_type`, a missing field, or an unsupported rope type.
+  """
+  def field(name, default=...):
+    if name in hf and hf[name] is not None:
+      return hf[name]
+    if default is ...:
+      raise CheckpointError(f"{source}: required field {name!r} is missing")
+    return default
+
+  family = field("model_type")
+  if family not in _ARCHITECTURES:
+    raise CheckpointError(f"{source}: model_type {family!r} is not supported "
+                          f"(supported: {sorted(_ARCHITECTURES)})")
+  rope = dict(hf.get("rope_parameters") or {})
+  if hf.get("rope_scaling"):
+    rope.update(hf["rope_scaling"])
+  rope_theta = float(rope.get("rope_theta", field("rope_theta", 10_000.0)))
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  if rope_type == "llama3":
+    try:
+      scaling = RopeScaling(
+          factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+          high_freq_factor=float(rope["high_freq_factor"]),
+          original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+    except KeyError as e:
+      raise CheckpointError(f"{source}: llama3 rope scaling lacks field {e.args[0]!r}") from None
+  elif rope_type == "default":
+    scaling = None
+  else:
+    raise CheckpointError(f"{source}: rope_type {rope_type!r} is not supported "
+                          "(supported: default, llama3)")
+  heads = int(field("num_attention_heads"))
+  hidden = int(field("hidden_size"))
+  for flag in ("attention_bias", "mlp_bias"):
+    if hf.get(flag) and not (flag == "attention_bias" and family == "qwen2"):
+      raise CheckpointError(f"{source}: {flag}=true is not supported for {family}")
+  try:
+    return ModelConfig(
+        family=family, vocab_size=int(field("vocab_size")), embed_dim=hidden,
+        mlp_dim=int(field("intermediate_size")), num_layers=int(field("num_hidden_layers")),
+        num_heads=heads, num_kv_heads=int(field("num_key_value_heads", heads)),
+        head_dim=int(field("head_dim", hidden // heads)), rope_theta=rope_theta,
+        rope_scaling=scaling, rms_norm_eps=float(field("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(field("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
+        max_position_embeddings=int(field("max_position_embeddings", 131_072)),
+        dtype=dtype, param_dtype=dtype)
+  except ValueError as e:
+    raise CheckpointError(f"{source}: {e}") from None
+
+
+def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+  """The transformers `config.json` dict for `config` (v5 `rope_parameters` layout)."""
+  rope: dict[str, Any] = {"rope_theta": config.rope_theta, "rope_type": "default"}
+  if config.rope_scaling is not None:
+    s = config.rope_scaling
+    rope.update(rope_type="llama3", factor=s.factor, low_freq_factor=s.low_freq_factor,
+                high_freq_factor=s.high_freq_factor,
+                original_max_position_embeddings=s.original_max_position_embeddings)
+  return {
+      "architectures": [_ARCHITECTURES[config.family]], "model_type": config.family,
+      "vocab_size": config.vocab_size, "hidden_size": config.embed_dim,
+      "intermediate_size": config.mlp_dim, "num_hidden_layers": config.num_layers,
+      "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+      "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps,
+      "rope_theta": config.rope_theta, "rope_parameters": rope,
+      "rope_scaling": rope if config.rope_scaling is not None else None,
+      "tie_word_embeddings": config.tie_embeddings,
+      "max_position_embeddings": config.max_position_embeddings,
+      "attention_bias": config.qkv_bias if config.family == "llama" else False,
+      "hidden_act": "silu", "dtype": config.param_dtype,
+  }
+
+
+# ----------------------------------------------------------------------------- name table
+
+
+def _tensor_table(config: ModelConfig) -> dict[str, tuple[tuple[str, ...], tuple[int, ...],
+                                                        Callable, Callable]]:
+  """HF tensor name -> (our param path, HF shape, hf_to_ours, ours_to_hf)."""
+  c = config
+  d, f, n, k, h, v = (c.embed_dim, c.mlp_dim, c.num_heads, c.num_kv_heads, c.head_dim,
+                      c.vocab_size)
+  same = lambda x: x
+  t = lambda x: x.T
+
+  def proj_in(heads):  # [heads*H, D] <-> [D, heads, H]
+    return (lambda x: x.T.reshape(d, heads, h), lambda x: x.reshape(d, heads * h).T)
+
+  def bias(heads):
+    return (lambda x: x.reshape(heads, h), lambda x: x.reshape(heads * h))
+
+  table = {
+      "model.embed_tokens.weight": (("embed",), (v, d), same, same),
+      "model.norm.weight": (("final_norm", "scale"), (d,), same, same),
+  }
+  if not c.tie_embeddings:
+    table["lm_head.weight"] = (("lm_head",), (v, d), same, same)
+  for i in range(c.num_layers):
+    hf, ours = f"model.layers.{i}.", f"layer_{i}"
+    table.update({
+        hf + "input_layernorm.weight": ((ours, "attn_norm", "scale"), (d,), same, same),
+        hf + "post_attention_layernorm.weight": ((ours, "mlp_norm", "scale"), (d,), same, same),
+        hf + "self_attn.q_proj.weight": ((ours, "attn", "q"), (n * h, d), *proj_in(n)),
+        hf + "self_attn.k_proj.weight": ((ours, "attn", "k"), (k * h, d), *proj_in(k)),
+        hf + "self_attn.v_proj.weight": ((ours, "attn", "v"), (k * h, d), *proj_in(k)),
+        hf + "self_attn.o_proj.weight": (
+            (ours, "attn", "o"), (d, n * h),
+            lambda x: x.T.reshape(n, h, d), lambda x: x.reshape(n * h, d).T),
+        hf + "mlp.gate_proj.weight": ((ours, "mlp", "gate"), (f, d), t, t),
+        hf + "mlp.up_proj.weight": ((ours, "mlp", "up"), (f, d), t, t),
+        hf + "mlp.down_proj.weight": ((ours, "mlp", "down"), (d, f), t, t),
+    })
+    if c.qkv_bias:
+      for name, heads in (("q", n), ("k", k), ("v", k)):
+        table[hf + f"self_attn.{name}_proj.bias"] = (
+            (ours, "attn", f"{name}_bias"), (heads * h,), *bias(heads))
+    if c.qk_norm:
+      for name in ("q", "k"):
+        table[hf + f"self_attn.{name}_norm.weight"] = (
+            (ours, "attn", f"{name}_norm", "scale"), (h,), same, same)
+  return table
+
+
+def _get(tree, path):
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+def _set(tree, path, value):
+  for key in path[:-1]:
+    tree = tree.setdefault(key, {})
+  tree[path[-1]] = value
+
+
+# ----------------------------------------------------------------------------- load / save
+
+
+def _resolve(path: str | os.PathLike) -> pathlib.Path:
+  """A local folder, or a Hub repo id downloaded into the usual cache."""
+  local = pathlib.Path(path).expanduser()
+  if local.exists():
+    if not local.is_dir():
+      raise CheckpointError(f"{local}: expected a Hugging Face checkpoint folder, got a file")
+    return local
+  repo_id = str(path)
+  if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo_id):
+    raise CheckpointError(f"{path}: no such folder (and not a Hugging Face repo id)")
+  try:
+    import huggingface_hub
+
+    return pathlib.Path(huggingface_hub.snapshot_download(
+        repo_id, allow_patterns=["*.json", "*.safetensors"]))
+  except Exception as e:  # offline, gated, or unknown repo: one clear message for all.
+    raise CheckpointError(
+        f"{repo_id}: not a local folder and it could not be downloaded from the Hugging Face "
+        f"Hub ({type(e).__name__}: {e}). On a machine with network access run "
+        f"`huggingface-cli download {repo_id} --local-dir DIR` (gated models need "
+        f"`huggingface-cli login` first), copy DIR here, and point the config's "
+        f"model.hf_dir at it.") from None
+
+
+def _safetensors_files(folder: pathlib.Path) -> list[pathlib.Path]:
+  index = folder / "model.safetensors.index.json"
+  if index.exists():
+    try:
+      weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError) as e:
+      raise CheckpointError(f"{index}: malformed index ({e})") from None
+    files = [folder / name for name in sorted(set(weight_map.values()))]
+  else:
+    files = sorted(folder.glob("*.safetensors"))
+  if not files:
+    raise CheckpointError(f"{folder}: no *.safetensors weights found")
+  for file in files:
+    if not file.exists():
+      raise CheckpointError(f"{file}: listed in the index but missing")
+  return files
+
+
+def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, shardings: Params | None = None
+            ) -> tuple[ModelConfig, Params]:
+  """Loads a Hugging Face Llama/Qwen2/Qwen3 checkpoint, one tensor at a time.
+
+  Args:
+    path: a folder with config.json and safetensors weights, or a Hub repo id such as
+      `meta-llama/Llama-3.2-3B-Instruct` (downloaded into the HF cache when online).
+    dtype: parameter dtype (`jnp.float32` or `jnp.bfloat16`); also the compute dtype of the
+      returned config.
+    shardings: optional tree (same structure as the params) of `jax.sharding.Sharding`;
+      each tensor is placed directly onto its sharding.
+
+  Returns:
+    (config, params) where params is the tree of `model.init_params`.
+
+  Raises:
+    CheckpointError: missing folder/file/field, an unexpected or missing tensor, or a
+      tensor whose shape does not match config.json (the message names it).
+  """
+  folder = _resolve(path)
+  config_file = folder / "config.json"
+  if not config_file.exists():
+    raise CheckpointError(f"{config_file}: missing")
+  try:
+    hf_config = json.loads(config_file.read_text())
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f"{config_file}: invalid JSON ({e})") from None
+  config = config_from_hf(hf_config, source=str(config_file), dtype=jnp.dtype(dtype).name)
+  table = _tensor_table(config)
+  params: Params = {}
+  seen: set[str] = set()
+  for file in _safetensors_files(folder):
+    with safe_open(str(file), framework="numpy") as f:
+      for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+        if _IGNORED.match(name) or (name == "lm_head.weight" and config.tie_embeddings):
+          continue
+        if name not in table:
+          raise CheckpointError(f"{file.name}: unexpected tensor {name!r} for a "
+                                f"{config.family} model with {config.num_layers} layers")
+        our_path, hf_shape, to_ours, _ = table[name]
+        array = f.get_tensor(name)
+        if tuple(array.shape) != hf_shape:
+          raise CheckpointError(f"{file.name}: tensor {name!r} has shape {tuple(array.shape)}, "
+                                f"config.json implies {hf_shape}")
+        value = np.asarray(to_ours(array)).astype(dtype)
+        target = _get(shardings, our_path) if shardings is not None else None
+        _set(params, our_path, jax.device_put(value, target))
+        seen.add(name)
+        del array, value
+  missing = sorted(set(table) - seen)
+  if missing:
+    raise CheckpointError(f"{folder}: {len(missing)} tensor(s) missing, e.g. {missing[:5]}")
+  return config, params
+
+
+def save_hf(config: ModelConfig, params: Params, path: str | os.PathLike, *,
+            max_shard_bytes: int = 4 << 30) -> None:
+  """Writes `params` as a Hugging Face folder (config.json + safetensors [+ index]).
+
+  Tensors are gathered to the host one at a time. Shards hold at most `max_shard_bytes`
+  (bytes) each; more than one shard adds `model.safetensors.index.json`.
+
+  Raises:
+    CheckpointError: `params` does not match `config` (a missing or mis-shaped tensor).
+  """
+  folder = pathlib.Path(path)
+  folder.mkdir(parents=True, exist_ok=True)
+  table = _tensor_table(config)
+  expected = jax.tree.map(lambda s: s.shape, model_lib.param_shapes(config))
+  shards: list[dict[str, np.ndarray]] = [{}]
+  sizes = [0]
+  for name, (our_path, hf_shape, _, to_hf) in table.items():
+    try:
+      value = _get(params, our_path)
+    except (KeyError, TypeError):
+      raise CheckpointError(f"params lack {'/'.join(our_path)} (for {name})") from None
+    if tuple(value.shape) != _get(expected, our_path):
+      raise CheckpointError(f"params {'/'.join(our_path)} has shape {tuple(value.shape)}, "
+                            f"expected {_get(expected, our_path)}")
+    array = np.ascontiguousarray(to_hf(np.asarray(jax.device_get(value))))
+    assert array.shape == hf_shape, (name, array.shape, hf_shape)
+    if sizes[-1] and sizes[-1] + array.nbytes > max_shard_bytes:
+      shards.append({})
+      sizes.append(0)
+    shards[-1][name] = array
+    sizes[-1] += array.nbytes
+  names = (["model.safetensors"] if len(shards) == 1 else
+           [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+  weight_map = {}
+  for name, shard in zip(names, shards, strict=True):
+    save_file(shard, str(folder / name), metadata={"format": "pt"})
+    weight_map.update(dict.fromkeys(shard, name))
+  if len(shards) > 1:
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, indent=2))
+  (folder / "config.json").write_text(json.dumps(config_to_hf(config), indent=2))

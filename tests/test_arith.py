@@ -1,0 +1,142 @@
+"""Tests for ada_jax.arith: deterministic problems, honest levels, disjoint splits, tokenizer."""
+
+import filecmp
+import itertools
+import re
+
+import jinja2
+import numpy as np
+import pytest
+
+from ada_jax import arith, rewards
+from ada_jax.tokenizer import Tokenizer
+
+PROBLEM = re.compile(r"(\d+)([-+*])(\d+)=")
+
+
+def _parse(problem):
+  m = PROBLEM.fullmatch(problem)
+  assert m, problem
+  return int(m.group(1)), m.group(2), int(m.group(3))
+
+
+def test_deterministic_for_a_seed():
+  cfg = arith.ArithConfig()
+  a = arith.examples(cfg, "train", 300, seed=11)
+  assert a == arith.examples(cfg, "train", 300, seed=11)
+  assert a[:50] == arith.examples(cfg, "train", 50, seed=11)  # a prefix, not a new draw
+  b = arith.examples(cfg, "train", 300, seed=12)
+  assert [e["problem"] for e in a] != [e["problem"] for e in b]
+  assert len({e["prompt_id"] for e in a}) == 300
+
+
+@pytest.mark.parametrize("split", arith.SPLITS)
+def test_levels_are_digit_counts_and_answers_exact(split):
+  cfg = arith.ArithConfig(levels=(1, 2, 3, 4, 5))
+  examples = arith.examples(cfg, split, 1500, seed=0)
+  levels_seen = set()
+  for ex in examples:
+    a, op, b = _parse(ex["problem"])
+    level = int(ex["source"].removeprefix("arith/L"))
+    levels_seen.add(level)
+    assert len(str(a)) == len(str(b)) == level
+    expected = {"+": a + b, "-": a - b, "*": a * b}[op]
+    assert ex["answer"] == str(expected)
+    assert expected >= 0
+  assert levels_seen == {1, 2, 3, 4, 5}
+
+
+def test_level_weights_and_ops():
+  cfg = arith.ArithConfig(levels=(2, 4), level_weights=(3.0, 1.0), ops=("*",))
+  examples = arith.examples(cfg, "train", 2000, seed=5)
+  level2 = np.mean([e["source"] == "arith/L2" for e in examples])
+  assert 0.71 < level2 < 0.79  # 0.75 expected; sd ~0.01
+  assert all(_parse(e["problem"])[1] == "*" for e in examples)
+  only1 = arith.ArithConfig(levels=(1, 2), level_weights=(1.0, 0.0))
+  assert {e["source"] for e in arith.examples(only1, "test", 100, seed=0)} == {"arith/L1"}
+
+
+def test_splits_never_overlap():
+  cfg = arith.ArithConfig(levels=(1, 2))
+  train = {e["problem"] for e in arith.examples(cfg, "train", 4000, seed=1)}
+  test = {e["problem"] for e in arith.examples(cfg, "test", 600, seed=1)}
+  assert train and test and not train & test
+  # Another seed draws from the same partition.
+  test2 = {e["problem"] for e in arith.examples(cfg, "test", 600, seed=2)}
+  assert not train & test2
+  # The held-out share over all 2-digit additions is close to the configured fraction.
+  pairs = list(itertools.product(range(10, 100), repeat=2))
+  share = np.mean([arith.is_heldout(a, "+", b, 0.1) for a, b in pairs])
+  assert 0.08 < share < 0.12
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "match"),
+  [
+    ({"levels": (0, 2)}, "levels="),
+    ({"levels": (1, 2), "level_weights": (1.0,)}, "level_weights="),
+    ({"ops": ("/",)}, "ops="),
+    ({"heldout_fraction": 1.0}, "heldout_fraction="),
+  ],
+)
+def test_config_validation(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    arith.ArithConfig(**kwargs)
+
+
+def test_bad_split():
+  with pytest.raises(ValueError, match="split="):
+    arith.examples(arith.ArithConfig(), "valid", 3, seed=0)
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def test_shipped_tokenizer_is_the_generated_one(tmp_path):
+  folder = arith.write_tokenizer(tmp_path)
+  for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    assert filecmp.cmp(folder / name, arith.TOKENIZER_DIR / name, shallow=False), name
+
+
+def test_tokenizer_ids_and_round_trip():
+  tok = arith.load_tokenizer()
+  assert isinstance(tok, Tokenizer)
+  assert tok.vocab_size == len(arith.VOCAB)
+  assert (tok.pad_id, tok.bos_id, tok.eos_ids) == (0, 1, (2,))
+  boxed = tok.token_to_id(arith.BOXED)
+  assert tok.encode("\\boxed{357}") == [boxed, *tok.encode("357"), tok.token_to_id("}")]
+  assert tok.encode("12+345=") == [tok.token_to_id(c) for c in "12+345="]
+  examples = arith.examples(arith.ArithConfig(), "train", 300, seed=0)
+  for ex in examples:
+    prompt = tok.encode(ex["problem"], add_bos=True)
+    response = tok.encode(arith.response_text(ex["answer"])) + [tok.eos_ids[0]]
+    # Short sequences for tiny models: prompt <= 24 tokens, answer a handful.
+    assert len(prompt) <= 24 and len(response) <= 14
+    assert tok.decode(prompt) == ex["problem"]
+    assert tok.decode(response) == arith.response_text(ex["answer"])
+    assert rewards.last_boxed(tok.decode(response)) == ex["answer"]
+  text = "Please reason step by step,\nand put {it} in \\boxed{}!"
+  assert tok.decode(tok.encode(text)) == text
+  assert tok.encode("é") == [tok.token_to_id(arith.UNK)]
+
+
+def test_tokenizer_chat_template():
+  tok = arith.load_tokenizer()
+  text = tok.apply_chat_template([{"role": "user", "content": "1+1="}])
+  assert text == "<bos><|user|>1+1=<|end|><|assistant|>"
+  ids = tok.encode(text)
+  assert ids[:2] == [tok.bos_id, tok.token_to_id("<|user|>")] and len(ids) == 8
+  with pytest.raises(jinja2.TemplateError, match="role must be"):
+    tok.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_transformers_reads_the_same_folder():
+  transformers = pytest.importorskip("transformers")
+  hf = transformers.PreTrainedTokenizerFast.from_pretrained(str(arith.TOKENIZER_DIR))
+  tok = arith.load_tokenizer()
+  msgs = [{"role": "system", "content": "Add."}, {"role": "user", "content": "12+9="}]
+  assert hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == (
+    tok.apply_chat_template(msgs)
+  )
+  assert hf.encode("7*8=", add_special_tokens=False) == tok.encode("7*8=")
+  assert hf.eos_token_id == tok.eos_ids[0] and hf.pad_token_id == tok.pad_id
