@@ -6,12 +6,13 @@ brace matching, compare it with the reference answer by math-verify (symbolic eq
 gold parsed as LaTeX, prediction as LaTeX or a plain expression) and return 1.0 or 0.0.
 No box, an error or a timeout scores 0.
 
-Symbolic maths on model output can hang in C code (`9^{9^{9^{9^{9}}}}` is a big-integer
-power that no Python signal interrupts), exhaust memory or crash the parser, so the batched
-scorer `RewardPool.score` runs judges in worker processes: each item gets a soft in-worker
-timer and a HARD deadline after which the parent SIGKILLs the worker, scores the item 0,
-starts a replacement and goes on with the batch. `math_reward` is the same judge run
-in-process, for trusted input and tests.
+Symbolic maths on model output can run for hours inside C code (sympy evaluates
+`9^{9^{9^{9^{9}}}}` as a big-integer power; one multiplication of such numbers never looks at
+Python signals), exhaust memory or crash the parser. So the batched scorer
+`RewardPool.score` runs judges in worker processes: each item gets a soft in-worker timer
+and a HARD deadline after which the parent SIGKILLs the worker, scores the item 0, starts a
+replacement and goes on with the batch. `math_reward` is the same judge in-process, for
+trusted input and tests.
 """
 
 import ast
@@ -19,6 +20,7 @@ import dataclasses
 import decimal
 import functools
 import logging
+import math
 import multiprocessing as mp
 import os
 import re
@@ -176,30 +178,35 @@ def is_equivalent(prediction: str, reference: str, mv_timeout_s: int | None = No
 OK, NO_BOX, ERROR, TIMEOUT = "ok", "no_box", "error", "timeout"
 
 
-def _judge_math(response: str, reference: str, mv_timeout_s: int | None) -> tuple[float, str]:
+def _judge_math(
+  response: str, reference: str, mv_timeout_s: int | None, max_chars: int
+) -> tuple[float, str]:
   pred = last_boxed(response)
-  if pred is None or len(pred) > MAX_ANSWER_CHARS:
+  if pred is None or len(pred) > max_chars:
     return 0.0, NO_BOX
   return float(is_equivalent(pred, reference, mv_timeout_s)), OK
 
 
-def _judge_exact(response: str, reference: str, mv_timeout_s: int | None) -> tuple[float, str]:
+def _judge_exact(
+  response: str, reference: str, mv_timeout_s: int | None, max_chars: int
+) -> tuple[float, str]:
   del mv_timeout_s  # String comparison cannot hang.
   pred = last_boxed(response)
-  if pred is None or len(pred) > MAX_ANSWER_CHARS:
+  if pred is None or len(pred) > max_chars:
     return 0.0, NO_BOX
   return float(normalize_answer(pred) == normalize_answer(reference)), OK
 
 
-# Reward functions by config name: (response, reference, mv_timeout_s) -> (reward, outcome).
+# Reward functions by config name:
+#   (response, reference, mv_timeout_s, max_answer_chars) -> (reward, outcome).
 # `exact` (normalised string match) suits the procedural arithmetic task.
-JUDGES: dict[str, Callable[[str, str, int | None], tuple[float, str]]] = {
+JUDGES: dict[str, Callable[[str, str, int | None, int], tuple[float, str]]] = {
   "math": _judge_math,
   "exact": _judge_exact,
 }
 
 
-def math_reward(response: str, reference: str, timeout_s: int = 5) -> float:
+def math_reward(response: str, reference: str, timeout_s: float = 5) -> float:
   """Reward of one response, in-process: 1.0 when its last box equals the reference.
 
   In-process there is no hard timeout: math-verify's signal timer (main thread only) stops
@@ -209,16 +216,18 @@ def math_reward(response: str, reference: str, timeout_s: int = 5) -> float:
   Args:
     response: model output text.
     reference: reference final answer (LaTeX), e.g. from `reference_answer`.
-    timeout_s: math-verify's per-call timeout in whole seconds (ignored off the main thread,
-      where signals cannot be used).
+    timeout_s: math-verify's per-call timeout, rounded up to whole seconds (not applied off
+      the main thread, where signals cannot be used).
 
   Returns:
     1.0 or 0.0 (no box, not equal, or any error).
   """
   from math_verify.errors import TimeoutException  # A BaseException.
 
+  # signal.alarm takes whole seconds; signals only work on the main thread.
+  mv_timeout = max(1, math.ceil(timeout_s)) if _in_main_thread() else None
   try:
-    return _judge_math(response, reference, timeout_s if _in_main_thread() else None)[0]
+    return _judge_math(response, reference, mv_timeout, MAX_ANSWER_CHARS)[0]
   except (Exception, TimeoutException):  # Any failure of the verifier is a wrong answer.
     return 0.0
 
@@ -332,20 +341,21 @@ def _die_with_parent() -> None:
     pass
 
 
-def _worker_main(conn, judge_name: str, soft_timeout_s: float, max_memory_mb: int | None):
+def _worker_main(conn, config: "VerifierConfig"):
   """Worker loop: receive (task_id, response, reference), send (task_id, reward, outcome).
 
-  `soft_timeout_s` 0 disables the in-worker timer (the parent's hard deadline still holds).
+  The soft timer (SIGALRM) ends Python-level work; the parent's hard deadline covers the rest.
   """
   _die_with_parent()
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle.
   logging.getLogger("math_verify").setLevel(logging.ERROR)  # Timeouts are ours, not theirs.
-  judge = JUDGES[judge_name]
+  judge = functools.partial(JUDGES[config.judge], max_chars=config.max_answer_chars)
   judge("\\boxed{1}", "2", None)  # Imports and warms sympy/antlr before the first deadline.
-  if max_memory_mb:
+  soft_timeout_s = config.timeout_s * (config.soft_timeout_frac or 0.0)  # 0: timer off.
+  if config.max_memory_mb:
     import resource
 
-    limit = max_memory_mb << 20
+    limit = config.max_memory_mb << 20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
   signal.signal(signal.SIGALRM, _on_alarm)
   conn.send(("ready", os.getpid()))
@@ -386,6 +396,7 @@ class VerifierConfig:
     startup_timeout_s: limit for a worker to import math-verify and report ready.
     max_memory_mb: address-space limit per worker (MiB), None for none; a hostile answer such
       as 10^{10^{10}} then fails with MemoryError instead of taking the host's memory.
+    max_answer_chars: longer box contents score 0 without being parsed.
   """
 
   judge: str = "math"
@@ -395,6 +406,7 @@ class VerifierConfig:
   start_method: str = "forkserver"
   startup_timeout_s: float = 120.0
   max_memory_mb: int | None = 4096
+  max_answer_chars: int = MAX_ANSWER_CHARS
 
   def __post_init__(self):
     if self.judge not in JUDGES:
@@ -512,16 +524,12 @@ class RewardPool:
 
   def _start(self) -> _Slot:
     parent, child = self._ctx.Pipe(duplex=True)
-    c = self.config
     proc = self._ctx.Process(
-      target=_worker_main,
-      args=(child, c.judge, c.timeout_s * (c.soft_timeout_frac or 0.0), c.max_memory_mb),
-      daemon=True,
-      name="ada_jax-reward",
+      target=_worker_main, args=(child, self.config), daemon=True, name="ada_jax-reward"
     )
     proc.start()
     child.close()  # Only the worker holds this end now, so its death reads as EOF here.
-    return _Slot(proc, parent, deadline=time.monotonic() + c.startup_timeout_s)
+    return _Slot(proc, parent, deadline=time.monotonic() + self.config.startup_timeout_s)
 
   def _replace(self, slot: _Slot, stats: VerifyStats) -> None:
     _kill(slot)

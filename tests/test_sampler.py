@@ -1,0 +1,193 @@
+"""The chunk sampler against the full (no-cache) forward, sampling-rule statistics, the row
+mask, prompt sharing, compile counts and the mesh."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ada_jax import model as model_lib
+from ada_jax import sampler as sampler_lib
+from ada_jax import testing
+
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [13], [20, 21, 22, 23, 24, 25, 26]]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  config = model_lib.preset("tiny-llama")
+  return config, model_lib.init_params(config, jax.random.key(0))
+
+
+def _padded(prompts, length):
+  tokens = np.zeros((len(prompts), length), np.int32)
+  mask = np.zeros((len(prompts), length), bool)
+  for i, p in enumerate(prompts):
+    tokens[i, length - len(p):] = p
+    mask[i, length - len(p):] = True
+  return tokens, mask
+
+
+def _greedy(config, **kw):
+  kw.setdefault("chunk_rows", 4)
+  kw.setdefault("prompts_per_chunk", 4)
+  kw.setdefault("prompt_buckets", (8, 16))
+  return sampler_lib.Sampler(config, rule=sampler_lib.SamplingRule(temperature=0.0), **kw)
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [2]])  # batch of mixed lengths, and B = 1
+def test_greedy_equals_full_forward_argmax(tiny, rows):
+  config, params = tiny
+  ref = testing.greedy_reference(config, params, *_padded([PROMPTS[r] for r in rows], 8), 16)
+  smp = _greedy(config, max_new_tokens=16, stop_ids=[-1])
+  out, stats = smp.generate(params, PROMPTS, rows, jax.random.key(0))
+  np.testing.assert_array_equal(out["tokens"], ref)
+  assert out["mask"].all() and (out["lengths"] == 16).all()
+  assert stats.rows_useful == len(rows) and stats.rows_computed == 4
+
+
+def test_generation_stops_at_eos_per_row(tiny):
+  config, params = tiny
+  ref = testing.greedy_reference(config, params, *_padded(PROMPTS, 8), 16)
+  # A stop token that each row reaches at a different step (or never).
+  stop = int(ref[0, 3])
+  first = [int(np.argmax(r == stop)) if (r == stop).any() else None for r in ref]
+  assert len({f for f in first}) > 1, first
+  out, stats = _greedy(config, max_new_tokens=16, stop_ids=[stop, -7]).generate(
+      params, PROMPTS, [0, 1, 2, 3], jax.random.key(0))
+  for row, f in enumerate(first):
+    n = 16 if f is None else f + 1
+    assert out["lengths"][row] == n
+    np.testing.assert_array_equal(out["tokens"][row, :n], ref[row, :n])
+    assert not out["mask"][row, n:].any() and (out["tokens"][row, n:] == 0).all()
+    assert (out["logprobs"][row, n:] == 0).all()
+  assert stats.tokens == out["lengths"].sum()
+
+
+def test_logprobs_are_those_of_the_full_forward(tiny):
+  config, params = tiny
+  temperature = 0.7
+  smp = sampler_lib.Sampler(config, rule=sampler_lib.SamplingRule(temperature=temperature),
+                            max_new_tokens=10, stop_ids=[-1], chunk_rows=8,
+                            prompts_per_chunk=4, prompt_buckets=(8,))
+  rows = [0, 0, 1, 2, 3, 3]
+  out, _ = smp.generate(params, PROMPTS, rows, jax.random.key(3))
+  tokens, mask = _padded([PROMPTS[r] for r in rows], 8)
+  full_tokens = np.concatenate([tokens, out["tokens"]], 1)
+  full_mask = np.concatenate([mask, out["mask"]], 1)
+  logits = model_lib.logits(config, params, full_tokens,
+                            model_lib.positions_from_mask(jnp.asarray(full_mask)), full_mask)
+  logp = jax.nn.log_softmax(logits[:, 7:-1] / temperature, -1)
+  expected = np.take_along_axis(np.asarray(logp), out["tokens"][..., None], -1)[..., 0]
+  np.testing.assert_allclose(out["logprobs"], expected, atol=1e-4)
+  assert len({tuple(t) for t in out["tokens"][:2]}) == 2  # same prompt, different samples
+
+
+def _frequencies(rule, logits, draws=200_000, seed=0):
+  logits = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (draws, len(logits)))
+  tokens, _ = jax.jit(rule.sample)(jax.random.key(seed), logits)
+  return np.bincount(np.asarray(tokens), minlength=logits.shape[1]) / draws
+
+
+def _chi2(freq, probs, draws=200_000):
+  keep = probs > 0
+  assert (freq[~keep] == 0).all()
+  return float((((freq - probs) ** 2)[keep] / probs[keep]).sum() * draws)
+
+
+BASE = np.log(np.array([0.30, 0.25, 0.15, 0.12, 0.08, 0.06, 0.04]))
+CHI2_CRIT = 22.5  # chi-square 99.9% quantile at 6 degrees of freedom (the widest case)
+
+
+def _expected(temperature, top_k, top_p):
+  p = np.exp(BASE / temperature)
+  p /= p.sum()
+  order = np.argsort(-p)
+  keep = np.zeros_like(p, bool)
+  if top_k:
+    keep[order[:top_k]] = True
+  else:
+    keep[:] = True
+  p = np.where(keep, p, 0) / p[keep].sum()  # top-p acts on the top-k renormalised mass
+  mass_before = np.cumsum(p[order]) - p[order]
+  keep[order[mass_before >= top_p]] = False
+  q = np.where(keep, p, 0)
+  return q / q.sum()
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [
+    (1.0, 0, 1.0), (0.5, 0, 1.0), (1.0, 3, 1.0), (1.0, 0, 0.6), (2.0, 4, 0.8)])
+def test_sampling_frequencies_match_truncated_distribution(temperature, top_k, top_p):
+  rule = sampler_lib.SamplingRule(temperature=temperature, top_k=top_k, top_p=top_p)
+  freq = _frequencies(rule, BASE)
+  right = _expected(temperature, top_k, top_p)
+  assert _chi2(freq, right) < CHI2_CRIT
+  # The test has teeth: the untruncated or untempered distribution is rejected.
+  wrong = _expected(1.0 if temperature != 1.0 else 2.0, top_k, top_p) if (
+      top_k == 0 and top_p == 1.0) else _expected(temperature, 0, 1.0)
+  assert _chi2(np.where(wrong > 0, freq, 0) + 1e-12 * (wrong > 0), wrong) > 10 * CHI2_CRIT
+
+
+def test_row_mask_and_rng_do_not_recompile(tiny):
+  config, params = tiny
+  smp = sampler_lib.Sampler(config, max_new_tokens=6, stop_ids=[-1], chunk_rows=4,
+                            prompts_per_chunk=2, prompt_buckets=(8,))
+  for i, rows in enumerate([[0, 0, 0, 0, 1], [3], [1, 2, 1, 2], [0, 0, 3, 3, 1, 1, 2]]):
+    out, stats = smp.generate(params, PROMPTS, rows, jax.random.key(i))
+    assert stats.chunks == -(-len(rows) // 4) or stats.chunks > len(rows) // 4
+    assert stats.rows_computed == 4 * stats.chunks and stats.rows_useful == len(rows)
+    assert out["tokens"].shape == (len(rows), 6)
+  assert smp.compiles == 1
+
+
+def test_chunk_packing_respects_prompt_limit_and_skips_empty_chunks(tiny):
+  config, params = tiny
+  smp = _greedy(config, max_new_tokens=4, stop_ids=[-1], chunk_rows=4, prompts_per_chunk=2)
+  rows = [0, 0, 1, 1, 2, 3]  # 4 distinct prompts, P = 2 -> chunks {0,1} and {2,3}
+  out, stats = smp.generate(params, PROMPTS, rows, jax.random.key(0))
+  assert stats.chunks == 2 and stats.rows_computed == 8
+  np.testing.assert_array_equal(out["tokens"][0], out["tokens"][1])  # shared prefill, greedy
+  _, stats = smp.generate(params, PROMPTS, [], jax.random.key(0))
+  assert stats.chunks == 0 and stats.rows_computed == 0
+
+
+def test_masked_rows_are_zero_and_do_not_hold_the_loop(tiny):
+  config, params = tiny
+  tokens, mask = _padded(PROMPTS[:2], 8)
+  fn = jax.jit(lambda rm: sampler_lib.generate(
+      config, params, tokens, mask, jnp.array([0, 1, 0, 1]), rm, jax.random.key(0),
+      rule=sampler_lib.SamplingRule(), max_new_tokens=5, stop_ids=(-1,)))
+  out = fn(jnp.array([True, False, True, False]))
+  assert not np.asarray(out.mask[1::2]).any() and (np.asarray(out.tokens[1::2]) == 0).all()
+  assert (np.asarray(out.lengths) == [5, 0, 5, 0]).all()
+  none = fn(jnp.zeros(4, bool))  # every row masked: the loop must not run at all
+  assert int(none.lengths.sum()) == 0
+
+
+def test_sharded_sampler_matches_single_device(tiny):
+  config, params = tiny
+  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  rows = [0, 1, 2, 3, 0, 1, 2, 3]
+  single, _ = _greedy(config, max_new_tokens=8, stop_ids=[-1], chunk_rows=8).generate(
+      params, PROMPTS, rows, jax.random.key(0))
+  smp = _greedy(config, max_new_tokens=8, stop_ids=[-1], chunk_rows=8, mesh=mesh)
+  sharded, _ = smp.generate(params, PROMPTS, rows, jax.random.key(0))
+  np.testing.assert_array_equal(single["tokens"], sharded["tokens"])
+  np.testing.assert_allclose(single["logprobs"], sharded["logprobs"], atol=1e-5)
+
+
+def test_bad_input_is_reported():
+  config = model_lib.preset("tiny-llama")
+  with pytest.raises(ValueError, match="top_p"):
+    sampler_lib.SamplingRule(top_p=0.0)
+  with pytest.raises(ValueError, match="prompts_per_chunk"):
+    sampler_lib.Sampler(config, max_new_tokens=4, stop_ids=[1], chunk_rows=2,
+                        prompts_per_chunk=3)
+  smp = sampler_lib.Sampler(config, max_new_tokens=4, stop_ids=[1], chunk_rows=2,
+                            prompts_per_chunk=2, prompt_buckets=(4,))
+  params = model_lib.init_params(config, jax.random.key(0))
+  with pytest.raises(ValueError, match="largest prompt bucket"):
+    smp.generate(params, [[1, 2, 3, 4, 5]], [0], jax.random.key(0))
+  with pytest.raises(ValueError, match="outside"):
+    smp.generate(params, [[1, 2]], [1], jax.random.key(0))
