@@ -1,4 +1,4 @@
-"""Maths prompt data: TFDS builders, prompt construction, a seeded resumable prompt iterator.
+"""Maths data sets: TFDS builders, JSONL readers, data-set specs.
 
 DESIGN.md §6. One TFDS builder, `AdaMath` (registered as `ada_math`, a name TFDS's own
 catalogue does not use), with one config per data set: `gsm8k` (train/test), `math_train`
@@ -10,13 +10,8 @@ and read back with random access (`tfds.data_source` / `builder.as_data_source`)
 
 Every example has four text features: `prompt_id` (stable, e.g. `gsm8k/test/17`,
 `math500/test/precalculus/807.json`), `problem`, `answer` (the reference final answer,
-LaTeX, extracted as `ada_jax.rewards.reference_answer` does) and `source`.
-
-Prompts follow the authors' released code (DESIGN.md §2): system "Please reason step by
-step, and put your final answer within \\boxed{}." and the problem followed by " Let's think
-step by step and output the final answer within \\boxed{}.", through the tokenizer's chat
-template; base models without one get a plain template, the arithmetic task the bare
-problem. Prompts longer than `max_prompt_tokens` are dropped and counted.
+LaTeX, extracted as `ada_jax.rewards.reference_answer` does) and `source`. Turning examples
+into tokenized prompts, and the order they are drawn in, is `ada_jax.prompts`.
 """
 
 from __future__ import annotations
@@ -28,13 +23,11 @@ import pathlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import tensorflow_datasets as tfds
 from absl import logging
 from etils import epath
 
 from ada_jax import rewards
-from ada_jax.tokenizer import Tokenizer, pad_left
 
 FEATURES = ("prompt_id", "problem", "answer", "source")
 
@@ -532,260 +525,3 @@ def hf_examples(
       }
     )
   return out
-
-
-# --------------------------------------------------------------------------- prompts
-
-SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
-USER_SUFFIX = "Let's think step by step and output the final answer within \\boxed{}."
-
-
-def _chat(problem: str, tok: Tokenizer) -> tuple[str, bool]:
-  messages = [
-    {"role": "system", "content": SYSTEM_PROMPT},
-    {"role": "user", "content": f"{problem} {USER_SUFFIX}"},
-  ]
-  return tok.apply_chat_template(messages, add_generation_prompt=True), False
-
-
-def _chat_no_system(problem: str, tok: Tokenizer) -> tuple[str, bool]:
-  messages = [{"role": "user", "content": f"{problem} {USER_SUFFIX}"}]
-  return tok.apply_chat_template(messages, add_generation_prompt=True), False
-
-
-def _plain(problem: str, tok: Tokenizer) -> tuple[str, bool]:
-  return f"Question: {problem}\n{USER_SUFFIX}\nAnswer:", True
-
-
-def _raw(problem: str, tok: Tokenizer) -> tuple[str, bool]:
-  return problem, True
-
-
-# style -> (problem, tokenizer) -> (prompt text, whether to prepend BOS). Chat templates
-# write their own BOS; the others get the tokenizer's (if it has one).
-PROMPT_STYLES: dict[str, Callable[[str, Tokenizer], tuple[str, bool]]] = {
-  "chat": _chat,
-  "chat_no_system": _chat_no_system,
-  "plain": _plain,
-  "raw": _raw,
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptBatch:
-  """B prompts, left-padded.
-
-  Attributes:
-    tokens: int32[B, L] prompt ids, padding on the left.
-    mask: bool[B, L], True on prompt tokens.
-    indices: int64[B] positions in the `PromptSet`.
-    prompt_ids: B stable prompt ids.
-    answers: B reference answers.
-  """
-
-  tokens: np.ndarray
-  mask: np.ndarray
-  indices: np.ndarray
-  prompt_ids: tuple[str, ...]
-  answers: tuple[str, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptSet:
-  """Tokenized prompts of a data set (only those within the length limit).
-
-  Attributes:
-    prompt_ids, problems, answers, sources: N strings each.
-    tokens: N int32 arrays of prompt ids (variable length).
-    num_dropped: prompts removed for exceeding `max_prompt_tokens`.
-  """
-
-  prompt_ids: tuple[str, ...]
-  problems: tuple[str, ...]
-  answers: tuple[str, ...]
-  sources: tuple[str, ...]
-  tokens: tuple[np.ndarray, ...]
-  num_dropped: int
-
-  def __len__(self) -> int:
-    return len(self.prompt_ids)
-
-  @property
-  def max_length(self) -> int:
-    return max((len(t) for t in self.tokens), default=0)
-
-  def batch(
-    self,
-    indices: Sequence[int] | np.ndarray,
-    *,
-    pad_id: int,
-    length: int | None = None,
-    pad_to_multiple: int | None = None,
-    buckets: Sequence[int] | None = None,
-  ) -> PromptBatch:
-    """The prompts at `indices`, left-padded (length chosen as in `tokenizer.pad_left`)."""
-    idx = np.asarray(indices, dtype=np.int64)
-    ids, mask = pad_left(
-      [self.tokens[i] for i in idx],
-      pad_id,
-      length=length,
-      pad_to_multiple=pad_to_multiple,
-      buckets=buckets,
-    )
-    return PromptBatch(
-      ids, mask, idx, tuple(self.prompt_ids[i] for i in idx), tuple(self.answers[i] for i in idx)
-    )
-
-
-def build_prompts(
-  examples: Iterable[Mapping[str, str]],
-  tokenizer: Tokenizer,
-  *,
-  style: str = "chat",
-  max_prompt_tokens: int = 1024,
-) -> PromptSet:
-  """Renders and tokenizes prompts; drops (and counts) those over `max_prompt_tokens`.
-
-  Args:
-    examples: dicts with at least `prompt_id`, `problem`, `answer` (and optional `source`).
-    tokenizer: the model's tokenizer.
-    style: key of `PROMPT_STYLES`: 'chat' (system + suffix through the chat template,
-      DESIGN.md §2), 'chat_no_system', 'plain' (base models), 'raw' (the problem as is).
-    max_prompt_tokens: longest prompt kept (DESIGN.md §2: 1024).
-
-  Returns:
-    The `PromptSet`, in input order.
-
-  Raises:
-    ValueError: unknown style, or an example without a required field.
-  """
-  if style not in PROMPT_STYLES:
-    raise ValueError(f"style={style!r}; known: {sorted(PROMPT_STYLES)}")
-  render = PROMPT_STYLES[style]
-  examples = list(examples)
-  texts, bos = [], []
-  for i, ex in enumerate(examples):
-    for key in ("prompt_id", "problem", "answer"):
-      if key not in ex:
-        raise ValueError(f"examples[{i}] has no field {key!r}")
-    text, add_bos = render(ex["problem"], tokenizer)
-    texts.append(text)
-    bos.append(add_bos)
-  # One batched call per BOS setting keeps the Rust tokenizer's parallelism.
-  encoded: list[list[int]] = [[] for _ in texts]
-  for flag in (False, True):
-    rows = [i for i, b in enumerate(bos) if b == flag]
-    for i, ids in zip(
-      rows, tokenizer.encode_many([texts[i] for i in rows], add_bos=flag), strict=True
-    ):
-      encoded[i] = ids
-  keep = [i for i, ids in enumerate(encoded) if len(ids) <= max_prompt_tokens]
-  dropped = len(examples) - len(keep)
-  if dropped:
-    logging.info(
-      "build_prompts: dropped %d of %d prompts over %d tokens",
-      dropped,
-      len(examples),
-      max_prompt_tokens,
-    )
-  return PromptSet(
-    prompt_ids=tuple(examples[i]["prompt_id"] for i in keep),
-    problems=tuple(examples[i]["problem"] for i in keep),
-    answers=tuple(examples[i]["answer"] for i in keep),
-    sources=tuple(examples[i].get("source", "") for i in keep),
-    tokens=tuple(np.asarray(encoded[i], dtype=np.int32) for i in keep),
-    num_dropped=dropped,
-  )
-
-
-# --------------------------------------------------------------------------- iterator
-
-
-class PromptIterator:
-  """Seeded, resumable order over N prompts: batches of B indices, epoch after epoch.
-
-  Epoch e visits the prompts in the permutation `np.random.default_rng([seed, e])` (or in
-  order when `shuffle=False`); with `drop_remainder` the last N mod B prompts of an epoch
-  are skipped so that a batch never holds a prompt twice, otherwise batches run on into the
-  next epoch. The order depends only on (seed, N, B, shuffle), so every process of a
-  multi-host run draws the same batches (DESIGN.md §4), and `state()` — three ints — is
-  all a checkpoint needs (DESIGN.md §7).
-  """
-
-  def __init__(
-    self,
-    num_prompts: int,
-    batch_size: int,
-    *,
-    seed: int,
-    shuffle: bool = True,
-    drop_remainder: bool = True,
-  ):
-    if num_prompts <= 0 or batch_size <= 0:
-      raise ValueError(f"num_prompts={num_prompts} and batch_size={batch_size} must be > 0")
-    if drop_remainder and batch_size > num_prompts:
-      raise ValueError(
-        f"batch_size={batch_size} > num_prompts={num_prompts} with "
-        "drop_remainder=True: no full batch exists"
-      )
-    self.num_prompts = int(num_prompts)
-    self.batch_size = int(batch_size)
-    self.seed = int(seed)
-    self.shuffle = shuffle
-    self.drop_remainder = drop_remainder
-    self.epoch = 0
-    self.position = 0
-    self._order_epoch = -1
-    self._order = np.empty(0, np.int64)
-
-  def _epoch_order(self, epoch: int) -> np.ndarray:
-    if epoch != self._order_epoch:
-      if self.shuffle:
-        self._order = np.random.default_rng([self.seed, epoch]).permutation(self.num_prompts)
-      else:
-        self._order = np.arange(self.num_prompts)
-      self._order_epoch = epoch
-    return self._order
-
-  def __iter__(self) -> PromptIterator:
-    return self
-
-  def __next__(self) -> np.ndarray:
-    """The next int64[B] prompt indices."""
-    out = []
-    need = self.batch_size
-    while need:
-      take = self._epoch_order(self.epoch)[self.position : self.position + need]
-      out.append(take)
-      need -= len(take)
-      self.position += len(take)
-      # Advance eagerly so that a state saved between batches is canonical.
-      left = self.num_prompts - self.position
-      if left == 0 or (self.drop_remainder and left < self.batch_size):
-        self.epoch, self.position = self.epoch + 1, 0
-    return np.concatenate(out).astype(np.int64)
-
-  def state(self) -> dict[str, np.ndarray]:
-    """The checkpointable state: int64 scalars `seed`, `epoch`, `position`, `num_prompts`."""
-    return {
-      k: np.asarray(getattr(self, k), np.int64)
-      for k in ("seed", "epoch", "position", "num_prompts")
-    }
-
-  def restore(self, state: Mapping[str, Any]) -> None:
-    """Continues from `state()` of an iterator over the same prompts.
-
-    Raises:
-      ValueError: the state belongs to a different prompt count or is out of range.
-    """
-    n = int(state["num_prompts"])
-    if n != self.num_prompts:
-      raise ValueError(
-        f"state is for {n} prompts, this iterator has {self.num_prompts}: the "
-        "prompt set changed since the checkpoint"
-      )
-    position = int(state["position"])
-    if not 0 <= position < n or int(state["epoch"]) < 0:
-      raise ValueError(f"bad iterator state {dict(state)}")
-    self.seed, self.epoch, self.position = int(state["seed"]), int(state["epoch"]), position
-    self._order_epoch = -1

@@ -37,14 +37,8 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_DIR = "additional_chat_templates"
 
-_SPECIAL_TOKEN_FIELDS = (
-  "bos_token",
-  "eos_token",
-  "unk_token",
-  "sep_token",
-  "pad_token",
-  "cls_token",
-  "mask_token",
+_SPECIAL_TOKEN_FIELDS = tuple(
+  f"{k}_token" for k in ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
 )
 
 
@@ -85,21 +79,16 @@ def _strftime_now(fmt):
   return datetime.datetime.now().strftime(fmt)
 
 
-def _template_dict(*args, **kwargs):
-  return dict(*args, **kwargs)
-
-
 @functools.cache
 def _jinja_env() -> ImmutableSandboxedEnvironment:
   # Templates come from checkpoint folders, i.e. untrusted code: sandboxed, immutable
-  # (no list.append), as in transformers.
+  # (no list.append), as in transformers. `dict`, `range`, `namespace` are jinja defaults.
   env = ImmutableSandboxedEnvironment(
     trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
   )
   env.filters["tojson"] = _tojson
   env.globals["raise_exception"] = _raise_exception
   env.globals["strftime_now"] = _strftime_now
-  env.globals["dict"] = _template_dict
   return env
 
 
@@ -339,11 +328,15 @@ class Tokenizer:
         special[field] = value
     special_ids = {f: token_id(s, f"{config_path}: field {f!r}") for f, s in special.items()}
 
+    def configured(name: str, default: int | None) -> int | None:
+      # tokenizer_config's `<name>_token`, else generation_config's first `<name>_token_id`.
+      if f"{name}_token" in special_ids:
+        return special_ids[f"{name}_token"]
+      ids = _int_list(gen.get(f"{name}_token_id"), gen_path, f"{name}_token_id")
+      return ids[0] if ids else default
+
     if bos_id is None:
-      bos_id = special_ids.get("bos_token")
-      if bos_id is None:
-        gen_bos = _int_list(gen.get("bos_token_id"), gen_path, "bos_token_id")
-        bos_id = gen_bos[0] if gen_bos else None
+      bos_id = configured("bos", None)
     if eos_ids is not None:
       stops = [token_id(e, "eos_ids override") if isinstance(e, str) else int(e) for e in eos_ids]
     else:
@@ -356,10 +349,7 @@ class Tokenizer:
         f"{GENERATION_CONFIG_FILE} field 'eos_token_id' is present; pass eos_ids"
       )
     if pad_id is None:
-      pad_id = special_ids.get("pad_token")
-      if pad_id is None:
-        gen_pad = _int_list(gen.get("pad_token_id"), gen_path, "pad_token_id")
-        pad_id = gen_pad[0] if gen_pad else stops[0]
+      pad_id = configured("pad", stops[0])
     vocab = tok.get_vocab_size(with_added_tokens=True)
     for name, value in (*(("eos_ids", s) for s in stops), ("bos_id", bos_id), ("pad_id", pad_id)):
       if value is not None and not 0 <= value < vocab:
@@ -424,8 +414,7 @@ class Tokenizer:
     Returns:
       The ids.
     """
-    ids = self._tok.encode(text, add_special_tokens=False).ids
-    return [self.bos_id, *ids] if add_bos and self.bos_id is not None else ids
+    return self.encode_many([text], add_bos=add_bos)[0]
 
   def encode_many(self, texts: Sequence[str], *, add_bos: bool = False) -> list[list[int]]:
     """`encode` over many texts (tokenized in parallel by the Rust library)."""
@@ -460,9 +449,7 @@ class Tokenizer:
 
   def decode(self, ids: Sequence[int] | np.ndarray, *, skip_special_tokens: bool = True) -> str:
     """Text of `ids` (int sequence or 1-D array); no stopping at EOS, the caller trims."""
-    return self._tok.decode(
-      np.asarray(ids, dtype=np.int64).reshape(-1).tolist(), skip_special_tokens=skip_special_tokens
-    )
+    return self.decode_many([ids], skip_special_tokens=skip_special_tokens)[0]
 
   def decode_many(
     self, rows: Sequence[Sequence[int]] | np.ndarray, *, skip_special_tokens: bool = True

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from ada_jax import rewards
+from ada_jax import rewards, verifier
 
 GROUP = 8  # Responses per prompt, as in a Reinforce-Ada round.
 _FRAC = re.compile(r"^\\frac\{(\d+)\}\{(\d+)\}$")
@@ -71,7 +71,9 @@ def build_responses(rows: list[dict], num: int, seed: int) -> tuple[list[str], l
 
 def bench(responses, references, kinds, workers: int, timeout_s: float) -> dict:
   t0 = time.perf_counter()
-  with rewards.RewardPool(rewards.VerifierConfig(num_workers=workers, timeout_s=timeout_s)) as pool:
+  with verifier.RewardPool(
+    verifier.VerifierConfig(num_workers=workers, timeout_s=timeout_s)
+  ) as pool:
     startup = time.perf_counter() - t0
     t0 = time.perf_counter()
     out = pool.score(responses, references)

@@ -1,13 +1,11 @@
-"""Tests for ada_jax.data: TFDS builders on the real JSONL sets, prompts, the prompt iterator."""
+"""Tests for ada_jax.data: TFDS builders on the real JSONL sets, JSONL reading, specs."""
 
 import json
 import shutil
 
-import numpy as np
 import pytest
 
-from ada_jax import arith, data
-from ada_jax.tokenizer import Tokenizer
+from ada_jax import data
 
 # Row counts of ../shared/data/README.md (math_train: 5000 MATH test problems minus MATH500).
 README_ROWS = {
@@ -166,134 +164,6 @@ def test_manual_dir_without_file_and_no_url(tmp_path):
   spec = data.MathSetSpec("nourl", (data.JsonlSource("test", "nourl.jsonl"),))
   with pytest.raises(FileNotFoundError, match="nourl.jsonl: not in the manual directory"):
     data.builder(spec, data_dir=tmp_path / "tfds", manual_dir=empty)
-
-
-# --------------------------------------------------------------------------- prompts
-
-
-def test_build_prompts_chat_style_with_arith_tokenizer():
-  tok = arith.load_tokenizer()
-  examples = [{"prompt_id": "p0", "problem": "1+1=", "answer": "2"}]
-  prompts = data.build_prompts(examples, tok, style="chat", max_prompt_tokens=1000)
-  text = tok.decode(prompts.tokens[0], skip_special_tokens=False)
-  assert text == (
-    f"<bos><|system|>{data.SYSTEM_PROMPT}<|end|><|user|>1+1= {data.USER_SUFFIX}<|end|><|assistant|>"
-  )
-  assert prompts.num_dropped == 0 and prompts.answers == ("2",)
-
-
-def test_build_prompts_raw_and_length_limit():
-  tok = arith.load_tokenizer()
-  examples = arith.examples(arith.ArithConfig(), "train", 200, seed=3)
-  prompts = data.build_prompts(examples, tok, style="raw", max_prompt_tokens=24)
-  assert len(prompts) == 200 and prompts.num_dropped == 0
-  assert prompts.max_length <= 24
-  assert all(t[0] == tok.bos_id for t in prompts.tokens)
-  assert tok.decode(prompts.tokens[5]) == examples[5]["problem"]
-  # A limit between the shortest and longest prompt drops exactly the longer ones.
-  lengths = np.array([len(t) for t in prompts.tokens])
-  limit = int(np.median(lengths))
-  short = data.build_prompts(examples, tok, style="raw", max_prompt_tokens=limit)
-  assert short.num_dropped == int((lengths > limit).sum()) > 0
-  assert len(short) + short.num_dropped == 200
-  kept = [ex["prompt_id"] for ex, n in zip(examples, lengths, strict=True) if n <= limit]
-  assert list(short.prompt_ids) == kept
-  with pytest.raises(ValueError, match="style="):
-    data.build_prompts(examples, tok, style="fancy")
-  with pytest.raises(ValueError, match=r"examples\[0\] has no field 'answer'"):
-    data.build_prompts([{"prompt_id": "a", "problem": "1+1="}], tok)
-
-
-def test_prompt_batch_left_padded():
-  tok = arith.load_tokenizer()
-  examples = arith.examples(arith.ArithConfig(), "test", 16, seed=0)
-  prompts = data.build_prompts(examples, tok, style="raw", max_prompt_tokens=24)
-  batch = prompts.batch([3, 0, 7], pad_id=tok.pad_id, buckets=(16, 32))
-  assert batch.tokens.shape == (3, 16) and batch.tokens.dtype == np.int32
-  assert batch.prompt_ids == (prompts.prompt_ids[3], prompts.prompt_ids[0], prompts.prompt_ids[7])
-  assert batch.answers == (examples[3]["answer"], examples[0]["answer"], examples[7]["answer"])
-  for row, i in enumerate([3, 0, 7]):
-    n = len(prompts.tokens[i])
-    np.testing.assert_array_equal(batch.tokens[row, 16 - n :], prompts.tokens[i])
-    assert batch.mask[row].sum() == n and batch.mask[row, -1]
-
-
-def test_build_prompts_real_math500(shared_dir, loaded, tmp_path):
-  folder = tmp_path / "llama3"
-  folder.mkdir()
-  (folder / "tokenizer.json").symlink_to(shared_dir / "tokenizers" / "llama3" / "tokenizer.json")
-  template = (
-    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
-    "<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
-    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
-    "{% endif %}"
-  )
-  tok = Tokenizer.from_dir(folder, chat_template=template, eos_ids=[128009, 128001], bos_id=128000)
-  examples = loaded["math500", "test"]
-  full = data.build_prompts(examples, tok, style="chat", max_prompt_tokens=1024)
-  assert len(full) == 500 and full.num_dropped == 0
-  assert full.tokens[0][0] == 128000 and (full.tokens[0][1:] != 128000).all()
-  text = tok.decode(full.tokens[0])
-  # decode drops the header tokens, leaving the role names.
-  assert text.startswith(f"system\n\n{data.SYSTEM_PROMPT}user\n\n{examples[0]['problem']} ")
-  assert text.endswith(f"{data.USER_SUFFIX}assistant\n\n")
-  capped = data.build_prompts(examples, tok, style="chat", max_prompt_tokens=100)
-  lengths = np.array([len(t) for t in full.tokens])
-  assert capped.num_dropped == int((lengths > 100).sum()) > 0
-  plain = data.build_prompts(examples[:3], tok, style="plain")
-  assert plain.tokens[0][0] == 128000
-  assert tok.decode(plain.tokens[0]).startswith("Question: ")
-
-
-# --------------------------------------------------------------------------- iterator
-
-
-def _take(it, k):
-  return [next(it) for _ in range(k)]
-
-
-def test_iterator_epochs_are_permutations():
-  it = data.PromptIterator(12, 4, seed=7)
-  batches = _take(it, 6)
-  for epoch in range(2):
-    seen = np.concatenate(batches[3 * epoch : 3 * epoch + 3])
-    assert sorted(seen.tolist()) == list(range(12))
-  assert not np.array_equal(np.concatenate(batches[:3]), np.arange(12))  # shuffled
-  assert not np.array_equal(np.concatenate(batches[:3]), np.concatenate(batches[3:]))
-  again = data.PromptIterator(12, 4, seed=7)
-  assert all(np.array_equal(a, b) for a, b in zip(batches, _take(again, 6), strict=True))
-  other = data.PromptIterator(12, 4, seed=8)
-  assert not all(np.array_equal(a, b) for a, b in zip(batches, _take(other, 6), strict=True))
-  ordered = data.PromptIterator(5, 2, seed=0, shuffle=False)
-  assert [b.tolist() for b in _take(ordered, 3)] == [[0, 1], [2, 3], [0, 1]]
-
-
-def test_iterator_remainder_policies():
-  dropping = data.PromptIterator(10, 4, seed=1)
-  for b in _take(dropping, 10):
-    assert len(b) == 4 and len(set(b.tolist())) == 4
-  assert dropping.state()["epoch"] == 5  # two batches per epoch
-  wrapping = data.PromptIterator(10, 4, seed=1, drop_remainder=False)
-  counts = np.bincount(np.concatenate(_take(wrapping, 5)), minlength=10)
-  np.testing.assert_array_equal(counts, np.full(10, 2))  # 20 draws = exactly 2 epochs
-  with pytest.raises(ValueError, match="no full batch"):
-    data.PromptIterator(3, 4, seed=0)
-
-
-@pytest.mark.parametrize("drop_remainder", [True, False])
-def test_iterator_restores_exactly(drop_remainder):
-  it = data.PromptIterator(37, 8, seed=3, drop_remainder=drop_remainder)
-  _take(it, 7)
-  state = it.state()
-  assert all(v.dtype == np.int64 and v.shape == () for v in state.values())
-  expected = _take(it, 9)
-  # Through JSON and back, as a checkpoint would store it.
-  saved = json.loads(json.dumps({k: int(v) for k, v in state.items()}))
-  fresh = data.PromptIterator(37, 8, seed=999, drop_remainder=drop_remainder)
-  fresh.restore(saved)
-  assert all(np.array_equal(a, b) for a, b in zip(expected, _take(fresh, 9), strict=True))
-  with pytest.raises(ValueError, match="prompt set changed"):
-    data.PromptIterator(36, 8, seed=3).restore(saved)
 
 
 def test_copy_of_manual_dir_is_enough(tmp_path, manual_dir):
