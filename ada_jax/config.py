@@ -1,0 +1,286 @@
+"""The boundary between experiment configs (ml_collections) and the library (dataclasses).
+
+An experiment file's `get_config()` returns a ConfigDict with nested groups; `parse`
+turns it, once, into a `RunConfig` of small frozen dataclasses (STYLE.md §3). Every key
+must be a field of its group's dataclass, every value passes that dataclass's own checks,
+and the cross-group rules (`RunConfig.check`) hold, all before anything is compiled; an
+error names the offending `config.group.field`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from ada_jax import arith
+from ada_jax.adaptive import AdaConfig
+from ada_jax.checkpoint import CheckpointConfig
+from ada_jax.evaluate import EvalConfig
+from ada_jax.losses import LossConfig
+from ada_jax.model import PRESETS, ModelConfig
+from ada_jax.train import OptimConfig, TrainConfig
+from ada_jax.warmstart import WarmStartConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """Which model. Exactly one of `preset` / `hf_dir` names the architecture.
+
+  Attributes:
+    preset: a `model.PRESETS` name; weights are random unless `hf_dir` or a checkpoint
+      provides them.
+    hf_dir: a Hugging Face folder (or Hub id): architecture from its config.json, weights
+      loaded at start (DESIGN.md §7 resume order, step 3).
+    dtype: parameter and compute dtype ('float32' or 'bfloat16').
+    overrides: `ModelConfig` fields replacing the preset's (e.g. tiny CPU shapes).
+  """
+
+  preset: str = ""
+  hf_dir: str = ""
+  dtype: str = "float32"
+  overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    if bool(self.preset) == bool(self.hf_dir):
+      raise ValueError("set exactly one of model.preset and model.hf_dir")
+    if self.preset and self.preset not in PRESETS:
+      raise ValueError(f"model.preset {self.preset!r} unknown; choose one of {sorted(PRESETS)}")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    for key in self.overrides:
+      if key not in known:
+        raise ValueError(f"model.overrides.{key}: not a ModelConfig field")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerSpec:
+  """Attributes:
+    dir: folder with tokenizer.json (+ tokenizer_config.json / generation_config.json);
+      '' = the arithmetic task's built-in tokenizer.
+    eos_ids: stop token ids overriding the folder's; () = the folder's.
+  """
+
+  dir: str = ""
+  eos_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+  """Training prompts.
+
+  Attributes:
+    source: 'arith' (procedural task), a `data.SETS` name (e.g. 'gsm8k', 'math_train'), or
+      'jsonl' (the user's files in `jsonl_paths`).
+    split: split of a `data.SETS` source.
+    manual_dir: folder with the maths JSONL files (offline TFDS preparation).
+    data_dir: TFDS data directory; '' = TFDS's default.
+    jsonl_paths: the user's JSONL files (source 'jsonl').
+    problem_field, answer_field: field names in those files.
+    answer_format: 'plain', 'boxed' or 'gsm8k' (how the answer field holds the answer).
+    prompt_style: `prompts` style ('chat', 'chat_no_system', 'plain', 'raw').
+    max_prompt_tokens: longer prompts are dropped and counted.
+    arith: the arithmetic task's problem distribution (source 'arith').
+    arith_prompts: number of arithmetic training prompts drawn (an epoch).
+  """
+
+  source: str = "arith"
+  split: str = "train"
+  manual_dir: str = ""
+  data_dir: str = ""
+  jsonl_paths: tuple[str, ...] = ()
+  problem_field: str = "problem"
+  answer_field: str = "answer"
+  answer_format: str = "plain"
+  prompt_style: str = "chat"
+  max_prompt_tokens: int = 1024
+  arith: arith.ArithConfig = arith.ArithConfig()
+  arith_prompts: int = 20_000
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerSpec:
+  """Rollouts (DESIGN.md §3). Attributes: temperature, top_k, top_p (the sampling rule);
+  max_new_tokens (response budget, tokens); chunk_rows (C, rows per launch);
+  prompts_per_chunk (P, prefills per launch); prompt_buckets (padded prompt lengths, one
+  compile each); decode_segments (see `sampler.generate`)."""
+
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  max_new_tokens: int = 2048
+  chunk_rows: int = 64
+  prompts_per_chunk: int = 8
+  prompt_buckets: tuple[int, ...] = (128, 256, 512, 1024)
+  decode_segments: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class RLSpec:
+  """Attributes:
+    steps: RL steps to run.
+    batch_prompts: B, prompts per RL step.
+    judge: reward function (`rewards.JUDGES`: 'math' or 'exact').
+    verifier_workers: reward worker processes (0 = all cores); 'exact' runs in-process.
+    verifier_timeout_s: hard per-response timeout (seconds).
+    log_samples: print this many decoded responses every `eval.every_steps` steps.
+  """
+
+  steps: int = 100
+  batch_prompts: int = 512
+  judge: str = "math"
+  verifier_workers: int = 0
+  verifier_timeout_s: float = 5.0
+  log_samples: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CkptSpec:
+  """Attributes: every_steps, keep, async_save (see `checkpoint.CheckpointConfig`);
+  init_from (another run's checkpoint folder to take params from); export_hf (write the
+  final policy as a Hugging Face folder `workdir/hf_final`)."""
+
+  every_steps: int = 10
+  keep: int = 3
+  async_save: bool = False
+  init_from: str = ""
+  export_hf: bool = False
+
+  @property
+  def manager(self) -> CheckpointConfig:
+    return CheckpointConfig(every_steps=self.every_steps, keep=self.keep,
+                            async_save=self.async_save)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+  """Mesh axis sizes ('data', 'fsdp', 'tensor'); one may be -1 (all remaining devices)."""
+
+  data: int = -1
+  fsdp: int = 1
+  tensor: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSpec:
+  """Attributes: num_minibatches (k updates per RL step), micro_batch_size (rows per
+  gradient-accumulation step, 0 = whole mini-batch), remat (per-block rematerialisation)."""
+
+  num_minibatches: int = 4
+  micro_batch_size: int = 0
+  remat: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """A whole experiment, checked. Groups mirror the config file's."""
+
+  seed: int = 0
+  model: ModelSpec = ModelSpec(preset="tiny-llama")
+  tokenizer: TokenizerSpec = TokenizerSpec()
+  data: DataSpec = DataSpec()
+  sampler: SamplerSpec = SamplerSpec()
+  ada: AdaConfig = AdaConfig()
+  rl: RLSpec = RLSpec()
+  loss: LossConfig = LossConfig()
+  optim: OptimConfig = OptimConfig()
+  train: TrainSpec = TrainSpec()
+  ckpt: CkptSpec = CkptSpec()
+  warmstart: WarmStartConfig | None = None
+  eval: EvalConfig = EvalConfig(benchmarks=(), k=4)
+  mesh: MeshSpec = MeshSpec()
+
+  @property
+  def train_config(self) -> TrainConfig:
+    return TrainConfig(loss=self.loss, optim=self.optim, **dataclasses.asdict(self.train))
+
+  @property
+  def train_rows(self) -> int:
+    """Rows of the RL training batch: B·n, or K·B for est (train on all samples)."""
+    b = self.rl.batch_prompts
+    if self.ada.method == "est":
+      return int(round(self.ada.est_budget_per_prompt * b))
+    return b * self.ada.n
+
+  def check(self) -> None:
+    """Cross-group rules. Raises ValueError naming the config field."""
+    if self.rl.steps < 1:
+      raise ValueError(f"config.rl.steps must be >= 1, got {self.rl.steps}")
+    if self.rl.batch_prompts < 1:
+      raise ValueError(f"config.rl.batch_prompts must be >= 1, got {self.rl.batch_prompts}")
+    if self.train_rows % self.train.num_minibatches:
+      raise ValueError(
+          f"config.train.num_minibatches ({self.train.num_minibatches}) must divide the "
+          f"training batch ({self.train_rows} rows = rl.batch_prompts × responses per prompt)")
+    if self.warmstart is not None and self.data.source != "arith":
+      raise ValueError("config.warmstart is only available with data.source='arith'")
+
+
+def _fields(cls) -> dict[str, Any]:
+  hints = typing.get_type_hints(cls)
+  return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _dataclass_of(annotation) -> type | None:
+  for candidate in (annotation, *typing.get_args(annotation)):
+    if dataclasses.is_dataclass(candidate):
+      return candidate
+  return None
+
+
+def build(cls, group: Mapping[str, Any] | None, path: str):
+  """Builds dataclass `cls` from a config group; nested groups become nested dataclasses.
+
+  Raises:
+    ValueError: `config.<path>.<key>` is not a field of `cls`, or `cls` rejects a value.
+  """
+  if group is None:
+    return None
+  fields = _fields(cls)
+  kwargs = {}
+  for key, value in dict(group).items():
+    if key not in fields:
+      raise ValueError(f"config.{path}.{key}: unknown field; {cls.__name__} has "
+                       f"{sorted(fields)}")
+    sub = _dataclass_of(fields[key])
+    if sub is not None and isinstance(value, Mapping):
+      value = build(sub, value, f"{path}.{key}")
+    elif isinstance(value, list):
+      value = tuple(value)
+    elif isinstance(value, Mapping):
+      value = dict(value)
+    kwargs[key] = value
+  try:
+    return cls(**kwargs)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"config.{path}: {e}") from None
+
+
+def parse(config: Mapping[str, Any]) -> RunConfig:
+  """The `RunConfig` of an experiment ConfigDict (or plain dict). See module docstring."""
+  plain = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+  fields = _fields(RunConfig)
+  kwargs = {}
+  for key, value in plain.items():
+    if key not in fields:
+      raise ValueError(f"config.{key}: unknown group; known: {sorted(fields)}")
+    sub = _dataclass_of(fields[key])
+    kwargs[key] = build(sub, value, key) if sub is not None else value
+  run = RunConfig(**kwargs)
+  run.check()
+  return run
+
+
+def model_config(spec: ModelSpec, hf_config: Mapping[str, Any] | None = None) -> ModelConfig:
+  """The architecture: a preset with overrides, or a Hugging Face config.json dict."""
+  if spec.preset:
+    base = PRESETS[spec.preset]
+  else:
+    from ada_jax import weights
+
+    base = weights.config_from_hf(dict(hf_config or {}), source=f"{spec.hf_dir}/config.json")
+  try:
+    return dataclasses.replace(base, dtype=spec.dtype, param_dtype=spec.dtype,
+                               **dict(spec.overrides))
+  except ValueError as e:
+    raise ValueError(f"config.model: {e}") from None

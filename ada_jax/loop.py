@@ -1,0 +1,332 @@
+"""The one stateful loop: prompts -> adaptive rollouts -> policy update -> log -> checkpoint.
+
+Per RL step (DESIGN.md §1): the prompt iterator yields B prompts; `adaptive.run_step` asks
+for responses round by round through `draw`, which lays the requested rows out for the
+chunked sampler and scores them with the verifier pool; the selected responses and their
+advantages become a fixed-shape training batch (`make_train_batch`); `train.update_policy`
+runs k mini-batch updates; metrics go to JSONL/TensorBoard/console; the whole run state is
+checkpointed every `ckpt.every_steps` steps, at the end, and on SIGTERM.
+
+Determinism: the rollout key of step s is `fold_in(rollout_key, s)`, the host Generator,
+the prompt position and the Est statistics are checkpointed, so a run restarted from its
+last checkpoint repeats exactly the steps an uninterrupted run would take.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+
+from ada_jax import adaptive, arith, checkpoint, data, evaluate, prompts, sampler, train
+from ada_jax import config as config_lib
+from ada_jax import metrics as metrics_lib
+from ada_jax import model as model_lib
+from ada_jax import sharding as sharding_lib
+from ada_jax import warmstart as warmstart_lib
+from ada_jax.tokenizer import Tokenizer
+from ada_jax.verifier import RewardPool, VerifierConfig
+
+
+def load_tokenizer(spec: config_lib.TokenizerSpec) -> Tokenizer:
+  """The run's tokenizer: a folder, or the arithmetic task's built-in one."""
+  if not spec.dir:
+    return arith.load_tokenizer()
+  return Tokenizer.from_dir(spec.dir, eos_ids=spec.eos_ids or None)
+
+
+def load_prompts(cfg: config_lib.RunConfig, tokenizer: Tokenizer) -> prompts.PromptSet:
+  """The training prompts of `cfg.data`, tokenized (too-long ones dropped and counted)."""
+  d = cfg.data
+  if d.source == "arith":
+    examples = arith.examples(d.arith, "train", d.arith_prompts, seed=cfg.seed)
+    style = "raw"
+  else:
+    if d.source == "jsonl":
+      spec = data.user_jsonl_spec("user", d.jsonl_paths, problem_field=d.problem_field,
+                                  answer_field=d.answer_field, answer_format=d.answer_format)
+    elif d.source in data.SETS:
+      spec = data.SETS[d.source]
+    else:
+      raise ValueError(f"config.data.source {d.source!r}: use 'arith', 'jsonl' or one of "
+                       f"{sorted(data.SETS)}")
+    examples = data.load_examples(spec, d.split, data_dir=d.data_dir or None,
+                                  manual_dir=d.manual_dir or None)
+    style = d.prompt_style
+  ps = prompts.build_prompts(examples, tokenizer, style=style,
+                             max_prompt_tokens=d.max_prompt_tokens)
+  if ps.num_dropped:
+    logging.warning("%d training prompts over %d tokens dropped", ps.num_dropped,
+                    d.max_prompt_tokens)
+  if len(ps) < cfg.rl.batch_prompts:
+    raise ValueError(f"config.rl.batch_prompts ({cfg.rl.batch_prompts}) exceeds the "
+                     f"{len(ps)} usable training prompts")
+  return ps
+
+
+def make_train_batch(result: adaptive.StepResult, responses: dict[str, np.ndarray],
+                     prompt_tokens: Sequence[np.ndarray], *, rows: int,
+                     buckets: Sequence[int]) -> train.TrainBatch:
+  """Lays the selected responses out as a fixed-shape training batch.
+
+  Row i: its prompt left-padded to the bucket Lp, then its response (Lr tokens, mask after
+  the stop token); rows beyond the selection are padding with an empty loss mask (they add
+  nothing to a token mean). Old log-probs sit at the response tokens' columns, as
+  `losses.token_logprobs` aligns them.
+
+  Args:
+    result: the adaptive step's selection (handles index `responses`).
+    responses: `tokens int32[N, Lr]`, `logprobs float32[N, Lr]`, `mask bool[N, Lr]` of all
+      responses drawn this step.
+    prompt_tokens: token ids of the step's prompts (indexed by `result.prompt_index`).
+    rows: the batch's fixed row count (>= number selected).
+    buckets: allowed prompt lengths.
+
+  Returns:
+    A `train.TrainBatch` of numpy arrays, `[rows, Lp + Lr]`.
+  """
+  sel = np.asarray(result.handles, np.int64)
+  if len(sel) > rows:
+    raise ValueError(f"{len(sel)} responses selected for a {rows}-row batch")
+  lr = responses["tokens"].shape[1]
+  lp = sampler.bucket_length(max(len(prompt_tokens[p]) for p in result.prompt_index), buckets)
+  total = lp + lr
+  tokens = np.zeros((rows, total), np.int32)
+  attention = np.zeros((rows, total), bool)
+  loss_mask = np.zeros((rows, total), bool)
+  old = np.zeros((rows, total), np.float32)
+  adv = np.zeros((rows,), np.float32)
+  for i, (h, p) in enumerate(zip(sel, result.prompt_index, strict=True)):
+    ids = prompt_tokens[p]
+    tokens[i, lp - len(ids):lp] = ids
+    attention[i, lp - len(ids):lp] = True
+    tokens[i, lp:] = responses["tokens"][h]
+    attention[i, lp:] = loss_mask[i, lp:] = responses["mask"][h]
+    old[i, lp:] = responses["logprobs"][h]
+    adv[i] = result.advantages[i]
+  positions = np.maximum(np.cumsum(attention, axis=1) - 1, 0).astype(np.int32)
+  return train.TrainBatch(tokens=tokens, positions=positions, attention_mask=attention,
+                          loss_mask=loss_mask, advantages=adv, old_logprobs=old)
+
+
+@dataclasses.dataclass
+class _Rollouts:
+  """The step's `draw` callable: sampler + verifier, keeping every response it drew."""
+
+  sampler: sampler.Sampler
+  params: Any
+  tokenizer: Tokenizer
+  score: Any
+  prompt_tokens: list
+  answers: list
+  key: jax.Array
+  calls: int = 0
+  parts: list = dataclasses.field(default_factory=list)
+  time_sample_s: float = 0.0
+  time_verify_s: float = 0.0
+  rows_computed: int = 0
+  rows_useful: int = 0
+  tokens: int = 0
+
+  def __call__(self, rows: np.ndarray):
+    out, stats = self.sampler.generate(self.params, self.prompt_tokens, rows,
+                                       jax.random.fold_in(self.key, self.calls))
+    self.calls += 1
+    start = time.perf_counter()
+    texts = self.tokenizer.decode_many([t[:n] for t, n in zip(out["tokens"], out["lengths"],
+                                                               strict=True)])
+    rewards = self.score(texts, [self.answers[r] for r in rows])
+    self.time_verify_s += time.perf_counter() - start
+    self.time_sample_s += stats.wall_s
+    self.rows_computed += stats.rows_computed
+    self.rows_useful += stats.rows_useful
+    self.tokens += stats.tokens
+    first = sum(len(p["tokens"]) for p in self.parts)
+    self.parts.append(out)
+    return np.asarray(rewards, np.float32), list(range(first, first + len(rows)))
+
+  def responses(self) -> dict[str, np.ndarray]:
+    return {k: np.concatenate([p[k] for p in self.parts]) for k in ("tokens", "logprobs",
+                                                                    "mask", "lengths")}
+
+
+def _heldout_eval(cfg, workdir, tokenizer, params, model_cfg, step) -> dict[str, float]:
+  """`cfg.eval` benchmarks of the current policy (report in workdir/eval/step_<step>.*)."""
+  if not cfg.eval.benchmarks:
+    return {}
+  results = evaluate.run(cfg.eval, workdir, params=params, model_config=model_cfg,
+                         tokenizer=tokenizer, model_tag=f"{workdir}@{step}",
+                         name=f"step_{step}", progress=False)["results"]
+  return evaluate.flat_metrics(results)
+
+
+def run(config, workdir: str) -> dict[str, Any]:
+  """Runs (or resumes) the experiment `config` (ConfigDict) in `workdir`.
+
+  Returns:
+    The run summary (also written to `workdir/summary.json`).
+
+  Raises:
+    ValueError: a bad config (named field), before any compile.
+  """
+  cfg = config_lib.parse(config)
+  return train_run(cfg, workdir)
+
+
+def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
+  """`run` on a parsed config."""
+  workdir = str(pathlib.Path(workdir).absolute())
+  pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
+  tokenizer = load_tokenizer(cfg.tokenizer)
+  hf_config = None
+  if cfg.model.hf_dir:
+    cfg_file = pathlib.Path(cfg.model.hf_dir) / "config.json"
+    if not cfg_file.exists():
+      raise ValueError(f"config.model.hf_dir: {cfg_file} not found")
+    hf_config = json.loads(cfg_file.read_text())
+  model_cfg = config_lib.model_config(cfg.model, hf_config)
+  if model_cfg.vocab_size < tokenizer.vocab_size:
+    raise ValueError(f"config.model: vocab_size {model_cfg.vocab_size} is smaller than the "
+                     f"tokenizer's {tokenizer.vocab_size}")
+  mesh = sharding_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+  train_cfg = cfg.train_config
+  train.check_batch_layout(cfg.train_rows, train_cfg, mesh)
+  ps = load_prompts(cfg, tokenizer)
+  smp = sampler.Sampler(
+      model_cfg, rule=sampler.SamplingRule(cfg.sampler.temperature, cfg.sampler.top_k,
+                                           cfg.sampler.top_p),
+      max_new_tokens=cfg.sampler.max_new_tokens, stop_ids=tokenizer.eos_ids,
+      chunk_rows=cfg.sampler.chunk_rows, prompts_per_chunk=cfg.sampler.prompts_per_chunk,
+      prompt_buckets=cfg.sampler.prompt_buckets, pad_id=tokenizer.pad_id, mesh=mesh,
+      decode_segments=cfg.sampler.decode_segments)
+  with_ref = cfg.loss.kl_coeff > 0
+  target = train.abstract_state(model_cfg, train_cfg, mesh, with_ref=with_ref)
+  root = jax.random.key(cfg.seed)
+  init_key, rollout_key, eval_key = jax.random.split(root, 3)
+  iterator = prompts.PromptIterator(len(ps), cfg.rl.batch_prompts, seed=cfg.seed)
+
+  def start(params):
+    host: dict[str, Any] = {}
+    if params is None:
+      params = model_lib.init_params(model_cfg, init_key)
+      if cfg.warmstart is not None:
+        w = cfg.warmstart
+        params, ws = warmstart_lib.supervised_warm_start(
+            model_cfg, params, tokenizer, w.task, steps=w.steps, batch_size=w.batch_size,
+            learning_rate=w.learning_rate, seed=w.seed, warmup_steps=w.warmup_steps,
+            final_lr_fraction=w.final_lr_fraction, weight_decay=w.weight_decay,
+            grad_clip=w.grad_clip)
+        host["warmstart"] = {"wall_s": float(ws["wall_s"]),
+                             "final_loss": float(np.mean(ws["loss"][-20:]))}
+    host["before_rl"] = _heldout_eval(cfg, workdir, tokenizer, params, model_cfg, 0)
+    state = train.init_train_state(model_cfg, train_cfg, params, mesh,
+                                   ref_params=params if with_ref else None)
+    host.update(step=0, iterator=_jsonable(iterator.state()),
+                np_rng=checkpoint.generator_state(np.random.default_rng(cfg.seed)))
+    return checkpoint.RunState(train=state, rng=root, est=None, host=host)
+
+  manager = checkpoint.make_manager(pathlib.Path(workdir) / "checkpoints", cfg.ckpt.manager)
+  run_state, source = checkpoint.resume(manager, target, start=start,
+                                        init_from=cfg.ckpt.init_from or None,
+                                        pretrained=cfg.model.hf_dir or None)
+  logging.info("run state from %s", source)
+  host = run_state.host
+  state, est = run_state.train, run_state.est
+  iterator.restore(host["iterator"])
+  np_rng = checkpoint.generator_from_state(host["np_rng"])
+  first = int(host["step"])
+  step_fn = train.make_train_step(model_cfg, train_cfg, mesh, with_ref=with_ref)
+  writer = metrics_lib.MetricsWriter(workdir, total_steps=cfg.rl.steps, start_step=first,
+                                     primary=jax.process_index() == 0)
+  stop = checkpoint.install_sigterm_handler()
+  verifier_cfg = VerifierConfig(judge=cfg.rl.judge, num_workers=cfg.rl.verifier_workers,
+                                timeout_s=cfg.rl.verifier_timeout_s)
+  step = first
+  with RewardPool(verifier_cfg) as pool:
+    for step in range(first + 1, cfg.rl.steps + 1):
+      state, est, m = rl_step(cfg, step, state, est, iterator, np_rng, ps, smp, step_fn,
+                              pool.score, tokenizer, mesh, jax.random.fold_in(rollout_key,
+                                                                              step))
+      if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < cfg.rl.steps:
+        m.update(_heldout_eval(
+            cfg, workdir, tokenizer, state.params, model_cfg, step))
+      writer.write(step, m)
+      host.update(step=step, iterator=_jsonable(iterator.state()),
+                  np_rng=checkpoint.generator_state(np_rng))
+      stopping = checkpoint.stop_requested(stop)
+      if stopping or step == cfg.rl.steps or (cfg.ckpt.every_steps and
+                                              step % cfg.ckpt.every_steps == 0):
+        checkpoint.save(manager, step, checkpoint.RunState(train=state, rng=root, est=est,
+                                                           host=host))
+      if stopping:
+        writer.log_text(f"SIGTERM: saved checkpoint {step}, exiting")
+        break
+  checkpoint.close(manager)
+  writer.close()
+  summary = {"steps_done": step, "source": source, "warmstart": host.get("warmstart"),
+             "before_rl": host.get("before_rl", {})}
+  if step == cfg.rl.steps:
+    summary["after_rl"] = _heldout_eval(cfg, workdir, tokenizer, state.params, model_cfg, step)
+    if cfg.ckpt.export_hf:
+      checkpoint.export_hf(model_cfg, state.params, pathlib.Path(workdir) / "hf_final")
+  if jax.process_index() == 0:
+    (pathlib.Path(workdir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+  return summary
+
+
+def rl_step(cfg, step, state, est, iterator, np_rng, ps, smp, step_fn, score, tokenizer,
+            mesh, key):
+  """One RL step (see module docstring). Returns (state, est, metrics)."""
+  idx = [int(i) for i in next(iterator)]
+  extra: list[int] = []
+
+  def more_prompts(k):
+    for _ in range(-(-k // cfg.rl.batch_prompts)):
+      extra.extend(int(i) for i in next(iterator))
+    got, extra[:] = extra[:k], extra[k:]
+    step_prompts.extend(got)
+    rollouts.prompt_tokens.extend(ps.tokens[i] for i in got)
+    rollouts.answers.extend(ps.answers[i] for i in got)
+    return [ps.prompt_ids[i] for i in got]
+
+  step_prompts = list(idx)
+  rollouts = _Rollouts(smp, state.params, tokenizer, score,
+                       [ps.tokens[i] for i in idx], [ps.answers[i] for i in idx], key)
+  result, est = adaptive.run_step(cfg.ada, [ps.prompt_ids[i] for i in idx], rollouts, np_rng,
+                                  est, more_prompts if cfg.ada.method == "dapo" else None)
+  responses = rollouts.responses()
+  batch = make_train_batch(result, responses, rollouts.prompt_tokens, rows=cfg.train_rows,
+                           buckets=cfg.sampler.prompt_buckets)
+  start = time.perf_counter()
+  state, tm = train.update_policy(step_fn, state, batch, config=cfg.train_config, mesh=mesh)
+  time_train = time.perf_counter() - start
+  s = result.stats
+  m = {
+      "reward_mean": s.reward_mean,
+      "pass_rate": float(np.mean(s.pool_pass_rate[:len(idx)])),
+      "samples_drawn": s.rows_requested,
+      "active_prompts_per_round": list(s.active_per_round),
+      "zero_signal_frac": s.zero_signal_fraction,
+      "response_len_mean": float(np.mean(responses["lengths"])),
+      "tokens_per_s": rollouts.tokens / max(rollouts.time_sample_s, 1e-9),
+      "time_sample_s": rollouts.time_sample_s,
+      "time_verify_s": rollouts.time_verify_s,
+      "time_train_s": time_train,
+      "rows_computed": rollouts.rows_computed,
+      "rows_useful": rollouts.rows_useful,
+  }
+  m.update(s.as_metrics())
+  m.update({k: tm[k] for k in ("loss", "entropy", "clip_frac", "grad_norm", "approx_kl",
+                               "learning_rate") if k in tm})
+  return state, est, m
+
+
+def _jsonable(state: dict) -> dict:
+  return {k: np.asarray(v).tolist() for k, v in state.items()}

@@ -1,0 +1,147 @@
+"""Per-step metrics: one JSONL line, TensorBoard scalars and a tqdm bar; curves as PNG.
+
+Only the primary process (process 0) writes. On resume, lines of steps after the restored
+checkpoint (written before a crash, about to be recomputed) are moved to
+`metrics.orphaned.jsonl` rather than deleted, so the main file has one line per step and
+nothing written is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+
+def _scalar(value: Any) -> float | int | None:
+  if isinstance(value, (bool, np.bool_)):
+    return int(value)
+  if isinstance(value, (int, np.integer)):
+    return int(value)
+  try:
+    value = float(value)
+  except (TypeError, ValueError):
+    return None
+  return value if math.isfinite(value) else None
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+  """Metrics lines of a run (`[]` if the file does not exist)."""
+  path = pathlib.Path(path)
+  if not path.exists():
+    return []
+  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MetricsWriter:
+  """Writes each step's metrics to `workdir/metrics.jsonl`, TensorBoard and the console.
+
+  Args:
+    workdir: run directory (created if needed).
+    total_steps: length of the progress bar (RL steps).
+    start_step: the step the run resumes after (0 for a fresh run); lines with a larger
+      `step` are moved to `metrics.orphaned.jsonl`.
+    primary: False on processes other than 0: nothing is written.
+    show: keys shown in the progress bar's postfix.
+  """
+
+  def __init__(self, workdir: str | os.PathLike, *, total_steps: int, start_step: int = 0,
+               primary: bool = True, show: Sequence[str] = ("pass_rate", "reward_mean",
+                                                            "samples_drawn", "loss")):
+    self.primary = primary
+    self.show = tuple(show)
+    self.path = pathlib.Path(workdir) / "metrics.jsonl"
+    self._bar = self._tb = None
+    if not primary:
+      return
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    lines = read_jsonl(self.path)
+    stale = [line for line in lines if line.get("step", 0) > start_step]
+    if stale:
+      with open(self.path.with_name("metrics.orphaned.jsonl"), "a") as f:
+        f.writelines(json.dumps(line) + "\n" for line in stale)
+      tmp = self.path.with_suffix(".tmp")
+      tmp.write_text("".join(json.dumps(line) + "\n" for line in lines
+                             if line.get("step", 0) <= start_step))
+      os.replace(tmp, self.path)
+    from tensorboardX import SummaryWriter
+    from tqdm.auto import tqdm
+
+    self._tb = SummaryWriter(str(self.path.parent / "tensorboard"))
+    self._bar = tqdm(total=total_steps, initial=start_step, desc="RL steps", unit="step",
+                     dynamic_ncols=True)
+
+  def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float | int]:
+    """Records one step. Non-scalar values (lists, e.g. per-round counts) go to the JSONL
+    only; NaN/inf become null. Returns the scalar metrics written."""
+    scalars = {k: v for k, v in ((k, _scalar(v)) for k, v in metrics.items()) if v is not None}
+    if not self.primary:
+      return scalars
+    record: dict[str, Any] = {"step": step}
+    for k, v in metrics.items():
+      v = v.tolist() if isinstance(v, np.ndarray) else v
+      record[k] = ([_scalar(x) for x in v] if isinstance(v, (list, tuple)) else
+                   v if isinstance(v, str) else _scalar(v))
+    with open(self.path, "a") as f:
+      f.write(json.dumps(record) + "\n")
+    for k, v in scalars.items():
+      self._tb.add_scalar(k, v, step)
+    self._bar.update(step - self._bar.n)
+    self._bar.set_postfix({k: f"{scalars[k]:.3g}" for k in self.show if k in scalars})
+    return scalars
+
+  def log_text(self, message: str) -> None:
+    """A line on the console that does not break the progress bar."""
+    if self.primary:
+      self._bar.write(message)
+
+  def close(self) -> None:
+    if self.primary:
+      self._tb.close()
+      self._bar.close()
+
+
+def plot_curves(runs: Mapping[str, Iterable[Mapping[str, Any]]], keys: Sequence[str],
+                path: str | os.PathLike, *, x: str = "step", title: str = "",
+                units: Mapping[str, str] | None = None, smooth: int = 1) -> None:
+  """One panel per metric key, one line per run; saved as PNG.
+
+  Args:
+    runs: run label -> metric lines (as read by `read_jsonl`).
+    keys: metric keys to plot (y axes).
+    path: output PNG.
+    x: the x-axis key (e.g. 'step' or 'samples_drawn_total').
+    units: optional key -> unit label for the axes.
+    smooth: moving-average window (steps).
+  """
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  units = dict(units or {})
+  fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.8), squeeze=False)
+  for ax, key in zip(axes[0], keys, strict=True):
+    for label, lines in runs.items():
+      pts = [(line[x], line[key]) for line in lines if line.get(key) is not None and x in line]
+      if not pts:
+        continue
+      xs, ys = map(np.asarray, zip(*pts, strict=True))
+      if smooth > 1 and len(ys) >= smooth:
+        ys = np.convolve(ys, np.ones(smooth) / smooth, mode="valid")
+        xs = xs[smooth - 1:]
+      ax.plot(xs, ys, label=label)
+    ax.set_xlabel(x + (f" ({units[x]})" if x in units else ""))
+    ax.set_ylabel(key + (f" ({units[key]})" if key in units else ""))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  if title:
+    fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)

@@ -1,0 +1,106 @@
+"""Shared defaults of every experiment: the paper's / released code's hyper-parameters.
+
+Experiment files call `get_config()` here and change what differs. Groups: seed, model,
+tokenizer, data, sampler, ada, rl, loss, optim, train, ckpt, warmstart, eval, mesh (see
+`ada_jax/config.py` for each field's meaning and checks).
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0  # root seed: params init, rollouts, data order, controller
+
+  c.model = ml_collections.ConfigDict()
+  c.model.preset = ""  # a model.PRESETS name (random weights unless hf_dir/checkpoint)
+  c.model.hf_dir = ""  # Hugging Face folder or Hub id: architecture + weights
+  c.model.dtype = "bfloat16"  # params and compute; logits and softmax stay fp32
+  c.model.overrides = ml_collections.ConfigDict()  # ModelConfig fields replacing the preset's
+
+  c.tokenizer = ml_collections.ConfigDict()
+  c.tokenizer.dir = ""  # folder with tokenizer.json; '' = the arithmetic tokenizer
+  c.tokenizer.eos_ids = ()  # stop ids overriding the folder's (e.g. Llama 3: 128001, 128009)
+
+  c.data = ml_collections.ConfigDict()
+  c.data.source = "math_train"  # 'arith', a data.SETS name, or 'jsonl'
+  c.data.split = "train"  # split of a data.SETS source
+  c.data.manual_dir = ""  # folder with the maths JSONL files (offline TFDS preparation)
+  c.data.data_dir = ""  # TFDS data dir; '' = TFDS default
+  c.data.jsonl_paths = ()  # the user's JSONL prompt files (source 'jsonl')
+  c.data.problem_field = "problem"  # field of the problem text in those files
+  c.data.answer_field = "answer"  # field of the reference answer
+  c.data.answer_format = "plain"  # 'plain', 'boxed' or 'gsm8k'
+  c.data.prompt_style = "chat"  # 'chat', 'chat_no_system', 'plain', 'raw'
+  c.data.max_prompt_tokens = 1024  # longer prompts are dropped (paper: 1024)
+
+  c.sampler = ml_collections.ConfigDict()
+  c.sampler.temperature = 1.0  # rollout temperature (paper: 1.0)
+  c.sampler.top_k = 0  # 0 = off
+  c.sampler.top_p = 1.0  # 1.0 = off (paper)
+  c.sampler.max_new_tokens = 2048  # response budget, tokens (paper: 2048)
+  c.sampler.chunk_rows = 256  # C: rows per sampler launch
+  c.sampler.prompts_per_chunk = 32  # P: prefills per launch (rows of a prompt share one)
+  c.sampler.prompt_buckets = (128, 256, 512, 1024)  # padded prompt lengths (one compile each)
+  c.sampler.decode_segments = 4  # decode loop pieces with growing attention bounds
+
+  c.ada = ml_collections.ConfigDict()
+  c.ada.method = "balance"  # grpo | dapo | pos | balance | est
+  c.ada.n = 4  # final group size per prompt (paper: 4)
+  c.ada.samples_per_round = 8  # M: responses per active prompt per round (paper: 8)
+  c.ada.max_rounds = 4  # R: rounds at most (paper: 4)
+  c.ada.k_pos = None  # positives needed to exit; None = floor(n/2) (balance) / 1 (pos)
+  c.ada.k_neg = None  # negatives needed to exit; None = n - floor(n/2) (balance)
+  c.ada.std_normalize = False  # divide advantages by the pool std
+  c.ada.baseline = "global"  # 'global': mean over the whole pool (Reinforce-Ada); 'local'
+  c.ada.inverse_p_weight = "none"  # 'none' (released code), '1/p' or '1/sqrt_p' (paper v3)
+  c.ada.est_budget_per_prompt = 4.0  # K: est draws round(K·B) samples per step
+  c.ada.est_weight = "1/p"  # est sampling weight: '1/p' (released) or '1/sqrt_p' (paper)
+
+  c.rl = ml_collections.ConfigDict()
+  c.rl.steps = 300  # RL steps
+  c.rl.batch_prompts = 512  # B: prompts per RL step (paper: 512)
+  c.rl.judge = "math"  # reward: 'math' (math-verify) or 'exact'
+  c.rl.verifier_workers = 0  # reward worker processes; 0 = all cores
+  c.rl.verifier_timeout_s = 5.0  # hard per-response timeout, seconds
+
+  c.loss = ml_collections.ConfigDict()
+  c.loss.clip_low = 0.2  # ratio clip 1 - clip_low
+  c.loss.clip_high = 0.28  # ratio clip 1 + clip_high (clip-higher)
+  c.loss.dual_clip = 10.0  # dual clip c for negative advantages
+  c.loss.aggregation = "token-mean"  # over all valid tokens of the global mini-batch
+  c.loss.entropy_coeff = 0.0  # entropy bonus weight
+  c.loss.kl_coeff = 0.0  # k3 KL to the initial policy; 0 = off (paper)
+
+  c.optim = ml_collections.ConfigDict()
+  c.optim.learning_rate = 1e-6  # AdamW peak lr (paper: 1e-6)
+  c.optim.warmup_steps = 10  # RL steps of linear warm-up, then constant
+  c.optim.weight_decay = 0.0  # decoupled weight decay
+  c.optim.grad_clip = 1.0  # global gradient-norm clip
+
+  c.train = ml_collections.ConfigDict()
+  c.train.num_minibatches = 4  # k optimizer updates per RL step, 1 epoch (paper: 4)
+  c.train.micro_batch_size = 0  # rows per gradient-accumulation step; 0 = whole mini-batch
+  c.train.remat = False  # rematerialise each block in the backward pass
+
+  c.ckpt = ml_collections.ConfigDict()
+  c.ckpt.every_steps = 10  # checkpoint period, RL steps (also at the end and on SIGTERM)
+  c.ckpt.keep = 3  # checkpoints kept
+  c.ckpt.async_save = False  # write in a background thread
+  c.ckpt.init_from = ""  # another run's checkpoint folder to take params from
+  c.ckpt.export_hf = True  # write the final policy as a HF folder workdir/hf_final
+
+  c.warmstart = None  # supervised warm start (arith only): a WarmStartConfig group
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.benchmarks = ()  # evaluated before RL, every eval.every_steps, and at the end
+  c.eval.k = 32  # Avg@k samples per problem (paper: 32)
+  c.eval.max_new_tokens = 4096  # eval response budget (paper: 4096)
+  c.eval.every_steps = 0  # 0 = only before and after RL
+  c.eval.manual_dir = ""  # maths JSONL folder for the eval sets (offline)
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = -1  # data-parallel axis; -1 = all remaining devices
+  c.mesh.fsdp = 1  # parameter-sharded data-parallel axis
+  c.mesh.tensor = 1  # tensor-parallel axis (heads, MLP)
+  return c
