@@ -138,6 +138,27 @@ def response_text(answer: str) -> str:
   return f"\\boxed{{{answer}}}"
 
 
+def prompt_ids(tok: Tokenizer, problem: str) -> list[int]:
+  """Token ids of a problem's prompt: BOS then the bare problem ('<bos>12+345=').
+
+  This is the `raw` prompt style of `ada_jax.data.build_prompts`: a tiny model trained from
+  scratch has no use for the maths sets' instructions, and short prompts keep the CPU job
+  fast. The supervised warm start and the RL prompts both use this one format.
+  """
+  return tok.encode(problem, add_bos=True)
+
+
+def response_ids(tok: Tokenizer, answer: str) -> list[int]:
+  """Token ids of the target response: `\\boxed{answer}` then the first EOS id.
+
+  Raises:
+    ValueError: the tokenizer has no EOS id.
+  """
+  if not tok.eos_ids:
+    raise ValueError("tokenizer has no eos_ids: a response must end with EOS")
+  return [*tok.encode(response_text(answer)), tok.eos_ids[0]]
+
+
 # --------------------------------------------------------------------------- tokenizer
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"

@@ -16,8 +16,8 @@ from typing import Any
 
 from ada_jax import arith
 from ada_jax.adaptive import AdaConfig
+from ada_jax.benchmarks import EvalConfig
 from ada_jax.checkpoint import CheckpointConfig
-from ada_jax.evaluate import EvalConfig
 from ada_jax.losses import LossConfig
 from ada_jax.model import PRESETS, ModelConfig
 from ada_jax.train import OptimConfig, TrainConfig

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import time
 from collections.abc import Sequence
@@ -25,21 +26,36 @@ import jax
 import numpy as np
 from absl import logging
 
-from ada_jax import adaptive, arith, checkpoint, data, evaluate, prompts, sampler, train
+from ada_jax import adaptive, arith, benchmarks, checkpoint, data, evaluate, prompts, sampler, train
 from ada_jax import config as config_lib
 from ada_jax import metrics as metrics_lib
 from ada_jax import model as model_lib
 from ada_jax import sharding as sharding_lib
 from ada_jax import warmstart as warmstart_lib
+from ada_jax import weights
 from ada_jax.tokenizer import Tokenizer
 from ada_jax.verifier import RewardPool, VerifierConfig
 
 
-def load_tokenizer(spec: config_lib.TokenizerSpec) -> Tokenizer:
-  """The run's tokenizer: a folder, or the arithmetic task's built-in one."""
-  if not spec.dir:
+_COMPILES = [0]
+
+
+def _count_compiles(event: str, duration: float, **kwargs) -> None:
+  if event == "/jax/core/compile/backend_compile_duration":
+    _COMPILES[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+
+
+def load_tokenizer(spec: config_lib.TokenizerSpec, model_dir: pathlib.Path | None
+                   ) -> Tokenizer:
+  """The run's tokenizer: `tokenizer.dir`, else the model's folder, else the arithmetic
+  task's built-in one."""
+  folder = spec.dir or model_dir
+  if not folder:
     return arith.load_tokenizer()
-  return Tokenizer.from_dir(spec.dir, eos_ids=spec.eos_ids or None)
+  return Tokenizer.from_dir(folder, eos_ids=spec.eos_ids or None)
 
 
 def load_prompts(cfg: config_lib.RunConfig, tokenizer: Tokenizer) -> prompts.PromptSet:
@@ -53,11 +69,13 @@ def load_prompts(cfg: config_lib.RunConfig, tokenizer: Tokenizer) -> prompts.Pro
       spec = data.user_jsonl_spec("user", d.jsonl_paths, problem_field=d.problem_field,
                                   answer_field=d.answer_field, answer_format=d.answer_format)
     elif d.source in data.SETS:
-      spec = data.SETS[d.source]
+      spec = d.source
     else:
       raise ValueError(f"config.data.source {d.source!r}: use 'arith', 'jsonl' or one of "
                        f"{sorted(data.SETS)}")
-    examples = data.load_examples(spec, d.split, data_dir=d.data_dir or None,
+    data_dir = d.data_dir or os.environ.get("TFDS_DATA_DIR") or str(
+        pathlib.Path.home() / "tensorflow_datasets")
+    examples = data.load_examples(spec, d.split, data_dir=data_dir,
                                   manual_dir=d.manual_dir or None)
     style = d.prompt_style
   ps = prompts.build_prompts(examples, tokenizer, style=style,
@@ -164,7 +182,7 @@ def _heldout_eval(cfg, workdir, tokenizer, params, model_cfg, step) -> dict[str,
   results = evaluate.run(cfg.eval, workdir, params=params, model_config=model_cfg,
                          tokenizer=tokenizer, model_tag=f"{workdir}@{step}",
                          name=f"step_{step}", progress=False)["results"]
-  return evaluate.flat_metrics(results)
+  return benchmarks.flat_metrics(results)
 
 
 def run(config, workdir: str) -> dict[str, Any]:
@@ -184,13 +202,14 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
   """`run` on a parsed config."""
   workdir = str(pathlib.Path(workdir).absolute())
   pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
-  tokenizer = load_tokenizer(cfg.tokenizer)
-  hf_config = None
+  model_dir = hf_config = None
   if cfg.model.hf_dir:
-    cfg_file = pathlib.Path(cfg.model.hf_dir) / "config.json"
-    if not cfg_file.exists():
-      raise ValueError(f"config.model.hf_dir: {cfg_file} not found")
-    hf_config = json.loads(cfg_file.read_text())
+    try:  # a Hub id is downloaded here, once, when online
+      model_dir = weights.resolve(cfg.model.hf_dir)
+      hf_config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+      raise ValueError(f"config.model.hf_dir: {e}") from None
+  tokenizer = load_tokenizer(cfg.tokenizer, model_dir)
   model_cfg = config_lib.model_config(cfg.model, hf_config)
   if model_cfg.vocab_size < tokenizer.vocab_size:
     raise ValueError(f"config.model: vocab_size {model_cfg.vocab_size} is smaller than the "
@@ -235,7 +254,7 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
   manager = checkpoint.make_manager(pathlib.Path(workdir) / "checkpoints", cfg.ckpt.manager)
   run_state, source = checkpoint.resume(manager, target, start=start,
                                         init_from=cfg.ckpt.init_from or None,
-                                        pretrained=cfg.model.hf_dir or None)
+                                        pretrained=str(model_dir) if model_dir else None)
   logging.info("run state from %s", source)
   host = run_state.host
   state, est = run_state.train, run_state.est
@@ -284,6 +303,7 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
 def rl_step(cfg, step, state, est, iterator, np_rng, ps, smp, step_fn, score, tokenizer,
             mesh, key):
   """One RL step (see module docstring). Returns (state, est, metrics)."""
+  compiles = _COMPILES[0]
   idx = [int(i) for i in next(iterator)]
   extra: list[int] = []
 
@@ -321,6 +341,7 @@ def rl_step(cfg, step, state, est, iterator, np_rng, ps, smp, step_fn, score, to
       "time_train_s": time_train,
       "rows_computed": rollouts.rows_computed,
       "rows_useful": rollouts.rows_useful,
+      "compiles": _COMPILES[0] - compiles,  # XLA compilations during the step
   }
   m.update(s.as_metrics())
   m.update({k: tm[k] for k in ("loss", "entropy", "clip_frac", "grad_norm", "approx_kl",

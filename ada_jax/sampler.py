@@ -84,8 +84,12 @@ class SamplingRule:
   def sample(self, rng: jax.Array, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Draws one token per row.
 
+    Inverse-CDF sampling: one uniform number per row against the cumulative distribution,
+    instead of Gumbel noise for every vocabulary entry (V random numbers per row per step
+    dominated decode time on CPU at V = 128k).
+
     Args:
-      rng: PRNG key (one draw per row from it; rows get independent noise).
+      rng: PRNG key (one uniform draw per row).
       logits: `float32[C, V]` raw next-token logits.
 
     Returns:
@@ -93,12 +97,17 @@ class SamplingRule:
       under log_softmax(logits / T), the distribution the PPO ratio is taken against (T = 1
       when greedy).
     """
+    tempered = self.tempered(logits)
     if self.greedy:
       tokens = jnp.argmax(logits, -1)
     else:
-      tokens = jax.random.categorical(rng, self.truncated(logits), axis=-1)
-    logprobs = jax.nn.log_softmax(self.tempered(logits), -1)
-    return tokens.astype(jnp.int32), jnp.take_along_axis(logprobs, tokens[:, None], -1)[:, 0]
+      probs = jax.nn.softmax(self.truncated(logits), axis=-1)
+      cdf = jnp.cumsum(probs, axis=-1)
+      u = jax.random.uniform(rng, (logits.shape[0], 1)) * cdf[:, -1:]
+      # First index whose cumulative mass reaches u; zero-mass tokens are never picked.
+      tokens = jnp.minimum(jnp.sum(cdf < u, axis=-1), logits.shape[-1] - 1)
+    picked = jnp.take_along_axis(tempered, tokens[:, None], -1)[:, 0]
+    return tokens.astype(jnp.int32), picked - jax.nn.logsumexp(tempered, axis=-1)
 
 
 @struct.dataclass

@@ -90,3 +90,34 @@ def greedy_reference(config, params, tokens, mask, steps: int) -> np.ndarray:
   for i in range(steps):
     buf = step(buf, i)
   return np.asarray(buf[:, t:])
+
+
+def rl_batch(config, params, prompt_lengths, response_lengths, *, prompt_len: int,
+             response_len: int, noise: float = 0.3, seed: int = 0):
+  """A random RL training batch (`train.TrainBatch` of numpy arrays) for loss/train tests.
+
+  Row i is a left-padded prompt of `prompt_lengths[i]` tokens in a `prompt_len` window,
+  then a response of `response_lengths[i]` tokens right-padded to `response_len`. Old
+  log-probs are the model's own (under `params`) plus Gaussian `noise`, so ratios sit near
+  1 and both clipped and unclipped tokens occur; advantages are standard normal.
+  """
+  from ada_jax import losses, train
+
+  rng = np.random.default_rng(seed)
+  rows, total = len(prompt_lengths), prompt_len + response_len
+  cols = np.arange(total)[None, :]
+  p = np.asarray(prompt_lengths)[:, None]
+  r = np.asarray(response_lengths)[:, None]
+  prompt = (cols >= prompt_len - p) & (cols < prompt_len)
+  response = (cols >= prompt_len) & (cols < prompt_len + r)
+  attention = prompt | response
+  tokens = np.where(attention, rng.integers(1, config.vocab_size, (rows, total)), 0)
+  tokens = tokens.astype(np.int32)
+  positions = np.asarray(model_lib.positions_from_mask(jnp.asarray(attention)))
+  logprobs, _ = jax.jit(lambda t, q, m: losses.token_logprobs(config, params, t, q, m))(
+      tokens, positions, attention)
+  old = np.asarray(logprobs) + noise * rng.standard_normal((rows, total))
+  return train.TrainBatch(
+      tokens=tokens, positions=positions.astype(np.int32), attention_mask=attention,
+      loss_mask=response, advantages=rng.standard_normal(rows).astype(np.float32),
+      old_logprobs=np.where(response, old, 0.0).astype(np.float32))

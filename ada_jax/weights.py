@@ -188,7 +188,7 @@ def _set(tree, path, value):
 # ----------------------------------------------------------------------------- load / save
 
 
-def _resolve(path: str | os.PathLike) -> pathlib.Path:
+def resolve(path: str | os.PathLike) -> pathlib.Path:
   """A local folder, or a Hub repo id downloaded into the usual cache."""
   local = pathlib.Path(path).expanduser()
   if local.exists():
@@ -249,7 +249,7 @@ def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, shardings: Params | N
     CheckpointError: missing folder/file/field, an unexpected or missing tensor, or a
       tensor whose shape does not match config.json (the message names it).
   """
-  folder = _resolve(path)
+  folder = resolve(path)
   config_file = folder / "config.json"
   if not config_file.exists():
     raise CheckpointError(f"{config_file}: missing")

@@ -1,0 +1,564 @@
+"""Avg@k evaluation on the maths benchmarks (and the arithmetic task): the core that the
+training loop calls and that `ada_jax.evaluate` (reports, CLI) wraps.
+
+Reinforce-Ada (arXiv 2510.04996; DESIGN.md §9) reports Avg@32: k = 32 responses per
+problem at temperature 1.0, top-p 1.0, up to 4096 new tokens, in the training prompt format;
+the score of a benchmark is the mean reward over all k·P samples, and the headline number is
+the average over MATH500, Minerva Math, OlympiadBench and the AIME-like sets weighted by
+their problem counts. Also reported: pass@j with the unbiased estimator of Chen et al. (2021,
+"Evaluating Large Language Models Trained on Code", eq. 1), 1 - C(n-c, j) / C(n, j), and
+(optionally) greedy accuracy.
+
+Generation uses the training sampler (`ada_jax.sampler.Sampler`): the k rows of a problem are
+adjacent, so they share one prefill; rewards come from the same verifier pool (DESIGN.md §2).
+Problems are processed in fixed batches; each finished batch is appended to a per-problem
+results cache (JSONL, keyed by benchmark, prompt id, model and settings), so an interrupted
+evaluation continues where it stopped. Batch b of a benchmark always samples with the key
+`fold_in(fold_in(rng, benchmark), b)`, so a resumed evaluation gives the same numbers as an
+uninterrupted one.
+
+Entry points: `load_benchmarks` (tokenized sets), `evaluate` (the trainer's periodic hook:
+a model; no file I/O unless given a cache), `evaluate_policy` (any policy, e.g. a stub),
+`flat_metrics` (for the metrics writer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import os
+import pathlib
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+import tqdm
+from absl import logging
+
+from ada_jax import arith, data, prompts, rewards, sampler
+from ada_jax.model import ModelConfig, Params
+from ada_jax.tokenizer import Tokenizer
+
+PAPER_BENCHMARKS = ("math500", "minerva_math", "olympiadbench", "aime24", "amc23")
+# Benchmark name -> (default judge, default prompt style). The maths sets use the training
+# prompt format of the maths runs; the arithmetic task its own bare `<bos>12+3=` prompt.
+BENCHMARKS: dict[str, tuple[str, str]] = {
+  **{name: ("math", "chat") for name in (*PAPER_BENCHMARKS, "gsm8k")},
+  "arith": ("exact", "raw"),
+}
+
+# (prompt token arrays, row_prompt int[R], PRNG key) -> (R response texts, int32[R] lengths).
+Policy = Callable[[Sequence[np.ndarray], np.ndarray, jax.Array], tuple[list[str], np.ndarray]]
+# (R responses, R references) -> float32[R] rewards in {0, 1}: `RewardPool.score`.
+Scorer = Callable[[Sequence[str], Sequence[str]], np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """What is evaluated and how (the `eval` group of an experiment config).
+
+  Attributes:
+    benchmarks: names in `BENCHMARKS` (a comma-separated string is split).
+    k: responses per problem (Avg@k, paper: 32).
+    temperature: sampling temperature of the k responses (paper: 1.0).
+    top_p: nucleus mass (paper: 1.0).
+    top_k: keep the k most likely tokens; 0 keeps all.
+    max_new_tokens: response budget in tokens (paper: 4096).
+    pass_at: j values of extra pass@j metrics (1 <= j <= k); pass@k is always reported.
+    greedy: also report greedy accuracy (one more generation pass, one row per problem).
+    prompt_style: key of `prompts.PROMPT_STYLES`; '' = the benchmark's default ('chat' for
+      the maths sets, 'raw' for arith).
+    judge: reward function (`rewards.JUDGES`); '' = the benchmark's default ('math' for the
+      maths sets, 'exact' for arith).
+    max_prompt_tokens: longer prompts are dropped and counted (DESIGN.md §2: 1024).
+    limit: evaluate only the first `limit` problems of each benchmark; 0 = all.
+    seed: seed of the sampling key (`run`); `evaluate` takes the key as an argument.
+    chunk_rows: rows per sampler launch (C).
+    prompts_per_chunk: distinct prompts per launch; 0 = chunk_rows // k (at least 1), so
+      that the k rows of a problem share one prefill.
+    prompt_buckets: padded prompt lengths (one compile each); the largest must hold
+      `max_prompt_tokens`.
+    problems_per_batch: problems per sampler call; also the granularity of the results
+      cache and of the progress bar.
+    verifier_workers: reward worker processes per judge (0 = all cores).
+    verifier_timeout_s: hard per-response verifier timeout (seconds).
+    data_dir: TFDS data directory; '' = $TFDS_DATA_DIR or ~/tensorflow_datasets.
+    manual_dir: folder with the maths JSONL files (layout of ../shared/data); '' =
+      download from their public sources.
+    arith_levels: digit counts of the held-out arithmetic split; () = `ArithConfig`'s.
+    arith_problems: problems of the held-out arithmetic split.
+    every_steps: the training loop evaluates every this many RL steps (0 = never); not used
+      here.
+  """
+
+  benchmarks: tuple[str, ...] = PAPER_BENCHMARKS
+  k: int = 32
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  max_new_tokens: int = 4096
+  pass_at: tuple[int, ...] = ()
+  greedy: bool = False
+  prompt_style: str = ""
+  judge: str = ""
+  max_prompt_tokens: int = 1024
+  limit: int = 0
+  seed: int = 0
+  chunk_rows: int = 64
+  prompts_per_chunk: int = 0
+  prompt_buckets: tuple[int, ...] = (128, 256, 512, 1024)
+  problems_per_batch: int = 64
+  verifier_workers: int = 0
+  verifier_timeout_s: float = 5.0
+  data_dir: str = ""
+  manual_dir: str = ""
+  arith_levels: tuple[int, ...] = ()
+  arith_problems: int = 200
+  every_steps: int = 0
+
+  def __post_init__(self):
+    if isinstance(self.benchmarks, str):  # 'math500,aime24', e.g. from a command line.
+      names = [b.strip() for b in self.benchmarks.split(",")]
+      object.__setattr__(self, "benchmarks", [b for b in names if b])
+    for name in ("benchmarks", "pass_at", "prompt_buckets", "arith_levels"):  # Hashable.
+      object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    def need(ok: bool, field: str, what: str):
+      if not ok:
+        raise ValueError(f"eval.{field}={getattr(self, field)!r}: {what}")
+
+    unknown = [b for b in self.benchmarks if b not in BENCHMARKS]
+    need(not unknown, "benchmarks", f"unknown {unknown}; known: {sorted(BENCHMARKS)}")
+    need(self.k >= 1, "k", "must be >= 1")
+    need(all(1 <= j <= self.k for j in self.pass_at), "pass_at", f"each j in [1, k={self.k}]")
+    need(
+      self.prompt_style in ("", *prompts.PROMPT_STYLES),
+      "prompt_style",
+      f"known: {sorted(prompts.PROMPT_STYLES)}",
+    )
+    need(self.judge in ("", *rewards.JUDGES), "judge", f"known: {sorted(rewards.JUDGES)}")
+    for field in ("max_new_tokens", "chunk_rows", "problems_per_batch", "max_prompt_tokens"):
+      need(getattr(self, field) >= 1, field, "must be >= 1")
+    for field in ("limit", "prompts_per_chunk", "verifier_workers", "every_steps", "top_k"):
+      need(getattr(self, field) >= 0, field, "must be >= 0")
+    need(
+      bool(self.prompt_buckets) and max(self.prompt_buckets) >= self.max_prompt_tokens,
+      "prompt_buckets",
+      f"the largest must be >= max_prompt_tokens={self.max_prompt_tokens}",
+    )
+    sampler.SamplingRule(self.temperature, self.top_k, self.top_p)  # Raises on bad values.
+
+  @property
+  def pass_ks(self) -> tuple[int, ...]:
+    return tuple(sorted({*self.pass_at, self.k}))
+
+
+@dataclasses.dataclass(frozen=True)
+class Benchmark:
+  """One evaluation set, tokenized. judge: key of `rewards.JUDGES` used to score it."""
+
+  name: str
+  prompts: prompts.PromptSet
+  judge: str
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+  """Unbiased pass@k of one problem from n samples with c correct: 1 - C(n-c, k) / C(n, k).
+
+  Chen et al. (2021), eq. 1, computed as a product so that large n does not overflow.
+
+  Raises:
+    ValueError: not 0 <= c <= n, or not 1 <= k <= n.
+  """
+  if not 0 <= c <= n or not 1 <= k <= n:
+    raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+  if n - c < k:
+    return 1.0
+  return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def benchmark_metrics(
+  samples: Sequence[Mapping], greedy: Sequence[Mapping] | None, config: EvalConfig
+) -> dict[str, float]:
+  """Metrics of one benchmark from its per-problem records.
+
+  Args:
+    samples: one record per problem with `rewards` (k floats in {0, 1}) and `lengths`.
+    greedy: one record per problem with a single reward, or None.
+    config: gives k and the pass@j values.
+
+  Returns:
+    `avg@k` (mean reward over all samples: the mean over problems of the per-problem mean),
+    `pass@j` for j in `config.pass_ks`, `greedy` (if given), `response_tokens` (mean
+    generated tokens per sample) and `num_problems`.
+  """
+  rewards_ = np.asarray([r["rewards"] for r in samples], np.float64).reshape(len(samples), -1)
+  correct = (rewards_ > 0.5).sum(1)
+  out = {f"avg@{config.k}": float(rewards_.mean()) if samples else 0.0}
+  for j in config.pass_ks:
+    out[f"pass@{j}"] = float(np.mean([pass_at_k(config.k, int(c), j) for c in correct] or [0]))
+  if greedy is not None:
+    out["greedy"] = float(np.mean([r["rewards"][0] for r in greedy] or [0]))
+  out["response_tokens"] = float(np.mean([r["lengths"] for r in samples])) if samples else 0.0
+  out["num_problems"] = len(samples)
+  return out
+
+
+def weighted_average(per_benchmark: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+  """Every metric averaged over benchmarks weighted by `num_problems` (the paper's average);
+  `num_problems` is summed."""
+  total = sum(m["num_problems"] for m in per_benchmark.values())
+  keys = [k for k in next(iter(per_benchmark.values()), {}) if k != "num_problems"]
+  out = {
+    k: sum(m[k] * m["num_problems"] for m in per_benchmark.values()) / max(total, 1) for k in keys
+  }
+  out["num_problems"] = total
+  return out
+
+
+def flat_metrics(
+  results: Mapping[str, Mapping[str, float]], prefix: str = "eval/"
+) -> dict[str, float]:
+  """`{'eval/math500/avg@32': ..., 'eval/average/avg@32': ...}` for TensorBoard / JSONL."""
+  return {f"{prefix}{b}/{k}": float(v) for b, m in results.items() for k, v in m.items()}
+
+
+# --------------------------------------------------------------------------- results cache
+
+
+class ResultCache:
+  """Per-problem results, appended as JSON lines to `path` after every finished batch.
+
+  A line is `{"key", "benchmark", "mode", "prompt_id", "prompt", "rewards", "lengths"}`:
+  `key` hashes the model, the PRNG key and every setting that changes the samples, `prompt`
+  the prompt's token ids, so a cache shared by several models, settings or prompt formats
+  never mixes them. A torn last line (a kill mid-write) is skipped.
+  """
+
+  def __init__(self, path: str | os.PathLike):
+    self.path = pathlib.Path(path)
+    self.records: dict[tuple[str, str, str, str], dict] = {}
+    if self.path.exists():
+      for lineno, line in enumerate(self.path.read_text().splitlines(), 1):
+        try:
+          r = json.loads(line)
+          self.records[r["key"], r["benchmark"], r["mode"], r["prompt_id"]] = r
+        except (json.JSONDecodeError, KeyError, TypeError):
+          logging.warning("%s:%d: unreadable cache line skipped", self.path, lineno)
+
+  def get(self, key: str, benchmark: str, mode: str, prompt_id: str) -> dict | None:
+    return self.records.get((key, benchmark, mode, prompt_id))
+
+  def add(self, records: Sequence[dict]) -> None:
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    with open(self.path, "a+b") as f:
+      f.seek(0, os.SEEK_END)
+      if f.tell():  # After a torn write the file may not end with a newline.
+        f.seek(-1, os.SEEK_END)
+        torn = f.read(1) != b"\n"
+        f.seek(0, os.SEEK_END)
+        if torn:
+          f.write(b"\n")
+      f.write(b"".join(json.dumps(r).encode() + b"\n" for r in records))
+      f.flush()
+      os.fsync(f.fileno())
+    for r in records:
+      self.records[r["key"], r["benchmark"], r["mode"], r["prompt_id"]] = r
+
+
+def _settings_key(config: EvalConfig, mode: str, judge: str, model_tag: str, rng) -> str:
+  # The prompt itself is checked per record (`_digest`), so style and template are not here.
+  names = ("max_new_tokens", *(("k", "temperature", "top_p", "top_k") if mode == "sample" else ()))
+  key_data = np.asarray(jax.random.key_data(rng)).tolist() if mode == "sample" else None
+  settings = [model_tag, mode, judge, key_data, *(getattr(config, n) for n in names)]
+  return hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:16]
+
+
+def _digest(tokens: np.ndarray) -> str:
+  return hashlib.sha256(np.asarray(tokens, np.int32).tobytes()).hexdigest()[:12]
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _stable_id(name: str) -> int:
+  return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
+def run_benchmark(
+  bench: Benchmark,
+  policy: Policy,
+  score: Scorer,
+  config: EvalConfig,
+  rng: jax.Array,
+  *,
+  mode: str = "sample",
+  cache: ResultCache | None = None,
+  model_tag: str = "",
+  progress: bool = False,
+) -> list[dict]:
+  """Per-problem records of one benchmark: cached ones, and the rest generated and scored.
+
+  Problems go in fixed batches of `config.problems_per_batch`; batch b samples with
+  `fold_in(fold_in(rng, crc32(name)), b)` and is written to `cache` when scored.
+
+  Args:
+    bench: the benchmark.
+    policy: generates responses (`sampler_policy`, or a stub).
+    score: reward function for `bench.judge` (e.g. `RewardPool.score`).
+    config: k, batch size, settings.
+    rng: PRNG key of this evaluation.
+    mode: 'sample' (k rows per problem) or 'greedy' (one row).
+    cache: results cache, or None.
+    model_tag: identifies the model in cache keys (required with a cache).
+    progress: show a tqdm bar.
+
+  Returns:
+    One record per problem, in benchmark order: `rewards` (float list of k, or 1 when
+    greedy), `lengths` (generated tokens), `prompt_id`, `benchmark`, `mode`, `key`.
+
+  Raises:
+    ValueError: a cache without a `model_tag`, an unknown mode, duplicate prompt ids, or a
+      policy returning the wrong number of rows.
+  """
+  if cache is not None and not model_tag:
+    raise ValueError("run_benchmark: a results cache needs a model_tag naming the model")
+  if mode not in ("sample", "greedy"):
+    raise ValueError(f"run_benchmark: mode={mode!r}; known: 'sample', 'greedy'")
+  if len(set(bench.prompts.prompt_ids)) != len(bench.prompts):
+    raise ValueError(f"benchmark {bench.name!r} has duplicate prompt ids")
+  key = _settings_key(config, mode, bench.judge, model_tag, rng)
+  rows, p, n = (config.k if mode == "sample" else 1), bench.prompts, len(bench.prompts)
+  digests = [_digest(t) for t in p.tokens]
+  done = {}
+  for i, pid in enumerate(p.prompt_ids if cache is not None else ()):
+    r = cache.get(key, bench.name, mode, pid)
+    if r is not None and r.get("prompt") == digests[i]:  # Same id, same prompt tokens.
+      done[pid] = r
+  bench_rng = jax.random.fold_in(rng, _stable_id(f"{bench.name}/{mode}"))
+  desc = f"{bench.name} {mode}"
+  bar = tqdm.tqdm(total=n, initial=len(done), desc=desc, disable=not progress, unit="problem")
+  for b, start in enumerate(range(0, n, config.problems_per_batch)):
+    batch = range(start, min(start + config.problems_per_batch, n))
+    todo = [i for i in batch if p.prompt_ids[i] not in done]
+    if not todo:
+      continue
+    row_prompt = np.repeat(np.arange(len(todo)), rows)
+    rng_b = jax.random.fold_in(bench_rng, b)
+    texts, lengths = policy([p.tokens[i] for i in todo], row_prompt, rng_b)
+    if len(texts) != len(row_prompt):
+      raise ValueError(f"policy returned {len(texts)} responses for {len(row_prompt)} rows")
+    scores = np.asarray(score(texts, [p.answers[todo[j]] for j in row_prompt]), np.float32)
+    lengths = np.asarray(lengths).astype(int)
+    records = []
+    for j, i in enumerate(todo):
+      part = slice(j * rows, (j + 1) * rows)
+      records.append(
+        dict(
+          key=key,
+          benchmark=bench.name,
+          mode=mode,
+          prompt_id=p.prompt_ids[i],
+          prompt=digests[i],
+          rewards=scores[part].tolist(),
+          lengths=lengths[part].tolist(),
+        )
+      )
+    if cache is not None:
+      cache.add(records)
+    done.update((r["prompt_id"], r) for r in records)
+    bar.update(len(todo))
+  bar.close()
+  return [done[pid] for pid in p.prompt_ids]
+
+
+def evaluate_policy(
+  policy: Policy,
+  benchmarks: Sequence[Benchmark],
+  config: EvalConfig,
+  rng: jax.Array,
+  scorers: Mapping[str, Scorer],
+  *,
+  greedy_policy: Policy | None = None,
+  cache: ResultCache | None = None,
+  model_tag: str = "",
+  progress: bool = False,
+) -> dict[str, dict[str, float]]:
+  """Metrics of `policy` on each benchmark plus their problem-weighted average.
+
+  Args:
+    policy: samples the k responses per problem.
+    benchmarks: the sets.
+    config: settings (k, pass@j values, batch size).
+    rng: PRNG key.
+    scorers: judge name -> reward function, for every judge the benchmarks use.
+    greedy_policy: when given, greedy accuracy is measured with it too.
+    cache, model_tag, progress: see `run_benchmark`.
+
+  Returns:
+    `{benchmark: metrics, ..., 'average': weighted metrics}` (see `benchmark_metrics`).
+
+  Raises:
+    ValueError: a benchmark's judge has no scorer.
+  """
+  missing = sorted({b.judge for b in benchmarks} - set(scorers))
+  if missing:
+    raise ValueError(f"no scorer for judge(s) {missing}; given {sorted(scorers)}")
+  results = {}
+  for bench in benchmarks:
+    kw = dict(cache=cache, model_tag=model_tag, progress=progress)
+    samples = run_benchmark(bench, policy, scorers[bench.judge], config, rng, **kw)
+    greedy = None
+    if greedy_policy is not None:
+      greedy = run_benchmark(
+        bench, greedy_policy, scorers[bench.judge], config, rng, mode="greedy", **kw
+      )
+    results[bench.name] = benchmark_metrics(samples, greedy, config)
+  if results:
+    results["average"] = weighted_average(results)
+  return results
+
+
+# Cached so that the trainer's periodic evaluation compiles once per run, not once per call.
+@functools.lru_cache(maxsize=8)
+def _sampler(
+  model_config: ModelConfig,
+  rule: sampler.SamplingRule,
+  config: EvalConfig,
+  rows_per_problem: int,
+  stop_ids: tuple[int, ...],
+  pad_id: int,
+  mesh: jax.sharding.Mesh | None,
+) -> sampler.Sampler:
+  ppc = config.prompts_per_chunk or max(1, config.chunk_rows // rows_per_problem)
+  if mesh is not None:  # The sampler splits prompts over the data axes.
+    dp = mesh.shape["data"] * mesh.shape["fsdp"]
+    ppc = min(-(-ppc // dp) * dp, config.chunk_rows)
+  kw = dict(chunk_rows=config.chunk_rows, prompts_per_chunk=ppc, mesh=mesh, pad_id=pad_id)
+  return sampler.Sampler(
+    model_config,
+    rule=rule,
+    max_new_tokens=config.max_new_tokens,
+    stop_ids=stop_ids,
+    prompt_buckets=config.prompt_buckets,
+    **kw,
+  )
+
+
+def sampler_policy(sampler_: sampler.Sampler, params: Params, tokenizer: Tokenizer) -> Policy:
+  """A `Policy` generating with `sampler_` and decoding each response up to its length
+  (the stop token included, dropped by the decoder as a special token)."""
+
+  def policy(prompt_tokens, row_prompt, rng):
+    out, _ = sampler_.generate(params, prompt_tokens, row_prompt, rng)
+    rows = [t[:n] for t, n in zip(out["tokens"], out["lengths"], strict=True)]
+    return tokenizer.decode_many(rows), out["lengths"]
+
+  return policy
+
+
+def evaluate(
+  params: Params,
+  model_config: ModelConfig,
+  tokenizer: Tokenizer,
+  benchmarks: Sequence[Benchmark],
+  config: EvalConfig,
+  rng: jax.Array,
+  scorers: Mapping[str, Scorer],
+  *,
+  mesh: jax.sharding.Mesh | None = None,
+  cache: ResultCache | None = None,
+  model_tag: str = "",
+  progress: bool = False,
+) -> dict[str, dict[str, float]]:
+  """Avg@k (and pass@j, greedy) of a model; the training loop's periodic-eval hook.
+
+  No file I/O unless a cache is given. Samplers are built once per (model, settings) and
+  reused by later calls, so periodic evaluation compiles only on its first call.
+
+  Args:
+    params: the policy's parameters (placed as `mesh` expects, if given).
+    model_config: its architecture.
+    tokenizer: stop ids, pad id and decoding.
+    benchmarks: from `load_benchmarks`.
+    config: settings.
+    rng: PRNG key (e.g. `fold_in(eval_key, step)`).
+    scorers: judge name -> reward function (`RewardPool.score` of a pool of that judge).
+    mesh: sampler mesh (rows over the data axes), or None for one device.
+    cache, model_tag, progress: see `run_benchmark`.
+
+  Returns:
+    `{benchmark: metrics, ..., 'average': weighted metrics}`; `flat_metrics` flattens it.
+
+  Example (the loop's hook; benchmarks and the pool are made once per run):
+    benches = load_benchmarks(eval_config, tokenizer)
+    metrics = flat_metrics(evaluate(params, model_config, tokenizer, benches, eval_config,
+                                    jax.random.fold_in(eval_key, step), {"exact": pool.score}))
+  """
+  rule = sampler.SamplingRule(config.temperature, config.top_k, config.top_p)
+  ids = (tokenizer.eos_ids, tokenizer.pad_id, mesh)
+  policy = sampler_policy(_sampler(model_config, rule, config, config.k, *ids), params, tokenizer)
+  greedy = None
+  if config.greedy:
+    greedy_rule = sampler.SamplingRule(temperature=0.0)
+    greedy = sampler_policy(_sampler(model_config, greedy_rule, config, 1, *ids), params, tokenizer)
+  kw = dict(cache=cache, model_tag=model_tag, progress=progress)
+  return evaluate_policy(policy, benchmarks, config, rng, scorers, greedy_policy=greedy, **kw)
+
+
+# --------------------------------------------------------------------------- data
+
+
+def load_examples(name: str, config: EvalConfig) -> list[dict[str, str]]:
+  """The examples of one benchmark (the first `config.limit` if set).
+
+  Maths sets are read through their TFDS builders (`data.load_examples`, test split); 'arith'
+  is the held-out split of `arith.ArithConfig(levels=config.arith_levels)`, drawn with
+  `config.seed`.
+
+  Raises:
+    ValueError: unknown benchmark name.
+  """
+  if name not in BENCHMARKS:
+    raise ValueError(f"unknown benchmark {name!r}; known: {sorted(BENCHMARKS)}")
+  if name == "arith":
+    task = arith.ArithConfig(**({"levels": config.arith_levels} if config.arith_levels else {}))
+    n = min(config.limit or config.arith_problems, config.arith_problems)
+    return arith.examples(task, "test", n, seed=config.seed)
+  data_dir = config.data_dir or os.environ.get(
+    "TFDS_DATA_DIR", os.path.expanduser("~/tensorflow_datasets")
+  )
+  examples = data.load_examples(
+    name, "test", data_dir=data_dir, manual_dir=config.manual_dir or None
+  )
+  return examples[: config.limit] if config.limit else examples
+
+
+def load_benchmarks(config: EvalConfig, tokenizer: Tokenizer) -> list[Benchmark]:
+  """`config.benchmarks`, loaded and tokenized in their prompt style (too-long prompts are
+  dropped and logged)."""
+  out = []
+  for name in config.benchmarks:
+    judge, style = BENCHMARKS[name]
+    ps = prompts.build_prompts(
+      load_examples(name, config),
+      tokenizer,
+      style=config.prompt_style or style,
+      max_prompt_tokens=config.max_prompt_tokens,
+    )
+    if ps.num_dropped:
+      logging.warning(
+        "%s: %d problems over %d prompt tokens are not evaluated",
+        name,
+        ps.num_dropped,
+        config.max_prompt_tokens,
+      )
+    out.append(Benchmark(name, ps, config.judge or judge))
+  return out

@@ -1,0 +1,254 @@
+"""Evaluation reports and the evaluation CLI, on top of `ada_jax.benchmarks` (the core).
+
+`run` loads the benchmarks, starts one verifier pool per judge, evaluates with the resumable
+results cache `<workdir>/eval/cache.jsonl` and writes `<workdir>/eval/<name>.json` and `.md`;
+the training loop calls it before RL, every `eval.every_steps` steps and at the end.
+
+The CLI evaluates a Hugging Face folder (or Hub id) or an orbax checkpoint of a run. The
+experiment config (`--config`, parsed by `config.parse` as for training) gives the `eval`
+settings, the architecture (`model`), the tokenizer and the mesh; `--benchmarks`, `--k` and
+`--limit` override its `eval` group. Without `--config`: the paper's evaluation settings
+(`EvalConfig()`) and `RunConfig`'s other defaults.
+
+  python -m ada_jax.evaluate --config=configs/x.py --workdir=DIR --checkpoint=STEP
+  python -m ada_jax.evaluate --workdir=DIR --hf_dir=PATH --benchmarks=math500,aime24 --k=32
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+from absl import logging
+
+from ada_jax import benchmarks as benchmarks_lib
+from ada_jax import checkpoint as checkpoint_lib
+from ada_jax import config as config_lib
+from ada_jax import model as model_lib
+from ada_jax import sharding, weights
+from ada_jax.benchmarks import EvalConfig
+from ada_jax.model import ModelConfig, Params
+from ada_jax.tokenizer import Tokenizer
+from ada_jax.verifier import RewardPool, VerifierConfig
+
+# --------------------------------------------------------------------------- reports
+
+
+def markdown_table(results: Mapping[str, Mapping[str, float]], title: str = "") -> str:
+  """Results as a Markdown table: one row per benchmark and the weighted average, scores in
+  percent."""
+  first = next(iter(results.values()), {})
+  cols = [c for c in first if c not in ("num_problems", "response_tokens")]
+  lines = [f"### {title}\n"] if title else []
+  lines += [
+    "| benchmark | problems | " + " | ".join(cols) + " | mean tokens |",
+    "|---|---:|" + "---:|" * (len(cols) + 1),
+  ]
+  for name, m in results.items():
+    label = "**weighted average**" if name == "average" else name
+    lines.append(
+      f"| {label} | {m['num_problems']} | "
+      + " | ".join(f"{100 * m[c]:.1f}" for c in cols)
+      + f" | {m['response_tokens']:.0f} |"
+    )
+  return "\n".join(lines) + "\n"
+
+
+def run(
+  config: EvalConfig,
+  workdir: str | os.PathLike,
+  *,
+  params: Params,
+  model_config: ModelConfig,
+  tokenizer: Tokenizer,
+  model_tag: str,
+  name: str,
+  mesh: jax.sharding.Mesh | None = None,
+  progress: bool = True,
+) -> dict[str, Any]:
+  """Evaluates a model on `config.benchmarks` with verifier pools and the results cache,
+  and writes `<workdir>/eval/<name>.json` and `<workdir>/eval/<name>.md`.
+
+  The cache is `<workdir>/eval/cache.jsonl`; rerunning after an interruption generates only
+  the batches that were not finished.
+
+  Args:
+    config: settings.
+    workdir: run directory.
+    params, model_config, tokenizer: the model.
+    model_tag: identity of the model in the cache (path and version of its weights).
+    name: file name stem of the reports, e.g. 'step_1000' or 'hf_Llama-3.2-3B-Instruct'.
+    mesh: sampler mesh or None.
+    progress: tqdm bars.
+
+  Returns:
+    The report written to the JSON file: `model`, `name`, `settings`, `results`,
+    `dropped_over_max_prompt_tokens` (per benchmark), `wall_s`.
+  """
+  out_dir = pathlib.Path(workdir) / "eval"
+  start = time.perf_counter()
+  benchmarks = benchmarks_lib.load_benchmarks(config, tokenizer)
+  with contextlib.ExitStack() as stack:
+    scorers = {}
+    for judge in sorted({b.judge for b in benchmarks}):
+      pool = RewardPool(
+        VerifierConfig(
+          judge=judge, num_workers=config.verifier_workers, timeout_s=config.verifier_timeout_s
+        )
+      )
+      scorers[judge] = stack.enter_context(pool).score
+    # One file per process: each process must find the same finished batches on resume
+    # (every process launches the same sampler calls), even without a shared file system.
+    suffix = f".p{jax.process_index()}" if jax.process_count() > 1 else ""
+    cache = benchmarks_lib.ResultCache(out_dir / f"cache{suffix}.jsonl")
+    model = (params, model_config, tokenizer)
+    kw = dict(mesh=mesh, cache=cache, model_tag=model_tag, progress=progress)
+    results = benchmarks_lib.evaluate(
+      *model, benchmarks, config, jax.random.key(config.seed), scorers, **kw
+    )
+  report = {
+    "model": model_tag,
+    "name": name,
+    "settings": dataclasses.asdict(config),
+    "results": results,
+    "dropped_over_max_prompt_tokens": {b.name: b.prompts.num_dropped for b in benchmarks},
+    "wall_s": round(time.perf_counter() - start, 2),
+  }
+  out_dir.mkdir(parents=True, exist_ok=True)
+  (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+  (out_dir / f"{name}.md").write_text(markdown_table(results, f"{name} (Avg@{config.k})"))
+  logging.info("evaluation of %s:\n%s", name, markdown_table(results))
+  return report
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _files_tag(folder: pathlib.Path) -> str:
+  # Path alone would reuse stale cache entries after the folder's weights are replaced.
+  stats = [
+    (p.name, p.stat().st_size, p.stat().st_mtime_ns)
+    for p in sorted(folder.glob("*"))
+    if p.suffix in (".json", ".safetensors")
+  ]
+  return hashlib.sha256(repr(stats).encode()).hexdigest()[:12]
+
+
+def _resolve(path: str, what: str) -> tuple[pathlib.Path, dict[str, Any]]:
+  """A Hugging Face folder (or Hub id) and its config.json; ValueError naming `what`."""
+  try:
+    folder = weights.resolve(path).absolute()
+    return folder, json.loads((folder / "config.json").read_text())
+  except (OSError, ValueError) as e:
+    raise ValueError(f"{what}: {e}") from None
+
+
+def define_flags(flag_values=None, sys_argv: list[str] | None = None) -> None:
+  """Registers the CLI flags on `flag_values` (default: absl's global FLAGS)."""
+  from absl import flags
+  from ml_collections import config_flags
+
+  fv = flags.FLAGS if flag_values is None else flag_values
+  help_ = "Experiment config file (as for training); its eval, model, tokenizer, mesh are read."
+  config_flags.DEFINE_config_file("config", None, help_, fv, lock_config=True, sys_argv=sys_argv)
+  for define, name, help_ in (
+    (flags.DEFINE_string, "workdir", "Run directory; reports go to <workdir>/eval."),
+    (flags.DEFINE_integer, "checkpoint", "Orbax checkpoint step to evaluate."),
+    (flags.DEFINE_string, "checkpoint_dir", "Orbax directory (default <workdir>/checkpoints)."),
+    (flags.DEFINE_string, "hf_dir", "Hugging Face folder or Hub id to evaluate."),
+    (flags.DEFINE_string, "tokenizer_dir", "Default: config.tokenizer.dir, else the model's."),
+    (
+      flags.DEFINE_list,
+      "benchmarks",
+      f"Comma-separated, from {sorted(benchmarks_lib.BENCHMARKS)}.",
+    ),
+    (flags.DEFINE_integer, "k", "Responses per problem (Avg@k)."),
+    (flags.DEFINE_integer, "limit", "Only the first N problems of each benchmark."),
+  ):
+    define(name, None, help_, flag_values=fv)
+
+
+def main(argv: Sequence[str], flag_values=None) -> dict[str, Any]:
+  """The CLI: loads the model named by --hf_dir or --checkpoint and calls `run`.
+
+  With --checkpoint the architecture is the config's `model` group, exactly as the run that
+  wrote the checkpoint built it; with --hf_dir it is the folder's config.json (in the
+  config's `model.dtype`). The tokenizer is `loop.load_tokenizer`'s: --tokenizer_dir, else
+  `tokenizer.dir`, else the model's folder, else the arithmetic task's.
+
+  Raises:
+    ValueError: neither or both of --hf_dir / --checkpoint, no --workdir, an unreadable model
+      folder, a tokenizer larger than the model's vocabulary, or a bad config field (named).
+  """
+  del argv
+  from absl import flags
+
+  from ada_jax import loop  # Not at the top: loop imports this module.
+
+  fv = flags.FLAGS if flag_values is None else flag_values
+  if not fv.workdir:
+    raise ValueError("--workdir is required")
+  if (fv.hf_dir is None) == (fv.checkpoint is None):
+    raise ValueError("give exactly one of --hf_dir=PATH and --checkpoint=STEP")
+  if fv.config is not None:
+    cfg = config_lib.parse(fv.config)
+  else:
+    cfg = dataclasses.replace(config_lib.RunConfig(), eval=EvalConfig())
+  flags_ = {"benchmarks": fv.benchmarks, "k": fv.k, "limit": fv.limit}
+  config = dataclasses.replace(cfg.eval, **{k: v for k, v in flags_.items() if v is not None})
+  mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+  if fv.hf_dir is not None:
+    model_dir, hf_config = _resolve(fv.hf_dir, "--hf_dir")
+    spec = config_lib.ModelSpec(hf_dir=str(model_dir), dtype=cfg.model.dtype)
+    model_config = config_lib.model_config(spec, hf_config)
+    shardings = sharding.param_shardings(model_config, mesh)
+    _, params = weights.load_hf(model_dir, dtype=model_config.param_dtype, shardings=shardings)
+    tag = f"hf:{model_dir}:{_files_tag(model_dir)}"
+    name = f"hf_{pathlib.Path(fv.hf_dir).absolute().name}"
+  else:
+    model_dir = hf_config = None
+    if cfg.model.hf_dir:
+      model_dir, hf_config = _resolve(cfg.model.hf_dir, "config.model.hf_dir")
+    model_config = config_lib.model_config(cfg.model, hf_config)
+    directory = pathlib.Path(fv.checkpoint_dir or pathlib.Path(fv.workdir) / "checkpoints")
+    target = jax.tree.map(
+      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+      model_lib.param_shapes(model_config),
+      sharding.param_shardings(model_config, mesh),
+    )
+    params = checkpoint_lib.restore_params(directory.absolute() / str(fv.checkpoint), target)
+    tag, name = f"checkpoint:{directory.absolute()}:{fv.checkpoint}", f"step_{fv.checkpoint}"
+  tokenizer_spec = cfg.tokenizer
+  if fv.tokenizer_dir:
+    tokenizer_spec = dataclasses.replace(tokenizer_spec, dir=fv.tokenizer_dir)
+  tokenizer = loop.load_tokenizer(tokenizer_spec, model_dir)
+  if tokenizer.vocab_size > model_config.vocab_size:
+    raise ValueError(
+      f"the tokenizer has {tokenizer.vocab_size} ids, more than "
+      f"the model's vocab_size={model_config.vocab_size}"
+    )
+  return run(
+    config,
+    fv.workdir,
+    params=params,
+    model_config=model_config,
+    tokenizer=tokenizer,
+    model_tag=tag,
+    name=name,
+    mesh=mesh,
+  )
+
+
+if __name__ == "__main__":
+  from absl import app
+
+  define_flags()
+  app.run(lambda argv: main(argv) and None)  # app.run would sys.exit() a returned report

@@ -1,0 +1,281 @@
+"""Device mesh, the one logical-axis rule table, and placement of params, batches and caches.
+
+Every array in the system names its dimensions with logical axes: parameters carry them in
+`model.logical_axes` ('vocab', 'embed', 'heads', 'kv_heads', 'head_dim', 'mlp'),
+activations and batches use 'batch' and 'length'. `RULES` maps each logical name to mesh
+axes of a `Mesh` with axes ('data', 'fsdp', 'tensor') (DESIGN.md §4):
+
+* rows of batches, activations and KV caches are split over ('data', 'fsdp');
+* parameters are split over 'fsdp' along their model width (ZeRO-3 style, gathered by
+  XLA's SPMD partitioner where a matmul needs them) and over 'tensor' along heads, MLP
+  width and vocabulary (Megatron-style tensor parallelism).
+
+A dimension that its mesh axes do not divide evenly is replicated instead (e.g. the tiny
+test models have 2 kv heads, a mesh may have tensor=4), so any model runs on any mesh;
+only batch rows, whose split is a configuration choice, raise an error when they do not
+divide (`check_rows`).
+
+The mesh uses `AxisType.Auto`: shardings are given at the jit boundary (params, batch,
+cache) and XLA propagates them through the model, which carries no annotations of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ada_jax import model as model_lib
+from ada_jax.model import ModelConfig, Params
+
+AXES = ("data", "fsdp", "tensor")
+# Rows are split over every data-parallel axis: 'fsdp' shards parameters *and* rows.
+DATA_AXES = ("data", "fsdp")
+
+# Logical axis name -> mesh axis (or tuple of mesh axes), None = replicated. The one table.
+RULES: dict[str, str | tuple[str, ...] | None] = {
+  # activations and batches
+  "batch": DATA_AXES,
+  "length": None,
+  # parameters (names from model.logical_axes)
+  "vocab": "tensor",
+  "embed": "fsdp",
+  "heads": "tensor",
+  "kv_heads": "tensor",
+  "head_dim": None,
+  "mlp": "tensor",
+}
+
+
+def make_mesh(
+  data: int = 1, fsdp: int = 1, tensor: int = 1, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
+  """A `Mesh` with axes ('data', 'fsdp', 'tensor').
+
+  Args:
+    data, fsdp, tensor: axis sizes; one of them may be -1, meaning "all remaining devices".
+    devices: the devices to use (default: all devices of all processes).
+
+  Returns:
+    The mesh, with `AxisType.Auto` axes (sharding propagated by XLA from the jit boundary).
+
+  Raises:
+    ValueError: a size is 0 or below -1, more than one -1, or the sizes' product does not
+      equal the number of devices (the message names `mesh.data`, `mesh.fsdp`,
+      `mesh.tensor`).
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+  for name, size in sizes.items():
+    if not isinstance(size, int) or size == 0 or size < -1:
+      raise ValueError(f"mesh.{name} must be a positive int or -1, got {size!r}")
+  fill = [name for name, size in sizes.items() if size == -1]
+  if len(fill) > 1:
+    raise ValueError(f"only one mesh axis may be -1, got {fill} (mesh.{', mesh.'.join(fill)})")
+  known = math.prod(size for size in sizes.values() if size != -1)
+  if fill:
+    if len(devices) % known:
+      raise ValueError(
+        f"mesh.{fill[0]}=-1: {len(devices)} devices are not divisible by the "
+        f"other axes' product {known} ({_describe(sizes)})"
+      )
+    sizes[fill[0]] = len(devices) // known
+  if math.prod(sizes.values()) != len(devices):
+    raise ValueError(
+      f"mesh {_describe(sizes)} needs {math.prod(sizes.values())} devices, "
+      f"but there are {len(devices)}"
+    )
+  shape = tuple(sizes[a] for a in AXES)
+  return jax.make_mesh(
+    shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES), devices=devices
+  )
+
+
+def _describe(sizes: dict[str, int]) -> str:
+  return ", ".join(f"mesh.{name}={size}" for name, size in sizes.items())
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+  """How many ways batch rows are split: data × fsdp."""
+  return math.prod(mesh.shape[a] for a in DATA_AXES)
+
+
+def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> P:
+  """`PartitionSpec` for an array with logical `axes`, by `RULES`.
+
+  A dimension is replicated (None) when its mesh axes do not divide its size, when the
+  mesh axes have size 1, or when an earlier dimension already used one of them (a mesh
+  axis may appear once per spec).
+
+  Args:
+    axes: one logical name (or None) per dimension.
+    shape: the array's shape.
+    mesh: the mesh.
+
+  Raises:
+    ValueError: an unknown logical name, or len(axes) != len(shape).
+  """
+  if len(axes) != len(shape):
+    raise ValueError(f"logical axes {tuple(axes)} do not match shape {tuple(shape)}")
+  used: set[str] = set()
+  spec = []
+  for name, size in zip(axes, shape, strict=True):
+    if name is not None and name not in RULES:
+      raise ValueError(f"logical axis {name!r} has no sharding rule (known: {sorted(RULES)})")
+    target = RULES.get(name) if name is not None else None
+    mesh_axes = (target,) if isinstance(target, str) else tuple(target or ())
+    mesh_axes = tuple(a for a in mesh_axes if mesh.shape[a] > 1)
+    ways = math.prod(mesh.shape[a] for a in mesh_axes)
+    if not mesh_axes or size % ways or used & set(mesh_axes):
+      spec.append(None)
+      continue
+    used.update(mesh_axes)
+    spec.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+  return P(*spec)
+
+
+def param_specs(config: ModelConfig, mesh: Mesh) -> Params:
+  """`PartitionSpec` of every parameter (the params tree)."""
+  shapes = model_lib.param_shapes(config)
+  axes = model_lib.logical_axes(config)
+  return jax.tree.map(
+    lambda a, s: logical_to_spec(a, s.shape, mesh),
+    axes,
+    shapes,
+    is_leaf=lambda x: isinstance(x, tuple),
+  )
+
+
+def param_shardings(config: ModelConfig, mesh: Mesh) -> Params:
+  """`NamedSharding` of every parameter (the params tree), e.g. for `weights.load_hf`."""
+  return jax.tree.map(
+    lambda s: NamedSharding(mesh, s), param_specs(config, mesh), is_leaf=lambda x: isinstance(x, P)
+  )
+
+
+def place_params(params: Params, shardings: Params) -> Params:
+  """Puts (host or device) params onto their shardings (same tree structure)."""
+  return jax.device_put(params, shardings)
+
+
+def gather_embedding(params: Params, mesh: Mesh) -> Params:
+  """Inside jit: the input embedding table made whole along D (all-gathered over 'fsdp').
+
+  The token lookup is a gather, which XLA's SPMD partitioner cannot run on a table split
+  along D while the rows of the batch are split over that same 'fsdp' axis: it falls back
+  to replicating the activations ("involuntary full rematerialization"). Gathering the
+  table first, as FSDP does for every weight before use, keeps activations row-sharded;
+  in the backward pass the constraint's transpose reduce-scatters the table's gradient.
+
+  Args:
+    params: the params tree (`params['embed']` is `[V, D]`).
+    mesh: the mesh.
+
+  Returns:
+    The same tree with `embed` constrained to its spec without 'fsdp'.
+  """
+  table = params["embed"]
+  spec = logical_to_spec(("vocab", "embed"), table.shape, mesh)
+  whole = P(*(None if axis == "fsdp" else axis for axis in spec))
+  return {**params, "embed": jax.lax.with_sharding_constraint(table, NamedSharding(mesh, whole))}
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  """Sharding of scalars and other small replicated values."""
+  return NamedSharding(mesh, P())
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Rows over ('data', 'fsdp'), every other dimension replicated.
+
+  One sharding serves arrays of any rank >= 1 (a spec shorter than the rank replicates
+  the trailing dimensions), so it can be a pytree prefix for a whole batch.
+  """
+  return NamedSharding(mesh, P(_row_axes(mesh)))
+
+
+def _row_axes(mesh: Mesh) -> tuple[str, ...] | None:
+  axes = tuple(a for a in DATA_AXES if mesh.shape[a] > 1)
+  return axes or None
+
+
+def check_rows(rows: int, mesh: Mesh, what: str) -> None:
+  """Raises unless `rows` splits evenly over the data-parallel axes.
+
+  Args:
+    rows: number of batch rows.
+    mesh: the mesh.
+    what: the name of the configuration field or quantity, quoted in the error.
+
+  Raises:
+    ValueError: rows % (data × fsdp) != 0 (checked on the host, before any compile).
+  """
+  dp = data_parallel_size(mesh)
+  if rows % dp:
+    raise ValueError(
+      f"{what} ({rows} rows) is not divisible by the data-parallel size "
+      f"{dp} (mesh.data={mesh.shape['data']} × mesh.fsdp={mesh.shape['fsdp']})"
+    )
+
+
+def place_batch(batch: Any, mesh: Mesh, what: str = "batch") -> Any:
+  """Puts a host batch (pytree of numpy arrays with a leading row axis) onto the mesh.
+
+  Each process passes its own rows (`jax.make_array_from_process_local_data`); with one
+  process those are all rows. The global batch has `process_count` times the local rows.
+
+  Args:
+    batch: pytree of arrays `[rows, ...]`, the same `rows` for every leaf.
+    mesh: the mesh.
+    what: name quoted in errors.
+
+  Returns:
+    The same pytree of global `jax.Array`s sharded by `batch_sharding`.
+
+  Raises:
+    ValueError: leaves disagree on rows, or the global rows do not divide over data × fsdp.
+  """
+  leaves = [np.asarray(x) for x in jax.tree.leaves(batch)]
+  rows = {x.shape[0] if x.ndim else None for x in leaves}
+  if len(rows) != 1 or None in rows:
+    raise ValueError(f"{what}: every field needs the same leading row count, got {rows}")
+  check_rows(rows.pop() * jax.process_count(), mesh, what)
+  sharding = batch_sharding(mesh)
+  return jax.tree.map(
+    lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch
+  )
+
+
+def kv_cache_shardings(
+  config: ModelConfig, mesh: Mesh, batch: int, cache_len: int
+) -> model_lib.KVCache:
+  """Shardings of a `model.KVCache` of `batch` rows: rows over the data axes, kv heads
+  over 'tensor' (each replicated when not divisible), slots and head dim whole.
+
+  Returns:
+    A `KVCache` whose leaves are `NamedSharding`s (k/v per layer `[B, K, S, H]`,
+    mask `[B, S]`, index replicated).
+  """
+  kv = NamedSharding(
+    mesh,
+    logical_to_spec(
+      ("batch", "kv_heads", "length", "head_dim"),
+      (batch, config.num_kv_heads, cache_len, config.head_dim),
+      mesh,
+    ),
+  )
+  mask = NamedSharding(mesh, logical_to_spec(("batch", "length"), (batch, cache_len), mesh))
+  layers = (kv,) * config.num_layers
+  return model_lib.KVCache(k=layers, v=layers, mask=mask, index=replicated(mesh))
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None], mesh: Mesh) -> jax.Array:
+  """`with_sharding_constraint` of an activation by its logical axes (inside jit)."""
+  return jax.lax.with_sharding_constraint(
+    x, NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh))
+  )

@@ -1,0 +1,490 @@
+"""Policy update: train state, AdamW, and the sharded policy-gradient step (DESIGN.md §2, §4).
+
+`train_step` is a pure function doing ONE optimizer update on one mini-batch: the
+mini-batch is cut into micro-batches whose gradients are accumulated by `lax.scan` inside
+the jit, every micro-batch dividing its loss by the same whole-mini-batch normaliser (so
+`token-mean` is over all valid tokens of the global mini-batch, whatever the micro-batch
+size or device count). `make_train_step` jits it once over a mesh with explicit in/out
+shardings and a donated state; `update_policy` cuts an RL step's batch into k mini-batches
+(default 4, the released code's `ppo_mini_batch_size = B/4`) and runs k updates, fetching
+metrics to the host once.
+
+Batch layout on the mesh: rows over ('data', 'fsdp'). Micro-batch j of a mini-batch of b
+rows is rows {j, j+m, j+2m, ...} (m micro-batches): reshaping [b] to [b/m, m] keeps each
+device's contiguous block of rows local, so every micro-batch is spread evenly over all
+devices and the scan moves no data between them. This needs b/m divisible by data × fsdp;
+`check_batch_layout` says so before anything compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ada_jax import losses
+from ada_jax import model as model_lib
+from ada_jax import sharding as sharding_lib
+from ada_jax.losses import LossConfig
+from ada_jax.model import ModelConfig, Params
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  """AdamW with linear warm-up then a constant rate, after global-norm clipping.
+
+  Defaults: DESIGN.md §2 (the released code's verl settings).
+
+  Attributes:
+    learning_rate: peak learning rate.
+    warmup_steps: RL steps of linear warm-up: during RL step s < warmup_steps every update
+      uses learning_rate · (s + 1) / warmup_steps; 0 = no warm-up.
+    b1, b2, eps: Adam moments' decay rates and denominator epsilon.
+    weight_decay: decoupled weight decay (AdamW).
+    grad_clip: max global gradient norm; 0 disables clipping.
+  """
+
+  learning_rate: float = 1e-6
+  warmup_steps: int = 10
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 1e-8
+  weight_decay: float = 0.0
+  grad_clip: float = 1.0
+
+  def __post_init__(self):
+    if self.learning_rate <= 0:
+      raise ValueError(f"OptimConfig.learning_rate must be > 0, got {self.learning_rate}")
+    if self.warmup_steps < 0:
+      raise ValueError(f"OptimConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
+    if self.grad_clip < 0:
+      raise ValueError(f"OptimConfig.grad_clip must be >= 0, got {self.grad_clip}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """How one RL step's batch becomes optimizer updates.
+
+  Attributes:
+    loss: the policy loss.
+    optim: the optimizer.
+    num_minibatches: k, optimizer updates per RL step (the batch is cut into k
+      mini-batches of consecutive rows; 1 epoch).
+    micro_batch_size: rows per micro-batch (gradient accumulation inside the jit);
+      0 = the whole mini-batch at once.
+    remat: rematerialise each transformer block in the backward pass.
+  """
+
+  loss: LossConfig = LossConfig()
+  optim: OptimConfig = OptimConfig()
+  num_minibatches: int = 4
+  micro_batch_size: int = 0
+  remat: bool = False
+
+  def __post_init__(self):
+    if self.num_minibatches < 1:
+      raise ValueError(f"TrainConfig.num_minibatches must be >= 1, got {self.num_minibatches}")
+    if self.micro_batch_size < 0:
+      raise ValueError(f"TrainConfig.micro_batch_size must be >= 0, got {self.micro_batch_size}")
+
+
+@struct.dataclass
+class TrainState:
+  """Everything the policy update carries from step to step.
+
+  Attributes:
+    step: `int32[]`, optimizer updates done so far.
+    params: the policy parameters (tree of `model.init_params`, e.g.
+      `params['embed']` is `param_dtype[V, D]`).
+    opt_state: optax state of `make_optimizer` (Adam moments shaped like params, counts).
+    ref_params: frozen reference parameters for the KL term, or None.
+  """
+
+  step: jax.Array
+  params: Params
+  opt_state: optax.OptState
+  ref_params: Params | None = None
+
+
+@struct.dataclass
+class TrainBatch:
+  """One (mini-)batch of sequences, prompt and response in one row.
+
+  Attributes:
+    tokens: `int32[B, L]`, left-padded prompt then response then right padding.
+    positions: `int32[B, L]` RoPE positions.
+    attention_mask: `bool[B, L]`, True at real (prompt or response) tokens.
+    loss_mask: `bool[B, L]`, True at response tokens that carry the loss.
+    advantages: `float32[B]`, one per sequence.
+    old_logprobs: `float32[B, L]`, log-prob of `tokens[:, t]` under the sampling policy
+      (0 outside the response), aligned as `losses.token_logprobs`.
+    ref_logprobs: `float32[B, L]` under the reference policy, or None (then the KL term,
+      when enabled, is computed from `TrainState.ref_params`).
+  """
+
+  tokens: jax.Array
+  positions: jax.Array
+  attention_mask: jax.Array
+  loss_mask: jax.Array
+  advantages: jax.Array
+  old_logprobs: jax.Array
+  ref_logprobs: jax.Array | None = None
+
+  @property
+  def rows(self) -> int:
+    return self.tokens.shape[0]
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+
+def learning_rate_schedule(config: OptimConfig, updates_per_step: int = 1) -> optax.Schedule:
+  """Learning rate as a function of the optimizer update count.
+
+  Warm-up is counted in RL steps of `updates_per_step` updates each, so the k updates of
+  one RL step share one rate, and the first update already moves (rate lr / warmup_steps).
+  """
+  lr, warmup = config.learning_rate, config.warmup_steps
+  if warmup == 0:
+    return optax.constant_schedule(lr)
+
+  def schedule(count):
+    rl_step = count // updates_per_step
+    return lr * jnp.minimum(1.0, (rl_step + 1).astype(jnp.float32) / warmup)
+
+  return schedule
+
+
+def make_optimizer(config: OptimConfig, updates_per_step: int = 1) -> optax.GradientTransformation:
+  """Global-norm clip (if `grad_clip` > 0) then AdamW on `learning_rate_schedule`."""
+  adamw = optax.adamw(
+    learning_rate_schedule(config, updates_per_step),
+    b1=config.b1,
+    b2=config.b2,
+    eps=config.eps,
+    weight_decay=config.weight_decay,
+  )
+  if config.grad_clip:
+    return optax.chain(optax.clip_by_global_norm(config.grad_clip), adamw)
+  return adamw
+
+
+def _optimizer(config: TrainConfig) -> optax.GradientTransformation:
+  return make_optimizer(config.optim, config.num_minibatches)
+
+
+# ----------------------------------------------------------------------------- state
+
+
+def state_shardings(
+  model_config: ModelConfig, config: TrainConfig, mesh: Mesh, *, with_ref: bool = False
+) -> TrainState:
+  """`NamedSharding` of every `TrainState` leaf: Adam moments like their params, the
+  rest replicated."""
+  params = sharding_lib.param_shardings(model_config, mesh)
+  shapes = jax.eval_shape(lambda: _param_zeros(model_config))
+  opt_shapes = jax.eval_shape(_optimizer(config).init, shapes)
+  rep = sharding_lib.replicated(mesh)
+  opt = optax.tree_map_params(
+    _optimizer(config), lambda _, s: s, opt_shapes, params, transform_non_params=lambda _: rep
+  )
+  return TrainState(step=rep, params=params, opt_state=opt, ref_params=params if with_ref else None)
+
+
+def _param_zeros(model_config: ModelConfig) -> Params:
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), model_lib.param_shapes(model_config))
+
+
+def abstract_state(
+  model_config: ModelConfig, config: TrainConfig, mesh: Mesh, *, with_ref: bool = False
+) -> TrainState:
+  """`TrainState` of `jax.ShapeDtypeStruct`s carrying their shardings (a restore target)."""
+  shardings = state_shardings(model_config, config, mesh, with_ref=with_ref)
+  shapes = jax.eval_shape(lambda: _init_unplaced(model_config, config, with_ref))
+  return jax.tree.map(
+    lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
+  )
+
+
+def _init_unplaced(model_config, config, with_ref):
+  params = _param_zeros(model_config)
+  return TrainState(
+    step=jnp.zeros((), jnp.int32),
+    params=params,
+    opt_state=_optimizer(config).init(params),
+    ref_params=params if with_ref else None,
+  )
+
+
+def init_train_state(
+  model_config: ModelConfig,
+  config: TrainConfig,
+  params: Params,
+  mesh: Mesh,
+  *,
+  ref_params: Params | None = None,
+) -> TrainState:
+  """A fresh state (step 0, zero Adam moments) with every leaf on its sharding.
+
+  Args:
+    model_config: the architecture.
+    config: training configuration (its optimizer).
+    params: initial policy params (host or device arrays, any placement; copied).
+    mesh: the mesh.
+    ref_params: frozen reference params for the KL term, or None.
+  """
+  shardings = state_shardings(model_config, config, mesh, with_ref=ref_params is not None)
+  # Copies, never aliases: the jitted step donates the state, which must not delete the
+  # caller's arrays (nor hold one buffer twice when ref_params is params).
+  place = lambda tree, sh: jax.device_put(tree, sh, may_alias=False)
+  params = place(params, shardings.params)
+  if ref_params is not None:
+    ref_params = place(ref_params, shardings.ref_params)
+  opt_state = jax.jit(_optimizer(config).init, out_shardings=shardings.opt_state)(params)
+  step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
+  return TrainState(step=step, params=params, opt_state=opt_state, ref_params=ref_params)
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def check_batch_layout(rows: int, config: TrainConfig, mesh: Mesh) -> tuple[int, int]:
+  """Checks that an RL batch of `rows` splits into mini- and micro-batches over the mesh.
+
+  Call it on the host before the first step: a bad layout then fails with a message naming
+  the field instead of inside a compile.
+
+  Returns:
+    (mini-batch rows, micro-batches per mini-batch).
+
+  Raises:
+    ValueError: rows not divisible by `num_minibatches`, a mini-batch not divisible by
+      `micro_batch_size`, or a micro-batch not divisible by data × fsdp.
+  """
+  k = config.num_minibatches
+  if rows % k:
+    raise ValueError(
+      f"the RL batch ({rows} rows) is not divisible by TrainConfig.num_minibatches ({k})"
+    )
+  mini = rows // k
+  micro = config.micro_batch_size or mini
+  if mini % micro:
+    raise ValueError(
+      f"a mini-batch ({mini} rows = {rows} / num_minibatches {k}) is not "
+      f"divisible by TrainConfig.micro_batch_size ({micro})"
+    )
+  sharding_lib.check_rows(
+    micro, mesh, "a micro-batch (TrainConfig.micro_batch_size, or the mini-batch when it is 0)"
+  )
+  return mini, mini // micro
+
+
+def _micro_batches(x: jax.Array, num: int, mesh: Mesh | None) -> jax.Array:
+  """[b, ...] -> [num, b / num, ...], micro-batch j = rows j, j + num, ... (see module doc)."""
+  y = x.reshape(x.shape[0] // num, num, *x.shape[1:]).swapaxes(0, 1)
+  if mesh is None:
+    return y
+  spec = P(None, sharding_lib.batch_sharding(mesh).spec[0])
+  return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, spec))
+
+
+def loss_and_grads(
+  params: Params,
+  batch: TrainBatch,
+  *,
+  model_config: ModelConfig,
+  config: TrainConfig,
+  mesh: Mesh | None = None,
+  ref_params: Params | None = None,
+) -> tuple[jax.Array, Params, dict[str, jax.Array]]:
+  """The mini-batch loss and its gradient, accumulated over micro-batches by `lax.scan`.
+
+  Args:
+    params: the policy parameters.
+    batch: the mini-batch, `[b, L]` rows (b / micro-batches divisible by data × fsdp).
+    model_config: the architecture (static).
+    config: loss, micro-batch size, remat (static).
+    mesh: when given, micro-batches are constrained to stay spread over the data axes.
+    ref_params: reference params for the KL term when the batch has no `ref_logprobs`.
+
+  Returns:
+    (loss `f32[]`, grads (float32, the params tree), metric sums of `losses.policy_loss`
+    over the whole mini-batch).
+
+  Raises:
+    ValueError: rows not divisible by the micro-batch size, or the KL term is enabled but
+      neither reference log-probs nor params are given.
+  """
+  loss_cfg = config.loss
+  rows = batch.tokens.shape[0]
+  micro = config.micro_batch_size or rows
+  if rows % micro:  # shapes are static: this fires while tracing, before any compile
+    raise ValueError(
+      f"a mini-batch of {rows} rows is not divisible by TrainConfig.micro_batch_size ({micro})"
+    )
+  num_micro = rows // micro
+  # Computed over the whole mini-batch, so that micro-batches and devices share it.
+  normalizer = losses.loss_normalizer(batch.loss_mask, loss_cfg.aggregation)
+  need_ref = loss_cfg.kl_coeff > 0 and batch.ref_logprobs is None
+  if need_ref and ref_params is None:
+    raise ValueError(
+      "LossConfig.kl_coeff > 0 needs TrainBatch.ref_logprobs or TrainState.ref_params"
+    )
+
+  def micro_loss(params, mb: TrainBatch):
+    if mesh is not None:
+      params = sharding_lib.gather_embedding(params, mesh)
+    logprobs, entropy = losses.token_logprobs(
+      model_config, params, mb.tokens, mb.positions, mb.attention_mask, remat=config.remat
+    )
+    ref = mb.ref_logprobs
+    if need_ref:
+      ref_p = ref_params if mesh is None else sharding_lib.gather_embedding(ref_params, mesh)
+      ref, _ = losses.token_logprobs(
+        model_config, ref_p, mb.tokens, mb.positions, mb.attention_mask
+      )
+      ref = jax.lax.stop_gradient(ref)
+    return losses.policy_loss(
+      logprobs,
+      mb.old_logprobs,
+      mb.advantages,
+      mb.loss_mask,
+      config=loss_cfg,
+      normalizer=normalizer,
+      entropy=entropy,
+      ref_logprobs=ref,
+    )
+
+  grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+  stacked = jax.tree.map(lambda x: _micro_batches(x, num_micro, mesh), batch)
+  first = jax.tree.map(lambda x: x[0], stacked)
+  sums_shape = jax.eval_shape(lambda: grad_fn(params, first)[0][1])
+
+  def accumulate(carry, mb):
+    grads, loss, sums = carry
+    (mb_loss, mb_sums), mb_grads = grad_fn(params, mb)
+    grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads, mb_grads)
+    return (grads, loss + mb_loss, jax.tree.map(jnp.add, sums, mb_sums)), None
+
+  init = (
+    jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+    jnp.zeros((), jnp.float32),
+    jax.tree.map(jnp.zeros_like, sums_shape),
+  )
+  (grads, loss, sums), _ = jax.lax.scan(accumulate, init, stacked)
+  return loss, grads, sums
+
+
+def train_step(
+  state: TrainState,
+  batch: TrainBatch,
+  *,
+  model_config: ModelConfig,
+  config: TrainConfig,
+  mesh: Mesh | None = None,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One optimizer update on one mini-batch (pure; jit it with `make_train_step`).
+
+  Args:
+    state: the current state.
+    batch: the mini-batch, `[b, L]` rows (b / micro-batches divisible by data × fsdp).
+    model_config: the architecture (static).
+    config: loss, optimizer, micro-batch size, remat (static).
+    mesh: when given, micro-batches are constrained to stay spread over the data axes.
+
+  Returns:
+    (new state, metrics) where metrics are `f32[]` scalars: 'loss' (the mini-batch loss,
+    all terms), 'grad_norm' (global, before clipping), 'learning_rate', 'clip_frac',
+    'dual_clip_frac', 'approx_kl', 'entropy', 'pg_loss_token_mean', 'kl' (when enabled)
+    — token means over the global mini-batch — and 'tokens' (its valid response tokens).
+  """
+  loss, grads, sums = loss_and_grads(
+    state.params,
+    batch,
+    model_config=model_config,
+    config=config,
+    mesh=mesh,
+    ref_params=state.ref_params,
+  )
+  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+  updates, opt_state = _optimizer(config).update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  schedule = learning_rate_schedule(config.optim, config.num_minibatches)
+  metrics = losses.finalize_sums(sums)
+  metrics.update(
+    loss=loss,
+    grad_norm=optax.global_norm(grads),
+    learning_rate=jnp.asarray(schedule(state.step), jnp.float32),
+  )
+  return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def make_train_step(
+  model_config: ModelConfig, config: TrainConfig, mesh: Mesh, *, with_ref: bool = False
+) -> Callable[[TrainState, TrainBatch], tuple[TrainState, dict]]:
+  """`train_step` jitted once over `mesh`: state in/out on `state_shardings` (donated),
+  batch rows over ('data', 'fsdp'), metrics replicated.
+
+  The returned function compiles once per mini-batch shape; call `check_batch_layout`
+  first. After it, the old state's buffers are donated: use only the returned state.
+  """
+  shardings = state_shardings(model_config, config, mesh, with_ref=with_ref)
+  step = functools.partial(train_step, model_config=model_config, config=config, mesh=mesh)
+  return jax.jit(
+    step,
+    in_shardings=(shardings, sharding_lib.batch_sharding(mesh)),
+    out_shardings=(shardings, sharding_lib.replicated(mesh)),
+    donate_argnums=0,
+  )
+
+
+def split_minibatches(batch: Any, num: int) -> list[Any]:
+  """Cuts a host batch (pytree of arrays with leading rows) into `num` consecutive chunks.
+
+  Consecutive rows keep each prompt's group together, like verl's `data.split`.
+  """
+  rows = jax.tree.leaves(batch)[0].shape[0]
+  if rows % num:
+    raise ValueError(f"{rows} rows are not divisible into {num} mini-batches")
+  size = rows // num
+  return [jax.tree.map(lambda x, i=i: x[i * size : (i + 1) * size], batch) for i in range(num)]
+
+
+def update_policy(
+  step_fn: Callable, state: TrainState, batch: TrainBatch, *, config: TrainConfig, mesh: Mesh
+) -> tuple[TrainState, dict[str, float]]:
+  """One RL step's policy update: k = `num_minibatches` optimizer updates, 1 epoch.
+
+  Args:
+    step_fn: from `make_train_step`.
+    state: the current state (donated: use the returned one).
+    batch: this process's rows of the RL batch, as host (numpy) arrays.
+    config: the training configuration.
+    mesh: the mesh.
+
+  Returns:
+    (new state, metrics averaged over the k updates, 'tokens' summed), fetched to the
+    host once.
+
+  Raises:
+    ValueError: the batch does not split into mini- and micro-batches over the mesh.
+  """
+  rows = jax.tree.leaves(batch)[0].shape[0] * jax.process_count()
+  check_batch_layout(rows, config, mesh)
+  history = []
+  for mini in split_minibatches(batch, config.num_minibatches):
+    state, metrics = step_fn(state, sharding_lib.place_batch(mini, mesh, "mini-batch"))
+    history.append(metrics)
+  history = jax.device_get(history)
+  out = {name: float(np.mean([m[name] for m in history])) for name in history[0]}
+  out["tokens"] = float(np.sum([m["tokens"] for m in history]))
+  return state, out

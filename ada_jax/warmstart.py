@@ -1,0 +1,353 @@
+"""Supervised warm start: teacher-forced training on arithmetic before RL (DESIGN.md §6).
+
+RL from a random tiny model learns nothing (every group is all-wrong, so every advantage is
+zero). A short supervised phase on `ada_jax.arith` problems, in exactly the format the RL
+prompts and rewards use (prompt `<bos>12+345=`, response `\\boxed{357}<eos>`), gives a
+policy whose pass rates sit between 0 and 1 on the RL prompts. How far to train, and on
+which levels, is what `experiments/calibrate_arith.py` measures; the defaults of
+`WarmStartConfig` are its recommendation.
+
+Layout of a batch (the RL batch's layout, so positions match what RL will see): the prompt
+is left-padded to Lp, the response right-padded to Lr, T = Lp + Lr. The loss is the
+token-mean cross-entropy of the response tokens (including EOS) given everything before
+them; prompt tokens are inputs only, never targets.
+
+`sft_loss` and `sft_step` are pure; `supervised_warm_start` jits the step and runs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tqdm
+
+from ada_jax import arith
+from ada_jax import model as model_lib
+from ada_jax.model import ModelConfig, Params
+from ada_jax.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartConfig:
+  """The supervised warm start (defaults: the setting calibrate_arith.py recommends).
+
+  Attributes:
+    steps: optimizer updates.
+    batch_size: examples per update.
+    learning_rate: peak Adam learning rate.
+    warmup_steps: linear warm-up from 0 to the peak; afterwards cosine decay to
+      `final_lr_fraction` of the peak at the last step.
+    final_lr_fraction: learning rate at the last step, as a fraction of the peak.
+    weight_decay: decoupled weight decay (AdamW); 0 is plain Adam.
+    grad_clip: max global gradient norm; 0 disables clipping.
+    seed: seed of the training problems' draw.
+    task: the problems trained on (levels, level mix, operators); the held-out split is
+      never trained on.
+  """
+
+  steps: int = 600
+  batch_size: int = 64
+  learning_rate: float = 3e-3
+  warmup_steps: int = 50
+  final_lr_fraction: float = 0.1
+  weight_decay: float = 0.0
+  grad_clip: float = 1.0
+  seed: int = 0
+  task: arith.ArithConfig = arith.ArithConfig(levels=(1, 2, 3), ops=("+", "-"))
+
+  def __post_init__(self):
+    for name in ("steps", "batch_size"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"WarmStartConfig.{name} must be >= 1, got {getattr(self, name)}")
+    if self.learning_rate <= 0:
+      raise ValueError(f"WarmStartConfig.learning_rate must be > 0, got {self.learning_rate}")
+    if self.warmup_steps < 0:
+      raise ValueError(f"WarmStartConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
+    if not 0.0 <= self.final_lr_fraction <= 1.0:
+      raise ValueError(
+        f"WarmStartConfig.final_lr_fraction must be in [0, 1], got {self.final_lr_fraction}"
+      )
+    if self.weight_decay < 0 or self.grad_clip < 0:
+      raise ValueError(
+        f"WarmStartConfig.weight_decay ({self.weight_decay}) and grad_clip "
+        f"({self.grad_clip}) must be >= 0"
+      )
+
+
+# --------------------------------------------------------------------------- batches
+
+
+def encode_examples(
+  tokenizer: Tokenizer,
+  examples: Sequence[Mapping[str, str]],
+  *,
+  prompt_len: int | None = None,
+  response_len: int | None = None,
+) -> dict[str, np.ndarray]:
+  """Teacher-forcing arrays of arithmetic examples, prompt left-padded, response right-padded.
+
+  Args:
+    tokenizer: the arithmetic tokenizer (`arith.load_tokenizer()`).
+    examples: dicts with `problem` and `answer` (as `arith.examples` returns).
+    prompt_len: Lp; None = the longest prompt.
+    response_len: Lr; None = the longest response.
+
+  Returns:
+    numpy `tokens int32[B, T]`, `attention_mask bool[B, T]` (True at real tokens) and
+    `loss_mask bool[B, T]` (True at response tokens, EOS included: the targets), T = Lp + Lr.
+
+  Raises:
+    ValueError: no examples, an example without `problem`/`answer`, or a prompt/response
+      longer than `prompt_len`/`response_len`.
+  """
+  if not examples:
+    raise ValueError("encode_examples: no examples")
+  prompts, responses = [], []
+  for i, ex in enumerate(examples):
+    for field in ("problem", "answer"):
+      if field not in ex:
+        raise ValueError(f"examples[{i}] has no field {field!r}")
+    prompts.append(arith.prompt_ids(tokenizer, ex["problem"]))
+    responses.append(arith.response_ids(tokenizer, ex["answer"]))
+  lp = max(map(len, prompts)) if prompt_len is None else prompt_len
+  lr = max(map(len, responses)) if response_len is None else response_len
+  b = len(examples)
+  tokens = np.full((b, lp + lr), tokenizer.pad_id, np.int32)
+  attention = np.zeros((b, lp + lr), bool)
+  loss_mask = np.zeros((b, lp + lr), bool)
+  for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+    if len(p) > lp or len(r) > lr:
+      raise ValueError(
+        f"examples[{i}] ({examples[i]['problem']!r}): prompt of {len(p)} / response of "
+        f"{len(r)} tokens exceeds prompt_len={lp} / response_len={lr}"
+      )
+    tokens[i, lp - len(p) : lp] = p
+    tokens[i, lp : lp + len(r)] = r
+    attention[i, lp - len(p) : lp + len(r)] = True
+    loss_mask[i, lp : lp + len(r)] = True
+  return {"tokens": tokens, "attention_mask": attention, "loss_mask": loss_mask}
+
+
+# --------------------------------------------------------------------------- loss and step
+
+
+def masked_cross_entropy(
+  logits: jax.Array, tokens: jax.Array, loss_mask: jax.Array
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Token-mean next-token cross-entropy over the positions marked in `loss_mask`.
+
+  The logits at position t predict token t + 1; target t + 1 counts iff `loss_mask[:, t+1]`.
+
+  Args:
+    logits: `float32[B, T, V]`.
+    tokens: `int32[B, T]`.
+    loss_mask: `bool[B, T]`, True at the tokens to predict (never the first position).
+
+  Returns:
+    (loss `float32[]` in nats per target token, metrics: `token_accuracy` (argmax equals
+    target, over targets), `sequence_accuracy` (every target of a row right, over rows with
+    a target), `targets` (count)). An all-False mask gives loss 0.
+  """
+  logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+  targets = tokens[:, 1:]
+  weights = loss_mask[:, 1:].astype(jnp.float32)
+  nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+  count = weights.sum()
+  denom = jnp.maximum(count, 1.0)
+  right = (jnp.argmax(logp, -1) == targets).astype(jnp.float32)
+  has_target = weights.sum(-1) > 0
+  row_right = jnp.all((right > 0) | (weights == 0), axis=-1) & has_target
+  metrics = {
+    "token_accuracy": (right * weights).sum() / denom,
+    "sequence_accuracy": row_right.sum() / jnp.maximum(has_target.sum(), 1),
+    "targets": count,
+  }
+  return (nll * weights).sum() / denom, metrics
+
+
+def sft_loss(
+  config: ModelConfig, params: Params, batch: Mapping[str, jax.Array]
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Teacher-forced loss of one batch from `encode_examples` (see `masked_cross_entropy`)."""
+  positions = model_lib.positions_from_mask(batch["attention_mask"])
+  logits = model_lib.logits(config, params, batch["tokens"], positions, batch["attention_mask"])
+  return masked_cross_entropy(logits, batch["tokens"], batch["loss_mask"])
+
+
+def make_optimizer(config: WarmStartConfig) -> optax.GradientTransformation:
+  """Global-norm clipping then AdamW with linear warm-up and cosine decay."""
+  warmup = min(config.warmup_steps, config.steps)
+  schedule = optax.warmup_cosine_decay_schedule(
+    init_value=0.0,
+    peak_value=config.learning_rate,
+    warmup_steps=warmup,
+    decay_steps=max(config.steps, warmup + 1),
+    end_value=config.learning_rate * config.final_lr_fraction,
+  )
+  adam = optax.adamw(schedule, weight_decay=config.weight_decay)
+  if config.grad_clip > 0:
+    return optax.chain(optax.clip_by_global_norm(config.grad_clip), adam)
+  return adam
+
+
+def sft_step(
+  config: ModelConfig,
+  optimizer: optax.GradientTransformation,
+  params: Params,
+  opt_state: optax.OptState,
+  batch: Mapping[str, jax.Array],
+) -> tuple[Params, optax.OptState, dict[str, jax.Array]]:
+  """One supervised update (pure; jit with `config` and `optimizer` closed over).
+
+  Returns:
+    (new params, new optimizer state, metrics: `loss`, `grad_norm` (before clipping) and
+    those of `masked_cross_entropy`), metrics as scalars.
+  """
+  (loss, metrics), grads = jax.value_and_grad(
+    lambda p: sft_loss(config, p, batch), has_aux=True
+  )(params)
+  updates, opt_state = optimizer.update(grads, opt_state, params)
+  params = optax.apply_updates(params, updates)
+  return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads), **metrics}
+
+
+# --------------------------------------------------------------------------- driver
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_step(model_config: ModelConfig, config: WarmStartConfig):
+  """The jitted `sft_step` of a setting, cached so repeated warm starts compile once.
+
+  Callers pass `config` with `seed=0`: the seed only changes the data, not the function.
+  """
+  optimizer = make_optimizer(config)
+  step = jax.jit(
+    lambda p, s, b: sft_step(model_config, optimizer, p, s, b), donate_argnums=(0, 1)
+  )
+  return optimizer, step
+
+
+def _length_bounds(task: arith.ArithConfig, tokenizer: Tokenizer) -> tuple[int, int]:
+  """Static (Lp, Lr) that fit every problem of `task`: one compile for the whole run."""
+  d = max(task.levels)
+  answer_digits = max({"+": d + 1, "-": d, "*": 2 * d}[op] for op in task.ops)
+  prompt = len(arith.prompt_ids(tokenizer, arith.problem_text(10**d - 1, "+", 10**d - 1)))
+  response = len(arith.response_ids(tokenizer, "9" * answer_digits))
+  return prompt, response
+
+
+def supervised_warm_start(
+  model_config: ModelConfig,
+  params: Params,
+  tokenizer: Tokenizer,
+  task_config: arith.ArithConfig,
+  *,
+  steps: int,
+  batch_size: int,
+  learning_rate: float,
+  seed: int,
+  warmup_steps: int = 50,
+  final_lr_fraction: float = 0.1,
+  weight_decay: float = 0.0,
+  grad_clip: float = 1.0,
+  progress: bool = True,
+) -> tuple[Params, dict[str, Any]]:
+  """Trains `params` on `steps × batch_size` fresh training-split problems of `task_config`.
+
+  Deterministic for (inputs, seed): problems come from `arith.examples(task_config,
+  'train', steps * batch_size, seed=seed)` in order, and the update is a pure jitted
+  function (XLA CPU is deterministic run to run).
+
+  Args:
+    model_config: the architecture (its vocab must cover the tokenizer's).
+    params: initial parameters (e.g. `model.init_params`); not modified.
+    tokenizer: the arithmetic tokenizer.
+    task_config: problems to train on.
+    steps, batch_size, learning_rate, seed, warmup_steps, final_lr_fraction, weight_decay,
+      grad_clip: as in `WarmStartConfig`.
+    progress: show a tqdm bar with the running loss.
+
+  Returns:
+    (trained params, metrics): numpy `loss float32[steps]`, `token_accuracy float32[steps]`,
+    `sequence_accuracy float32[steps]` (teacher-forced, per step), `grad_norm
+    float32[steps]`, `wall_s` (seconds, compile included), `examples` (count).
+
+  Raises:
+    ValueError: bad step/batch/lr values (named as `WarmStartConfig` fields), or a
+      tokenizer larger than the model's vocabulary.
+  """
+  config = WarmStartConfig(
+    steps=steps,
+    batch_size=batch_size,
+    learning_rate=learning_rate,
+    warmup_steps=warmup_steps,
+    final_lr_fraction=final_lr_fraction,
+    weight_decay=weight_decay,
+    grad_clip=grad_clip,
+    seed=seed,
+    task=task_config,
+  )
+  if tokenizer.vocab_size > model_config.vocab_size:
+    raise ValueError(
+      f"ModelConfig.vocab_size ({model_config.vocab_size}) is smaller than the tokenizer's "
+      f"({tokenizer.vocab_size})"
+    )
+  start = time.perf_counter()
+  lp, lr = _length_bounds(task_config, tokenizer)
+  examples = arith.examples(task_config, "train", steps * batch_size, seed=seed)
+  data = encode_examples(tokenizer, examples, prompt_len=lp, response_len=lr)
+  optimizer, step_fn = _jitted_step(model_config, dataclasses.replace(config, seed=0))
+  # Copy so that donation never invalidates the caller's arrays.
+  params = jax.tree.map(jnp.array, params)
+  opt_state = optimizer.init(params)
+  history = []
+  bar = tqdm.trange(steps, desc="warm start", disable=not progress, leave=False)
+  for i in bar:
+    rows = slice(i * batch_size, (i + 1) * batch_size)
+    params, opt_state, metrics = step_fn(params, opt_state, {k: v[rows] for k, v in data.items()})
+    history.append(metrics)
+    # Fetching one scalar now and then keeps the bar honest without a sync per step.
+    if progress and (i % 50 == 0 or i == steps - 1):
+      bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
+  history = jax.device_get(history)
+  out = {
+    key: np.asarray([h[key] for h in history], np.float32)
+    for key in ("loss", "token_accuracy", "sequence_accuracy", "grad_norm")
+  }
+  out["wall_s"] = time.perf_counter() - start
+  out["examples"] = steps * batch_size
+  return params, out
+
+
+def warm_start(
+  model_config: ModelConfig,
+  params: Params,
+  tokenizer: Tokenizer,
+  config: WarmStartConfig,
+  *,
+  progress: bool = True,
+) -> tuple[Params, dict[str, Any]]:
+  """`supervised_warm_start` with every setting taken from a `WarmStartConfig`."""
+  return supervised_warm_start(
+    model_config,
+    params,
+    tokenizer,
+    config.task,
+    steps=config.steps,
+    batch_size=config.batch_size,
+    learning_rate=config.learning_rate,
+    seed=config.seed,
+    warmup_steps=config.warmup_steps,
+    final_lr_fraction=config.final_lr_fraction,
+    weight_decay=config.weight_decay,
+    grad_clip=config.grad_clip,
+    progress=progress,
+  )

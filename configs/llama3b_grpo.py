@@ -1,0 +1,14 @@
+"""GRPO (n = 4) baseline of `llama3b_pos.py` (Llama-3.2-3B-Instruct, paper settings).
+
+  python -m ada_jax.main --config=configs/llama3b_grpo.py --workdir=gs://BUCKET/runs/l3b_grpo
+"""
+
+import ml_collections
+
+from configs import llama3b_pos
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = llama3b_pos.get_config()
+  c.ada.method = "grpo"
+  return c

@@ -1,0 +1,14 @@
+"""GRPO (n = 4) baseline of `qwen_math7b_pos.py`.
+
+  python -m ada_jax.main --config=configs/qwen_math7b_grpo.py --workdir=gs://BUCKET/runs/q7b_grpo
+"""
+
+import ml_collections
+
+from configs import qwen_math7b_pos
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = qwen_math7b_pos.get_config()
+  c.ada.method = "grpo"
+  return c

@@ -1,0 +1,269 @@
+"""Run-state checkpoints: exact round trip, keep-last-k, resume order, SIGTERM, kill -9."""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ada_jax import checkpoint, sharding, train, weights
+from ada_jax import model as model_lib
+
+CONFIG = model_lib.preset("tiny-llama")
+TRAIN = train.TrainConfig()
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _state(mesh, shift=0.0, ref=False):
+  """A train state whose every leaf differs from a fresh one (moments, counts, params)."""
+  params = model_lib.init_params(CONFIG, jax.random.key(0))
+  state = train.init_train_state(CONFIG, TRAIN, params, mesh, ref_params=params if ref else None)
+  bump = lambda x: x + (shift + 0.25) if jnp.issubdtype(x.dtype, jnp.floating) else x + 3
+  return jax.tree.map(bump, state)
+
+
+def _est(size, seed=0):
+  rng = np.random.default_rng(seed)
+  return {
+    "keys": np.sort(rng.integers(-(2**62), 2**62, size)).astype(np.int64),
+    "pos": rng.random(size) * 5,
+    "tot": rng.random(size) * 9 + 1 / 3,
+  }
+
+
+def _assert_tree_equal(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_round_trip_is_exact_and_keeps_last_k(tmp_path, async_save):
+  mesh = sharding.make_mesh(2, 2, 2)
+  manager = checkpoint.make_manager(
+    tmp_path / "ckpt", checkpoint.CheckpointConfig(keep=2, async_save=async_save)
+  )
+  gen = np.random.default_rng(7)
+  gen.random(5)
+  saved = {}
+  for step, size in [(1, 0), (2, 3), (3, 5)]:  # Est state grows between saves, from empty
+    run = checkpoint.RunState(
+      train=_state(mesh, shift=step),
+      rng=jax.random.split(jax.random.key(step))[1],
+      est=_est(size, step),
+      host={"rl_step": step, "data_pos": 10 * step, "gen": checkpoint.generator_state(gen)},
+    )
+    assert checkpoint.save(manager, step, run)
+    saved[step] = run
+    if step == 1:  # the empty Est state round-trips too (before keep=2 deletes step 1)
+      manager.wait_until_finished()
+      back = checkpoint.restore(manager, train.abstract_state(CONFIG, TRAIN, mesh), 1)
+      assert back.est["keys"].shape == (0,) and back.est["keys"].dtype == np.int64
+  assert not checkpoint.save(manager, 3, saved[3])  # already there: no second write
+  checkpoint.close(manager)
+
+  manager = checkpoint.make_manager(tmp_path / "ckpt")
+  assert manager.all_steps() == [2, 3] and manager.latest_step() == 3
+  target = train.abstract_state(CONFIG, TRAIN, mesh)
+  for step in (2, 3):
+    back = checkpoint.restore(manager, target, step)
+    want = saved[step]
+    _assert_tree_equal(back.train, want.train)
+    shard = lambda t: jax.tree.map(lambda x: x.sharding, t)
+    assert shard(back.train) == shard(target)
+    assert back.rng.dtype == want.rng.dtype  # a typed key with its impl
+    np.testing.assert_array_equal(jax.random.key_data(back.rng), jax.random.key_data(want.rng))
+    assert back.est.keys() == want.est.keys()
+    for name in want.est:
+      assert back.est[name].dtype == want.est[name].dtype
+      np.testing.assert_array_equal(back.est[name], want.est[name])
+    assert back.host["rl_step"] == step and back.host["data_pos"] == 10 * step
+  restored_gen = checkpoint.generator_from_state(back.host["gen"])
+  np.testing.assert_array_equal(restored_gen.random(4), gen.random(4))
+  assert checkpoint.restore(manager, target).host["rl_step"] == 3  # default: latest
+  with pytest.raises(FileNotFoundError, match="no checkpoint 1"):
+    checkpoint.restore(manager, target, 1)
+  with pytest.raises(ValueError, match="reference params"):
+    checkpoint.restore(manager, train.abstract_state(CONFIG, TRAIN, mesh, with_ref=True))
+  manager.close()
+
+
+def test_reference_params_and_no_est(tmp_path):
+  mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  run = checkpoint.RunState(train=_state(mesh, ref=True), rng=jnp.asarray([1, 2], jnp.uint32))
+  manager = checkpoint.make_manager(tmp_path)
+  checkpoint.save(manager, 4, run)
+  back = checkpoint.restore(manager, train.abstract_state(CONFIG, TRAIN, mesh, with_ref=True))
+  _assert_tree_equal(back.train, run.train)
+  assert back.est is None and back.host == {}
+  np.testing.assert_array_equal(back.rng, [1, 2])  # a raw uint32 key stays raw
+  manager.close()
+
+
+def test_resume_order(tmp_path):
+  mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  target = train.abstract_state(CONFIG, TRAIN, mesh)
+  fresh_params = model_lib.init_params(CONFIG, jax.random.key(1))
+
+  def start(params):
+    params = fresh_params if params is None else params
+    return checkpoint.RunState(
+      train=train.init_train_state(CONFIG, TRAIN, params, mesh),
+      rng=jax.random.key(0),
+      host={"rl_step": 0},
+    )
+
+  other = checkpoint.make_manager(tmp_path / "other")
+  other_run = checkpoint.RunState(
+    train=_state(mesh, shift=1.0), rng=jax.random.key(5), host={"rl_step": 9}
+  )
+  checkpoint.save(other, 9, other_run)
+  other.close()
+  hf = tmp_path / "hf"
+  checkpoint.export_hf(CONFIG, jax.tree.map(lambda x: x * 2, fresh_params), hf)
+
+  # 1. the run's own latest checkpoint wins over everything else.
+  run, source = checkpoint.resume(
+    checkpoint.make_manager(tmp_path / "other"),
+    target,
+    start=start,
+    init_from=str(hf),
+    pretrained=str(hf),
+  )
+  assert source == "checkpoint:9" and run.host["rl_step"] == 9
+  # 2. init_from: another run's params, fresh optimizer and step.
+  run, source = checkpoint.resume(
+    checkpoint.make_manager(tmp_path / "a"),
+    target,
+    start=start,
+    init_from=str(tmp_path / "other"),
+    pretrained=str(hf),
+  )
+  assert source.startswith("init_from:") and int(run.train.step) == 0
+  _assert_tree_equal(run.train.params, other_run.train.params)
+  # 3. pretrained Hugging Face weights (the exported folder), on the target shardings.
+  run, source = checkpoint.resume(
+    checkpoint.make_manager(tmp_path / "b"), target, start=start, pretrained=str(hf)
+  )
+  assert source == f"pretrained:{hf}"
+  _assert_tree_equal(run.train.params, jax.tree.map(lambda x: x * 2, fresh_params))
+  # 4. from scratch.
+  run, source = checkpoint.resume(checkpoint.make_manager(tmp_path / "c"), target, start=start)
+  assert source == "scratch"
+  _assert_tree_equal(run.train.params, fresh_params)
+  with pytest.raises(weights.CheckpointError, match="no_such_weights: no such folder"):
+    checkpoint.resume(
+      checkpoint.make_manager(tmp_path / "d"),
+      target,
+      start=start,
+      pretrained=str(tmp_path / "no_such_weights"),
+    )
+  with pytest.raises(FileNotFoundError, match="init_from"):
+    checkpoint.resume(
+      checkpoint.make_manager(tmp_path / "e"), target, start=start, init_from=str(tmp_path / "c")
+    )
+
+
+def test_bad_config_names_the_field():
+  with pytest.raises(ValueError, match="CheckpointConfig.keep"):
+    checkpoint.CheckpointConfig(keep=0)
+  with pytest.raises(ValueError, match="unknown bit_generator"):
+    checkpoint.generator_from_state({"bit_generator": "NoSuchGen"})
+
+
+# A worker process: saves steps in a tight loop (params = base + step); SIGTERM makes it
+# save the current step and exit 0 at the next step boundary.
+_WORKER = textwrap.dedent("""
+  import sys, time
+  import jax
+  from ada_jax import checkpoint, model, sharding, train
+  config = model.preset("tiny-llama")
+  mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  base = model.init_params(config, jax.random.key(0))
+  manager = checkpoint.make_manager(sys.argv[1])
+  stop = checkpoint.install_sigterm_handler()
+  every = int(sys.argv[2])
+  state = train.init_train_state(config, train.TrainConfig(), base, mesh)
+  step = 0
+  print("ready", flush=True)
+  while True:
+    step += 1
+    time.sleep(0.01)  # the "training" of one step
+    run = checkpoint.RunState(
+      train=state.replace(params=jax.tree.map(lambda x: x + step, base)),
+      rng=jax.random.key(step), host={"rl_step": step})
+    if checkpoint.stop_requested(stop):
+      checkpoint.save(manager, step, run)
+      checkpoint.close(manager)
+      print("preempted", step, flush=True)
+      break
+    if step % every == 0:
+      checkpoint.save(manager, step, run)
+      print("saved", step, flush=True)
+""")
+
+
+def _start_worker(tmp_path, every):
+  script = tmp_path / "worker.py"
+  script.write_text(_WORKER)
+  env = dict(os.environ, PYTHONPATH=str(REPO))
+  log = open(tmp_path / "worker.log", "w")  # noqa: SIM115 (the process owns it)
+  return subprocess.Popen(
+    [sys.executable, str(script), str(tmp_path / "ckpt"), str(every)],
+    stdout=subprocess.PIPE,
+    stderr=log,
+    text=True,
+    env=env,
+  )
+
+
+def _restored_step(tmp_path):
+  mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  manager = checkpoint.make_manager(tmp_path / "ckpt")
+  run = checkpoint.restore(manager, train.abstract_state(CONFIG, TRAIN, mesh))
+  manager.close()
+  step = run.host["rl_step"]
+  base = model_lib.init_params(CONFIG, jax.random.key(0))
+  _assert_tree_equal(run.train.params, jax.tree.map(lambda x: x + step, base))
+  np.testing.assert_array_equal(
+    jax.random.key_data(run.rng), jax.random.key_data(jax.random.key(step))
+  )
+  return step
+
+
+def test_sigterm_saves_and_exits_zero(tmp_path):
+  proc = _start_worker(tmp_path, every=10_000)  # no periodic save: only the SIGTERM one
+  assert proc.stdout.readline().strip() == "ready"
+  time.sleep(0.5)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=120)
+  log = (tmp_path / "worker.log").read_text()[-3000:]
+  assert proc.returncode == 0, log
+  assert out.strip().startswith("preempted"), (out, log)
+  step = int(out.split()[-1])
+  assert _restored_step(tmp_path) == step
+
+
+def test_kill_9_mid_save_leaves_the_last_complete_checkpoint(tmp_path):
+  proc = _start_worker(tmp_path, every=1)  # saving nearly all the time
+  assert proc.stdout.readline().strip() == "ready"
+  saved = []
+  while len(saved) < 4:
+    saved.append(int(proc.stdout.readline().split()[1]))
+  time.sleep(0.03)
+  proc.send_signal(signal.SIGKILL)
+  proc.communicate(timeout=60)
+  step = _restored_step(tmp_path)  # a complete checkpoint, never a torn one
+  assert step >= saved[-1]
+  manager = checkpoint.make_manager(tmp_path / "ckpt")  # and the run can go on saving
+  mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  checkpoint.save(manager, step + 1, checkpoint.RunState(train=_state(mesh), rng=jax.random.key(0)))
+  assert manager.latest_step() == step + 1
+  manager.close()

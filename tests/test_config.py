@@ -1,0 +1,51 @@
+"""Every experiment config loads and parses; the parser names bad fields."""
+
+import pathlib
+
+import pytest
+from ml_collections import config_flags
+
+from ada_jax import config as config_lib
+from configs import common, tiny_arith_pos
+
+CONFIGS = sorted(p for p in (pathlib.Path(__file__).resolve().parents[1] / "configs").glob("*.py")
+                 if p.name not in ("__init__.py", "common.py"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_every_config_parses(path):
+  cfg = config_flags.config_flags._LoadConfigModule(path.stem, str(path)).get_config()
+  run = config_lib.parse(cfg)
+  assert run.train_rows % run.train.num_minibatches == 0
+
+
+def test_paper_hyper_parameters_are_the_defaults():
+  cfg = common.get_config()
+  cfg.model.preset = "llama-3.2-3b"
+  run = config_lib.parse(cfg)
+  assert (run.ada.n, run.ada.samples_per_round, run.ada.max_rounds) == (4, 8, 4)
+  assert (run.loss.clip_low, run.loss.clip_high, run.loss.dual_clip) == (0.2, 0.28, 10.0)
+  assert run.optim.learning_rate == 1e-6 and run.rl.batch_prompts == 512
+  assert run.sampler.max_new_tokens == 2048 and run.data.max_prompt_tokens == 1024
+
+
+@pytest.mark.parametrize("group,key,value,match", [
+    ("sampler", "temprature", 1.0, r"config\.sampler\.temprature: unknown field"),
+    ("ada", "samples_per_round", 0, r"config\.ada"),
+    ("optim", "learning_rate", -1.0, r"config\.optim.*learning_rate"),
+    ("model", "preset", "gpt-9", r"model\.preset"),
+])
+def test_bad_field_is_named(group, key, value, match):
+  cfg = tiny_arith_pos.get_config().to_dict()
+  cfg[group][key] = value
+  with pytest.raises(ValueError, match=match):
+    config_lib.parse(cfg)
+
+
+def test_unknown_group_and_indivisible_minibatches():
+  cfg = tiny_arith_pos.get_config().to_dict()
+  with pytest.raises(ValueError, match=r"config\.optimizer: unknown group"):
+    config_lib.parse({**cfg, "optimizer": {}})
+  cfg["train"]["num_minibatches"] = 3
+  with pytest.raises(ValueError, match=r"config\.train\.num_minibatches"):
+    config_lib.parse(cfg)

@@ -1,0 +1,229 @@
+"""Tests of ada_jax.evaluate (reports and the CLI): the Markdown table, and end-to-end CLI
+runs on a tiny random Llama (real Llama 3 tokenizer, MATH500) and on the arithmetic task,
+with full experiment configs built on `configs/common.py` as the training runs use."""
+
+import dataclasses
+import json
+import pathlib
+import sys
+
+import jax
+import pytest
+from absl import flags
+
+from ada_jax import arith, evaluate, sampler
+from ada_jax import model as model_lib
+
+# The config files below import `configs.common`, as experiment files run with `python -m`
+# from the repository root do.
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+
+
+def test_markdown_table_lists_benchmarks_and_weighted_average():
+  results = {
+    "a": {"avg@2": 0.75, "pass@2": 1.0, "response_tokens": 2.0, "num_problems": 2},
+    "b": {"avg@2": 0.0, "pass@2": 0.0, "response_tokens": 2.4, "num_problems": 2},
+    "average": {"avg@2": 0.375, "pass@2": 0.5, "response_tokens": 2.2, "num_problems": 4},
+  }
+  table = evaluate.markdown_table(results, "t")
+  assert table.startswith("### t\n")
+  assert "| benchmark | problems | avg@2 | pass@2 | mean tokens |" in table
+  assert "| a | 2 | 75.0 | 100.0 | 2 |" in table
+  assert "| **weighted average** | 4 | 37.5 | 50.0 | 2 |" in table
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _cli(argv):
+  fv = flags.FlagValues()
+  argv = ["evaluate", *argv]
+  evaluate.define_flags(fv, sys_argv=argv)
+  fv(argv)
+  return evaluate.main([], fv)
+
+
+def _write_config(path, **groups):
+  """An experiment config file: `configs.common` with the given group fields replaced (a
+  dict value becomes a ConfigDict)."""
+  lines = ["import ml_collections", "from configs import common", "", "def get_config():"]
+  lines.append("  c = common.get_config()")
+  for group, fields in groups.items():
+    for key, value in fields.items():
+      value = f"ml_collections.ConfigDict({value!r})" if isinstance(value, dict) else repr(value)
+      lines.append(f"  c.{group}.{key} = {value}")
+  path.write_text("\n".join([*lines, "  return c", ""]))
+  return path
+
+
+def test_bad_config_or_flags_are_named_before_any_model_is_loaded(tmp_path):
+  work = f"--workdir={tmp_path / 'work'}"
+  cfg = _write_config(tmp_path / "cfg.py", model={"preset": "tiny-llama"}, eval={"kk": 3})
+  with pytest.raises(ValueError, match=r"config\.eval\.kk"):
+    _cli([f"--config={cfg}", work, "--checkpoint=1"])
+  cfg = _write_config(tmp_path / "cfg.py", model={"preset": "tiny-llama"})
+  with pytest.raises(ValueError, match=r"eval\.benchmarks=.*'mmlu'"):
+    _cli([f"--config={cfg}", work, "--checkpoint=1", "--benchmarks=arith,mmlu"])
+  with pytest.raises(ValueError, match="exactly one of --hf_dir"):
+    _cli([f"--config={cfg}", work])
+  with pytest.raises(ValueError, match="--workdir"):
+    _cli([f"--config={cfg}", "--checkpoint=1"])
+  with pytest.raises(ValueError, match="--hf_dir: .*no such folder"):
+    _cli([work, f"--hf_dir={tmp_path / 'missing'}"])
+
+
+LLAMA3_TEMPLATE = (
+  "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
+  "<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+  "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+@pytest.mark.slow
+def test_math500_tiny_llama_cli_writes_reports_and_resumes(shared_dir, tmp_path, monkeypatch):
+  from ada_jax import weights
+
+  folder = tmp_path / "tiny-llama3"
+  mc = model_lib.ModelConfig(
+    family="llama",
+    vocab_size=128_256,
+    embed_dim=32,
+    mlp_dim=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    rope_scaling=model_lib.RopeScaling(factor=32.0),
+    tie_embeddings=True,
+  )
+  weights.save_hf(mc, model_lib.init_params(mc, jax.random.key(1)), folder)
+  (folder / "tokenizer.json").symlink_to(shared_dir / "tokenizers" / "llama3" / "tokenizer.json")
+  (folder / "tokenizer_config.json").write_text(
+    json.dumps(
+      {
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|eot_id|>",
+        "chat_template": LLAMA3_TEMPLATE,
+      }
+    )
+  )
+  (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [128001, 128009]}))
+  eval_fields = dict(
+    benchmarks=("math500",),
+    k=4,
+    max_new_tokens=64,
+    limit=16,
+    chunk_rows=32,
+    problems_per_batch=8,
+    prompt_buckets=(512,),
+    max_prompt_tokens=512,
+    verifier_workers=1,
+    manual_dir=str(shared_dir / "data"),
+    data_dir=str(tmp_path / "tfds"),
+  )
+  config = _write_config(
+    tmp_path / "cfg.py", model={"hf_dir": str(folder), "dtype": "float32"}, eval=eval_fields
+  )
+  workdir = tmp_path / "work"
+  argv = [f"--config={config}", f"--workdir={workdir}", f"--hf_dir={folder}"]
+
+  calls = {"n": 0, "fail": 2}
+  generate = sampler.Sampler.generate
+
+  def counted(self, *args, **kwargs):
+    calls["n"] += 1
+    if calls["n"] == calls["fail"]:
+      raise KeyboardInterrupt("simulated interruption")
+    return generate(self, *args, **kwargs)
+
+  monkeypatch.setattr(sampler.Sampler, "generate", counted)
+  with pytest.raises(KeyboardInterrupt):
+    _cli(argv)
+  cache = workdir / "eval" / "cache.jsonl"
+  assert len(cache.read_text().splitlines()) == 8  # the first batch of 8 problems
+  assert not (workdir / "eval" / "hf_tiny-llama3.json").exists()
+
+  calls.update(n=0, fail=None)
+  report = _cli(argv)
+  assert calls["n"] == 1  # only the unfinished batch
+  saved = json.loads((workdir / "eval" / "hf_tiny-llama3.json").read_text())
+  assert saved["results"] == report["results"]
+  m = report["results"]["math500"]
+  assert m["num_problems"] == 16 and 0.0 <= m["avg@4"] <= m["pass@4"] <= 1.0
+  assert 1 <= m["response_tokens"] <= 64
+  assert report["settings"]["k"] == 4 and report["model"].startswith(f"hf:{folder}")
+  assert report["dropped_over_max_prompt_tokens"] == {"math500": 0}
+  assert "| math500 | 16 |" in (workdir / "eval" / "hf_tiny-llama3.md").read_text()
+  lines = [json.loads(line) for line in cache.read_text().splitlines()]
+  assert len(lines) == 16 and all(len(r["rewards"]) == 4 for r in lines)
+  assert [r["prompt_id"] for r in lines][:2] == [
+    "math500/test/precalculus/807.json",
+    "math500/test/intermediate_algebra/1994.json",
+  ]
+
+  calls.update(n=0)
+  assert _cli(argv)["results"] == report["results"]
+  assert calls["n"] == 0
+
+
+def test_arith_from_orbax_checkpoint_equals_hf_folder(tmp_path):
+  """The held-out arithmetic split on a random tiny model, loaded three ways: --checkpoint
+  with the architecture from `model.preset` + `model.overrides` (the built-in arithmetic
+  tokenizer), --checkpoint with it from `model.hf_dir`, and --hf_dir; all give the same
+  numbers. --benchmarks, --k and --limit override the config's `eval` group."""
+  from ada_jax import checkpoint, sharding, train, weights
+
+  tok = arith.load_tokenizer()
+  mc = model_lib.ModelConfig(
+    family="llama",
+    vocab_size=tok.vocab_size,
+    embed_dim=32,
+    mlp_dim=64,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+  )
+  params = model_lib.init_params(mc, jax.random.key(3))
+  folder = tmp_path / "hf"
+  weights.save_hf(mc, params, folder)
+  for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    (folder / name).write_text((arith.TOKENIZER_DIR / name).read_text())
+  mesh = sharding.make_mesh(devices=jax.devices()[:1])
+  state = train.init_train_state(mc, train.TrainConfig(), params, mesh)
+  manager = checkpoint.make_manager(tmp_path / "work" / "checkpoints")
+  checkpoint.save(manager, 3, checkpoint.RunState(train=state, rng=jax.random.key(0)))
+  checkpoint.close(manager)
+  eval_fields = dict(
+    k=2,  # --k=4 below
+    max_new_tokens=12,
+    arith_problems=64,  # --limit=24 below
+    arith_levels=(1, 2),
+    chunk_rows=32,
+    problems_per_batch=16,
+    prompt_buckets=(16,),
+    max_prompt_tokens=16,
+    verifier_workers=1,
+    greedy=True,
+  )
+  arch = {f.name: getattr(mc, f.name) for f in dataclasses.fields(mc)}
+  arch = {k: v for k, v in arch.items() if k not in ("dtype", "param_dtype")}
+  preset = {"preset": "tiny-llama", "dtype": "float32", "overrides": arch}
+  cfg_preset = _write_config(tmp_path / "preset.py", model=preset, eval=eval_fields)
+  hf = {"hf_dir": str(folder), "dtype": "float32"}
+  cfg_hf = _write_config(tmp_path / "hf.py", model=hf, eval=eval_fields)
+  work = tmp_path / "work"
+  flags_ = [f"--workdir={work}", "--benchmarks=arith", "--k=4", "--limit=24"]
+  from_ckpt = _cli([f"--config={cfg_preset}", *flags_, "--checkpoint=3"])
+  from_hf = _cli([f"--config={cfg_hf}", *flags_, f"--hf_dir={folder}"])
+  assert (work / "eval" / "step_3.json").exists() and (work / "eval" / "hf_hf.md").exists()
+  assert from_ckpt["model"] != from_hf["model"]  # cached apart, computed twice
+  m = from_ckpt["results"]["arith"]
+  assert m == from_hf["results"]["arith"]
+  assert m["num_problems"] == 24 and set(m) >= {"avg@4", "pass@4", "greedy"}
+  settings = from_ckpt["settings"]
+  assert settings["k"] == 4 and settings["benchmarks"] == ("arith",) and settings["limit"] == 24
+  # Architecture and tokenizer from model.hf_dir; the results come from the cache.
+  assert _cli([f"--config={cfg_hf}", *flags_, "--checkpoint=3"])["results"] == from_ckpt["results"]

@@ -1,0 +1,165 @@
+"""The main job end to end on a tiny arithmetic config: metrics, checkpoints, compiles,
+resume after kill -9, SIGTERM, bad configs."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import ml_collections
+import numpy as np
+import pytest
+
+from ada_jax import loop
+from configs import tiny_arith_pos
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def tiny_config(steps: int = 4) -> ml_collections.ConfigDict:
+  """tiny_arith_pos shrunk to seconds: 2-layer d=32 model, 8 prompts, short warm start."""
+  c = tiny_arith_pos.get_config()
+  c.model.overrides.update(embed_dim=32, mlp_dim=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                           head_dim=16)
+  c.rl.steps = steps
+  c.rl.batch_prompts = 8
+  c.data.arith_prompts = 256
+  c.sampler.chunk_rows = 64
+  c.sampler.prompts_per_chunk = 8
+  c.ada.max_rounds = 2
+  c.ckpt.every_steps = 2
+  c.warmstart.steps = 20
+  c.warmstart.batch_size = 16
+  c.eval.arith_problems = 16
+  c.eval.k = 2
+  c.eval.chunk_rows = 32
+  return c
+
+
+CONFIG_FILE = """
+import sys
+sys.path.insert(0, {root!r})
+sys.path.insert(0, {tests!r})
+from test_loop import tiny_config
+
+def get_config():
+  return tiny_config({steps})
+"""
+
+
+def _write_config(tmp_path, steps):
+  path = tmp_path / f"cfg_{steps}.py"
+  path.write_text(textwrap.dedent(CONFIG_FILE.format(root=str(ROOT), tests=str(ROOT / "tests"),
+                                                     steps=steps)))
+  return path
+
+
+def _launch(tmp_path, workdir, steps):
+  env = dict(os.environ)
+  return subprocess.Popen(
+      [sys.executable, "-m", "ada_jax.main", f"--config={_write_config(tmp_path, steps)}",
+       f"--workdir={workdir}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True)
+
+
+def _metrics(workdir):
+  path = pathlib.Path(workdir) / "metrics.jsonl"
+  return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _steps_saved(workdir):
+  ckpt = pathlib.Path(workdir) / "checkpoints"
+  return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.exists() else []
+
+
+DETERMINISTIC = ("loss", "pass_rate", "reward_mean", "samples_drawn", "zero_signal_frac",
+                 "response_len_mean", "grad_norm")
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("reference")
+  summary = loop.run(tiny_config(steps=4), str(workdir))
+  return workdir, summary
+
+
+def test_run_writes_metrics_checkpoints_summary(reference_run):
+  workdir, summary = reference_run
+  lines = _metrics(workdir)
+  assert [m["step"] for m in lines] == [1, 2, 3, 4]
+  for key in ("reward_mean", "pass_rate", "samples_drawn", "active_prompts_per_round",
+              "zero_signal_frac", "response_len_mean", "loss", "entropy", "clip_frac",
+              "grad_norm", "tokens_per_s", "time_sample_s", "time_verify_s", "time_train_s",
+              "rows_computed", "rows_useful"):
+    assert key in lines[-1], key
+  # pos: M = 8 per active prompt and round, at most 2 rounds.
+  assert all(8 * 8 <= m["samples_drawn"] <= 2 * 8 * 8 for m in lines)
+  assert _steps_saved(workdir) == [2, 4]
+  assert summary["steps_done"] == 4
+  assert "eval/arith/avg@2" in summary["before_rl"] and "eval/arith/avg@2" in summary["after_rl"]
+  assert json.loads((workdir / "summary.json").read_text())["steps_done"] == 4
+  assert list((workdir / "tensorboard").iterdir())
+
+
+def test_steady_state_does_not_compile(reference_run):
+  workdir, _ = reference_run
+  assert [m["compiles"] for m in _metrics(workdir)][2:] == [0, 0]
+
+
+@pytest.mark.slow
+def test_resume_after_kill9_repeats_the_uninterrupted_run(reference_run, tmp_path):
+  ref = {m["step"]: m for m in _metrics(reference_run[0])}
+  workdir = tmp_path / "run"
+  proc = _launch(tmp_path, workdir, steps=4)
+  deadline = time.time() + 600
+  while 2 not in _steps_saved(workdir) and proc.poll() is None and time.time() < deadline:
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  resumed_from = max(_steps_saved(workdir))
+  assert resumed_from == 2, "killed too late: the run had finished"
+  proc = _launch(tmp_path, workdir, steps=4)
+  out, _ = proc.communicate(timeout=600)
+  assert proc.returncode == 0, out[-3000:]
+  lines = {m["step"]: m for m in _metrics(workdir)}
+  assert sorted(lines) == [1, 2, 3, 4]
+  for step in (3, 4):
+    for key in DETERMINISTIC:
+      np.testing.assert_allclose(lines[step][key], ref[step][key], rtol=1e-6, err_msg=key)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_exits_zero(tmp_path):
+  workdir = tmp_path / "run"
+  proc = _launch(tmp_path, workdir, steps=50)
+  deadline = time.time() + 600
+  while not _metrics(workdir) and proc.poll() is None and time.time() < deadline:
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=300)
+  assert proc.returncode == 0, out[-3000:]
+  last = _metrics(workdir)[-1]["step"]
+  assert last < 50 and _steps_saved(workdir)[-1] == last
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda c: c.rl.__setitem__("batchsize", 3), "config.rl.batchsize"),
+    (lambda c: c.rl.__setitem__("batch_prompts", 3), "data×fsdp|data-parallel|divisible"),
+    (lambda c: c.model.overrides.__setitem__("vocab_size", 64), "vocab_size"),
+    (lambda c: (c.model.__setitem__("preset", ""),
+                c.model.__setitem__("hf_dir", "/nonexistent/model")), "hf_dir"),
+    (lambda c: (c.ada.__setitem__("method", "balance"), c.ada.__setitem__("n", 3)), "n"),
+    (lambda c: c.ada.__setitem__("method", "reinforce"), "method"),
+])
+def test_bad_config_fails_before_any_compile(tmp_path, edit, match):
+  c = tiny_config()
+  c.unlock() if hasattr(c, "unlock") else None
+  edit(c)
+  before = loop._COMPILES[0]
+  with pytest.raises(ValueError, match=match):
+    loop.run(c, str(tmp_path))
+  assert loop._COMPILES[0] == before

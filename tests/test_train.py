@@ -1,0 +1,209 @@
+"""The sharded policy-gradient step: mesh equivalence, global token-mean, no recompiles."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ada_jax import losses, sharding, testing, train
+from ada_jax import model as model_lib
+
+CONFIG = model_lib.preset("tiny-llama")
+PARAMS = model_lib.init_params(CONFIG, jax.random.key(0))
+
+
+def _batch(response_lengths, seed=0, prompt_len=6, response_len=10):
+  rows = len(response_lengths)
+  prompts = np.random.default_rng(seed).integers(1, prompt_len + 1, rows)
+  return testing.rl_batch(
+    CONFIG,
+    PARAMS,
+    prompts,
+    response_lengths,
+    prompt_len=prompt_len,
+    response_len=response_len,
+    seed=seed,
+  )
+
+
+def _mesh(data, fsdp, tensor):
+  n = data * fsdp * tensor
+  return sharding.make_mesh(data, fsdp, tensor, devices=jax.devices()[:n])
+
+
+def _grads_fn(config, mesh):
+  """loss_and_grads jitted over `mesh` with the params on their shardings."""
+  fn = jax.jit(
+    lambda p, b: train.loss_and_grads(p, b, model_config=CONFIG, config=config, mesh=mesh),
+    in_shardings=(sharding.param_shardings(CONFIG, mesh), sharding.batch_sharding(mesh)),
+  )
+  params = sharding.place_params(PARAMS, sharding.param_shardings(CONFIG, mesh))
+  return lambda batch: jax.device_get(fn(params, sharding.place_batch(batch, mesh)))
+
+
+def _max_diff(a, b):
+  return max(
+    float(np.max(np.abs(x - y)))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+  )
+
+
+def test_sharded_step_matches_single_device(capfd):
+  """data=2, fsdp=2, tensor=2 gives the single-device loss, gradients and updated params."""
+  config = train.TrainConfig(
+    optim=train.OptimConfig(learning_rate=1e-4, warmup_steps=0),
+    num_minibatches=1,
+    micro_batch_size=4,
+  )
+  batch = _batch([1, 3, 10, 7, 2, 9, 5, 10])
+  results = {}
+  for shape in [(1, 1, 1), (2, 2, 2)]:
+    mesh = _mesh(*shape)
+    loss, grads, _ = _grads_fn(config, mesh)(batch)
+    state = train.init_train_state(CONFIG, config, PARAMS, mesh)
+    step = train.make_train_step(CONFIG, config, mesh)
+    state, metrics = step(state, sharding.place_batch(batch, mesh))
+    if shape == (2, 2, 2):  # really sharded, and the output keeps the shardings
+      embed = state.params["embed"]
+      assert {s.data.shape for s in embed.addressable_shards} == {(256, 32)}
+      mu = state.opt_state[1][0].mu["layer_1"]["mlp"]["gate"]
+      assert {s.data.shape for s in mu.addressable_shards} == {(32, 64)}
+    results[shape] = (float(loss), grads, jax.device_get(metrics), jax.device_get(state.params))
+  (loss1, g1, m1, p1), (loss8, g8, m8, p8) = results[(1, 1, 1)], results[(2, 2, 2)]
+  # XLA's SPMD partitioner found a layout for every activation (no replicate-then-split).
+  assert "Involuntary full rematerialization" not in capfd.readouterr().err
+  assert abs(loss1 - loss8) <= 1e-5 and abs(m1["loss"] - m8["loss"]) <= 1e-5
+  assert m1["loss"] == pytest.approx(loss1, abs=1e-6)
+  assert _max_diff(g1, g8) <= 1e-5
+  assert m1["grad_norm"] == pytest.approx(m8["grad_norm"], rel=1e-5)
+  assert _max_diff(p1, p8) <= 1e-5
+  assert _max_diff(p1, PARAMS) > 5e-5  # the update did move the params (lr 1e-4)
+  for name in ("clip_frac", "entropy", "approx_kl", "tokens"):
+    assert m1[name] == pytest.approx(m8[name], rel=1e-5, abs=1e-6)
+
+
+def test_token_mean_is_global_across_devices():
+  """Devices holding 1-token and 10-token responses divide by the global token count."""
+  config = train.TrainConfig(num_minibatches=1)
+  lengths = [1, 1, 2, 2, 3, 3, 10, 10]  # 2 rows per data-parallel shard of a 2x2x2 mesh
+  batch = _batch(lengths, seed=3)
+  loss, _, sums = _grads_fn(config, _mesh(2, 2, 2))(batch)
+  # The unsharded reference, written out: sum of per-token surrogate / all valid tokens.
+  logp, _ = losses.token_logprobs(
+    CONFIG, PARAMS, batch.tokens, batch.positions, batch.attention_mask
+  )
+  ratio = np.exp(np.clip(np.asarray(logp, np.float64) - batch.old_logprobs, -20, 20))
+  adv = batch.advantages[:, None].astype(np.float64)
+  per_token = np.maximum(-adv * ratio, -adv * np.clip(ratio, 0.8, 1.28))
+  per_token = np.where(adv < 0, np.minimum(per_token, -adv * 10), per_token)
+  per_token = np.where(batch.loss_mask, per_token, 0.0)
+  want = per_token.sum() / batch.loss_mask.sum()
+  assert float(loss) == pytest.approx(want, rel=1e-5, abs=1e-6)
+  assert float(sums["tokens"]) == sum(lengths)
+  # What a per-device token mean would give instead: clearly different.
+  per_device = [
+    per_token[i : i + 2].sum() / batch.loss_mask[i : i + 2].sum() for i in range(0, 8, 2)
+  ]
+  assert abs(np.mean(per_device) - want) > 1e-2
+
+
+def test_micro_batches_and_remat_do_not_change_the_gradient():
+  batch = _batch([4, 9, 1, 10, 6, 2, 8, 3], seed=5)
+  mesh = _mesh(2, 2, 2)
+  whole = _grads_fn(train.TrainConfig(num_minibatches=1), mesh)(batch)
+  micro = _grads_fn(train.TrainConfig(num_minibatches=1, micro_batch_size=4, remat=True), mesh)(
+    batch
+  )
+  assert float(whole[0]) == pytest.approx(float(micro[0]), abs=1e-6)
+  assert _max_diff(whole[1], micro[1]) <= 1e-6
+  assert float(whole[2]["tokens"]) == float(micro[2]["tokens"]) == 43
+
+
+def test_update_policy_runs_k_updates_without_recompiling():
+  config = train.TrainConfig(
+    optim=train.OptimConfig(learning_rate=1e-4, warmup_steps=2),
+    num_minibatches=2,
+    micro_batch_size=4,
+  )
+  mesh = _mesh(2, 2, 2)
+  state = train.init_train_state(CONFIG, config, PARAMS, mesh)
+  step_fn = train.make_train_step(CONFIG, config, mesh)
+  # New response lengths and advantages every RL step (built before counting compiles).
+  batches = [_batch(np.random.default_rng(s).integers(1, 11, 16), seed=s) for s in range(3)]
+  compiles = []
+  listener = lambda event, duration, **kw: compiles.append(event)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    history = []
+    for rl_step, batch in enumerate(batches):
+      if rl_step == 1:
+        compiles.clear()
+      state, metrics = train.update_policy(step_fn, state, batch, config=config, mesh=mesh)
+      history.append(metrics)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  backend = [e for e in compiles if e == "/jax/core/compile/backend_compile_duration"]
+  assert backend == [], f"steady-state steps compiled {len(backend)} times"
+  assert step_fn._cache_size() == 1
+  assert int(state.step) == 6  # k=2 updates per RL step
+  # Warm-up counted in RL steps: lr/2 during RL step 0, full lr from RL step 1.
+  assert [m["learning_rate"] for m in history] == pytest.approx([5e-5, 1e-4, 1e-4])
+  assert all(np.isfinite(m["loss"]) and m["tokens"] > 0 for m in history)
+
+
+def test_bad_layout_fails_before_compiling():
+  config = train.TrainConfig(num_minibatches=4)
+  mesh = _mesh(2, 2, 2)
+  state = train.init_train_state(CONFIG, config, PARAMS, mesh)
+  step_fn = train.make_train_step(CONFIG, config, mesh)
+  with pytest.raises(ValueError, match=r"not divisible by TrainConfig.num_minibatches \(4\)"):
+    train.update_policy(step_fn, state, _batch([3] * 10), config=config, mesh=mesh)
+  # 8 rows / 4 mini-batches = 2 rows, not divisible over data x fsdp = 4.
+  with pytest.raises(ValueError, match=r"data-parallel size 4 \(mesh.data=2 × mesh.fsdp=2\)"):
+    train.update_policy(step_fn, state, _batch([3] * 8), config=config, mesh=mesh)
+  with pytest.raises(ValueError, match="TrainConfig.micro_batch_size"):
+    train.check_batch_layout(32, train.TrainConfig(micro_batch_size=3), mesh)
+  assert step_fn._cache_size() == 0
+
+
+def test_kl_to_reference_params():
+  """With ref = current params the k3 KL is 0 and the loss equals the KL-free loss."""
+  batch = _batch([2, 5, 7, 3], seed=7)
+  mesh = _mesh(1, 1, 1)
+  plain = train.TrainConfig(num_minibatches=1)
+  kl = train.TrainConfig(loss=losses.LossConfig(kl_coeff=0.5), num_minibatches=1)
+  outs = []
+  for config, ref in ((plain, None), (kl, PARAMS)):
+    state = train.init_train_state(CONFIG, config, PARAMS, mesh, ref_params=ref)
+    step_fn = train.make_train_step(CONFIG, config, mesh, with_ref=ref is not None)
+    state, metrics = step_fn(state, sharding.place_batch(batch, mesh))
+    outs.append(jax.device_get(metrics))
+  assert outs[1]["kl"] == pytest.approx(0.0, abs=1e-7)
+  assert outs[1]["loss"] == pytest.approx(outs[0]["loss"], abs=1e-7)
+  with pytest.raises(ValueError, match="ref_logprobs or TrainState.ref_params"):
+    train.loss_and_grads(PARAMS, jax.tree.map(jnp.asarray, batch), model_config=CONFIG, config=kl)
+
+
+def test_learning_rate_schedule_and_config_errors():
+  sched = train.learning_rate_schedule(
+    train.OptimConfig(learning_rate=1.0, warmup_steps=10), updates_per_step=4
+  )
+  lrs = [float(sched(jnp.asarray(c))) for c in (0, 3, 4, 39, 40, 1000)]
+  assert lrs == pytest.approx([0.1, 0.1, 0.2, 1.0, 1.0, 1.0])
+  const = train.learning_rate_schedule(train.OptimConfig(learning_rate=0.5, warmup_steps=0))
+  assert float(const(0)) == 0.5
+  with pytest.raises(ValueError, match="TrainConfig.num_minibatches"):
+    train.TrainConfig(num_minibatches=0)
+  with pytest.raises(ValueError, match="OptimConfig.learning_rate"):
+    train.OptimConfig(learning_rate=0.0)
+
+
+def test_grad_clip_bounds_the_update():
+  opt = train.make_optimizer(
+    train.OptimConfig(learning_rate=1.0, warmup_steps=0, grad_clip=1.0, b1=0.0, b2=0.0, eps=0.0)
+  )
+  params = {"w": jnp.zeros(2)}
+  grads = {"w": jnp.asarray([30.0, -40.0])}
+  updates, _ = opt.update(grads, opt.init(params), params)
+  # Clipped to norm 1 (0.6, -0.8), then Adam with b1=b2=0 normalises to the sign.
+  np.testing.assert_allclose(np.asarray(updates["w"]), [-1.0, 1.0], rtol=1e-6)
