@@ -16,15 +16,14 @@ def main(argv):
   del argv
   import jax
 
-  logging.info("process %d/%d, %d local / %d global devices (%s)", jax.process_index(),
-               jax.process_count(), jax.local_device_count(), jax.device_count(),
-               jax.devices()[0].platform)
-  try:
-    from ada_jax import loop
-  except ImportError:
-    raise SystemExit("ada_jax.main: the training loop is not implemented yet "
-                     "(the main-job issue); the model, weights and tokenizer are usable "
-                     "as a library.") from None
+  if not flags.FLAGS["verbosity"].present:
+    # orbax and TFDS log every file they touch at INFO; the progress bar says what matters.
+    logging.set_verbosity(logging.WARNING)
+  logging.warning("process %d/%d, %d local / %d global devices (%s)", jax.process_index(),
+                  jax.process_count(), jax.local_device_count(), jax.device_count(),
+                  jax.devices()[0].platform)
+  from ada_jax import loop
+
   loop.run(_CONFIG.value, _WORKDIR.value)
 
 
