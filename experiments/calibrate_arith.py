@@ -100,6 +100,12 @@ CANDIDATES: dict[str, Candidate] = {
   "add_d96L3_s900_mix132": Candidate(
     embed_dim=96, mlp_dim=384, warm=_warm(steps=900, weights=(1.0, 3.0, 2.0), ops=("+",))
   ),
+  "add_d96L3_s400_lr1e-3": Candidate(
+    embed_dim=96, mlp_dim=384, warm=_warm(steps=400, lr=1e-3, weights=(1.0, 3.0, 2.0), ops=("+",))
+  ),
+  "add_d96L3_s400": Candidate(
+    embed_dim=96, mlp_dim=384, warm=_warm(steps=400, weights=(1.0, 3.0, 2.0), ops=("+",))
+  ),
   "d96L3_s1500": Candidate(embed_dim=96, mlp_dim=384, warm=_warm(steps=1500)),
   "d96L3_s900_lr1e-3": Candidate(embed_dim=96, mlp_dim=384, warm=_warm(steps=900, lr=1e-3)),
 }
