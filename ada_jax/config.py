@@ -78,6 +78,8 @@ class DataSpec:
     jsonl_paths: the user's JSONL files (source 'jsonl').
     problem_field, answer_field: field names in those files.
     answer_format: 'plain', 'boxed' or 'gsm8k' (how the answer field holds the answer).
+    exclude_math500: drop MATH500 problems from the user's files (needs
+      math500_test.jsonl in `manual_dir`, or network).
     prompt_style: `prompts` style ('chat', 'chat_no_system', 'plain', 'raw').
     max_prompt_tokens: longer prompts are dropped and counted.
     arith: the arithmetic task's problem distribution (source 'arith').
@@ -92,6 +94,7 @@ class DataSpec:
   problem_field: str = "problem"
   answer_field: str = "answer"
   answer_format: str = "plain"
+  exclude_math500: bool = True
   prompt_style: str = "chat"
   max_prompt_tokens: int = 1024
   arith: arith.ArithConfig = arith.ArithConfig()
@@ -103,7 +106,7 @@ class SamplerSpec:
   """Rollouts (DESIGN.md §3). Attributes: temperature, top_k, top_p (the sampling rule);
   max_new_tokens (response budget, tokens); chunk_rows (C, rows per launch);
   prompts_per_chunk (P, prefills per launch); prompt_buckets (padded prompt lengths, one
-  compile each); decode_segments (see `sampler.generate`)."""
+  compile each)."""
 
   temperature: float = 1.0
   top_k: int = 0
@@ -112,7 +115,6 @@ class SamplerSpec:
   chunk_rows: int = 64
   prompts_per_chunk: int = 8
   prompt_buckets: tuple[int, ...] = (128, 256, 512, 1024)
-  decode_segments: int = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,8 +214,9 @@ class RunConfig:
       raise ValueError(
           f"config.train.num_minibatches ({self.train.num_minibatches}) must divide the "
           f"training batch ({self.train_rows} rows = rl.batch_prompts × responses per prompt)")
-    if self.warmstart is not None and self.data.source != "arith":
-      raise ValueError("config.warmstart is only available with data.source='arith'")
+    if self.warmstart is not None and (self.tokenizer.dir or self.model.hf_dir):
+      raise ValueError("config.warmstart (the arithmetic warm start) needs the arithmetic "
+                       "tokenizer: leave tokenizer.dir and model.hf_dir empty")
 
 
 def _fields(cls) -> dict[str, Any]:

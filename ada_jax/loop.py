@@ -28,6 +28,7 @@ from absl import logging
 
 from ada_jax import adaptive, arith, benchmarks, checkpoint, data, evaluate, prompts, sampler, train
 from ada_jax import config as config_lib
+from ada_jax import distributed
 from ada_jax import metrics as metrics_lib
 from ada_jax import model as model_lib
 from ada_jax import sharding as sharding_lib
@@ -38,6 +39,9 @@ from ada_jax.verifier import RewardPool, VerifierConfig
 
 
 _COMPILES = [0]
+# Controller outputs that must be identical on every process (`distributed.assert_same`).
+_AGREED = ("reward_mean", "pass_rate", "samples_drawn", "active_prompts_per_round",
+           "zero_signal_frac", "response_len_mean", "rows_computed")
 
 
 def _count_compiles(event: str, duration: float, **kwargs) -> None:
@@ -67,7 +71,8 @@ def load_prompts(cfg: config_lib.RunConfig, tokenizer: Tokenizer) -> prompts.Pro
   else:
     if d.source == "jsonl":
       spec = data.user_jsonl_spec("user", d.jsonl_paths, problem_field=d.problem_field,
-                                  answer_field=d.answer_field, answer_format=d.answer_format)
+                                  answer_field=d.answer_field, answer_format=d.answer_format,
+                                  exclude_math500=d.exclude_math500)
     elif d.source in data.SETS:
       spec = d.source
     else:
@@ -223,8 +228,9 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
                                            cfg.sampler.top_p),
       max_new_tokens=cfg.sampler.max_new_tokens, stop_ids=tokenizer.eos_ids,
       chunk_rows=cfg.sampler.chunk_rows, prompts_per_chunk=cfg.sampler.prompts_per_chunk,
-      prompt_buckets=cfg.sampler.prompt_buckets, pad_id=tokenizer.pad_id, mesh=mesh,
-      decode_segments=cfg.sampler.decode_segments)
+      prompt_buckets=cfg.sampler.prompt_buckets, pad_id=tokenizer.pad_id, mesh=mesh)
+  if jax.process_count() > 1:  # sampled rows must be readable on every host
+    smp._generate = distributed.fetchable(smp._generate, mesh)
   with_ref = cfg.loss.kl_coeff > 0
   target = train.abstract_state(model_cfg, train_cfg, mesh, with_ref=with_ref)
   root = jax.random.key(cfg.seed)
@@ -268,17 +274,20 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
   verifier_cfg = VerifierConfig(judge=cfg.rl.judge, num_workers=cfg.rl.verifier_workers,
                                 timeout_s=cfg.rl.verifier_timeout_s)
   step = first
+  agreed = None
   with RewardPool(verifier_cfg) as pool:
+    score = distributed.shared_scorer(pool.score)  # identical rewards on every process
     for step in range(first + 1, cfg.rl.steps + 1):
       state, est, m = rl_step(cfg, step, state, est, iterator, np_rng, ps, smp, step_fn,
-                              pool.score, tokenizer, mesh, jax.random.fold_in(rollout_key,
-                                                                              step))
+                              score, tokenizer, mesh, jax.random.fold_in(rollout_key, step))
       if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < cfg.rl.steps:
         m.update(_heldout_eval(
             cfg, workdir, tokenizer, state.params, model_cfg, step))
       writer.write(step, m)
       host.update(step=step, iterator=_jsonable(iterator.state()),
                   np_rng=checkpoint.generator_state(np_rng))
+      agreed = distributed.assert_same(f"controller state after RL step {step}", [
+          host["iterator"], host["np_rng"], est, [m.get(k) for k in _AGREED]])
       stopping = checkpoint.stop_requested(stop)
       if stopping or step == cfg.rl.steps or (cfg.ckpt.every_steps and
                                               step % cfg.ckpt.every_steps == 0):
@@ -291,10 +300,15 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
   writer.close()
   summary = {"steps_done": step, "source": source, "warmstart": host.get("warmstart"),
              "before_rl": host.get("before_rl", {})}
+  if jax.process_count() > 1:  # equal on every process (tests/test_distributed.py)
+    summary["fingerprints"] = {"controller": agreed,
+                               "params": distributed.local_fingerprint(state.params)}
   if step == cfg.rl.steps:
     summary["after_rl"] = _heldout_eval(cfg, workdir, tokenizer, state.params, model_cfg, step)
     if cfg.ckpt.export_hf:
-      checkpoint.export_hf(model_cfg, state.params, pathlib.Path(workdir) / "hf_final")
+      params = distributed.host_copy(state.params)  # collective: every process takes part
+      if jax.process_index() == 0:
+        checkpoint.export_hf(model_cfg, params, pathlib.Path(workdir) / "hf_final")
   if jax.process_index() == 0:
     (pathlib.Path(workdir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
   return summary
@@ -325,6 +339,7 @@ def rl_step(cfg, step, state, est, iterator, np_rng, ps, smp, step_fn, score, to
   batch = make_train_batch(result, responses, rollouts.prompt_tokens, rows=cfg.train_rows,
                            buckets=cfg.sampler.prompt_buckets)
   start = time.perf_counter()
+  batch = distributed.local_rows(batch, mesh, cfg.train.num_minibatches)  # this host's rows
   state, tm = train.update_policy(step_fn, state, batch, config=cfg.train_config, mesh=mesh)
   time_train = time.perf_counter() - start
   s = result.stats

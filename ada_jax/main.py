@@ -1,7 +1,8 @@
 """Entry point: `python -m ada_jax.main --config=configs/<experiment>.py --workdir=DIR`.
 
-Thin on purpose (STYLE.md §1): parse flags, log the process/device facts, hand over to
-`ada_jax.loop.run`.
+Thin on purpose (STYLE.md §1): parse flags, join the multi-process run if there is one
+(`ada_jax.distributed`, configured by environment variables), log the process/device
+facts, hand over to `ada_jax.loop.run`.
 """
 
 from absl import app, flags, logging
@@ -14,6 +15,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and m
 
 def main(argv):
   del argv
+  from ada_jax import distributed
+
+  distributed.initialize(distributed.DistributedConfig.from_env())  # before any JAX use
   import jax
 
   if not flags.FLAGS["verbosity"].present:
@@ -24,7 +28,8 @@ def main(argv):
                   jax.devices()[0].platform)
   from ada_jax import loop
 
-  loop.run(_CONFIG.value, _WORKDIR.value)
+  with distributed.exit_on_failure():
+    loop.run(_CONFIG.value, _WORKDIR.value)
 
 
 if __name__ == "__main__":

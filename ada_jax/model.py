@@ -302,8 +302,7 @@ class Attention(nnx.Module):
     """x: `[B, T, D]`. Returns (out `[B, T, D]`, (keys, values) `[B, K, S, H]` attended).
 
     Without a cache, S = T and `kv_valid` is `bool[B, T]`; with a cache `(k, v, mask,
-    index, attend_len)`, the new keys are written at slot `index` and attention reads the
-    first `attend_len` slots (static; all when None).
+    index)`, the new keys are written at slot `index` and S is the cache length.
     """
     c = self.config
     dt = c.compute_dtype
@@ -322,17 +321,16 @@ class Attention(nnx.Module):
     t = x.shape[1]
     if layer_cache is None:
       key_slot_ok = kv_valid[:, None, :]  # [B, 1, S=T]
-      start, ka, va = 0, k, v
+      start = 0
     else:
-      ck, cv, cmask, start, attend_len = layer_cache
+      ck, cv, cmask, start = layer_cache
       k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, start, 0))
       v = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, start, 0))
-      ka, va = k[:, :, :attend_len], v[:, :, :attend_len]
-      key_slot_ok = cmask[:, None, :attend_len]
-    s = ka.shape[2]
+      key_slot_ok = cmask[:, None, :]
+    s = k.shape[2]
     # Slots are written in order, so slot order is position order within a row.
     causal = jnp.arange(s)[None, :] <= (start + jnp.arange(t))[:, None]  # [T, S]
-    out = _attend(q, ka, va, key_slot_ok & causal[None])
+    out = _attend(q, k, v, key_slot_ok & causal[None])
     y = jnp.einsum("btnh,nhd->btd", out, self.o.value.astype(dt))
     return y, (k, v)
 
@@ -408,7 +406,7 @@ class Transformer(nnx.Module):
     self.config = config
 
   def __call__(self, tokens, positions, kv_valid=None, cache: KVCache | None = None,
-               remat: bool = False, last_only: bool = False, attend_len: int | None = None):
+               remat: bool = False, last_only: bool = False):
     """Returns (logits `float32[B, T, V]` (`[B, 1, V]` if last_only), per-layer (k, v)
     `[B, K, S, H]`)."""
     c = self.config
@@ -417,8 +415,7 @@ class Transformer(nnx.Module):
     kvs = []
     for i in range(c.num_layers):
       block = getattr(self, f"layer_{i}")
-      layer_cache = None if cache is None else (cache.k[i], cache.v[i], kv_valid, cache.index,
-                                                attend_len)
+      layer_cache = None if cache is None else (cache.k[i], cache.v[i], kv_valid, cache.index)
       if remat:
         x, kv = nnx.remat(lambda blk, *a: blk(*a))(block, x, positions, inv_freq, kv_valid,
                                                     layer_cache)
@@ -533,8 +530,8 @@ def prefill(config: ModelConfig, params: Params, tokens: jax.Array, positions: j
 
 
 def decode(config: ModelConfig, params: Params, tokens: jax.Array, positions: jax.Array,
-           cache: KVCache, attention_mask: jax.Array | None = None,
-           attend_len: int | None = None) -> tuple[jax.Array, KVCache]:
+           cache: KVCache, attention_mask: jax.Array | None = None
+           ) -> tuple[jax.Array, KVCache]:
   """Incremental forward: writes `tokens` at slots `[index, index + T)` and attends over the
   cache.
 
@@ -543,9 +540,6 @@ def decode(config: ModelConfig, params: Params, tokens: jax.Array, positions: ja
     cache: the cache from `prefill`/`init_cache`/a previous `decode`.
     attention_mask: `bool[B, T]`, False for tokens that must never be attended to (e.g.
       rows that are already done); None means all real.
-    attend_len: static bound on the slots read by attention; the caller guarantees that
-      `index + T <= attend_len`. Decoding in segments with growing bounds makes attention
-      cost follow the filled length instead of the cache size.
 
   Returns:
     (`float32[B, T, V]` logits, updated `KVCache`).
@@ -553,7 +547,7 @@ def decode(config: ModelConfig, params: Params, tokens: jax.Array, positions: ja
   if attention_mask is None:
     attention_mask = jnp.ones(tokens.shape, bool)
   mask = jax.lax.dynamic_update_slice(cache.mask, attention_mask, (0, cache.index))
-  out, kvs = _module(config, params)(tokens, positions, mask, cache, attend_len=attend_len)
+  out, kvs = _module(config, params)(tokens, positions, mask, cache)
   new = KVCache(k=tuple(k for k, _ in kvs), v=tuple(v for _, v in kvs), mask=mask,
                 index=cache.index + tokens.shape[1])
   return out, new

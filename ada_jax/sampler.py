@@ -154,8 +154,7 @@ def _cache_spec(mesh):
 def generate(config: ModelConfig, params: Params, prompt_tokens: jax.Array,
              prompt_mask: jax.Array, row_prompt: jax.Array, row_mask: jax.Array,
              rng: jax.Array, *, rule: SamplingRule, max_new_tokens: int,
-             stop_ids: tuple[int, ...], mesh: jax.sharding.Mesh | None = None,
-             decode_segments: int = 4) -> Rollout:
+             stop_ids: tuple[int, ...], mesh: jax.sharding.Mesh | None = None) -> Rollout:
   """Generates one chunk of C rows (pure; jit with `rule`, `max_new_tokens`, `stop_ids` and
   `mesh` static).
 
@@ -171,10 +170,6 @@ def generate(config: ModelConfig, params: Params, prompt_tokens: jax.Array,
     max_new_tokens: Lr, the response token budget.
     stop_ids: tokens that end a row (kept in the response, then the row is done).
     mesh: when given, rows are sharded over ('data', 'fsdp') and kv heads over 'tensor'.
-    decode_segments: the decode loop runs as this many consecutive while loops, each
-      attending only over the slots that can be filled by its end (static bounds), so
-      attention reads on average about half the response slots instead of all of them. Each
-      segment compiles its own loop body.
 
   Returns:
     A `Rollout` with `[C, Lr]` arrays.
@@ -198,7 +193,10 @@ def generate(config: ModelConfig, params: Params, prompt_tokens: jax.Array,
                   lengths=jnp.zeros((c,), jnp.int32)),
       cache=cache)
 
-  def body(s: _DecodeState, attend_len: int) -> _DecodeState:
+  def cond(s: _DecodeState):
+    return (s.i < max_new_tokens) & ~jnp.all(s.done)
+
+  def body(s: _DecodeState) -> _DecodeState:
     token, logprob = rule.sample(jax.random.fold_in(s.rng, s.i), s.logits)
     live = ~s.done
     token = jnp.where(live, token, 0)
@@ -210,17 +208,11 @@ def generate(config: ModelConfig, params: Params, prompt_tokens: jax.Array,
     # Finished rows still flow through the step (static shapes) but their token is marked
     # as padding, so no live row ever attends to it.
     logits, cache = model_lib.decode(config, params, token[:, None], s.positions[:, None],
-                                     s.cache, attention_mask=live[:, None],
-                                     attend_len=attend_len)
+                                     s.cache, attention_mask=live[:, None])
     return _DecodeState(i=s.i + 1, logits=logits[:, 0], done=done, positions=s.positions + 1,
                         rng=s.rng, out=out, cache=cache)
 
-  segments = max(1, min(decode_segments, max_new_tokens))
-  for j in range(segments):
-    end = -(-max_new_tokens * (j + 1) // segments)
-    state = jax.lax.while_loop(lambda s, end=end: (s.i < end) & ~jnp.all(s.done),
-                               lambda s, end=end: body(s, lp + end), state)
-  return state.out
+  return jax.lax.while_loop(cond, body, state).out
 
 
 # ----------------------------------------------------------------------------- host driver
@@ -261,7 +253,6 @@ class Sampler:
     prompt_buckets: allowed padded prompt lengths (tokens); one compile per bucket used.
     pad_id: token id used for left padding.
     mesh: optional mesh; rows are sharded over ('data', 'fsdp'), so C must divide evenly.
-    decode_segments: see `generate`.
 
   Attributes:
     compiles: number of times `generate` was traced (one per new static shape).
@@ -271,8 +262,7 @@ class Sampler:
                max_new_tokens: int, stop_ids: Sequence[int], chunk_rows: int = 64,
                prompts_per_chunk: int = 8, prompt_buckets: Sequence[int] = (64, 128, 256,
                                                                             512, 1024),
-               pad_id: int = 0, mesh: jax.sharding.Mesh | None = None,
-               decode_segments: int = 4):
+               pad_id: int = 0, mesh: jax.sharding.Mesh | None = None):
     if max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not 1 <= prompts_per_chunk <= chunk_rows:
@@ -293,7 +283,7 @@ class Sampler:
     def counted(*args):
       self.compiles += 1  # runs at trace time only
       return generate(config, *args, rule=rule, max_new_tokens=max_new_tokens,
-                      stop_ids=self.stop_ids, mesh=mesh, decode_segments=decode_segments)
+                      stop_ids=self.stop_ids, mesh=mesh)
 
     self._generate = jax.jit(counted)
 

@@ -134,7 +134,6 @@ class SelectConfig:
     chunk_rows: rows per sampler launch (C).
     prompts_per_chunk: prefills per launch; 0 = chunk_rows // k (rows of a prompt share one).
     prompt_buckets: padded prompt lengths (one compile each).
-    decode_segments: see `sampler.generate`.
     problems_per_batch: prompts per sampler call; the unit of the cache and progress bar.
     judge: reward function (`rewards.JUDGES`); a response is correct iff reward > 0.5.
     verifier_workers: reward worker processes (0 = all cores).
@@ -151,7 +150,6 @@ class SelectConfig:
   chunk_rows: int = 64
   prompts_per_chunk: int = 0
   prompt_buckets: tuple[int, ...] = (128, 256, 512, 1024)
-  decode_segments: int = 4
   problems_per_batch: int = 64
   judge: str = "math"
   verifier_workers: int = 0
@@ -170,8 +168,6 @@ class SelectConfig:
     for r in self.rules:
       if r.min_correct > self.k:
         raise ValueError(f"rule {r.name!r}: min_correct={r.min_correct} > k={self.k}")
-    if self.decode_segments < 1:
-      raise ValueError(f"SelectConfig.decode_segments must be >= 1, got {self.decode_segments}")
     self.eval_config  # noqa: B018  (EvalConfig checks the shared fields, naming them)
 
   @property
@@ -196,7 +192,6 @@ class SelectConfig:
       max_new_tokens=s.max_new_tokens,
       chunk_rows=s.chunk_rows,
       prompt_buckets=s.prompt_buckets,
-      decode_segments=s.decode_segments,
       judge=cfg.rl.judge,
       verifier_workers=cfg.rl.verifier_workers,
       verifier_timeout_s=cfg.rl.verifier_timeout_s,
@@ -247,16 +242,8 @@ def pass_rates(
     layout = (config.problems_per_batch, config.chunk_rows, config.prompts_per_chunk)
     model_tag = f"{model_tag}|layout={layout}"
   bench = benchmarks.Benchmark(_NAME, prompt_set, config.judge)
-  records = benchmarks.run_benchmark(
-    bench,
-    policy,
-    score,
-    config.eval_config,
-    rng,
-    cache=cache,
-    model_tag=model_tag,
-    progress=progress,
-  )
+  kw = dict(cache=cache, model_tag=model_tag, progress=progress)
+  records = benchmarks.run_benchmark(bench, policy, score, config.eval_config, rng, **kw)
   rows = []
   for i, r in enumerate(records):
     count = int(np.sum(np.asarray(r["rewards"]) > 0.5))
@@ -377,19 +364,17 @@ def write_outputs(
   title = f"{len(rows)} prompts, {config.k} samples each"
   plot_histogram(hist, config.rules, config.k, out / "pass_rates.png", title)
   (out / "pass_rates.md").write_text(markdown_report(hist, kept, config.k))
-  summary = {
-    **dict(info or {}),
-    "num_prompts": len(rows),
-    "k": config.k,
-    "mean_pass_rate": float(np.mean([r["pass_rate"] for r in rows])) if rows else 0.0,
-    "histogram": hist.tolist(),
-    "sets": kept,
-    "settings": dataclasses.asdict(config),
-    "files": {
-      name: str(out / name)
-      for name in ("pass_rates.jsonl", "pass_rates.png", "pass_rates.md", "cache.jsonl")
-    },
-  }
+  files = ("pass_rates.jsonl", "pass_rates.png", "pass_rates.md", "cache.jsonl")
+  summary = dict(
+    info or {},
+    num_prompts=len(rows),
+    k=config.k,
+    mean_pass_rate=float(np.mean([r["pass_rate"] for r in rows])) if rows else 0.0,
+    histogram=hist.tolist(),
+    sets=kept,
+    settings=dataclasses.asdict(config),
+    files={name: str(out / name) for name in files},
+  )
   (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
   return summary
 
@@ -408,17 +393,17 @@ def make_sampler(
   if mesh is not None:  # Prompts of a chunk are split over the data axes.
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     ppc = min(-(-ppc // dp) * dp, config.chunk_rows)
+  rule = sampler.SamplingRule(config.temperature, config.top_k, config.top_p)
+  fields = ("max_new_tokens", "chunk_rows", "prompt_buckets")
+  kw = {f: getattr(config, f) for f in fields}
   return sampler.Sampler(
     model_config,
-    rule=sampler.SamplingRule(config.temperature, config.top_k, config.top_p),
-    max_new_tokens=config.max_new_tokens,
+    rule=rule,
     stop_ids=tokenizer.eos_ids,
-    chunk_rows=config.chunk_rows,
-    prompts_per_chunk=ppc,
-    prompt_buckets=config.prompt_buckets,
     pad_id=tokenizer.pad_id,
+    prompts_per_chunk=ppc,
     mesh=mesh,
-    decode_segments=config.decode_segments,
+    **kw,
   )
 
 
@@ -467,17 +452,9 @@ def run(
   suffix = f".p{jax.process_index()}" if jax.process_count() > 1 else ""
   cache = benchmarks.ResultCache(out / f"cache{suffix}.jsonl")
   start = time.perf_counter()
+  kw = dict(cache=cache, model_tag=model_tag, progress=progress)
   with RewardPool(verifier) as pool:
-    rows = pass_rates(
-      policy,
-      pool.score,
-      prompt_set,
-      config,
-      jax.random.key(config.seed),
-      cache=cache,
-      model_tag=model_tag,
-      progress=progress,
-    )
+    rows = pass_rates(policy, pool.score, prompt_set, config, jax.random.key(config.seed), **kw)
   summary = {}
   if jax.process_index() == 0:
     info = {"model": model_tag, **dict(info or {}), "wall_s": round(time.perf_counter() - start, 2)}
@@ -549,11 +526,8 @@ def load_policy(
       f"vocab_size={model_config.vocab_size}"
     )
   shardings = sharding.param_shardings(model_config, mesh)
-  target = jax.tree.map(
-    lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-    model_lib.param_shapes(model_config),
-    shardings,
-  )
+  abstract = lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh)
+  target = jax.tree.map(abstract, model_lib.param_shapes(model_config), shardings)
   init_from = "" if hf_dir else str(checkpoint_path or cfg.ckpt.init_from or "")
   if init_from:  # Resume order step 2 (checkpoint.resume): another run's params.
     path = pathlib.Path(init_from).absolute()
@@ -628,12 +602,7 @@ def define_flags(flag_values=None, sys_argv: list[str] | None = None) -> None:
     (flags.DEFINE_integer, "problems_per_batch", 64, "Prompts per sampler call / cache unit."),
     (flags.DEFINE_integer, "seed", None, "Sampling seed; default: config.seed."),
     (flags.DEFINE_integer, "limit", 0, "Only the first N prompts (0 = all)."),
-    (
-      flags.DEFINE_string,
-      "rules",
-      "hard:0.125:1,easy:0.3125:1",
-      "Comma-separated name:max_pass_rate[:min_correct] sets to write.",
-    ),
+    (flags.DEFINE_string, "rules", "hard:0.125:1,easy:0.3125:1", "name:max_rate[:min_correct],..."),
   ):
     define(name, default, help_, flag_values=fv)
 
@@ -655,14 +624,9 @@ def main(argv: Sequence[str], flag_values=None) -> dict[str, Any]:
   if fv.config is None or not fv.workdir:
     raise ValueError("--config and --workdir are required")
   cfg = config_lib.parse(fv.config)
+  names = ("k", "temperature", "max_new_tokens", "problems_per_batch", "seed")
   config = SelectConfig.from_run_config(
-    cfg,
-    k=fv.k,
-    temperature=fv.temperature,
-    max_new_tokens=fv.max_new_tokens,
-    problems_per_batch=fv.problems_per_batch,
-    seed=fv.seed,
-    rules=parse_rules(fv.rules),
+    cfg, rules=parse_rules(fv.rules), **{n: getattr(fv, n) for n in names}
   )
   out = pathlib.Path(fv.workdir).absolute() / "select"
   ckpt = None

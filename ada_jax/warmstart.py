@@ -40,7 +40,7 @@ class WarmStartConfig:
   """The supervised warm start (defaults: the setting calibrate_arith.py recommends).
 
   Attributes:
-    steps: optimizer updates.
+    steps: optimizer updates (the most, when `target_accuracy` stops the run earlier).
     batch_size: examples per update.
     learning_rate: peak Adam learning rate.
     warmup_steps: linear warm-up from 0 to the peak; afterwards cosine decay to
@@ -49,6 +49,19 @@ class WarmStartConfig:
     weight_decay: decoupled weight decay (AdamW); 0 is plain Adam.
     grad_clip: max global gradient norm; 0 disables clipping.
     seed: seed of the training problems' draw.
+    target_accuracy: stop once the teacher-forced exact-match accuracy of the training
+      batches' problems of `target_level`, over the last `check_every` steps, reaches this
+      value; 0 = never.
+      Every batch is fresh problems and "argmax right at every answer token given the
+      right prefix" is exactly "greedy decoding writes the answer", so this is an online
+      estimate of greedy accuracy on the task mix. Arithmetic is learnt in sudden
+      transitions whose step varies with the seed (calibrate_arith.py measured ±150 steps
+      of 64 problems), so a target accuracy, unlike a step count, leaves every seed at the
+      same skill.
+    target_level: the level `target_accuracy` is measured on; 0 = the whole task mix.
+      Seeds also differ in which level they learn first, so a target on the hardest level
+      pins down the state that matters for RL better than one on the mix.
+    check_every: steps between two checks of `target_accuracy` (one host sync each).
     task: the problems trained on (levels, level mix, operators); the held-out split is
       never trained on.
   """
@@ -61,10 +74,13 @@ class WarmStartConfig:
   weight_decay: float = 0.0
   grad_clip: float = 1.0
   seed: int = 0
+  target_accuracy: float = 0.0
+  target_level: int = 0
+  check_every: int = 25
   task: arith.ArithConfig = arith.ArithConfig(levels=(1, 2, 3), ops=("+", "-"))
 
   def __post_init__(self):
-    for name in ("steps", "batch_size"):
+    for name in ("steps", "batch_size", "check_every"):
       if getattr(self, name) < 1:
         raise ValueError(f"WarmStartConfig.{name} must be >= 1, got {getattr(self, name)}")
     if self.learning_rate <= 0:
@@ -74,6 +90,15 @@ class WarmStartConfig:
     if not 0.0 <= self.final_lr_fraction <= 1.0:
       raise ValueError(
         f"WarmStartConfig.final_lr_fraction must be in [0, 1], got {self.final_lr_fraction}"
+      )
+    if not 0.0 <= self.target_accuracy <= 1.0:
+      raise ValueError(
+        f"WarmStartConfig.target_accuracy must be in [0, 1], got {self.target_accuracy}"
+      )
+    if self.target_level and self.target_level not in self.task.levels:
+      raise ValueError(
+        f"WarmStartConfig.target_level={self.target_level} is not one of task.levels="
+        f"{self.task.levels}"
       )
     if self.weight_decay < 0 or self.grad_clip < 0:
       raise ValueError(
@@ -154,7 +179,8 @@ def masked_cross_entropy(
   Returns:
     (loss `float32[]` in nats per target token, metrics: `token_accuracy` (argmax equals
     target, over targets), `sequence_accuracy` (every target of a row right, over rows with
-    a target), `targets` (count)). An all-False mask gives loss 0.
+    a target), `targets` (count), `row_correct bool[B]` (the row has targets and all are
+    right: what greedy decoding would get right)). An all-False mask gives loss 0.
   """
   logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
   targets = tokens[:, 1:]
@@ -169,6 +195,7 @@ def masked_cross_entropy(
     "token_accuracy": (right * weights).sum() / denom,
     "sequence_accuracy": row_right.sum() / jnp.maximum(has_target.sum(), 1),
     "targets": count,
+    "row_correct": row_right,
   }
   return (nll * weights).sum() / denom, metrics
 
@@ -209,11 +236,11 @@ def sft_step(
 
   Returns:
     (new params, new optimizer state, metrics: `loss`, `grad_norm` (before clipping) and
-    those of `masked_cross_entropy`), metrics as scalars.
+    those of `masked_cross_entropy`).
   """
-  (loss, metrics), grads = jax.value_and_grad(
-    lambda p: sft_loss(config, p, batch), has_aux=True
-  )(params)
+  (loss, metrics), grads = jax.value_and_grad(lambda p: sft_loss(config, p, batch), has_aux=True)(
+    params
+  )
   updates, opt_state = optimizer.update(grads, opt_state, params)
   params = optax.apply_updates(params, updates)
   return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads), **metrics}
@@ -229,9 +256,7 @@ def _jitted_step(model_config: ModelConfig, config: WarmStartConfig):
   Callers pass `config` with `seed=0`: the seed only changes the data, not the function.
   """
   optimizer = make_optimizer(config)
-  step = jax.jit(
-    lambda p, s, b: sft_step(model_config, optimizer, p, s, b), donate_argnums=(0, 1)
-  )
+  step = jax.jit(lambda p, s, b: sft_step(model_config, optimizer, p, s, b), donate_argnums=(0, 1))
   return optimizer, step
 
 
@@ -258,6 +283,9 @@ def supervised_warm_start(
   final_lr_fraction: float = 0.1,
   weight_decay: float = 0.0,
   grad_clip: float = 1.0,
+  target_accuracy: float = 0.0,
+  target_level: int = 0,
+  check_every: int = 25,
   progress: bool = True,
 ) -> tuple[Params, dict[str, Any]]:
   """Trains `params` on `steps × batch_size` fresh training-split problems of `task_config`.
@@ -272,17 +300,20 @@ def supervised_warm_start(
     tokenizer: the arithmetic tokenizer.
     task_config: problems to train on.
     steps, batch_size, learning_rate, seed, warmup_steps, final_lr_fraction, weight_decay,
-      grad_clip: as in `WarmStartConfig`.
+      grad_clip, target_accuracy, target_level, check_every: as in `WarmStartConfig`.
     progress: show a tqdm bar with the running loss.
 
   Returns:
-    (trained params, metrics): numpy `loss float32[steps]`, `token_accuracy float32[steps]`,
-    `sequence_accuracy float32[steps]` (teacher-forced, per step), `grad_norm
-    float32[steps]`, `wall_s` (seconds, compile included), `examples` (count).
+    (trained params, metrics): numpy `loss float32[S]`, `token_accuracy float32[S]`,
+    `sequence_accuracy float32[S]` (teacher-forced, per step), `grad_norm float32[S]`
+    (S = steps run), `level_accuracy` (level -> `float32[S // check_every]`, teacher-forced
+    exact match of that level's problems per window of `check_every` steps), `steps_run`,
+    `reached_target` (stopped by `target_accuracy`), `wall_s` (seconds, compile included),
+    `examples` (count).
 
   Raises:
-    ValueError: bad step/batch/lr values (named as `WarmStartConfig` fields), or a
-      tokenizer larger than the model's vocabulary.
+    ValueError: bad settings (named as `WarmStartConfig` fields), or a tokenizer larger
+      than the model's vocabulary.
   """
   config = WarmStartConfig(
     steps=steps,
@@ -293,6 +324,9 @@ def supervised_warm_start(
     weight_decay=weight_decay,
     grad_clip=grad_clip,
     seed=seed,
+    target_accuracy=target_accuracy,
+    target_level=target_level,
+    check_every=check_every,
     task=task_config,
   )
   if tokenizer.vocab_size > model_config.vocab_size:
@@ -304,26 +338,50 @@ def supervised_warm_start(
   lp, lr = _length_bounds(task_config, tokenizer)
   examples = arith.examples(task_config, "train", steps * batch_size, seed=seed)
   data = encode_examples(tokenizer, examples, prompt_len=lp, response_len=lr)
-  optimizer, step_fn = _jitted_step(model_config, dataclasses.replace(config, seed=0))
+  levels = np.asarray([int(e["source"].removeprefix("arith/L")) for e in examples])
+  levels = levels.reshape(steps, batch_size)
+  # Fields that only steer the host loop must not split the compile cache.
+  key = dataclasses.replace(config, seed=0, target_accuracy=0.0, target_level=0, check_every=1)
+  optimizer, step_fn = _jitted_step(model_config, key)
   # Copy so that donation never invalidates the caller's arrays.
   params = jax.tree.map(jnp.array, params)
   opt_state = optimizer.init(params)
-  history = []
+  history, reached = [], False
   bar = tqdm.trange(steps, desc="warm start", disable=not progress, leave=False)
   for i in bar:
     rows = slice(i * batch_size, (i + 1) * batch_size)
     params, opt_state, metrics = step_fn(params, opt_state, {k: v[rows] for k, v in data.items()})
     history.append(metrics)
-    # Fetching one scalar now and then keeps the bar honest without a sync per step.
-    if progress and (i % 50 == 0 or i == steps - 1):
-      bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
+    # Syncing once per check, not per step, keeps the host dispatching ahead of XLA.
+    if (i + 1) % check_every == 0:
+      recent = np.stack(jax.device_get([h["row_correct"] for h in history[-check_every:]]))
+      window = levels[i + 1 - check_every : i + 1]
+      chosen = window == target_level if target_level else np.ones_like(window, bool)
+      accuracy = float(recent[chosen].mean()) if chosen.any() else 0.0
+      bar.set_postfix(loss=f"{float(metrics['loss']):.3f}", acc=f"{accuracy:.2f}")
+      if target_accuracy > 0 and accuracy >= target_accuracy:
+        reached = True
+        break
+  bar.close()
   history = jax.device_get(history)
   out = {
     key: np.asarray([h[key] for h in history], np.float32)
     for key in ("loss", "token_accuracy", "sequence_accuracy", "grad_norm")
   }
+  correct = np.stack([h["row_correct"] for h in history])
+  windows = len(history) // check_every
+  out["level_accuracy"] = {}
+  for level in task_config.levels:
+    acc = []
+    for w in range(windows):
+      rows = slice(w * check_every, (w + 1) * check_every)
+      chosen = levels[rows] == level
+      acc.append(correct[rows][chosen].mean() if chosen.any() else np.nan)
+    out["level_accuracy"][int(level)] = np.asarray(acc, np.float32)
+  out["steps_run"] = len(history)
+  out["reached_target"] = reached
   out["wall_s"] = time.perf_counter() - start
-  out["examples"] = steps * batch_size
+  out["examples"] = len(history) * batch_size
   return params, out
 
 
@@ -349,5 +407,8 @@ def warm_start(
     final_lr_fraction=config.final_lr_fraction,
     weight_decay=config.weight_decay,
     grad_clip=config.grad_clip,
+    target_accuracy=config.target_accuracy,
+    target_level=config.target_level,
+    check_every=config.check_every,
     progress=progress,
   )

@@ -31,6 +31,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.problem_field = "problem"  # field of the problem text in those files
   c.data.answer_field = "answer"  # field of the reference answer
   c.data.answer_format = "plain"  # 'plain', 'boxed' or 'gsm8k'
+  c.data.exclude_math500 = True  # drop MATH500 problems from the user's files
   c.data.prompt_style = "chat"  # 'chat', 'chat_no_system', 'plain', 'raw'
   c.data.max_prompt_tokens = 1024  # longer prompts are dropped (paper: 1024)
 
@@ -42,7 +43,6 @@ def get_config() -> ml_collections.ConfigDict:
   c.sampler.chunk_rows = 256  # C: rows per sampler launch
   c.sampler.prompts_per_chunk = 32  # P: prefills per launch (rows of a prompt share one)
   c.sampler.prompt_buckets = (128, 256, 512, 1024)  # padded prompt lengths (one compile each)
-  c.sampler.decode_segments = 4  # decode loop pieces with growing attention bounds
 
   c.ada = ml_collections.ConfigDict()
   c.ada.method = "balance"  # grpo | dapo | pos | balance | est

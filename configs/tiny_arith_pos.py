@@ -31,7 +31,6 @@ def get_config() -> ml_collections.ConfigDict:
   c.sampler.chunk_rows = 256
   c.sampler.prompts_per_chunk = 32
   c.sampler.prompt_buckets = (16,)
-  c.sampler.decode_segments = 1
 
   c.ada.method = "pos"
 

@@ -62,8 +62,9 @@ class Candidate:
   rl_mixes: tuple[tuple[str, tuple[int, ...], tuple[float, ...]], ...] = (
     ("L1-3", (1, 2, 3), (1.0, 1.0, 1.0)),
     ("L2-3", (2, 3), (1.0, 1.0)),
+    ("L2-3 (1:2)", (2, 3), (1.0, 2.0)),
+    ("L3", (3,), (1.0,)),
     ("L2-4", (2, 3, 4), (1.0, 1.0, 1.0)),
-    ("L3-4", (3, 4), (1.0, 1.0)),
   )
   init_seed: int = 0
 
@@ -106,6 +107,24 @@ CANDIDATES: dict[str, Candidate] = {
   "add_d96L3_s400": Candidate(
     embed_dim=96, mlp_dim=384, warm=_warm(steps=400, weights=(1.0, 3.0, 2.0), ops=("+",))
   ),
+  "add_d96L3_s400_seed1": Candidate(
+    embed_dim=96, mlp_dim=384, init_seed=1,
+    warm=dataclasses.replace(_warm(steps=400, weights=(1.0, 3.0, 2.0), ops=("+",)), seed=1),
+  ),
+  "add_d96L3_s400_seed2": Candidate(
+    embed_dim=96, mlp_dim=384, init_seed=2,
+    warm=dataclasses.replace(_warm(steps=400, weights=(1.0, 3.0, 2.0), ops=("+",)), seed=2),
+  ),
+  **{
+    f"add_d96L3_t{t}_seed{seed}": Candidate(
+      embed_dim=96, mlp_dim=384, init_seed=seed,
+      warm=dataclasses.replace(
+        _warm(steps=1200, weights=(1.0, 3.0, 2.0), ops=("+",)), seed=seed, target_accuracy=t
+      ),
+    )
+    for t in (0.6, 0.7)
+    for seed in (0, 1, 2)
+  },
   "d96L3_s1500": Candidate(embed_dim=96, mlp_dim=384, warm=_warm(steps=1500)),
   "d96L3_s900_lr1e-3": Candidate(embed_dim=96, mlp_dim=384, warm=_warm(steps=900, lr=1e-3)),
 }
@@ -163,7 +182,10 @@ def run_candidate(name: str, cand: Candidate, args) -> dict:
   config = cand.model_config(tok.vocab_size)
   params = model_lib.init_params(config, jax.random.key(cand.init_seed))
   params, metrics = warmstart.warm_start(config, params, tok, cand.warm, progress=True)
-  print(f"[{name}] warm start {metrics['wall_s']:.1f} s, final loss {metrics['loss'][-20:].mean():.3f}")
+  print(
+    f"[{name}] warm start {metrics['wall_s']:.1f} s, {metrics['steps_run']} steps, "
+    f"final loss {metrics['loss'][-20:].mean():.3f}"
+  )
   if args.save_params:
     flat = {jax.tree_util.keystr(k): np.asarray(v)
             for k, v in jax.tree_util.tree_leaves_with_path(params)}
@@ -207,6 +229,8 @@ def run_candidate(name: str, cand: Candidate, args) -> dict:
   cfg = dataclasses.asdict(cand)
   return {
     "candidate": cfg,
+    "warm_start_steps_run": int(metrics["steps_run"]),
+    "warm_start_reached_target": bool(metrics["reached_target"]),
     "params": int(sum(x.size for x in jax.tree.leaves(params))),
     "warm_start_wall_s": round(metrics["wall_s"], 1),
     "warm_start_final_loss": round(float(metrics["loss"][-20:].mean()), 4),

@@ -114,6 +114,19 @@ def test_loss_decreases_and_is_deterministic(tok):
   _, m3 = warmstart.supervised_warm_start(config, params, tok, TASK, **{**kwargs, "seed": 4})
   assert not np.array_equal(m["loss"], m3["loss"])
 
+  # Early stop: the run with a target accuracy is the same run, cut at the first check
+  # (every 5 steps) whose window mean reaches the target.
+  windows = m["sequence_accuracy"].reshape(8, 5).mean(1)
+  assert windows[-1] > windows[0]
+  target = float(windows[-1])  # > 0, so it is a real target
+  first = int(np.argmax(windows >= target))
+  _, m4 = warmstart.supervised_warm_start(
+    config, params, tok, TASK, **kwargs, target_accuracy=target, check_every=5
+  )
+  assert m4["reached_target"] and not m["reached_target"]
+  assert m4["steps_run"] == 5 * (first + 1) and m["steps_run"] == 40
+  np.testing.assert_array_equal(m4["loss"], m["loss"][: m4["steps_run"]])
+
 
 @pytest.mark.parametrize(
   ("kwargs", "match"),
@@ -121,6 +134,8 @@ def test_loss_decreases_and_is_deterministic(tok):
     ({"steps": 0}, "WarmStartConfig.steps"),
     ({"learning_rate": 0.0}, "WarmStartConfig.learning_rate"),
     ({"final_lr_fraction": 2.0}, "WarmStartConfig.final_lr_fraction"),
+    ({"target_accuracy": 1.5}, "WarmStartConfig.target_accuracy"),
+    ({"check_every": 0}, "WarmStartConfig.check_every"),
   ],
 )
 def test_config_validation(kwargs, match):

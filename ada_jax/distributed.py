@@ -1,0 +1,409 @@
+"""Multi-host runs on JAX's own multi-controller runtime (DESIGN.md §4).
+
+Every host runs one process with the same program: `initialize` connects the processes
+through `jax.distributed.initialize` (TPU VMs and Slurm / Open MPI clusters are detected by
+JAX; elsewhere a coordinator address, process count and process id come from the
+environment). After it, `jax.devices()` lists the devices of every process and one `Mesh`
+spans them all.
+
+The processes must launch identical jit calls in the same order. They do, because every
+process runs the same adaptive controller on the same prompts with the same seeded host
+RNG, and the only outside input of that controller, the rewards, is made identical here:
+`shared_scorer` has each process score one block of the responses and all-gathers the
+blocks, so a verifier timeout on one host cannot make the hosts disagree (and the
+verifier work is split across hosts). `assert_same` compares a fingerprint of the
+controller state across processes after each step and stops the run at the first
+divergence instead of letting it deadlock in mismatched collectives later.
+
+Failure of a peer: a process killed mid-step closes its sockets, so the survivors'
+next collective fails at once (gloo on CPU; ICI/NCCL errors on accelerators), and a
+process that stops answering is declared dead by the coordination service after
+`heartbeat_timeout_s`, which then terminates the others. `exit_on_failure` turns the
+resulting Python exception into one clear log line and a non-zero exit without waiting on
+the shutdown barrier of a runtime whose peer is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging as std_logging
+import os
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ada_jax import sharding as sharding_lib
+
+MODES = ("auto", "on", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+  """How this process joins a multi-process run.
+
+  Attributes:
+    mode: 'off' = one process, never call `jax.distributed.initialize`; 'on' = always call
+      it (arguments left unset are auto-detected by JAX: TPU VM metadata, Slurm, Open
+      MPI); 'auto' = call it when a coordinator address is given or JAX detects a
+      cluster, else run as one process.
+    coordinator_address: 'host:port' of process 0 ('' = auto-detect). On a GPU cluster:
+      the first host's address and any free port, the same on every process.
+    num_processes: total processes (0 = auto-detect).
+    process_id: this process's index in [0, num_processes) (-1 = auto-detect).
+    local_device_ids: restrict this process to these local accelerators (() = all).
+    init_timeout_s: seconds to wait for every process to connect.
+    heartbeat_timeout_s: a process silent this long is declared dead and the others are
+      terminated (the bound on how long a survivor can wait for a dead peer).
+    shutdown_timeout_s: seconds a finishing process waits for the others at exit.
+    cpu_collectives: cross-process collectives of the CPU backend ('gloo' or 'mpi');
+      only the CPU backend reads it.
+  """
+
+  mode: str = "auto"
+  coordinator_address: str = ""
+  num_processes: int = 0
+  process_id: int = -1
+  local_device_ids: tuple[int, ...] = ()
+  init_timeout_s: int = 300
+  heartbeat_timeout_s: int = 100
+  shutdown_timeout_s: int = 300
+  cpu_collectives: str = "gloo"
+
+  def __post_init__(self):
+    if self.mode not in MODES:
+      raise ValueError(f"DistributedConfig.mode {self.mode!r}: use one of {MODES}")
+    if self.num_processes < 0:
+      raise ValueError(f"DistributedConfig.num_processes must be >= 0, got {self.num_processes}")
+    if self.num_processes and not -1 <= self.process_id < self.num_processes:
+      raise ValueError(
+        f"DistributedConfig.process_id {self.process_id} is outside "
+        f"[0, num_processes={self.num_processes})"
+      )
+    for name in ("init_timeout_s", "heartbeat_timeout_s", "shutdown_timeout_s"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"DistributedConfig.{name} must be >= 1 s, got {getattr(self, name)}")
+    if self.cpu_collectives not in ("gloo", "mpi"):
+      raise ValueError(
+        f"DistributedConfig.cpu_collectives {self.cpu_collectives!r}: use 'gloo' or 'mpi'"
+      )
+
+  @classmethod
+  def from_env(cls, environ: Mapping[str, str] | None = None) -> DistributedConfig:
+    """The configuration given by environment variables (unset ones keep the defaults).
+
+    `ADA_JAX_DISTRIBUTED` (mode), `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`,
+    `JAX_PROCESS_ID`, `JAX_LOCAL_DEVICE_IDS` (comma-separated), `ADA_JAX_INIT_TIMEOUT_S`,
+    `ADA_JAX_HEARTBEAT_TIMEOUT_S`, `ADA_JAX_SHUTDOWN_TIMEOUT_S`, `ADA_JAX_CPU_COLLECTIVES`.
+
+    Raises:
+      ValueError: a variable that does not parse, named.
+    """
+    env = os.environ if environ is None else environ
+    kwargs: dict[str, Any] = {}
+    names = {
+      "mode": "ADA_JAX_DISTRIBUTED",
+      "coordinator_address": "JAX_COORDINATOR_ADDRESS",
+      "num_processes": "JAX_NUM_PROCESSES",
+      "process_id": "JAX_PROCESS_ID",
+      "local_device_ids": "JAX_LOCAL_DEVICE_IDS",
+      "init_timeout_s": "ADA_JAX_INIT_TIMEOUT_S",
+      "heartbeat_timeout_s": "ADA_JAX_HEARTBEAT_TIMEOUT_S",
+      "shutdown_timeout_s": "ADA_JAX_SHUTDOWN_TIMEOUT_S",
+      "cpu_collectives": "ADA_JAX_CPU_COLLECTIVES",
+    }
+    for field, var in names.items():
+      raw = env.get(var, "").strip()
+      if not raw:
+        continue
+      try:
+        if field == "local_device_ids":
+          kwargs[field] = tuple(int(x) for x in raw.split(","))
+        elif isinstance(getattr(cls, field), int):
+          kwargs[field] = int(raw)
+        else:
+          kwargs[field] = raw
+      except ValueError:
+        raise ValueError(
+          f"environment variable {var}={raw!r} is not valid for DistributedConfig.{field}"
+        ) from None
+    try:
+      return cls(**kwargs)
+    except ValueError as e:
+      raise ValueError(f"{e} (from the environment: {sorted(names.values())})") from None
+
+
+def initialize(config: DistributedConfig = DistributedConfig()) -> bool:
+  """Joins the multi-process run described by `config` (call before any other JAX use).
+
+  Args:
+    config: see `DistributedConfig`.
+
+  Returns:
+    True when the multi-controller runtime was started (even with one process, as on a
+    single-host TPU VM), False when this stays a plain single-process run.
+
+  Raises:
+    RuntimeError: JAX's backend was already initialised (a JAX computation or
+      `jax.devices()` ran first), or the coordinator could not be reached in time.
+    ValueError: inconsistent process count / id (JAX's message).
+  """
+  if config.mode == "off" or jax.distributed.is_initialized():
+    return jax.distributed.is_initialized()
+  jax.config.update("jax_cpu_collectives_implementation", config.cpu_collectives)
+  explicit = bool(config.coordinator_address or config.num_processes)
+  kwargs = dict(
+    coordinator_address=config.coordinator_address or None,
+    num_processes=config.num_processes or None,
+    process_id=None if config.process_id < 0 else config.process_id,
+    local_device_ids=list(config.local_device_ids) or None,
+    initialization_timeout=config.init_timeout_s,
+    heartbeat_timeout_seconds=config.heartbeat_timeout_s,
+    shutdown_timeout_seconds=config.shutdown_timeout_s,
+  )
+  try:
+    jax.distributed.initialize(**kwargs)
+  except ValueError as e:
+    # JAX found no cluster environment to take the missing arguments from: in 'auto'
+    # mode that simply means a single-process run (a laptop, one GPU box).
+    if config.mode == "auto" and not explicit and "coordinator_address" in str(e):
+      logging.info("no multi-process cluster detected: running as one process")
+      return False
+    raise
+  logging.warning(
+    "joined the multi-process run: process %d of %d", jax.process_index(), jax.process_count()
+  )
+  return True
+
+
+# ----------------------------------------------------------------------------- host values
+
+
+def allgather(x: np.ndarray) -> np.ndarray:
+  """`[process_count, *x.shape]`: every process's `x` (same shape and dtype everywhere)."""
+  if jax.process_count() == 1:
+    return np.asarray(x)[None]
+  return np.asarray(multihost_utils.process_allgather(np.asarray(x)))
+
+
+def block_of(n: int, process: int | None = None, count: int | None = None) -> slice:
+  """The contiguous block of `n` items that `process` (default: this one) handles: blocks
+  of ceil(n / count), the last ones shorter or empty."""
+  process = jax.process_index() if process is None else process
+  count = jax.process_count() if count is None else count
+  size = -(-n // count)
+  return slice(min(process * size, n), min((process + 1) * size, n))
+
+
+def shared_scorer(
+  score: Callable[[Sequence[str], Sequence[str]], Any],
+) -> Callable[[Sequence[str], Sequence[str]], np.ndarray]:
+  """Wraps a reward function so that all processes get the same rewards, computed once.
+
+  Process p scores block p of the responses (`block_of`), the blocks are all-gathered, and
+  every process returns the full vector. With one process this is `score` itself.
+
+  Args:
+    score: `(responses, references) -> float[N]`, e.g. `verifier.RewardPool.score`.
+
+  Returns:
+    A function of the same signature returning `float32[N]`, identical on every process
+    (each process must call it with the same N, as the identical controllers do).
+  """
+  if jax.process_count() == 1:
+    return lambda responses, references: np.asarray(score(responses, references), np.float32)
+
+  def scored(responses: Sequence[str], references: Sequence[str]) -> np.ndarray:
+    n, count = len(responses), jax.process_count()
+    size = -(-n // count)
+    mine = block_of(n)
+    out = np.zeros(size, np.float32)  # padded: all-gathered blocks must share a shape
+    if mine.stop > mine.start:
+      out[: mine.stop - mine.start] = np.asarray(
+        score(responses[mine], references[mine]), np.float32
+      )
+    return allgather(out).reshape(-1)[:n]
+
+  return scored
+
+
+def local_rows(batch: Any, mesh: Mesh, num_minibatches: int) -> Any:
+  """This process's rows of a batch that every process holds whole.
+
+  `train.update_policy` cuts a batch into `num_minibatches` consecutive mini-batches and
+  places each with `jax.make_array_from_process_local_data`, which wants from each
+  process the rows its devices hold under `sharding.batch_sharding`. This picks those rows
+  of each mini-batch and concatenates them, so the k local mini-batches line up with the
+  k global ones. With one process the batch is returned unchanged.
+
+  Args:
+    batch: pytree of numpy arrays with the same leading row count R (R divisible by
+      `num_minibatches`).
+    mesh: the training mesh.
+    num_minibatches: k.
+
+  Returns:
+    The same pytree with `R / process_count` rows per leaf.
+  """
+  if jax.process_count() == 1:
+    return batch
+  rows = jax.tree.leaves(batch)[0].shape[0]
+  mini = rows // num_minibatches
+  own = _own_rows(mini, sharding_lib.batch_sharding(mesh))
+  index = np.concatenate([own + j * mini for j in range(num_minibatches)])
+  return jax.tree.map(lambda x: np.asarray(x)[index], batch)
+
+
+def _own_rows(rows: int, sharding: NamedSharding) -> np.ndarray:
+  """Sorted distinct row indices of `[rows, ...]` held by this process's devices."""
+  starts = set()
+  for index in sharding.addressable_devices_indices_map((rows,)).values():
+    s = index[0]
+    starts.add((s.start or 0, rows if s.stop is None else s.stop))
+  return np.concatenate([np.arange(a, b) for a, b in sorted(starts)])
+
+
+def fetchable(fn: Callable, mesh: Mesh) -> Callable:
+  """`fn` (a jitted function) with every output replicated on all devices of `mesh`.
+
+  An array sharded over devices of several processes cannot be read on the host
+  (`np.asarray` raises); replicated outputs can, on every process. Meant for small outputs
+  such as sampled tokens (`[C, Lr]` per chunk), which all processes need whole anyway.
+  """
+  return jax.jit(fn, out_shardings=NamedSharding(mesh, P()))
+
+
+def host_copy(tree: Any) -> Any:
+  """A pytree of arrays made readable on this host.
+
+  With several processes, arrays sharded across them are gathered into whole numpy arrays
+  on every process (a collective: all processes must call it; host memory for the whole
+  tree). With one process the tree is returned as is: its arrays are readable already.
+  """
+  if jax.process_count() == 1:
+    return tree
+  return multihost_utils.process_allgather(tree, tiled=True)
+
+
+# ----------------------------------------------------------------------------- agreement
+
+
+class DivergenceError(RuntimeError):
+  """The processes of one run disagree on a value that must be identical."""
+
+
+def fingerprint(value: Any) -> str:
+  """A hex digest of a nested structure of dicts, lists, numpy arrays and scalars.
+
+  Equal values give equal digests on any process (dict keys are sorted; arrays contribute
+  dtype, shape and bytes; floats their exact bits), so comparing digests across processes
+  compares the values.
+  """
+  h = hashlib.blake2b(digest_size=16)
+  _feed(h, value)
+  return h.hexdigest()
+
+
+def _feed(h, value) -> None:
+  if isinstance(value, Mapping):
+    h.update(b"{")
+    for key in sorted(value, key=str):
+      _feed(h, str(key))
+      _feed(h, value[key])
+    h.update(b"}")
+  elif isinstance(value, (list, tuple)):
+    h.update(b"[")
+    for item in value:
+      _feed(h, item)
+    h.update(b"]")
+  elif isinstance(value, (np.ndarray, np.generic, jax.Array)):
+    arr = np.ascontiguousarray(np.asarray(value))
+    h.update(f"{arr.dtype.str}{arr.shape}".encode())
+    h.update(arr.tobytes())
+  elif isinstance(value, float):
+    h.update(np.float64(value).tobytes())
+  else:
+    h.update(json.dumps(value).encode())
+
+
+def assert_same(what: str, value: Any) -> str:
+  """Checks that `value` is identical on every process (an all-gather of a 16-byte digest).
+
+  Args:
+    what: a name for the error message (e.g. 'controller state after RL step 12').
+    value: anything `fingerprint` takes.
+
+  Returns:
+    The fingerprint (the same on every process).
+
+  Raises:
+    DivergenceError: naming the processes whose value differs from process 0's.
+  """
+  digest = fingerprint(value)
+  if jax.process_count() == 1:
+    return digest
+  raw = np.frombuffer(bytes.fromhex(digest), np.uint8)
+  everyone = allgather(raw)
+  differ = [p for p in range(len(everyone)) if not np.array_equal(everyone[p], everyone[0])]
+  if differ:
+    raise DivergenceError(
+      f"{what}: processes {differ} disagree with process 0 (fingerprints "
+      f"{[bytes(r).hex() for r in everyone]}); their runs have diverged"
+    )
+  return digest
+
+
+def local_fingerprint(tree: Any) -> str:
+  """Fingerprint of the data this process holds of a pytree of (sharded) arrays: each leaf's
+  distinct addressable shards with their indices. Processes that hold the same shards
+  (parameters replicated over processes, i.e. pure data parallelism) get equal digests
+  exactly when their copies are bit-identical."""
+  parts = []
+  for leaf in jax.tree.leaves(tree):
+    if not isinstance(leaf, jax.Array):
+      parts.append(np.asarray(leaf))
+      continue
+    seen = {}
+    for shard in leaf.addressable_shards:
+      key = str(tuple((s.start, s.stop) for s in shard.index))
+      if key not in seen:
+        seen[key] = np.asarray(shard.data)
+    parts.append(seen)
+  return fingerprint(parts)
+
+
+# ----------------------------------------------------------------------------- failure
+
+
+@contextlib.contextmanager
+def exit_on_failure() -> Iterator[None]:
+  """Around a multi-process run: an exception ends this process at once with exit code 1.
+
+  A failed collective usually means a peer died; waiting for JAX's shutdown barrier would
+  then only add `shutdown_timeout_s` and a crash report. One process: exceptions pass
+  through unchanged.
+  """
+  try:
+    yield
+  except Exception as e:  # noqa: BLE001 - every failure ends the run the same way
+    if jax.process_count() == 1:
+      raise
+    logging.exception("process %d of %d failed", jax.process_index(), jax.process_count())
+    print(
+      f"ada_jax: process {jax.process_index()} of {jax.process_count()} stops: "
+      f"{type(e).__name__}: {e}\nIf another process died first (killed, preempted, out of "
+      "memory), this failure is the consequence: see that process's log.",
+      file=sys.stderr,
+      flush=True,
+    )
+    std_logging.shutdown()
+    os._exit(1)
