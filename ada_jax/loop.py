@@ -262,6 +262,10 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
                                         init_from=cfg.ckpt.init_from or None,
                                         pretrained=str(model_dir) if model_dir else None)
   logging.info("run state from %s", source)
+  if not source.startswith("checkpoint"):
+    # Step 0 (the warm-started policy, its held-out score) is saved at once, so a restart
+    # never repeats the warm start and other runs can `init_from` this folder's step 0.
+    checkpoint.save(manager, 0, run_state)
   host = run_state.host
   state, est = run_state.train, run_state.est
   iterator.restore(host["iterator"])

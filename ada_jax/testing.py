@@ -121,3 +121,38 @@ def rl_batch(config, params, prompt_lengths, response_lengths, *, prompt_len: in
       tokens=tokens, positions=positions.astype(np.int32), attention_mask=attention,
       loss_mask=response, advantages=rng.standard_normal(rows).astype(np.float32),
       old_logprobs=np.where(response, old, 0.0).astype(np.float32))
+
+
+def tiny_arith_model(seed: int = 0, **overrides):
+  """A 1-layer d=32 Llama for the arithmetic tokenizer: (ModelConfig, random params)."""
+  from ada_jax import arith
+
+  config = model_lib.ModelConfig(**{
+      **dict(family="llama", vocab_size=arith.load_tokenizer().vocab_size, embed_dim=32,
+             mlp_dim=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16),
+      **overrides})
+  return config, model_lib.init_params(config, jax.random.key(seed))
+
+
+def save_arith_model(config, params, folder: pathlib.Path, checkpoint_dir: pathlib.Path,
+                     step: int = 3) -> dict:
+  """Writes one model both ways a user points the tools at it: a Hugging Face folder with
+  the arithmetic tokenizer files, and an orbax run checkpoint `step` in `checkpoint_dir`.
+
+  Returns:
+    The `ModelConfig` fields as `model.overrides` of a 'tiny-llama' preset config group.
+  """
+  import dataclasses
+
+  from ada_jax import arith, checkpoint, sharding, train, weights
+
+  weights.save_hf(config, params, folder)
+  for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    (pathlib.Path(folder) / name).write_text((arith.TOKENIZER_DIR / name).read_text())
+  mesh = sharding.make_mesh(devices=jax.devices()[:1])
+  state = train.init_train_state(config, train.TrainConfig(), params, mesh)
+  manager = checkpoint.make_manager(checkpoint_dir)
+  checkpoint.save(manager, step, checkpoint.RunState(train=state, rng=jax.random.key(0)))
+  checkpoint.close(manager)
+  return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+          if f.name not in ("dtype", "param_dtype")}

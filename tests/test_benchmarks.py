@@ -8,9 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from ada_jax import arith, benchmarks, prompts, rewards
+from ada_jax import arith, benchmarks, prompts, rewards, testing
 from ada_jax import config as config_lib
-from ada_jax import model as model_lib
 from ada_jax.benchmarks import Benchmark, EvalConfig
 
 
@@ -183,17 +182,7 @@ def test_evaluate_hook_on_a_tiny_model_reuses_its_sampler():
   """The trainer's hook on the held-out arithmetic split of a random tiny model: a second
   call with the same settings reuses the compiled sampler and repeats the numbers."""
   tok = arith.load_tokenizer()
-  mc = model_lib.ModelConfig(
-    family="llama",
-    vocab_size=tok.vocab_size,
-    embed_dim=32,
-    mlp_dim=64,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=16,
-  )
-  params = model_lib.init_params(mc, jax.random.key(0))
+  mc, params = testing.tiny_arith_model(seed=0)
   config = EvalConfig(
     benchmarks=("arith",),
     k=2,

@@ -2,7 +2,6 @@
 runs on a tiny random Llama (real Llama 3 tokenizer, MATH500) and on the arithmetic task,
 with full experiment configs built on `configs/common.py` as the training runs use."""
 
-import dataclasses
 import json
 import pathlib
 import sys
@@ -11,7 +10,7 @@ import jax
 import pytest
 from absl import flags
 
-from ada_jax import arith, evaluate, sampler
+from ada_jax import evaluate, sampler, testing
 from ada_jax import model as model_lib
 
 # The config files below import `configs.common`, as experiment files run with `python -m`
@@ -173,29 +172,9 @@ def test_arith_from_orbax_checkpoint_equals_hf_folder(tmp_path):
   with the architecture from `model.preset` + `model.overrides` (the built-in arithmetic
   tokenizer), --checkpoint with it from `model.hf_dir`, and --hf_dir; all give the same
   numbers. --benchmarks, --k and --limit override the config's `eval` group."""
-  from ada_jax import checkpoint, sharding, train, weights
-
-  tok = arith.load_tokenizer()
-  mc = model_lib.ModelConfig(
-    family="llama",
-    vocab_size=tok.vocab_size,
-    embed_dim=32,
-    mlp_dim=64,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=16,
-  )
-  params = model_lib.init_params(mc, jax.random.key(3))
   folder = tmp_path / "hf"
-  weights.save_hf(mc, params, folder)
-  for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-    (folder / name).write_text((arith.TOKENIZER_DIR / name).read_text())
-  mesh = sharding.make_mesh(devices=jax.devices()[:1])
-  state = train.init_train_state(mc, train.TrainConfig(), params, mesh)
-  manager = checkpoint.make_manager(tmp_path / "work" / "checkpoints")
-  checkpoint.save(manager, 3, checkpoint.RunState(train=state, rng=jax.random.key(0)))
-  checkpoint.close(manager)
+  arch = testing.save_arith_model(*testing.tiny_arith_model(seed=3), folder,
+                                  tmp_path / "work" / "checkpoints")
   eval_fields = dict(
     k=2,  # --k=4 below
     max_new_tokens=12,
@@ -208,8 +187,6 @@ def test_arith_from_orbax_checkpoint_equals_hf_folder(tmp_path):
     verifier_workers=1,
     greedy=True,
   )
-  arch = {f.name: getattr(mc, f.name) for f in dataclasses.fields(mc)}
-  arch = {k: v for k, v in arch.items() if k not in ("dtype", "param_dtype")}
   preset = {"preset": "tiny-llama", "dtype": "float32", "overrides": arch}
   cfg_preset = _write_config(tmp_path / "preset.py", model=preset, eval=eval_fields)
   hf = {"hf_dir": str(folder), "dtype": "float32"}

@@ -98,7 +98,7 @@ def test_run_writes_metrics_checkpoints_summary(reference_run):
     assert key in lines[-1], key
   # pos: M = 8 per active prompt and round, at most 2 rounds.
   assert all(8 * 8 <= m["samples_drawn"] <= 2 * 8 * 8 for m in lines)
-  assert _steps_saved(workdir) == [2, 4]
+  assert _steps_saved(workdir) == [0, 2, 4]  # keep = 3
   assert summary["steps_done"] == 4
   assert "eval/arith/avg@2" in summary["before_rl"] and "eval/arith/avg@2" in summary["after_rl"]
   assert json.loads((workdir / "summary.json").read_text())["steps_done"] == 4
