@@ -151,6 +151,93 @@ def _resolve(path: str, what: str) -> tuple[pathlib.Path, dict[str, Any]]:
     raise ValueError(f"{what}: {e}") from None
 
 
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+  """A model loaded by `load_model`.
+
+  Attributes:
+    params: the weights, placed on the mesh; None when nothing names weights (the caller
+      initialises them).
+    model_config: the architecture.
+    tokenizer: `loop.load_tokenizer`'s, checked against `model_config.vocab_size`.
+    tag: identity of the weights in results caches: 'hf:<folder>:<files hash>',
+      'checkpoint:<absolute path>', or '' when params is None.
+  """
+
+  params: Params | None
+  model_config: ModelConfig
+  tokenizer: Tokenizer
+  tag: str
+
+
+def load_model(
+  cfg: config_lib.RunConfig,
+  mesh: jax.sharding.Mesh,
+  *,
+  hf_dir: str | None = None,
+  checkpoint_path: str | os.PathLike | None = None,
+  tokenizer_dir: str | None = None,
+) -> LoadedModel:
+  """The model named by `hf_dir`, `checkpoint_path` or the config, placed on `mesh`.
+
+  Weights: `hf_dir`'s safetensors; else the orbax checkpoint at `checkpoint_path`; else
+  `cfg.model.hf_dir`'s safetensors; else none (params None). Architecture: `hf_dir`'s
+  config.json (in `cfg.model.dtype`); else `cfg.model` (with `cfg.model.hf_dir`'s
+  config.json if set), exactly as the run that wrote a checkpoint built it. Tokenizer:
+  `tokenizer_dir`, else `cfg.tokenizer.dir`, else the model's folder, else the arithmetic
+  task's. The tokenizer is checked before any weights are read.
+
+  Args:
+    cfg: the experiment (`model`, `tokenizer` groups).
+    mesh: parameter placement (`sharding.param_shardings`).
+    hf_dir: a Hugging Face folder or Hub id.
+    checkpoint_path: an orbax checkpoint: a run's checkpoint folder (its latest step) or
+      one step's folder.
+    tokenizer_dir: overrides `cfg.tokenizer.dir`.
+
+  Raises:
+    ValueError: both hf_dir and checkpoint_path, an unreadable model folder (named as
+      '--hf_dir' or 'config.model.hf_dir'), or a tokenizer larger than the model's
+      vocabulary.
+    FileNotFoundError: a checkpoint path without a checkpoint.
+  """
+  from ada_jax import loop  # Not at the top: loop imports this module.
+
+  if hf_dir is not None and checkpoint_path is not None:
+    raise ValueError("give at most one of --hf_dir and --checkpoint")
+  model_dir = hf_config = None
+  spec = cfg.model
+  if hf_dir is not None:
+    model_dir, hf_config = _resolve(hf_dir, "--hf_dir")
+    spec = config_lib.ModelSpec(hf_dir=str(model_dir), dtype=cfg.model.dtype)
+  elif cfg.model.hf_dir:
+    model_dir, hf_config = _resolve(cfg.model.hf_dir, "config.model.hf_dir")
+  model_config = config_lib.model_config(spec, hf_config)
+  tokenizer_spec = cfg.tokenizer
+  if tokenizer_dir:
+    tokenizer_spec = dataclasses.replace(tokenizer_spec, dir=tokenizer_dir)
+  tokenizer = loop.load_tokenizer(tokenizer_spec, model_dir)
+  if tokenizer.vocab_size > model_config.vocab_size:
+    raise ValueError(
+      f"the tokenizer has {tokenizer.vocab_size} ids, more than "
+      f"the model's vocab_size={model_config.vocab_size}"
+    )
+  shardings = sharding.param_shardings(model_config, mesh)
+  params, tag = None, ""
+  if checkpoint_path is not None:
+    path = pathlib.Path(checkpoint_path).absolute()
+    target = jax.tree.map(
+      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+      model_lib.param_shapes(model_config),
+      shardings,
+    )
+    params, tag = checkpoint_lib.restore_params(path, target), f"checkpoint:{path}"
+  elif model_dir is not None:
+    _, params = weights.load_hf(model_dir, dtype=model_config.param_dtype, shardings=shardings)
+    tag = f"hf:{model_dir}:{_files_tag(model_dir)}"
+  return LoadedModel(params, model_config, tokenizer, tag)
+
+
 def define_flags(flag_values=None, sys_argv: list[str] | None = None) -> None:
   """Registers the CLI flags on `flag_values` (default: absl's global FLAGS)."""
   from absl import flags
@@ -179,10 +266,10 @@ def define_flags(flag_values=None, sys_argv: list[str] | None = None) -> None:
 def main(argv: Sequence[str], flag_values=None) -> dict[str, Any]:
   """The CLI: loads the model named by --hf_dir or --checkpoint and calls `run`.
 
-  With --checkpoint the architecture is the config's `model` group, exactly as the run that
-  wrote the checkpoint built it; with --hf_dir it is the folder's config.json (in the
-  config's `model.dtype`). The tokenizer is `loop.load_tokenizer`'s: --tokenizer_dir, else
-  `tokenizer.dir`, else the model's folder, else the arithmetic task's.
+  The model is `load_model`'s: with --checkpoint the architecture is the config's `model`
+  group, exactly as the run that wrote the checkpoint built it; with --hf_dir it is the
+  folder's config.json (in the config's `model.dtype`). The tokenizer: --tokenizer_dir,
+  else `tokenizer.dir`, else the model's folder, else the arithmetic task's.
 
   Raises:
     ValueError: neither or both of --hf_dir / --checkpoint, no --workdir, an unreadable model
@@ -190,8 +277,6 @@ def main(argv: Sequence[str], flag_values=None) -> dict[str, Any]:
   """
   del argv
   from absl import flags
-
-  from ada_jax import loop  # Not at the top: loop imports this module.
 
   fv = flags.FLAGS if flag_values is None else flag_values
   if not fv.workdir:
@@ -206,41 +291,21 @@ def main(argv: Sequence[str], flag_values=None) -> dict[str, Any]:
   config = dataclasses.replace(cfg.eval, **{k: v for k, v in flags_.items() if v is not None})
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
   if fv.hf_dir is not None:
-    model_dir, hf_config = _resolve(fv.hf_dir, "--hf_dir")
-    spec = config_lib.ModelSpec(hf_dir=str(model_dir), dtype=cfg.model.dtype)
-    model_config = config_lib.model_config(spec, hf_config)
-    shardings = sharding.param_shardings(model_config, mesh)
-    _, params = weights.load_hf(model_dir, dtype=model_config.param_dtype, shardings=shardings)
-    tag = f"hf:{model_dir}:{_files_tag(model_dir)}"
-    name = f"hf_{pathlib.Path(fv.hf_dir).absolute().name}"
+    model = load_model(cfg, mesh, hf_dir=fv.hf_dir, tokenizer_dir=fv.tokenizer_dir)
+    tag, name = model.tag, f"hf_{pathlib.Path(fv.hf_dir).absolute().name}"
   else:
-    model_dir = hf_config = None
-    if cfg.model.hf_dir:
-      model_dir, hf_config = _resolve(cfg.model.hf_dir, "config.model.hf_dir")
-    model_config = config_lib.model_config(cfg.model, hf_config)
     directory = pathlib.Path(fv.checkpoint_dir or pathlib.Path(fv.workdir) / "checkpoints")
-    target = jax.tree.map(
-      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-      model_lib.param_shapes(model_config),
-      sharding.param_shardings(model_config, mesh),
-    )
-    params = checkpoint_lib.restore_params(directory.absolute() / str(fv.checkpoint), target)
-    tag, name = f"checkpoint:{directory.absolute()}:{fv.checkpoint}", f"step_{fv.checkpoint}"
-  tokenizer_spec = cfg.tokenizer
-  if fv.tokenizer_dir:
-    tokenizer_spec = dataclasses.replace(tokenizer_spec, dir=fv.tokenizer_dir)
-  tokenizer = loop.load_tokenizer(tokenizer_spec, model_dir)
-  if tokenizer.vocab_size > model_config.vocab_size:
-    raise ValueError(
-      f"the tokenizer has {tokenizer.vocab_size} ids, more than "
-      f"the model's vocab_size={model_config.vocab_size}"
-    )
+    directory = directory.absolute()
+    ckpt = directory / str(fv.checkpoint)
+    model = load_model(cfg, mesh, checkpoint_path=ckpt, tokenizer_dir=fv.tokenizer_dir)
+    # The step apart from its folder: the tag the evaluation cache has always used.
+    tag, name = f"checkpoint:{directory}:{fv.checkpoint}", f"step_{fv.checkpoint}"
   return run(
     config,
     fv.workdir,
-    params=params,
-    model_config=model_config,
-    tokenizer=tokenizer,
+    params=model.params,
+    model_config=model.model_config,
+    tokenizer=model.tokenizer,
     model_tag=tag,
     name=name,
     mesh=mesh,

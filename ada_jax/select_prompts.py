@@ -48,7 +48,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from ada_jax import benchmarks, checkpoint, evaluate, sampler, sharding, weights
+from ada_jax import benchmarks, checkpoint, evaluate, sampler, sharding
 from ada_jax import config as config_lib
 from ada_jax import model as model_lib
 from ada_jax import prompts as prompts_lib
@@ -487,6 +487,9 @@ def load_policy(
 ) -> BasePolicy:
   """The model to measure (see module docstring for the order), placed on `mesh`.
 
+  A checkpoint or Hugging Face model is `evaluate.load_model`'s; only the fallback (random
+  init + warm start) is built here.
+
   Args:
     cfg: the experiment.
     mesh: parameter placement (`sharding.param_shardings`).
@@ -503,46 +506,28 @@ def load_policy(
       larger than the model's vocabulary.
     FileNotFoundError: a checkpoint path without a checkpoint.
   """
-  from ada_jax import loop  # Not at the top: loop imports the evaluation modules.
-
-  if hf_dir and checkpoint_path:
-    raise ValueError("give at most one of --hf_dir and --checkpoint")
-  model_dir = hf_config = None
-  if hf_dir or cfg.model.hf_dir:
-    model_dir, hf_config = evaluate._resolve(
-      hf_dir or cfg.model.hf_dir, "--hf_dir" if hf_dir else "config.model.hf_dir"
-    )
-  spec = cfg.model
-  if hf_dir:
-    spec = config_lib.ModelSpec(hf_dir=str(model_dir), dtype=cfg.model.dtype)
-  model_config = config_lib.model_config(spec, hf_config)
-  tok_spec = cfg.tokenizer
-  if tokenizer_dir:
-    tok_spec = dataclasses.replace(tok_spec, dir=tokenizer_dir)
-  tokenizer = loop.load_tokenizer(tok_spec, model_dir)
-  if tokenizer.vocab_size > model_config.vocab_size:
-    raise ValueError(
-      f"the tokenizer has {tokenizer.vocab_size} ids, more than the model's "
-      f"vocab_size={model_config.vocab_size}"
-    )
-  shardings = sharding.param_shardings(model_config, mesh)
-  abstract = lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh)
-  target = jax.tree.map(abstract, model_lib.param_shapes(model_config), shardings)
-  init_from = "" if hf_dir else str(checkpoint_path or cfg.ckpt.init_from or "")
-  if init_from:  # Resume order step 2 (checkpoint.resume): another run's params.
-    path = pathlib.Path(init_from).absolute()
-    params = checkpoint.restore_params(path, target)
-    return BasePolicy(params, model_config, tokenizer, f"checkpoint:{path}", str(path))
-  if model_dir is not None:  # Step 3: pretrained weights.
-    _, params = weights.load_hf(model_dir, dtype=model_config.param_dtype, shardings=shardings)
-    tag = f"hf:{model_dir}:{evaluate._files_tag(model_dir)}"
-    return BasePolicy(params, model_config, tokenizer, tag)
+  if not hf_dir and not checkpoint_path:  # Resume order step 2 (checkpoint.resume).
+    checkpoint_path = cfg.ckpt.init_from
+  model = evaluate.load_model(
+    cfg,
+    mesh,
+    hf_dir=hf_dir or None,
+    checkpoint_path=checkpoint_path or None,
+    tokenizer_dir=tokenizer_dir,
+  )
+  model_config, tokenizer = model.model_config, model.tokenizer
+  if model.params is not None:  # Step 2: another run's params; step 3: pretrained weights.
+    init_from = str(pathlib.Path(checkpoint_path).absolute()) if checkpoint_path else ""
+    return BasePolicy(model.params, model_config, tokenizer, model.tag, init_from)
   # Step 4: the loop's own start, random init (its init key) then the config's warm start;
   # saved so that a rerun skips the warm start and training can start from these params.
   recipe = [dataclasses.asdict(cfg.model), cfg.warmstart and dataclasses.asdict(cfg.warmstart)]
   digest = hashlib.sha256(json.dumps([*recipe, cfg.seed], default=str).encode()).hexdigest()
   folder = pathlib.Path(out_dir).absolute() / f"base_params_{digest[:12]}"
+  shardings = sharding.param_shardings(model_config, mesh)
   if (folder / "params").is_dir():
+    abstract = lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh)
+    target = jax.tree.map(abstract, model_lib.param_shapes(model_config), shardings)
     params = checkpoint.restore_params(folder, target)
   else:
     init_key = jax.random.split(jax.random.key(cfg.seed), 3)[0]  # As loop.train_run splits.
