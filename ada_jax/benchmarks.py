@@ -90,6 +90,7 @@ class EvalConfig:
     manual_dir: folder with the maths JSONL files (layout of ../shared/data); '' =
       download from their public sources.
     arith_levels: digit counts of the held-out arithmetic split; () = `ArithConfig`'s.
+    arith_ops: its operators; () = `ArithConfig`'s.
     arith_problems: problems of the held-out arithmetic split.
     every_steps: the training loop evaluates every this many RL steps (0 = never); not used
       here.
@@ -117,6 +118,7 @@ class EvalConfig:
   data_dir: str = ""
   manual_dir: str = ""
   arith_levels: tuple[int, ...] = ()
+  arith_ops: tuple[str, ...] = ()
   arith_problems: int = 200
   every_steps: int = 0
 
@@ -124,7 +126,8 @@ class EvalConfig:
     if isinstance(self.benchmarks, str):  # 'math500,aime24', e.g. from a command line.
       names = [b.strip() for b in self.benchmarks.split(",")]
       object.__setattr__(self, "benchmarks", [b for b in names if b])
-    for name in ("benchmarks", "pass_at", "prompt_buckets", "arith_levels"):  # Hashable.
+    for name in ("benchmarks", "pass_at", "prompt_buckets", "arith_levels",
+                 "arith_ops"):  # Hashable.
       object.__setattr__(self, name, tuple(getattr(self, name)))
 
     def need(ok: bool, field: str, what: str):
@@ -529,7 +532,8 @@ def load_examples(name: str, config: EvalConfig) -> list[dict[str, str]]:
   if name not in BENCHMARKS:
     raise ValueError(f"unknown benchmark {name!r}; known: {sorted(BENCHMARKS)}")
   if name == "arith":
-    task = arith.ArithConfig(**({"levels": config.arith_levels} if config.arith_levels else {}))
+    fields = {"levels": config.arith_levels, "ops": config.arith_ops}
+    task = arith.ArithConfig(**{k: v for k, v in fields.items() if v})
     n = min(config.limit or config.arith_problems, config.arith_problems)
     return arith.examples(task, "test", n, seed=config.seed)
   data_dir = config.data_dir or os.environ.get(

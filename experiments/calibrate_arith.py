@@ -136,6 +136,17 @@ CANDIDATES: dict[str, Candidate] = {
     for t in (0.25, 0.35)
     for seed in (0, 1, 2)
   },
+  **{
+    f"add_d96L3_L2t{t}_seed{seed}": Candidate(
+      embed_dim=96, mlp_dim=384, init_seed=seed,
+      warm=dataclasses.replace(
+        _warm(steps=1200, weights=(1.0, 3.0, 2.0), ops=("+",)), seed=seed,
+        target_accuracy=t, target_level=2,
+      ),
+    )
+    for t in (0.6, 0.7)
+    for seed in (0, 1, 2)
+  },
   "d96L3_s1500": Candidate(embed_dim=96, mlp_dim=384, warm=_warm(steps=1500)),
   "d96L3_s900_lr1e-3": Candidate(embed_dim=96, mlp_dim=384, warm=_warm(steps=900, lr=1e-3)),
 }

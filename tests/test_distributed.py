@@ -207,6 +207,7 @@ def test_killed_peer_makes_the_survivor_exit_fast(tmp_path):
   finally:
     _cleanup(procs)
   log = _log(tmp_path, 0)
+  print(f"survivor exited with {procs[0].returncode} {elapsed:.1f} s after the kill")
   assert procs[0].returncode != 0, log[-3000:]
   assert elapsed < 60, f"survivor took {elapsed:.0f} s to exit"
   # Our message (a failed collective) or JAX's (heartbeat lost), never a silent hang.
