@@ -25,24 +25,29 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # about half its answers are right, so rewards and the controller's choices are not trivial.
 # Eval off (the in-loop eval sampler is single-host).
 CONFIG = """
+import ml_collections
 from configs import tiny_arith_pos
 
 
 def get_config():
   c = tiny_arith_pos.get_config()
+  # Everything the test relies on is set here, not inherited from the calibrated config.
   c.model.overrides.update(embed_dim=32, mlp_dim=64, num_layers=2, num_heads=2,
                            num_kv_heads=1, head_dim=16)
-  c.rl.steps = {steps}
-  c.rl.batch_prompts = 8
+  c.data.arith = ml_collections.ConfigDict(dict(levels=(1,), ops=("+",),
+                                                heldout_fraction=0.1))
   c.data.arith_prompts = 256
-  c.data.arith.levels = (1,)
+  c.sampler.max_new_tokens = 12
   c.sampler.chunk_rows = 64
   c.sampler.prompts_per_chunk = 8
+  c.ada.method = "pos"
   c.ada.max_rounds = 2
+  c.rl.steps = {steps}
+  c.rl.batch_prompts = 8
   c.ckpt.every_steps = 2
-  c.warmstart.steps = 200
-  c.warmstart.batch_size = 32
-  c.warmstart.task.levels = (1,)
+  c.warmstart = ml_collections.ConfigDict(dict(
+      steps=200, batch_size=32, learning_rate=3e-3,
+      task=ml_collections.ConfigDict(dict(levels=(1,), ops=("+",)))))
   c.eval.benchmarks = ()
   return c
 """
