@@ -40,7 +40,6 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from ada_jax import sharding as sharding_lib
 
@@ -270,16 +269,6 @@ def _own_rows(rows: int, sharding: NamedSharding) -> np.ndarray:
     s = index[0]
     starts.add((s.start or 0, rows if s.stop is None else s.stop))
   return np.concatenate([np.arange(a, b) for a, b in sorted(starts)])
-
-
-def fetchable(fn: Callable, mesh: Mesh) -> Callable:
-  """`fn` (a jitted function) with every output replicated on all devices of `mesh`.
-
-  An array sharded over devices of several processes cannot be read on the host
-  (`np.asarray` raises); replicated outputs can, on every process. Meant for small outputs
-  such as sampled tokens (`[C, Lr]` per chunk), which all processes need whole anyway.
-  """
-  return jax.jit(fn, out_shardings=NamedSharding(mesh, P()))
 
 
 def host_copy(tree: Any) -> Any:

@@ -26,17 +26,26 @@ import jax
 import numpy as np
 from absl import logging
 
-from ada_jax import adaptive, arith, benchmarks, checkpoint, data, evaluate, prompts, sampler, train
+from ada_jax import (
+  adaptive,
+  arith,
+  benchmarks,
+  checkpoint,
+  data,
+  distributed,
+  evaluate,
+  prompts,
+  sampler,
+  train,
+  weights,
+)
 from ada_jax import config as config_lib
-from ada_jax import distributed
 from ada_jax import metrics as metrics_lib
 from ada_jax import model as model_lib
 from ada_jax import sharding as sharding_lib
 from ada_jax import warmstart as warmstart_lib
-from ada_jax import weights
 from ada_jax.tokenizer import Tokenizer
 from ada_jax.verifier import RewardPool, VerifierConfig
-
 
 _COMPILES = [0]
 # Controller outputs that must be identical on every process (`distributed.assert_same`).
@@ -229,8 +238,6 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
       max_new_tokens=cfg.sampler.max_new_tokens, stop_ids=tokenizer.eos_ids,
       chunk_rows=cfg.sampler.chunk_rows, prompts_per_chunk=cfg.sampler.prompts_per_chunk,
       prompt_buckets=cfg.sampler.prompt_buckets, pad_id=tokenizer.pad_id, mesh=mesh)
-  if jax.process_count() > 1:  # sampled rows must be readable on every host
-    smp._generate = distributed.fetchable(smp._generate, mesh)
   with_ref = cfg.loss.kl_coeff > 0
   target = train.abstract_state(model_cfg, train_cfg, mesh, with_ref=with_ref)
   root = jax.random.key(cfg.seed)

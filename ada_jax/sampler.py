@@ -285,7 +285,10 @@ class Sampler:
       return generate(config, *args, rule=rule, max_new_tokens=max_new_tokens,
                       stop_ids=self.stop_ids, mesh=mesh)
 
-    self._generate = jax.jit(counted)
+    # Replicated outputs: every process of a multi-host run can read the whole chunk (the
+    # controller on every host needs every response), at the cost of one small all-gather.
+    self._generate = jax.jit(counted, out_shardings=None if mesh is None else
+                             NamedSharding(mesh, P()))
 
   def _pack(self, row_prompt: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
     """Splits rows (in order) into chunks of <= C rows and <= P distinct prompts.

@@ -4,8 +4,8 @@ RL from a random tiny model learns nothing (every group is all-wrong, so every a
 zero). A short supervised phase on `ada_jax.arith` problems, in exactly the format the RL
 prompts and rewards use (prompt `<bos>12+345=`, response `\\boxed{357}<eos>`), gives a
 policy whose pass rates sit between 0 and 1 on the RL prompts. How far to train, and on
-which levels, is what `experiments/calibrate_arith.py` measures; the defaults of
-`WarmStartConfig` are its recommendation.
+which levels, is what `experiments/calibrate_arith.py` measures; `RECOMMENDED` is its
+recommendation (`WarmStartConfig`'s own defaults are plain: a fixed step count, no target).
 
 Layout of a batch (the RL batch's layout, so positions match what RL will see): the prompt
 is left-padded to Lp, the response right-padded to Lr, T = Lp + Lr. The loss is the
@@ -37,7 +37,7 @@ from ada_jax.tokenizer import Tokenizer
 
 @dataclasses.dataclass(frozen=True)
 class WarmStartConfig:
-  """The supervised warm start (defaults: the setting calibrate_arith.py recommends).
+  """The supervised warm start. `RECOMMENDED` is the calibrated setting for the CPU toy.
 
   Attributes:
     steps: optimizer updates (the most, when `target_accuracy` stops the run earlier).
@@ -105,6 +105,22 @@ class WarmStartConfig:
         f"WarmStartConfig.weight_decay ({self.weight_decay}) and grad_clip "
         f"({self.grad_clip}) must be >= 0"
       )
+
+
+# What experiments/calibrate_arith.py recommends for the CPU toy (its JSON has the figures):
+# a 3-layer d=96 model trained on 1-3-digit additions (level weights 1:3:2) stops when
+# greedy accuracy on 2-digit problems reaches 0.6 (400-500 steps, 1-1.5 min on 2 busy
+# cores), which leaves most RL prompts of `arith.TOY_RL_TASK` at pass rates inside (0, 1).
+# Addition only: with '-' as well, learning is 2-3x slower (2-digit sampled pass rate
+# 5-26% after 600-900 steps), too slow for the toy's budget.
+RECOMMENDED = WarmStartConfig(
+  steps=1200,
+  batch_size=64,
+  learning_rate=3e-3,
+  target_accuracy=0.6,
+  target_level=2,
+  task=arith.ArithConfig(levels=(1, 2, 3), level_weights=(1.0, 3.0, 2.0), ops=("+",)),
+)
 
 
 # --------------------------------------------------------------------------- batches

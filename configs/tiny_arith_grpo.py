@@ -1,4 +1,4 @@
-"""GRPO (n = 4, one pass, local group mean) baseline of `tiny_arith_pos.py` (same model, data, budget of steps).
+"""GRPO (n = 4, one pass, local group mean) baseline of `tiny_arith_pos.py` (same budget).
 
   python -m ada_jax.main --config=configs/tiny_arith_grpo.py --workdir=/tmp/ada_tiny_grpo
 """

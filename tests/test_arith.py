@@ -140,3 +140,12 @@ def test_transformers_reads_the_same_folder():
   )
   assert hf.encode("7*8=", add_special_tokens=False) == tok.encode("7*8=")
   assert hf.eos_token_id == tok.eos_ids[0] and hf.pad_token_id == tok.pad_id
+
+
+def test_prompt_and_response_ids_are_the_rl_format():
+  tok = arith.load_tokenizer()
+  prompt = arith.prompt_ids(tok, "12+345=")
+  assert prompt == [tok.bos_id, *[tok.token_to_id(c) for c in "12+345="]]
+  response = arith.response_ids(tok, "357")
+  assert response == [*tok.encode("\\boxed{357}"), tok.eos_ids[0]]
+  assert rewards.last_boxed(tok.decode(response)) == "357"

@@ -99,8 +99,7 @@ def test_sft_loss_ignores_prompt_targets(tok):
 def test_loss_decreases_and_is_deterministic(tok):
   config = _tiny(tok)
   params = model_lib.init_params(config, jax.random.key(1))
-  kwargs = dict(steps=40, batch_size=32, learning_rate=1e-2, seed=3, warmup_steps=5,
-                progress=False)
+  kwargs = dict(steps=40, batch_size=32, learning_rate=1e-2, seed=3, warmup_steps=5, progress=False)
   new, m = warmstart.supervised_warm_start(config, params, tok, TASK, **kwargs)
   assert m["loss"].shape == (40,) and m["examples"] == 40 * 32
   assert m["loss"][-5:].mean() < 0.6 * m["loss"][:5].mean()
@@ -150,5 +149,6 @@ def test_vocab_too_small(tok):
   config = _tiny(tok).replace(vocab_size=8)
   params = model_lib.init_params(config, jax.random.key(0))
   with pytest.raises(ValueError, match="ModelConfig.vocab_size"):
-    warmstart.supervised_warm_start(config, params, tok, TASK, steps=1, batch_size=2,
-                                    learning_rate=1e-3, seed=0, progress=False)
+    warmstart.supervised_warm_start(
+      config, params, tok, TASK, steps=1, batch_size=2, learning_rate=1e-3, seed=0, progress=False
+    )
