@@ -39,15 +39,15 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.ada.method = "pos"
 
-  c.rl.steps = 100
+  c.rl.steps = 300
   c.rl.batch_prompts = 32
   c.rl.judge = "exact"
   c.rl.verifier_workers = 1
 
-  c.optim.learning_rate = 2e-4
+  c.optim.learning_rate = 1e-4  # 2e-4 was flat and 1e-3 collapsed in 100-step probes
   c.optim.warmup_steps = 0
 
-  c.ckpt.every_steps = 20
+  c.ckpt.every_steps = 50
   c.ckpt.export_hf = False
 
   c.warmstart = ml_collections.ConfigDict(dict(
