@@ -74,7 +74,7 @@ class ArithConfig:
 
 # The CPU toy's RL prompts and held-out set (experiments/calibrate_arith.py): 2- and
 # 3-digit additions, equal weights, after `warmstart.RECOMMENDED`. Level 1 is left out
-# because it is memorised (155 facts; the tenth held out measures recall of unseen facts,
+# because it is memorised (100 sums; the tenth held out measures recall of unseen facts,
 # not skill) and level 4 because a model warm-started on 1-3 digits never solves it (no
 # length generalisation): neither gives RL a signal.
 TOY_RL_TASK = ArithConfig(levels=(2, 3), ops=("+",))

@@ -250,11 +250,7 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
       params = model_lib.init_params(model_cfg, init_key)
       if cfg.warmstart is not None:
         w = cfg.warmstart
-        params, ws = warmstart_lib.supervised_warm_start(
-            model_cfg, params, tokenizer, w.task, steps=w.steps, batch_size=w.batch_size,
-            learning_rate=w.learning_rate, seed=w.seed, warmup_steps=w.warmup_steps,
-            final_lr_fraction=w.final_lr_fraction, weight_decay=w.weight_decay,
-            grad_clip=w.grad_clip)
+        params, ws = warmstart_lib.warm_start(model_cfg, params, tokenizer, cfg.warmstart)
         host["warmstart"] = {"wall_s": float(ws["wall_s"]),
                              "final_loss": float(np.mean(ws["loss"][-20:]))}
     host["before_rl"] = _heldout_eval(cfg, workdir, tokenizer, params, model_cfg, 0)

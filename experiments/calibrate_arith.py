@@ -395,7 +395,7 @@ def plot(results: dict, path: pathlib.Path) -> None:
   fig, (top, bottom) = plt.subplots(
     2, 1, figsize=(8, 4 + 0.25 * len(results)), height_ratios=(1, 0.3 + 0.08 * len(results))
   )
-  bins = np.linspace(0, 1, 18) - 1 / 32
+  bins = np.arange(18) / 16 - 1 / 32  # one bin per pass rate j/16
   for name in sorted(n for n in results if n.startswith(RECOMMENDED.removesuffix("0"))):
     lv = results[name]["levels"]
     rates = lv["2"]["pass_rates"] + lv["3"]["pass_rates"]
@@ -406,15 +406,17 @@ def plot(results: dict, path: pathlib.Path) -> None:
   top.legend(fontsize=7)
   names = list(results)
   left = np.zeros(len(names))
-  colors = ("#444444", "#d62728", "#ff7f0e", "#2ca02c", "#1f77b4")
-  for bucket, color in zip(BUCKETS, colors, strict=True):
+  # The two buckets inside (0, 0.5) first, so the 0.4 line reads "40% of prompts there".
+  order = ("(0,0.25]", "(0.25,0.5)", "zero", "[0.5,0.75)", ">=0.75")
+  colors = ("#d62728", "#ff7f0e", "#444444", "#2ca02c", "#1f77b4")
+  for bucket, color in zip(order, colors, strict=True):
     width = np.array([results[n]["rl_mixes"]["L2-3"]["buckets"][bucket] for n in names])
     bottom.barh(names, width, left=left, color=color, label=bucket)
     left += width
   bottom.axvline(0.4, color="k", linewidth=0.5)
   bottom.invert_yaxis()
   bottom.tick_params(axis="y", labelsize=7)
-  bottom.set_xlabel("share of RL-mix (L2-3) prompts per pass-rate bucket")
+  bottom.set_xlabel("share of RL-mix (L2-3) prompts per pass-rate bucket; line: 40%")
   bottom.legend(fontsize=7, ncol=5, loc="lower center", bbox_to_anchor=(0.5, 1.0))
   fig.tight_layout()
   fig.savefig(path, dpi=110)
@@ -424,7 +426,9 @@ def plot(results: dict, path: pathlib.Path) -> None:
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument(
-    "--candidates", default="recommended", help=f"comma-separated names from {sorted(CANDIDATES)}"
+    "--candidates",
+    default="recommended",
+    help=f"comma-separated names from {sorted(CANDIDATES)}; '' redraws the stored results",
   )
   parser.add_argument("--k", type=int, default=16, help="samples per prompt")
   parser.add_argument("--prompts", type=int, default=64, help="training-split prompts per level")
@@ -440,7 +444,7 @@ def main():
   stored = {}
   if out.exists() and not args.fresh:
     stored = json.loads(out.read_text()).get("candidates", {})
-  for name in args.candidates.split(","):
+  for name in filter(None, args.candidates.split(",")):  # '' only redraws
     if name not in CANDIDATES:
       raise SystemExit(f"--candidates: unknown {name!r}; known: {sorted(CANDIDATES)}")
     key = RECOMMENDED if name == "recommended" else name
