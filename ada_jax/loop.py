@@ -249,7 +249,6 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
     if params is None:
       params = model_lib.init_params(model_cfg, init_key)
       if cfg.warmstart is not None:
-        w = cfg.warmstart
         params, ws = warmstart_lib.warm_start(model_cfg, params, tokenizer, cfg.warmstart)
         host["warmstart"] = {"wall_s": float(ws["wall_s"]),
                              "final_loss": float(np.mean(ws["loss"][-20:]))}
