@@ -218,6 +218,7 @@ def test_cli_on_tiny_arith_and_the_selected_set_trains(tmp_path, monkeypatch):
     "--config.data.arith.levels=(1, 2)",
     "--config.warmstart.steps=100",
     "--config.warmstart.task.levels=(1, 2)",
+    "--config.warmstart.task.level_weights=(1.0, 3.0)",
   ]
   summary = _cli(argv)
   out = work / "select"
