@@ -29,7 +29,12 @@ def main(argv):
   from ada_jax import loop
 
   with distributed.exit_on_failure():
-    loop.run(_CONFIG.value, _WORKDIR.value)
+    summary = loop.run(_CONFIG.value, _WORKDIR.value)
+  before, after = summary.get("before_rl", {}), summary.get("after_rl", {})
+  scores = "".join(f"\n  {k}: {before.get(k, float('nan')):.4f} -> {v:.4f}"
+                   for k, v in after.items() if "avg@" in k)
+  print(f"done: {summary['steps_done']} RL steps; held-out before -> after RL:{scores}\n"
+        f"  details: {_WORKDIR.value}/summary.json, metrics.jsonl, eval/, tensorboard/")
 
 
 if __name__ == "__main__":
