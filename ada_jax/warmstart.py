@@ -12,7 +12,7 @@ is left-padded to Lp, the response right-padded to Lr, T = Lp + Lr. The loss is 
 token-mean cross-entropy of the response tokens (including EOS) given everything before
 them; prompt tokens are inputs only, never targets.
 
-`sft_loss` and `sft_step` are pure; `supervised_warm_start` jits the step and runs it.
+`sft_loss` and `sft_step` are pure; `warm_start` jits the step and runs it.
 """
 
 from __future__ import annotations
@@ -285,38 +285,26 @@ def _length_bounds(task: arith.ArithConfig, tokenizer: Tokenizer) -> tuple[int, 
   return prompt, response
 
 
-def supervised_warm_start(
+def warm_start(
   model_config: ModelConfig,
   params: Params,
   tokenizer: Tokenizer,
-  task_config: arith.ArithConfig,
+  config: WarmStartConfig,
   *,
-  steps: int,
-  batch_size: int,
-  learning_rate: float,
-  seed: int,
-  warmup_steps: int = 50,
-  final_lr_fraction: float = 0.1,
-  weight_decay: float = 0.0,
-  grad_clip: float = 1.0,
-  target_accuracy: float = 0.0,
-  target_level: int = 0,
-  check_every: int = 25,
   progress: bool = True,
 ) -> tuple[Params, dict[str, Any]]:
-  """Trains `params` on `steps × batch_size` fresh training-split problems of `task_config`.
+  """Trains `params` on `config.steps × config.batch_size` fresh training-split problems of
+  `config.task`.
 
-  Deterministic for (inputs, seed): problems come from `arith.examples(task_config,
-  'train', steps * batch_size, seed=seed)` in order, and the update is a pure jitted
+  Deterministic for (inputs, config.seed): problems come from `arith.examples(config.task,
+  'train', steps * batch_size, seed=config.seed)` in order, and the update is a pure jitted
   function (XLA CPU is deterministic run to run).
 
   Args:
     model_config: the architecture (its vocab must cover the tokenizer's).
     params: initial parameters (e.g. `model.init_params`); not modified.
     tokenizer: the arithmetic tokenizer.
-    task_config: problems to train on.
-    steps, batch_size, learning_rate, seed, warmup_steps, final_lr_fraction, weight_decay,
-      grad_clip, target_accuracy, target_level, check_every: as in `WarmStartConfig`.
+    config: the settings (problems to train on, steps, optimizer, early stop).
     progress: show a tqdm bar with the running loss.
 
   Returns:
@@ -331,20 +319,9 @@ def supervised_warm_start(
     ValueError: bad settings (named as `WarmStartConfig` fields), or a tokenizer larger
       than the model's vocabulary.
   """
-  config = WarmStartConfig(
-    steps=steps,
-    batch_size=batch_size,
-    learning_rate=learning_rate,
-    warmup_steps=warmup_steps,
-    final_lr_fraction=final_lr_fraction,
-    weight_decay=weight_decay,
-    grad_clip=grad_clip,
-    seed=seed,
-    target_accuracy=target_accuracy,
-    target_level=target_level,
-    check_every=check_every,
-    task=task_config,
-  )
+  c = config
+  task_config, steps, batch_size, seed = c.task, c.steps, c.batch_size, c.seed
+  target_accuracy, target_level, check_every = c.target_accuracy, c.target_level, c.check_every
   if tokenizer.vocab_size > model_config.vocab_size:
     raise ValueError(
       f"ModelConfig.vocab_size ({model_config.vocab_size}) is smaller than the tokenizer's "
@@ -399,32 +376,3 @@ def supervised_warm_start(
   out["wall_s"] = time.perf_counter() - start
   out["examples"] = len(history) * batch_size
   return params, out
-
-
-def warm_start(
-  model_config: ModelConfig,
-  params: Params,
-  tokenizer: Tokenizer,
-  config: WarmStartConfig,
-  *,
-  progress: bool = True,
-) -> tuple[Params, dict[str, Any]]:
-  """`supervised_warm_start` with every setting taken from a `WarmStartConfig`."""
-  return supervised_warm_start(
-    model_config,
-    params,
-    tokenizer,
-    config.task,
-    steps=config.steps,
-    batch_size=config.batch_size,
-    learning_rate=config.learning_rate,
-    seed=config.seed,
-    warmup_steps=config.warmup_steps,
-    final_lr_fraction=config.final_lr_fraction,
-    weight_decay=config.weight_decay,
-    grad_clip=config.grad_clip,
-    target_accuracy=config.target_accuracy,
-    target_level=config.target_level,
-    check_every=config.check_every,
-    progress=progress,
-  )

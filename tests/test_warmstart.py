@@ -1,5 +1,7 @@
 """Tests for ada_jax.warmstart: response-only loss, batch layout, learning, determinism."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,18 +101,21 @@ def test_sft_loss_ignores_prompt_targets(tok):
 def test_loss_decreases_and_is_deterministic(tok):
   config = _tiny(tok)
   params = model_lib.init_params(config, jax.random.key(1))
-  kwargs = dict(steps=40, batch_size=32, learning_rate=1e-2, seed=3, warmup_steps=5, progress=False)
-  new, m = warmstart.supervised_warm_start(config, params, tok, TASK, **kwargs)
+  ws = warmstart.WarmStartConfig(
+    steps=40, batch_size=32, learning_rate=1e-2, seed=3, warmup_steps=5, task=TASK
+  )
+  run = lambda c: warmstart.warm_start(config, params, tok, c, progress=False)
+  new, m = run(ws)
   assert m["loss"].shape == (40,) and m["examples"] == 40 * 32
   assert m["loss"][-5:].mean() < 0.6 * m["loss"][:5].mean()
   assert m["token_accuracy"][-5:].mean() > m["token_accuracy"][:5].mean()
   # The caller's params are untouched (donation works on a copy).
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(params))
-  again, m2 = warmstart.supervised_warm_start(config, params, tok, TASK, **kwargs)
+  again, m2 = run(ws)
   np.testing.assert_array_equal(m["loss"], m2["loss"])
   for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(again), strict=True):
     np.testing.assert_array_equal(a, b)
-  _, m3 = warmstart.supervised_warm_start(config, params, tok, TASK, **{**kwargs, "seed": 4})
+  _, m3 = run(dataclasses.replace(ws, seed=4))
   assert not np.array_equal(m["loss"], m3["loss"])
 
   # Early stop: the run with a target accuracy is the same run, cut at the first check
@@ -120,9 +125,7 @@ def test_loss_decreases_and_is_deterministic(tok):
   # Window accuracies are multiples of 1/160: a margin far below that absorbs rounding.
   target = float(windows[-1]) - 1e-4
   first = int(np.argmax(windows >= target))
-  _, m4 = warmstart.supervised_warm_start(
-    config, params, tok, TASK, **kwargs, target_accuracy=target, check_every=5
-  )
+  _, m4 = run(dataclasses.replace(ws, target_accuracy=target, check_every=5))
   assert m4["reached_target"] and not m["reached_target"]
   assert m4["steps_run"] == 5 * (first + 1) and m["steps_run"] == 40
   assert set(m4["level_accuracy"]) == {1} and m4["level_accuracy"][1].shape == (first + 1,)
@@ -149,6 +152,5 @@ def test_vocab_too_small(tok):
   config = _tiny(tok).replace(vocab_size=8)
   params = model_lib.init_params(config, jax.random.key(0))
   with pytest.raises(ValueError, match="ModelConfig.vocab_size"):
-    warmstart.supervised_warm_start(
-      config, params, tok, TASK, steps=1, batch_size=2, learning_rate=1e-3, seed=0, progress=False
-    )
+    ws = warmstart.WarmStartConfig(steps=1, batch_size=2, learning_rate=1e-3, task=TASK)
+    warmstart.warm_start(config, params, tok, ws, progress=False)
