@@ -1,6 +1,6 @@
 """GRPO (n = 4) baseline of `llama3b_pos.py` (Llama-3.2-3B-Instruct, paper settings).
 
-  python -m ada_jax.main --config=configs/llama3b_grpo.py --workdir=gs://BUCKET/runs/l3b_grpo
+  python -m ada_jax.main --config=configs/llama3b_grpo.py --workdir=/gcs/BUCKET/runs/l3b_grpo
 """
 
 import ml_collections

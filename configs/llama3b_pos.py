@@ -1,6 +1,6 @@
 """Reinforce-Ada-pos on Llama-3.2-3B-Instruct with the paper's hyper-parameters (TPU VM).
 
-  python -m ada_jax.main --config=configs/llama3b_pos.py --workdir=gs://BUCKET/runs/l3b_pos
+  python -m ada_jax.main --config=configs/llama3b_pos.py --workdir=/gcs/BUCKET/runs/l3b_pos
 
 Weights and tokenizer come from `model.hf_dir` (a local Hugging Face folder, or the Hub id,
 downloaded when online). Training prompts: the MATH problems outside MATH500 through the

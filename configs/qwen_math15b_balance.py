@@ -1,6 +1,7 @@
 """Reinforce-Ada-balance variant of `qwen_math15b_pos.py`.
 
-  python -m ada_jax.main --config=configs/qwen_math15b_balance.py --workdir=gs://BUCKET/runs/q15b_balance
+  python -m ada_jax.main --config=configs/qwen_math15b_balance.py \
+      --workdir=/gcs/BUCKET/runs/q15b_balance
 """
 
 import ml_collections

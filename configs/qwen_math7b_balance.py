@@ -1,6 +1,7 @@
 """Reinforce-Ada-balance variant of `qwen_math7b_pos.py`.
 
-  python -m ada_jax.main --config=configs/qwen_math7b_balance.py --workdir=gs://BUCKET/runs/q7b_balance
+  python -m ada_jax.main --config=configs/qwen_math7b_balance.py \
+      --workdir=/gcs/BUCKET/runs/q7b_balance
 """
 
 import ml_collections

@@ -1,6 +1,6 @@
 """GRPO (n = 4) baseline of `qwen_math7b_pos.py`.
 
-  python -m ada_jax.main --config=configs/qwen_math7b_grpo.py --workdir=gs://BUCKET/runs/q7b_grpo
+  python -m ada_jax.main --config=configs/qwen_math7b_grpo.py --workdir=/gcs/BUCKET/runs/q7b_grpo
 """
 
 import ml_collections

@@ -1,6 +1,6 @@
 """Reinforce-Ada-pos on Qwen2.5-Math-7B (base model, paper hyper-parameters).
 
-  python -m ada_jax.main --config=configs/qwen_math7b_pos.py --workdir=gs://BUCKET/runs/q7b_pos
+  python -m ada_jax.main --config=configs/qwen_math7b_pos.py --workdir=/gcs/BUCKET/runs/q7b_pos
 
 Qwen2.5-Math has a 4096-token context: prompts <= 1024 and responses <= 2048 tokens fit.
 """
