@@ -1,0 +1,285 @@
+"""GRPO, DAPO, Reinforce-Ada (pos, balance) and Est on the tiny arithmetic task, same budget.
+
+  python experiments/compare_methods.py            # 3 seeds x 100 RL steps
+  python experiments/compare_methods.py --quick    # 1 seed x 40 RL steps
+
+One supervised warm start (`configs/tiny_arith_pos.py`'s, run once as its own workdir)
+gives the shared initial policy; every (method, seed) run then starts from its step-0
+checkpoint (`ckpt.init_from`) and trains the same number of RL steps with the same
+prompts per step (B = 64), optimizer and seed-dependent prompt order and rollout keys, so
+methods differ only in how they draw and select rollouts (DESIGN.md §2). The training set
+is cut to `--train_prompts` problems so that prompts come back every few steps; Est
+needs that to estimate pass rates from earlier visits (the paper trains several epochs).
+
+Each run is `python -m ada_jax.main` in its own process (`--jobs` at a time), in
+`--workdir/<method>_seed<s>`; a finished run is not repeated, an interrupted one resumes
+from its last checkpoint. Then the script reads every run's metrics.jsonl and
+summary.json and writes, under `--out` (default experiments/results/compare_methods or
+..._quick):
+
+  <out>.json   per method: final training pass rate (mean and spread over seeds), held-out
+               Avg@4 before/after RL, samples drawn, zero-signal fraction, seconds per step
+               split into sample / verify / train; per run: the curves
+  <out>.png    training pass rate vs step and vs samples drawn, zero-signal fraction vs
+               step, held-out Avg@4 after RL, time per step
+  <out>.md     the summary table (pasted into experiments/README.md)
+
+"Training pass rate" is the `pass_rate` metric: each batch prompt's mean reward over
+every response drawn for it, averaged over the batch's B prompts; it estimates the
+policy's pass rate on fresh training prompts whichever method drew the responses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from ada_jax import metrics as metrics_lib
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+RESULTS = REPO / "experiments" / "results"
+BASE_CONFIG = "configs/tiny_arith_pos.py"
+
+# label -> config overrides; everything else is BASE_CONFIG's.
+METHODS: dict[str, dict[str, object]] = {
+    "GRPO n=4": {"ada.method": "grpo", "ada.n": 4},
+    "GRPO n=16": {"ada.method": "grpo", "ada.n": 16},
+    "DAPO n=4": {"ada.method": "dapo", "ada.n": 4},
+    "Ada-pos": {"ada.method": "pos"},
+    "Ada-balance": {"ada.method": "balance"},
+    "Est K=4": {"ada.method": "est"},
+}
+LAST = 10  # steps averaged for the "final" training pass rate
+
+
+def slug(label: str) -> str:
+  return label.lower().replace(" ", "_").replace("=", "").replace("-", "_")
+
+
+def command(workdir: pathlib.Path, overrides: dict[str, object]) -> list[str]:
+  args = [sys.executable, "-m", "ada_jax.main", f"--config={BASE_CONFIG}",
+          f"--workdir={workdir}"]
+  return args + [f"--config.{k}={v}" for k, v in overrides.items()]
+
+
+def run(workdir: pathlib.Path, overrides: dict[str, object]) -> float:
+  """Runs (or resumes) one training run unless its summary says it finished; returns the
+  wall seconds spent now. Raises RuntimeError with the log's tail when it fails."""
+  summary = workdir / "summary.json"
+  if summary.exists() and "after_rl" in json.loads(summary.read_text()):
+    return 0.0
+  workdir.mkdir(parents=True, exist_ok=True)
+  start = time.perf_counter()
+  with open(workdir / "log.txt", "a") as log:
+    proc = subprocess.run(command(workdir, overrides), cwd=REPO, stdout=log,
+                          stderr=subprocess.STDOUT, check=False)
+  if proc.returncode:
+    tail = (workdir / "log.txt").read_text()[-2000:]
+    raise RuntimeError(f"run {workdir} failed (exit {proc.returncode}):\n{tail}")
+  return time.perf_counter() - start
+
+
+def summarize(runs: dict[str, list[pathlib.Path]]) -> dict:
+  """Per method: seed means and spreads of the final metrics; per run: the curves."""
+  out = {}
+  for label, dirs in runs.items():
+    per_seed = []
+    for d in dirs:
+      lines = metrics_lib.read_jsonl(d / "metrics.jsonl")
+      summary = json.loads((d / "summary.json").read_text())
+      drawn = np.cumsum([m["samples_drawn"] for m in lines])
+      per_seed.append({
+          "workdir": str(d),
+          "step": [m["step"] for m in lines],
+          "pass_rate": [m["pass_rate"] for m in lines],
+          "zero_signal_frac": [m["zero_signal_frac"] for m in lines],
+          "samples_drawn_total": drawn.tolist(),
+          "final_pass_rate": float(np.mean([m["pass_rate"] for m in lines[-LAST:]])),
+          "first_pass_rate": float(np.mean([m["pass_rate"] for m in lines[:LAST]])),
+          "heldout_before": summary["before_rl"]["eval/arith/avg@4"],
+          "heldout_after": summary["after_rl"]["eval/arith/avg@4"],
+          "samples_per_step": float(np.mean([m["samples_drawn"] for m in lines])),
+          "zero_signal": float(np.mean([m["zero_signal_frac"] for m in lines])),
+          **{f"{k}_s": float(np.median([m[f"time_{k}_s"] for m in lines[1:] or lines]))
+             for k in ("sample", "verify", "train")},
+      })
+
+    def stat(key, per_seed=per_seed):
+      values = np.array([s[key] for s in per_seed], float)
+      return {"mean": float(values.mean()), "std": float(values.std(ddof=1)) if len(values) > 1
+              else 0.0, "min": float(values.min()), "max": float(values.max()),
+              "seeds": values.tolist()}
+
+    out[label] = {"final_pass_rate": stat("final_pass_rate"),
+                  "first_pass_rate": stat("first_pass_rate"),
+                  "heldout_before": stat("heldout_before"),
+                  "heldout_after": stat("heldout_after"),
+                  "samples_per_step": stat("samples_per_step"),
+                  "zero_signal": stat("zero_signal"),
+                  **{f"{k}_s": stat(f"{k}_s") for k in ("sample", "verify", "train")},
+                  "runs": per_seed}
+  return out
+
+
+def table(results: dict, seeds: int, steps: int) -> str:
+  """The Markdown summary table."""
+  sd = lambda s, scale=1.0, fmt=".3f": f" ± {scale * s['std']:{fmt}}" if seeds > 1 else ""
+  rows = [
+      f"| method | train pass rate, first {LAST} steps | last {LAST} steps"
+      f"{' (mean ± sd)' if seeds > 1 else ''} | held-out Avg@4 after RL | samples / step"
+      " | zero-signal fraction | s / step (sample + verify + train) |",
+      "|---|---|---|---|---|---|---|"]
+  for label, r in results.items():
+    f, h = r["final_pass_rate"], r["heldout_after"]
+    secs = " + ".join(f"{r[f'{k}_s']['mean']:.2f}" for k in ("sample", "verify", "train"))
+    rows.append(f"| {label} | {r['first_pass_rate']['mean']:.3f} | **{f['mean']:.3f}**{sd(f)}"
+                f" | {100 * h['mean']:.1f}%{sd(h, 100, '.1f')}"
+                f" | {r['samples_per_step']['mean']:.0f} | {r['zero_signal']['mean']:.3f}"
+                f" | {secs} |")
+  before = next(iter(results.values()))["heldout_before"]["mean"]
+  rows.append(f"\nHeld-out Avg@4 of the shared warm start before RL: {100 * before:.1f}%. "
+              f"{seeds} seed(s), {steps} RL steps, B = 64 prompts per step.")
+  return "\n".join(rows)
+
+
+def plot(results: dict, path: pathlib.Path, steps: int) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(2, 3, figsize=(17, 9.5))
+  colors = dict(zip(results, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+  smooth = max(1, min(5, steps // 10))
+
+  def band(ax, label, x_key, y_key):
+    runs = results[label]["runs"]
+    n = min(len(r[y_key]) for r in runs)
+    ys = np.array([np.convolve(r[y_key][:n], np.ones(smooth) / smooth, "valid") for r in runs])
+    xs = np.mean([r[x_key][smooth - 1:n] for r in runs], axis=0)
+    ax.plot(xs, ys.mean(0), color=colors[label], label=label)
+    if len(runs) > 1:
+      ax.fill_between(xs, ys.min(0), ys.max(0), color=colors[label], alpha=0.15)
+
+  panels = [(axes[0, 0], "step", "pass_rate", "RL step", "training pass rate"),
+            (axes[0, 1], "samples_drawn_total", "pass_rate", "responses sampled (cumulative)",
+             "training pass rate"),
+            (axes[0, 2], "step", "zero_signal_frac", "RL step",
+             "fraction of prompts with zero advantage")]
+  for ax, x_key, y_key, xlabel, ylabel in panels:
+    for label in results:
+      band(ax, label, x_key, y_key)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  axes[0, 1].set_xscale("log")
+  seeds = len(next(iter(results.values()))["runs"])
+  shade = f"; shade: min–max over {seeds} seeds" if seeds > 1 else ""
+  axes[0, 0].set_title(f"mean over seeds, {smooth}-step moving average{shade}", fontsize=9)
+
+  labels = list(results)
+  x = np.arange(len(labels))
+  ax = axes[1, 0]
+  for i, label in enumerate(labels):
+    h = results[label]["heldout_after"]
+    ax.bar(i, 100 * h["mean"], color=colors[label])
+    ax.scatter([i] * len(h["seeds"]), 100 * np.array(h["seeds"]), color="k", s=12, zorder=3)
+  before = 100 * results[labels[0]]["heldout_before"]["mean"]
+  ax.axhline(before, color="gray", ls="--", label=f"before RL ({before:.1f}%)")
+  ax.set_xticks(x, labels, rotation=20, fontsize=8)
+  ax.set_ylabel("held-out Avg@4 after RL (%)")
+  ax.set_title("bars: mean over seeds; dots: seeds", fontsize=9)
+  ax.legend(fontsize=8)
+
+  ax = axes[1, 1]
+  bottom = np.zeros(len(labels))
+  for part in ("sample", "verify", "train"):
+    vals = np.array([results[label][f"{part}_s"]["mean"] for label in labels])
+    ax.bar(x, vals, bottom=bottom, label=part)
+    bottom += vals
+  ax.set_xticks(x, labels, rotation=20, fontsize=8)
+  ax.set_ylabel("wall time per RL step (s, median over steps)")
+  ax.legend(fontsize=8)
+
+  ax = axes[1, 2]
+  for i, label in enumerate(labels):
+    f = results[label]["final_pass_rate"]
+    ax.bar(i, f["mean"], color=colors[label])
+    ax.scatter([i] * len(f["seeds"]), f["seeds"], color="k", s=12, zorder=3)
+  ax.set_xticks(x, labels, rotation=20, fontsize=8)
+  ax.set_ylabel(f"training pass rate, last {LAST} steps")
+  ax.set_ylim(bottom=0)
+  fig.suptitle("Tiny arithmetic task: same warm start, same RL steps and prompts per step")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="1 seed, 40 steps (≤ 10 min)")
+  parser.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2")
+  parser.add_argument("--steps", type=int, default=None, help="RL steps (default 100)")
+  parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+  parser.add_argument("--train_prompts", type=int, default=1280,
+                      help="training problems (B=64 → a new epoch every 20 steps)")
+  parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
+  parser.add_argument("--workdir", default="/tmp/ada_compare_methods")
+  parser.add_argument("--out", default=None, help="output path without extension")
+  args = parser.parse_args()
+  seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
+  steps = args.steps or (40 if args.quick else 100)
+  out = pathlib.Path(args.out or RESULTS / ("compare_methods" + "_quick" * args.quick))
+  root = pathlib.Path(args.workdir) / (f"steps{steps}_prompts{args.train_prompts}")
+  common = {"rl.steps": steps, "data.arith_prompts": args.train_prompts,
+            "ckpt.every_steps": 10, "eval.every_steps": 0, "eval.arith_problems": 512}
+
+  start = time.perf_counter()
+  # The warm start, once: every run below takes its params from this run's step 0.
+  print("warm start ...", flush=True)
+  warm = root / "warm_start"
+  run(warm, {**common, "rl.steps": 1})
+  common["ckpt.init_from"] = warm / "checkpoints" / "0"
+  jobs = {(label, s): root / f"{slug(label)}_seed{s}" for label in args.methods for s in seeds}
+  try:
+    from tqdm.auto import tqdm
+  except ImportError:  # pragma: no cover
+    tqdm = None
+  bar = tqdm(total=len(jobs), desc="runs", unit="run") if tqdm else None
+  with ThreadPoolExecutor(args.jobs) as pool:
+    futures = {pool.submit(run, d, {**common, **METHODS[label], "seed": s}): (label, s)
+               for (label, s), d in jobs.items()}
+    for future in futures:
+      future.result()
+      if bar:
+        bar.update()
+  if bar:
+    bar.close()
+  wall = time.perf_counter() - start
+
+  results = summarize({label: [jobs[label, s] for s in seeds] for label in args.methods})
+  md = table(results, len(seeds), steps)
+  cmd = "python experiments/compare_methods.py" + " --quick" * args.quick
+  report = {"command": cmd, "seeds": seeds, "steps": steps, "train_prompts": args.train_prompts,
+            "jobs": args.jobs, "wall_s": round(wall, 1), "methods": results}
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+  out.with_suffix(".md").write_text(f"`{cmd}` ({wall / 60:.1f} min on {os.cpu_count()} cores)"
+                                    f"\n\n{md}\n")
+  plot(results, out.with_suffix(".png"), steps)
+  print(md)
+  print(json.dumps({"wall_s": round(wall, 1), "json": str(out.with_suffix(".json")),
+                    "png": str(out.with_suffix(".png"))}))
+
+
+if __name__ == "__main__":
+  main()
