@@ -306,9 +306,16 @@ class Attention(nnx.Module):
     """
     c = self.config
     dt = c.compute_dtype
-    q = jnp.einsum("btd,dnh->btnh", x, self.q.value.astype(dt))
-    k = jnp.einsum("btd,dkh->btkh", x, self.k.value.astype(dt))
-    v = jnp.einsum("btd,dkh->btkh", x, self.v.value.astype(dt))
+    # One matmul for q, k and v (fewer, larger ops: faster at decode sizes on CPU). Query
+    # heads are grouped under their kv head and stacked with k and v on a new axis, so the
+    # kv-head axis keeps its tensor-parallel shards aligned.
+    b, t, _ = x.shape
+    nk, g, h = c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim
+    qkv = jnp.concatenate([self.q.value.reshape(-1, nk, g, h), self.k.value[:, :, None],
+                           self.v.value[:, :, None]], axis=2).astype(dt)
+    qkv = jnp.einsum("btd,dkgh->btkgh", x, qkv)
+    q = qkv[:, :, :, :g].reshape(b, t, nk * g, h)
+    k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]
     if c.qkv_bias:
       q = q + self.q_bias.value.astype(dt)
       k = k + self.k_bias.value.astype(dt)
@@ -318,7 +325,6 @@ class Attention(nnx.Module):
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq).transpose(0, 2, 1, 3)  # [B, K, T, H]
     v = v.transpose(0, 2, 1, 3)
-    t = x.shape[1]
     if layer_cache is None:
       key_slot_ok = kv_valid[:, None, :]  # [B, 1, S=T]
       start = 0
@@ -367,10 +373,12 @@ class MLP(nnx.Module):
 
   def __call__(self, x):
     dt = self.dtype
-    # One [D, 2F] matmul instead of two [D, F]: measured ~25% faster on CPU at decode sizes;
-    # inside the decode loop the concatenation is loop-invariant and hoisted by XLA.
-    gate_up = jnp.concatenate([self.gate.value, self.up.value], axis=1).astype(dt)
-    gate, up = jnp.split(jnp.einsum("btd,df->btf", x, gate_up), 2, axis=-1)
+    # One [D, 2, F] matmul instead of two [D, F]: measured ~25% faster on CPU at decode
+    # sizes; inside the decode loop the stack is loop-invariant and hoisted by XLA. Stacking
+    # on a new axis (not concatenating along F) keeps F's tensor-parallel shards aligned.
+    gate_up = jnp.stack([self.gate.value, self.up.value], axis=1).astype(dt)
+    gate_up = jnp.einsum("btd,dgf->btgf", x, gate_up)
+    gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
     return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, self.down.value.astype(dt))
 
 

@@ -4,8 +4,10 @@
 
 One run measures, on this machine: our jitted chunk sampler (tokens/s, compile excluded and
 reported separately), transformers' `generate` (torch CPU, fp32) on the same weights, a
-plain fp32 matmul's FLOP/s as the machine's practical peak, and the sampler's achieved
-model FLOP/s as a fraction of it. Prints one JSON object.
+plain fp32 matmul's FLOP/s as the machine's practical peak, the sampler's achieved model
+FLOP/s as a fraction of it, and the time of the model's matmuls alone at these shapes
+(`matmul_floor_s`; `ratio_vs_hf_bound` is the ratio a sampler with no other cost would
+reach). Prints one JSON object.
 """
 
 import argparse
@@ -15,6 +17,7 @@ import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ada_jax import model as model_lib
@@ -36,6 +39,38 @@ def matmul_flops_per_s(n: int = 1024, repeats: int = 5) -> float:
   f = jax.jit(lambda x: x @ x)
   f(a).block_until_ready()
   return 2 * n**3 / _best_of(lambda: f(a).block_until_ready(), repeats)
+
+
+def matmul_floor_s(config, batch: int, prompt_len: int, new_tokens: int, repeats: int) -> float:
+  """Seconds for only the model's matmuls, with our fused shapes (q/k/v, o, gate/up, down
+  per layer, the LM head) on `batch` rows: the prefill's once on batch × prompt_len rows,
+  then one decode step's per token in a jitted loop. No attention, norms, RoPE, cache or
+  sampling: a bound no sampler built from XLA:CPU matmuls can beat on this machine."""
+  c = config
+  keys = iter(jax.random.split(jax.random.key(1), 5 * c.num_layers + 1))
+  normal = lambda *shape: jax.random.normal(next(keys), shape) * 0.05
+  qkv_dim = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+  layers = [(normal(c.embed_dim, qkv_dim), normal(c.num_heads * c.head_dim, c.embed_dim),
+             normal(c.embed_dim, 2 * c.mlp_dim), normal(c.mlp_dim, c.embed_dim))
+            for _ in range(c.num_layers)]
+  head = normal(c.embed_dim, c.vocab_size)
+
+  def forward(x):
+    for qkv, o, gate_up, down in layers:
+      x = x + (x @ qkv)[:, :o.shape[0]] @ o
+      gu = x @ gate_up
+      x = x + (jax.nn.silu(gu[:, :c.mlp_dim]) * gu[:, c.mlp_dim:]) @ down
+    return x, x @ head
+
+  def run(prompt_x, x):
+    prompt_x, _ = forward(prompt_x)
+    step = lambda i, x: x + 1e-3 * forward(x)[1][:, :c.embed_dim]
+    return prompt_x, jax.lax.fori_loop(0, new_tokens, step, x)
+
+  f = jax.jit(run)
+  args = (jnp.ones((batch * prompt_len, c.embed_dim)), jnp.ones((batch, c.embed_dim)))
+  jax.block_until_ready(f(*args))
+  return _best_of(lambda: jax.block_until_ready(f(*args)), repeats)
 
 
 def model_flops_per_token(config, context: float) -> float:
@@ -95,6 +130,7 @@ def main():
   hf_s = _best_of(hf_generate, args.repeats)
 
   peak = matmul_flops_per_s()
+  floor_s = matmul_floor_s(config, args.batch, args.prompt_len, args.new_tokens, args.repeats)
   flops = args.batch * (args.prompt_len * model_flops_per_token(config, args.prompt_len / 2)
                         + args.new_tokens * model_flops_per_token(
                             config, args.prompt_len + args.new_tokens / 2))
@@ -107,6 +143,8 @@ def main():
       "matmul_peak_gflops": round(peak / 1e9, 2),
       "ours_gflops": round(flops / ours_s / 1e9, 2),
       "fraction_of_matmul_peak": round(flops / ours_s / peak, 4),
+      "matmul_floor_s": round(floor_s, 4),
+      "ratio_vs_hf_bound": round(hf_s / floor_s, 2),  # what matmuls alone would reach
       "compile_s": round(compile_s, 2), "compiles": sampler.compiles,
   }
   print(json.dumps(result))
