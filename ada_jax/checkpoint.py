@@ -208,15 +208,19 @@ def restore_params(path: str | os.PathLike, target: Params) -> Params:
   Raises:
     FileNotFoundError: `path` holds no checkpoint.
   """
+  def saved_steps(folder: pathlib.Path) -> list[int]:
+    if not folder.is_dir():
+      return []
+    return sorted(int(p.name) for p in folder.iterdir()
+                  if p.name.isdigit() and (p / "params").is_dir())
+
   path = pathlib.Path(path).absolute()
   if not (path / "params").is_dir():
-    steps = (
-      sorted(int(p.name) for p in path.glob("*") if p.name.isdigit() and (p / "params").is_dir())
-      if path.is_dir()
-      else []
-    )
+    steps = saved_steps(path)
     if not steps:
-      raise FileNotFoundError(f"init_from: {path} holds no checkpoint (no <step>/params)")
+      nearby = saved_steps(path.parent)
+      hint = f"; {path.parent} holds steps {nearby}" if nearby else ""
+      raise FileNotFoundError(f"{path} holds no checkpoint (no <step>/params){hint}")
     path = path / str(steps[-1])
   with ocp.StandardCheckpointer() as checkpointer:
     return checkpointer.restore(path / "params", target)
@@ -258,7 +262,11 @@ def resume(
   if latest is not None:
     return restore(manager, target, latest), f"checkpoint:{latest}"
   if init_from:
-    return start(restore_params(init_from, target.params)), f"init_from:{init_from}"
+    try:
+      params = restore_params(init_from, target.params)
+    except FileNotFoundError as e:
+      raise FileNotFoundError(f"config.ckpt.init_from: {e}") from None
+    return start(params), f"init_from:{init_from}"
   if pretrained:
     dtype = jax.tree.leaves(target.params)[0].dtype
     shardings = jax.tree.map(lambda s: s.sharding, target.params)

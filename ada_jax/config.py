@@ -9,9 +9,12 @@ error names the offending `config.group.field`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import pathlib
+import sys
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ada_jax import arith
@@ -22,6 +25,31 @@ from ada_jax.losses import LossConfig
 from ada_jax.model import PRESETS, ModelConfig
 from ada_jax.train import OptimConfig, TrainConfig
 from ada_jax.warmstart import WarmStartConfig
+
+
+class ConfigError(ValueError):
+  """A bad experiment config or command-line flag; the message names it
+  (`config.group.field`, `--flag`)."""
+
+
+@contextlib.contextmanager
+def exit_on_config_error() -> Iterator[None]:
+  """For command-line entry points: a `ConfigError` ends the process with its one-line
+  message on stderr and exit code 2 (a usage error), without a traceback."""
+  try:
+    yield
+  except ConfigError as e:
+    print(f"ada_jax: {e}", file=sys.stderr, flush=True)
+    raise SystemExit(2) from None
+
+
+def make_configs_importable() -> None:
+  """Lets a command line load `--config=<checkout>/configs/x.py` from any working directory:
+  experiment files import `configs.common`, so the checkout holding this package and its
+  `configs/` folder goes on `sys.path` (nothing happens for an installed package)."""
+  repo = pathlib.Path(__file__).resolve().parent.parent
+  if (repo / "configs" / "common.py").is_file() and str(repo) not in sys.path:
+    sys.path.append(str(repo))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,13 +72,13 @@ class ModelSpec:
 
   def __post_init__(self):
     if bool(self.preset) == bool(self.hf_dir):
-      raise ValueError("set exactly one of model.preset and model.hf_dir")
+      raise ConfigError("set exactly one of model.preset and model.hf_dir")
     if self.preset and self.preset not in PRESETS:
-      raise ValueError(f"model.preset {self.preset!r} unknown; choose one of {sorted(PRESETS)}")
+      raise ConfigError(f"model.preset {self.preset!r} unknown; choose one of {sorted(PRESETS)}")
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     for key in self.overrides:
       if key not in known:
-        raise ValueError(f"model.overrides.{key}: not a ModelConfig field")
+        raise ConfigError(f"model.overrides.{key}: not a ModelConfig field")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,17 +233,17 @@ class RunConfig:
     return b * self.ada.n
 
   def check(self) -> None:
-    """Cross-group rules. Raises ValueError naming the config field."""
+    """Cross-group rules. Raises ConfigError naming the config field."""
     if self.rl.steps < 1:
-      raise ValueError(f"config.rl.steps must be >= 1, got {self.rl.steps}")
+      raise ConfigError(f"config.rl.steps must be >= 1, got {self.rl.steps}")
     if self.rl.batch_prompts < 1:
-      raise ValueError(f"config.rl.batch_prompts must be >= 1, got {self.rl.batch_prompts}")
+      raise ConfigError(f"config.rl.batch_prompts must be >= 1, got {self.rl.batch_prompts}")
     if self.train_rows % self.train.num_minibatches:
-      raise ValueError(
+      raise ConfigError(
           f"config.train.num_minibatches ({self.train.num_minibatches}) must divide the "
           f"training batch ({self.train_rows} rows = rl.batch_prompts × responses per prompt)")
     if self.warmstart is not None and (self.tokenizer.dir or self.model.hf_dir):
-      raise ValueError("config.warmstart (the arithmetic warm start) needs the arithmetic "
+      raise ConfigError("config.warmstart (the arithmetic warm start) needs the arithmetic "
                        "tokenizer: leave tokenizer.dir and model.hf_dir empty")
 
 
@@ -235,7 +263,7 @@ def build(cls, group: Mapping[str, Any] | None, path: str):
   """Builds dataclass `cls` from a config group; nested groups become nested dataclasses.
 
   Raises:
-    ValueError: `config.<path>.<key>` is not a field of `cls`, or `cls` rejects a value.
+    ConfigError: `config.<path>.<key>` is not a field of `cls`, or `cls` rejects a value.
   """
   if group is None:
     return None
@@ -243,7 +271,7 @@ def build(cls, group: Mapping[str, Any] | None, path: str):
   kwargs = {}
   for key, value in dict(group).items():
     if key not in fields:
-      raise ValueError(f"config.{path}.{key}: unknown field; {cls.__name__} has "
+      raise ConfigError(f"config.{path}.{key}: unknown field; {cls.__name__} has "
                        f"{sorted(fields)}")
     sub = _dataclass_of(fields[key])
     if sub is not None and isinstance(value, Mapping):
@@ -256,7 +284,7 @@ def build(cls, group: Mapping[str, Any] | None, path: str):
   try:
     return cls(**kwargs)
   except (TypeError, ValueError) as e:
-    raise ValueError(f"config.{path}: {e}") from None
+    raise ConfigError(f"config.{path}: {e}") from None
 
 
 def parse(config: Mapping[str, Any]) -> RunConfig:
@@ -266,7 +294,7 @@ def parse(config: Mapping[str, Any]) -> RunConfig:
   kwargs = {}
   for key, value in plain.items():
     if key not in fields:
-      raise ValueError(f"config.{key}: unknown group; known: {sorted(fields)}")
+      raise ConfigError(f"config.{key}: unknown group; known: {sorted(fields)}")
     sub = _dataclass_of(fields[key])
     kwargs[key] = build(sub, value, key) if sub is not None else value
   run = RunConfig(**kwargs)
@@ -286,4 +314,4 @@ def model_config(spec: ModelSpec, hf_config: Mapping[str, Any] | None = None) ->
     return dataclasses.replace(base, dtype=spec.dtype, param_dtype=spec.dtype,
                                **dict(spec.overrides))
   except ValueError as e:
-    raise ValueError(f"config.model: {e}") from None
+    raise ConfigError(f"config.model: {e}") from None

@@ -280,9 +280,9 @@ def main(argv: Sequence[str], flag_values=None) -> dict[str, Any]:
 
   fv = flags.FLAGS if flag_values is None else flag_values
   if not fv.workdir:
-    raise ValueError("--workdir is required")
+    raise config_lib.ConfigError("--workdir is required")
   if (fv.hf_dir is None) == (fv.checkpoint is None):
-    raise ValueError("give exactly one of --hf_dir=PATH and --checkpoint=STEP")
+    raise config_lib.ConfigError("give exactly one of --hf_dir=PATH and --checkpoint=STEP")
   if fv.config is not None:
     cfg = config_lib.parse(fv.config)
   else:
@@ -316,4 +316,10 @@ if __name__ == "__main__":
   from absl import app
 
   define_flags()
-  app.run(lambda argv: main(argv) and None)  # app.run would sys.exit() a returned report
+  config_lib.make_configs_importable()
+
+  def _main(argv):
+    with config_lib.exit_on_config_error():
+      main(argv)  # not returned: app.run would sys.exit() a returned report
+
+  app.run(_main)

@@ -44,6 +44,7 @@ from ada_jax import metrics as metrics_lib
 from ada_jax import model as model_lib
 from ada_jax import sharding as sharding_lib
 from ada_jax import warmstart as warmstart_lib
+from ada_jax.config import ConfigError
 from ada_jax.tokenizer import Tokenizer
 from ada_jax.verifier import RewardPool, VerifierConfig
 
@@ -68,7 +69,11 @@ def load_tokenizer(spec: config_lib.TokenizerSpec, model_dir: pathlib.Path | Non
   folder = spec.dir or model_dir
   if not folder:
     return arith.load_tokenizer()
-  return Tokenizer.from_dir(folder, eos_ids=spec.eos_ids or None)
+  try:
+    return Tokenizer.from_dir(folder, eos_ids=spec.eos_ids or None)
+  except (OSError, ValueError) as e:
+    field = "config.tokenizer.dir" if spec.dir else "config.model.hf_dir (its tokenizer)"
+    raise ConfigError(f"{field}: {e}") from None
 
 
 def load_prompts(cfg: config_lib.RunConfig, tokenizer: Tokenizer) -> prompts.PromptSet:
@@ -85,7 +90,7 @@ def load_prompts(cfg: config_lib.RunConfig, tokenizer: Tokenizer) -> prompts.Pro
     elif d.source in data.SETS:
       spec = d.source
     else:
-      raise ValueError(f"config.data.source {d.source!r}: use 'arith', 'jsonl' or one of "
+      raise ConfigError(f"config.data.source {d.source!r}: use 'arith', 'jsonl' or one of "
                        f"{sorted(data.SETS)}")
     data_dir = d.data_dir or os.environ.get("TFDS_DATA_DIR") or str(
         pathlib.Path.home() / "tensorflow_datasets")
@@ -98,7 +103,7 @@ def load_prompts(cfg: config_lib.RunConfig, tokenizer: Tokenizer) -> prompts.Pro
     logging.warning("%d training prompts over %d tokens dropped", ps.num_dropped,
                     d.max_prompt_tokens)
   if len(ps) < cfg.rl.batch_prompts:
-    raise ValueError(f"config.rl.batch_prompts ({cfg.rl.batch_prompts}) exceeds the "
+    raise ConfigError(f"config.rl.batch_prompts ({cfg.rl.batch_prompts}) exceeds the "
                      f"{len(ps)} usable training prompts")
   return ps
 
@@ -206,7 +211,7 @@ def run(config, workdir: str) -> dict[str, Any]:
     The run summary (also written to `workdir/summary.json`).
 
   Raises:
-    ValueError: a bad config (named field), before any compile.
+    ConfigError: a bad config (named field), before any compile or any file is written.
   """
   cfg = config_lib.parse(config)
   return train_run(cfg, workdir)
@@ -215,29 +220,39 @@ def run(config, workdir: str) -> dict[str, Any]:
 def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
   """`run` on a parsed config."""
   workdir = str(pathlib.Path(workdir).absolute())
-  pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
   model_dir = hf_config = None
   if cfg.model.hf_dir:
     try:  # a Hub id is downloaded here, once, when online
       model_dir = weights.resolve(cfg.model.hf_dir)
       hf_config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError) as e:
-      raise ValueError(f"config.model.hf_dir: {e}") from None
+      raise ConfigError(f"config.model.hf_dir: {e}") from None
   tokenizer = load_tokenizer(cfg.tokenizer, model_dir)
   model_cfg = config_lib.model_config(cfg.model, hf_config)
   if model_cfg.vocab_size < tokenizer.vocab_size:
-    raise ValueError(f"config.model: vocab_size {model_cfg.vocab_size} is smaller than the "
+    raise ConfigError(f"config.model: vocab_size {model_cfg.vocab_size} is smaller than the "
                      f"tokenizer's {tokenizer.vocab_size}")
-  mesh = sharding_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+  try:
+    mesh = sharding_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+  except ValueError as e:
+    raise ConfigError(f"config.mesh: {e}") from None
   train_cfg = cfg.train_config
-  train.check_batch_layout(cfg.train_rows, train_cfg, mesh)
+  try:
+    train.check_batch_layout(cfg.train_rows, train_cfg, mesh)
+  except ValueError as e:
+    raise ConfigError(f"config.rl.batch_prompts ({cfg.rl.batch_prompts}) with config.train "
+                      f"and config.mesh: {e}") from None
   ps = load_prompts(cfg, tokenizer)
-  smp = sampler.Sampler(
-      model_cfg, rule=sampler.SamplingRule(cfg.sampler.temperature, cfg.sampler.top_k,
-                                           cfg.sampler.top_p),
-      max_new_tokens=cfg.sampler.max_new_tokens, stop_ids=tokenizer.eos_ids,
-      chunk_rows=cfg.sampler.chunk_rows, prompts_per_chunk=cfg.sampler.prompts_per_chunk,
-      prompt_buckets=cfg.sampler.prompt_buckets, pad_id=tokenizer.pad_id, mesh=mesh)
+  try:
+    smp = sampler.Sampler(
+        model_cfg, rule=sampler.SamplingRule(cfg.sampler.temperature, cfg.sampler.top_k,
+                                             cfg.sampler.top_p),
+        max_new_tokens=cfg.sampler.max_new_tokens, stop_ids=tokenizer.eos_ids,
+        chunk_rows=cfg.sampler.chunk_rows, prompts_per_chunk=cfg.sampler.prompts_per_chunk,
+        prompt_buckets=cfg.sampler.prompt_buckets, pad_id=tokenizer.pad_id, mesh=mesh)
+  except ValueError as e:
+    raise ConfigError(f"config.sampler: {e}") from None
+  pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
   with_ref = cfg.loss.kl_coeff > 0
   target = train.abstract_state(model_cfg, train_cfg, mesh, with_ref=with_ref)
   root = jax.random.key(cfg.seed)

@@ -26,9 +26,9 @@ def main(argv):
   logging.warning("process %d/%d, %d local / %d global devices (%s)", jax.process_index(),
                   jax.process_count(), jax.local_device_count(), jax.device_count(),
                   jax.devices()[0].platform)
-  from ada_jax import loop
+  from ada_jax import config, loop
 
-  with distributed.exit_on_failure():
+  with distributed.exit_on_failure(), config.exit_on_config_error():
     summary = loop.run(_CONFIG.value, _WORKDIR.value)
   before, after = summary.get("before_rl", {}), summary.get("after_rl", {})
   scores = "".join(f"\n  {k}: {before.get(k, float('nan')):.4f} -> {v:.4f}"
@@ -38,5 +38,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  from ada_jax import config
+
+  config.make_configs_importable()
   flags.mark_flags_as_required(["config", "workdir"])
   app.run(main)

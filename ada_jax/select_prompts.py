@@ -607,7 +607,7 @@ def main(argv: Sequence[str], flag_values=None) -> dict[str, Any]:
     # orbax and TFDS log every file they touch at INFO; the progress bar says what matters.
     logging.set_verbosity(logging.WARNING)
   if fv.config is None or not fv.workdir:
-    raise ValueError("--config and --workdir are required")
+    raise config_lib.ConfigError("--config and --workdir are required")
   cfg = config_lib.parse(fv.config)
   names = ("k", "temperature", "max_new_tokens", "problems_per_batch", "seed")
   config = SelectConfig.from_run_config(
@@ -632,9 +632,11 @@ if __name__ == "__main__":
   from absl import app
 
   define_flags()
+  config_lib.make_configs_importable()
 
   def _main(argv):
-    summary = main(argv)
+    with config_lib.exit_on_config_error():
+      summary = main(argv)
     if summary.get("files"):
       print(pathlib.Path(summary["files"]["pass_rates.md"]).read_text())
 

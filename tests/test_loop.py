@@ -14,6 +14,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from ada_jax import config as config_lib
 from ada_jax import loop
 from configs import tiny_arith_pos
 
@@ -160,6 +161,7 @@ def test_bad_config_fails_before_any_compile(tmp_path, edit, match):
   c.unlock() if hasattr(c, "unlock") else None
   edit(c)
   before = loop._COMPILES[0]
-  with pytest.raises(ValueError, match=match):
-    loop.run(c, str(tmp_path))
+  with pytest.raises(config_lib.ConfigError, match=match):
+    loop.run(c, str(tmp_path / "run"))
   assert loop._COMPILES[0] == before
+  assert not (tmp_path / "run").exists()  # nothing written for a config that cannot run
