@@ -43,6 +43,26 @@ def exit_on_config_error() -> Iterator[None]:
     raise SystemExit(2) from None
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl `flags_parser` for command lines with a `--config` file: a config file that does
+  not load, or an override of a field the config does not have (`--config.rl.batchsize=3`),
+  ends the process with one line and exit code 2, like a `ConfigError`, instead of
+  ml_collections' traceback."""
+  from absl import app
+
+  try:
+    return app.parse_flags_with_usage(argv)
+  except OSError as e:  # the config file itself did not load
+    print(f"ada_jax: --config: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+    raise SystemExit(2) from None
+  except (AttributeError, KeyError) as e:
+    overrides = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
+    name = str(e).strip("'\"")
+    print(f"ada_jax: the config has no field '{name}' (overrides given: {', '.join(overrides)})",
+          file=sys.stderr, flush=True)
+    raise SystemExit(2) from None
+
+
 def make_configs_importable() -> None:
   """Lets a command line load `--config=<checkout>/configs/x.py` from any working directory:
   experiment files import `configs.common`, so the checkout holding this package and its
@@ -289,7 +309,10 @@ def build(cls, group: Mapping[str, Any] | None, path: str):
 
 def parse(config: Mapping[str, Any]) -> RunConfig:
   """The `RunConfig` of an experiment ConfigDict (or plain dict). See module docstring."""
-  plain = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+  try:
+    plain = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+  except OSError as e:  # ml_collections defers a config file's load error to first use
+    raise ConfigError(f"--config: {' '.join(str(e).split())}") from None
   fields = _fields(RunConfig)
   kwargs = {}
   for key, value in plain.items():

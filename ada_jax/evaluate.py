@@ -322,4 +322,4 @@ if __name__ == "__main__":
     with config_lib.exit_on_config_error():
       main(argv)  # not returned: app.run would sys.exit() a returned report
 
-  app.run(_main)
+  app.run(_main, flags_parser=config_lib.parse_flags)

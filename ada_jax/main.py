@@ -42,4 +42,4 @@ if __name__ == "__main__":
 
   config.make_configs_importable()
   flags.mark_flags_as_required(["config", "workdir"])
-  app.run(main)
+  app.run(main, flags_parser=config.parse_flags)

@@ -640,4 +640,5 @@ if __name__ == "__main__":
     if summary.get("files"):
       print(pathlib.Path(summary["files"]["pass_rates.md"]).read_text())
 
-  app.run(_main)  # Returns None: app.run would sys.exit() a returned summary.
+  # _main returns None: app.run would sys.exit() a returned summary.
+  app.run(_main, flags_parser=config_lib.parse_flags)

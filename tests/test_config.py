@@ -51,20 +51,25 @@ def test_unknown_group_and_indivisible_minibatches():
     config_lib.parse(cfg)
 
 
-def test_command_line_bad_config_is_one_line_exit_2_from_any_directory(tmp_path):
+@pytest.mark.parametrize("config_name,override,message", [
+    ("tiny_arith_pos.py", "--config.ada.method=reinforce", "ada_jax: config.ada"),
+    ("tiny_arith_pos.py", "--config.rl.batchsize=3", "ada_jax: the config has no field 'batchs"),
+    ("no_such_config.py", "--config.rl.steps=3", "ada_jax: --config: "),
+])
+def test_command_line_bad_config_is_one_line_exit_2_from_any_directory(
+    tmp_path, config_name, override, message):
   """`python -m ada_jax.main` from outside the checkout: the config file still loads, and a
-  bad value ends the run with exit code 2 and one line naming the field, no traceback, and
-  no workdir created."""
+  bad value, an unknown field or a missing file ends the run with exit code 2 and one line
+  naming it, no traceback, and no workdir created."""
   import subprocess
   import sys
 
-  config = pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny_arith_pos.py"
+  config = pathlib.Path(__file__).resolve().parents[1] / "configs" / config_name
   workdir = tmp_path / "run"
   proc = subprocess.run(
       [sys.executable, "-m", "ada_jax.main", f"--config={config}", f"--workdir={workdir}",
-       "--config.ada.method=reinforce"], cwd=tmp_path, capture_output=True, text=True,
-      timeout=300, check=False)
+       override], cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
   assert proc.returncode == 2, proc.stderr[-2000:]
   assert "Traceback" not in proc.stderr
-  assert proc.stderr.strip().splitlines()[-1].startswith("ada_jax: config.ada")
+  assert proc.stderr.strip().splitlines()[-1].startswith(message)
   assert not workdir.exists()
