@@ -258,20 +258,17 @@ def kv_cache_shardings(
   over 'tensor' (each replicated when not divisible), slots and head dim whole.
 
   Returns:
-    A `KVCache` whose leaves are `NamedSharding`s (k/v per layer `[B, K, S, H]`,
-    mask `[B, S]`, index replicated).
+    A `KVCache` whose leaves are `NamedSharding`s (per layer k `[B, K, H, S]`, v
+    `[B, K, S, H]`, mask `[B, S]`, index replicated).
   """
-  kv = NamedSharding(
-    mesh,
-    logical_to_spec(
-      ("batch", "kv_heads", "length", "head_dim"),
-      (batch, config.num_kv_heads, cache_len, config.head_dim),
-      mesh,
-    ),
-  )
+  k, h = config.num_kv_heads, config.head_dim
+  keys = NamedSharding(mesh, logical_to_spec(("batch", "kv_heads", "head_dim", "length"),
+                                             (batch, k, h, cache_len), mesh))
+  values = NamedSharding(mesh, logical_to_spec(("batch", "kv_heads", "length", "head_dim"),
+                                               (batch, k, cache_len, h), mesh))
   mask = NamedSharding(mesh, logical_to_spec(("batch", "length"), (batch, cache_len), mesh))
-  layers = (kv,) * config.num_layers
-  return model_lib.KVCache(k=layers, v=layers, mask=mask, index=replicated(mesh))
+  return model_lib.KVCache(k=(keys,) * config.num_layers, v=(values,) * config.num_layers,
+                           mask=mask, index=replicated(mesh))
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None], mesh: Mesh) -> jax.Array:
