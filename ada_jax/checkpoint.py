@@ -197,6 +197,33 @@ def restore(
   return RunState(train=train, rng=rng, est=est, host=meta["user"])
 
 
+def params_step_dir(path: str | os.PathLike) -> pathlib.Path:
+  """The step folder whose `params` `restore_params` reads: `path` itself when it is one
+  step's folder, else the latest step of the checkpoint directory `path`.
+
+  Raises:
+    FileNotFoundError: `path` holds no checkpoint; the message lists the steps saved next
+      to it, or points at `path/checkpoints` when `path` is a run folder.
+  """
+  def saved_steps(folder: pathlib.Path) -> list[int]:
+    if not folder.is_dir():
+      return []
+    return sorted(int(p.name) for p in folder.iterdir()
+                  if p.name.isdigit() and (p / "params").is_dir())
+
+  path = pathlib.Path(path).absolute()
+  if (path / "params").is_dir():
+    return path
+  steps = saved_steps(path)
+  if steps:
+    return path / str(steps[-1])
+  nearby = saved_steps(path.parent)
+  hint = f"; {path.parent} holds steps {nearby}" if nearby else ""
+  if saved_steps(path / "checkpoints"):
+    hint = f"; it is a run folder: use {path / 'checkpoints'}"
+  raise FileNotFoundError(f"{path} holds no checkpoint (no <step>/params){hint}")
+
+
 def restore_params(path: str | os.PathLike, target: Params) -> Params:
   """Only the policy params of another run's checkpoint (for `init_from`).
 
@@ -206,24 +233,10 @@ def restore_params(path: str | os.PathLike, target: Params) -> Params:
     target: params tree of `jax.ShapeDtypeStruct`s with shardings.
 
   Raises:
-    FileNotFoundError: `path` holds no checkpoint.
+    FileNotFoundError: `path` holds no checkpoint (see `params_step_dir`).
   """
-  def saved_steps(folder: pathlib.Path) -> list[int]:
-    if not folder.is_dir():
-      return []
-    return sorted(int(p.name) for p in folder.iterdir()
-                  if p.name.isdigit() and (p / "params").is_dir())
-
-  path = pathlib.Path(path).absolute()
-  if not (path / "params").is_dir():
-    steps = saved_steps(path)
-    if not steps:
-      nearby = saved_steps(path.parent)
-      hint = f"; {path.parent} holds steps {nearby}" if nearby else ""
-      raise FileNotFoundError(f"{path} holds no checkpoint (no <step>/params){hint}")
-    path = path / str(steps[-1])
   with ocp.StandardCheckpointer() as checkpointer:
-    return checkpointer.restore(path / "params", target)
+    return checkpointer.restore(params_step_dir(path) / "params", target)
 
 
 def resume(

@@ -56,10 +56,18 @@ def parse_flags(argv: list[str]) -> list[str]:
     print(f"ada_jax: --config: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
     raise SystemExit(2) from None
   except (AttributeError, KeyError) as e:
-    overrides = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
-    name = str(e).strip("'\"")
-    print(f"ada_jax: the config has no field '{name}' (overrides given: {', '.join(overrides)})",
-          file=sys.stderr, flush=True)
+    inner = e
+    while inner.args and isinstance(inner.args[0], BaseException):  # ml_collections nests
+      inner = inner.args[0]
+    text = " ".join(str(inner.args[0] if inner.args else inner).split())
+    if "get_config" in text:  # the file loaded but is not an experiment config
+      print(f"ada_jax: --config: {text}", file=sys.stderr, flush=True)
+      raise SystemExit(2) from None
+    overrides = [a.split("=")[0].removeprefix("--") for a in argv[1:]
+                 if a.startswith("--config.")]
+    which = ", ".join(overrides) if len(overrides) == 1 else f"one of {', '.join(overrides)}"
+    print(f"ada_jax: the config has no field named by {which}"
+          f" ({text})", file=sys.stderr, flush=True)
     raise SystemExit(2) from None
 
 

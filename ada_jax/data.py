@@ -195,8 +195,9 @@ def user_jsonl_spec(
 ) -> MathSetSpec:
   """A data set of the user's own JSONL files (one JSON object per line).
 
-  The config name carries a hash of the paths, field names and file sizes/mtimes, so an
-  edited file is prepared again instead of read from a stale cache.
+  The config name carries a hash of the paths, field names, file sizes/mtimes and the
+  MATH500 filter, so an edited file or a changed option is prepared again instead of read
+  from a stale cache.
 
   Args:
     name: short name; prompt ids are `<name>/<file stem>/<line>`.
@@ -226,7 +227,9 @@ def user_jsonl_spec(
     stat = p.stat()
     digest.update(f"{p}|{stat.st_size}|{stat.st_mtime_ns}|".encode())
     resolved.append(p)
-  digest.update(f"{problem_field}|{answer_field}|{answer_format}|{split}".encode())
+  # The MATH500 filter changes the rows, so it is part of the cache key too.
+  digest.update(f"{problem_field}|{answer_field}|{answer_format}|{split}|"
+                f"exclude_math500={exclude_math500}".encode())
   sources = tuple(
     JsonlSource(
       split,

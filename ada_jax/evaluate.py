@@ -287,9 +287,17 @@ def main(argv: Sequence[str], flag_values=None) -> dict[str, Any]:
     cfg = config_lib.parse(fv.config)
   else:
     cfg = dataclasses.replace(config_lib.RunConfig(), eval=EvalConfig())
-  flags_ = {"benchmarks": fv.benchmarks, "k": fv.k, "limit": fv.limit}
-  config = dataclasses.replace(cfg.eval, **{k: v for k, v in flags_.items() if v is not None})
-  mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+  flags_ = {k: v for k, v in {"benchmarks": fv.benchmarks, "k": fv.k, "limit": fv.limit}.items()
+            if v is not None}
+  try:
+    config = dataclasses.replace(cfg.eval, **flags_)
+    mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+  except ValueError as e:
+    raise config_lib.ConfigError(str(e)) from None
+  # A report made with other benchmarks / k / limit than the config's gets its own name, so
+  # it never replaces the run's own eval/step_<n> report.
+  suffix = "".join("_" + ("+".join(v) if k == "benchmarks" else f"{k}{v}")
+                   for k, v in sorted(flags_.items()))
   if fv.hf_dir is not None:
     model = load_model(cfg, mesh, hf_dir=fv.hf_dir, tokenizer_dir=fv.tokenizer_dir)
     tag, name = model.tag, f"hf_{pathlib.Path(fv.hf_dir).absolute().name}"
@@ -297,6 +305,10 @@ def main(argv: Sequence[str], flag_values=None) -> dict[str, Any]:
     directory = pathlib.Path(fv.checkpoint_dir or pathlib.Path(fv.workdir) / "checkpoints")
     directory = directory.absolute()
     ckpt = directory / str(fv.checkpoint)
+    try:
+      checkpoint_lib.params_step_dir(ckpt)
+    except FileNotFoundError as e:
+      raise config_lib.ConfigError(f"--checkpoint={fv.checkpoint}: {e}") from None
     model = load_model(cfg, mesh, checkpoint_path=ckpt, tokenizer_dir=fv.tokenizer_dir)
     # The step apart from its folder: the tag the evaluation cache has always used.
     tag, name = f"checkpoint:{directory}:{fv.checkpoint}", f"step_{fv.checkpoint}"
@@ -307,7 +319,7 @@ def main(argv: Sequence[str], flag_values=None) -> dict[str, Any]:
     model_config=model.model_config,
     tokenizer=model.tokenizer,
     model_tag=tag,
-    name=name,
+    name=name + suffix,
     mesh=mesh,
   )
 

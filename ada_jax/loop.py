@@ -84,9 +84,13 @@ def load_prompts(cfg: config_lib.RunConfig, tokenizer: Tokenizer) -> prompts.Pro
     style = "raw"
   else:
     if d.source == "jsonl":
-      spec = data.user_jsonl_spec("user", d.jsonl_paths, problem_field=d.problem_field,
-                                  answer_field=d.answer_field, answer_format=d.answer_format,
-                                  exclude_math500=d.exclude_math500)
+      try:
+        spec = data.user_jsonl_spec("user", d.jsonl_paths, problem_field=d.problem_field,
+                                    answer_field=d.answer_field,
+                                    answer_format=d.answer_format,
+                                    exclude_math500=d.exclude_math500)
+      except (OSError, ValueError) as e:
+        raise ConfigError(f"config.data: {e}") from None
     elif d.source in data.SETS:
       spec = d.source
     else:
@@ -94,8 +98,15 @@ def load_prompts(cfg: config_lib.RunConfig, tokenizer: Tokenizer) -> prompts.Pro
                        f"{sorted(data.SETS)}")
     data_dir = d.data_dir or os.environ.get("TFDS_DATA_DIR") or str(
         pathlib.Path.home() / "tensorflow_datasets")
-    examples = data.load_examples(spec, d.split, data_dir=data_dir,
-                                  manual_dir=d.manual_dir or None)
+    try:
+      examples = data.load_examples(spec, d.split, data_dir=data_dir,
+                                    manual_dir=d.manual_dir or None)
+    except (OSError, ValueError) as e:  # a bad file (named, with its line) or no network
+      network = isinstance(e, OSError) and not isinstance(e, FileNotFoundError)
+      hint = ("; offline, set config.data.manual_dir to the folder with the JSONL files "
+              "(MATH500's too, or config.data.exclude_math500=False)"
+              if network and not d.manual_dir else "")
+      raise ConfigError(f"config.data: {' '.join(str(e).split())}{hint}") from None
     style = d.prompt_style
   ps = prompts.build_prompts(examples, tokenizer, style=style,
                              max_prompt_tokens=d.max_prompt_tokens)
@@ -252,6 +263,11 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
         prompt_buckets=cfg.sampler.prompt_buckets, pad_id=tokenizer.pad_id, mesh=mesh)
   except ValueError as e:
     raise ConfigError(f"config.sampler: {e}") from None
+  if cfg.ckpt.init_from:
+    try:
+      checkpoint.params_step_dir(cfg.ckpt.init_from)
+    except FileNotFoundError as e:
+      raise ConfigError(f"config.ckpt.init_from: {e}") from None
   pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
   with_ref = cfg.loss.kl_coeff > 0
   target = train.abstract_state(model_cfg, train_cfg, mesh, with_ref=with_ref)

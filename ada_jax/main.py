@@ -30,6 +30,10 @@ def main(argv):
 
   with distributed.exit_on_failure(), config.exit_on_config_error():
     summary = loop.run(_CONFIG.value, _WORKDIR.value)
+  if "after_rl" not in summary:  # stopped early (SIGTERM): say so, not "done"
+    print(f"stopped after RL step {summary['steps_done']} with a checkpoint; run the same "
+          f"command again to resume. Files: {_WORKDIR.value}")
+    return
   before, after = summary.get("before_rl", {}), summary.get("after_rl", {})
   scores = "".join(f"\n  {k}: {before.get(k, float('nan')):.4f} -> {v:.4f}"
                    for k, v in after.items() if "avg@" in k)

@@ -97,7 +97,7 @@ def summarize(runs: dict[str, list[pathlib.Path]]) -> dict:
       summary = json.loads((d / "summary.json").read_text())
       drawn = np.cumsum([m["samples_drawn"] for m in lines])
       per_seed.append({
-          "workdir": str(d),
+          "run": d.name,
           "step": [m["step"] for m in lines],
           "pass_rate": [m["pass_rate"] for m in lines],
           "zero_signal_frac": [m["zero_signal_frac"] for m in lines],

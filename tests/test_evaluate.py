@@ -195,7 +195,9 @@ def test_arith_from_orbax_checkpoint_equals_hf_folder(tmp_path):
   flags_ = [f"--workdir={work}", "--benchmarks=arith", "--k=4", "--limit=24"]
   from_ckpt = _cli([f"--config={cfg_preset}", *flags_, "--checkpoint=3"])
   from_hf = _cli([f"--config={cfg_hf}", *flags_, f"--hf_dir={folder}"])
-  assert (work / "eval" / "step_3.json").exists() and (work / "eval" / "hf_hf.md").exists()
+  # Flag overrides name the report apart from the run's own eval/step_3.* (never replaced).
+  assert (work / "eval" / "step_3_arith_k4_limit24.json").exists()
+  assert (work / "eval" / "hf_hf_arith_k4_limit24.md").exists()
   assert from_ckpt["model"] != from_hf["model"]  # cached apart, computed twice
   m = from_ckpt["results"]["arith"]
   assert m == from_hf["results"]["arith"]
