@@ -183,3 +183,11 @@ def test_invalid_utf8_and_non_object_lines(tmp_path):
   path.write_text('{"problem": "a"}\n[1, 2]\n')
   with pytest.raises(ValueError, match=r"bad\.jsonl:2: expected a JSON object"):
     list(data.read_jsonl(path))
+
+
+def test_user_set_cache_name_changes_with_the_math500_filter(tmp_path):
+  """The filter changes the rows, so a set prepared without it is never read back with it."""
+  user = tmp_path / "mine.jsonl"
+  user.write_text('{"problem": "1+1", "answer": "2"}\n')
+  names = {data.user_jsonl_spec("u", [user], exclude_math500=flag).name for flag in (True, False)}
+  assert len(names) == 2
