@@ -32,6 +32,11 @@ class ConfigError(ValueError):
   (`config.group.field`, `--flag`)."""
 
 
+def _usage_exit(message: str) -> typing.NoReturn:
+  print(f"ada_jax: {' '.join(message.split())}", file=sys.stderr, flush=True)
+  raise SystemExit(2)
+
+
 @contextlib.contextmanager
 def exit_on_config_error() -> Iterator[None]:
   """For command-line entry points: a `ConfigError` ends the process with its one-line
@@ -39,8 +44,7 @@ def exit_on_config_error() -> Iterator[None]:
   try:
     yield
   except ConfigError as e:
-    print(f"ada_jax: {e}", file=sys.stderr, flush=True)
-    raise SystemExit(2) from None
+    _usage_exit(str(e))
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -53,22 +57,18 @@ def parse_flags(argv: list[str]) -> list[str]:
   try:
     return app.parse_flags_with_usage(argv)
   except OSError as e:  # the config file itself did not load
-    print(f"ada_jax: --config: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
-    raise SystemExit(2) from None
+    _usage_exit(f"--config: {e}")
   except (AttributeError, KeyError) as e:
     inner = e
     while inner.args and isinstance(inner.args[0], BaseException):  # ml_collections nests
       inner = inner.args[0]
-    text = " ".join(str(inner.args[0] if inner.args else inner).split())
+    text = str(inner.args[0] if inner.args else inner)
     if "get_config" in text:  # the file loaded but is not an experiment config
-      print(f"ada_jax: --config: {text}", file=sys.stderr, flush=True)
-      raise SystemExit(2) from None
+      _usage_exit(f"--config: {text}")
     overrides = [a.split("=")[0].removeprefix("--") for a in argv[1:]
                  if a.startswith("--config.")]
     which = ", ".join(overrides) if len(overrides) == 1 else f"one of {', '.join(overrides)}"
-    print(f"ada_jax: the config has no field named by {which}"
-          f" ({text})", file=sys.stderr, flush=True)
-    raise SystemExit(2) from None
+    _usage_exit(f"the config has no field named by {which} ({text})")
 
 
 def make_configs_importable() -> None:
