@@ -119,13 +119,14 @@ def plot_curves(runs: Mapping[str, Iterable[Mapping[str, Any]]], keys: Sequence[
     units: optional key -> unit label for the axes.
     smooth: moving-average window (steps).
   """
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  # The object-oriented API: no pyplot state, and the caller's backend (e.g. a notebook's
+  # inline one) is left alone.
+  from matplotlib.figure import Figure
+  from matplotlib.ticker import MaxNLocator
 
   units = dict(units or {})
-  fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.8), squeeze=False)
+  fig = Figure(figsize=(5 * len(keys), 3.8))
+  axes = fig.subplots(1, len(keys), squeeze=False)
   for ax, key in zip(axes[0], keys, strict=True):
     for label, lines in runs.items():
       pts = [(line[x], line[key]) for line in lines if line.get(key) is not None and x in line]
@@ -136,6 +137,8 @@ def plot_curves(runs: Mapping[str, Iterable[Mapping[str, Any]]], keys: Sequence[
         ys = np.convolve(ys, np.ones(smooth) / smooth, mode="valid")
         xs = xs[smooth - 1:]
       ax.plot(xs, ys, label=label)
+    if x == "step":
+      ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel(x + (f" ({units[x]})" if x in units else ""))
     ax.set_ylabel(key + (f" ({units[key]})" if key in units else ""))
     ax.grid(alpha=0.3)
@@ -144,4 +147,3 @@ def plot_curves(runs: Mapping[str, Iterable[Mapping[str, Any]]], keys: Sequence[
     fig.suptitle(title)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
-  plt.close(fig)
