@@ -15,19 +15,21 @@ Saves are atomic (orbax writes a temporary folder and renames it when complete),
 killed at any moment, even by `kill -9`, restarts from its last complete checkpoint. The
 last `keep` checkpoints are kept.
 
-Preemption: `install_sigterm_handler` turns SIGTERM into a flag; the loop polls
-`stop_requested` at each step boundary, saves, waits for the write, and returns so that
-the process exits 0.
+Preemption and Ctrl-C: `stop_signals` turns SIGTERM and a first SIGINT into a flag; the
+loop polls `stop_requested` at each step boundary, saves, waits for the write, and returns
+so that the process exits 0.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pathlib
 import signal
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -330,15 +332,36 @@ def generator_from_state(state: dict[str, Any]) -> np.random.Generator:
 # ----------------------------------------------------------------------------- preemption
 
 
-def install_sigterm_handler() -> threading.Event:
-  """Makes SIGTERM set the returned event instead of killing the process.
+@contextlib.contextmanager
+def stop_signals() -> Iterator[threading.Event]:
+  """While active, SIGTERM and a first Ctrl-C (SIGINT) set the yielded event instead of
+  killing the process; a second Ctrl-C interrupts at once (KeyboardInterrupt). The
+  previous handlers come back on exit (a notebook's interrupt keeps working afterwards).
 
-  Call from the main thread. The loop polls `stop_requested(event)` between steps, saves
-  a checkpoint, waits for it (`close`) and returns, so the process exits with code 0.
+  The loop polls `stop_requested(event)` between steps, saves a checkpoint, waits for it
+  (`close`) and returns, so the process exits with code 0. Outside the main thread, where
+  Python cannot install handlers, the event is never set.
   """
   event = threading.Event()
+  if threading.current_thread() is not threading.main_thread():
+    yield event
+    return
+
+  def on_sigint(signum, frame):
+    if event.is_set():
+      raise KeyboardInterrupt
+    event.set()
+    print("\nCtrl-C: stopping after this RL step with a checkpoint (Ctrl-C again to abort)",
+          file=sys.stderr, flush=True)
+
+  previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
   signal.signal(signal.SIGTERM, lambda signum, frame: event.set())
-  return event
+  signal.signal(signal.SIGINT, on_sigint)
+  try:
+    yield event
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
 
 
 def stop_requested(event: threading.Event) -> bool:

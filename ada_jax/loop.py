@@ -307,12 +307,11 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
   step_fn = train.make_train_step(model_cfg, train_cfg, mesh, with_ref=with_ref)
   writer = metrics_lib.MetricsWriter(workdir, total_steps=cfg.rl.steps, start_step=first,
                                      primary=jax.process_index() == 0)
-  stop = checkpoint.install_sigterm_handler()
   verifier_cfg = VerifierConfig(judge=cfg.rl.judge, num_workers=cfg.rl.verifier_workers,
                                 timeout_s=cfg.rl.verifier_timeout_s)
   step = first
   agreed = None
-  with RewardPool(verifier_cfg) as pool:
+  with checkpoint.stop_signals() as stop, RewardPool(verifier_cfg) as pool:
     score = distributed.shared_scorer(pool.score)  # identical rewards on every process
     for step in range(first + 1, cfg.rl.steps + 1):
       state, est, m = rl_step(cfg, step, state, est, iterator, np_rng, ps, smp, step_fn,

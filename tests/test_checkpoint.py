@@ -1,4 +1,5 @@
-"""Run-state checkpoints: exact round trip, keep-last-k, resume order, SIGTERM, kill -9."""
+"""Run-state checkpoints: exact round trip, keep-last-k, resume order, SIGTERM / Ctrl-C,
+kill -9."""
 
 import os
 import pathlib
@@ -192,25 +193,25 @@ _WORKER = textwrap.dedent("""
   mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
   base = model.init_params(config, jax.random.key(0))
   manager = checkpoint.make_manager(sys.argv[1])
-  stop = checkpoint.install_sigterm_handler()
   every = int(sys.argv[2])
   state = train.init_train_state(config, train.TrainConfig(), base, mesh)
   step = 0
-  print("ready", flush=True)
-  while True:
-    step += 1
-    time.sleep(0.01)  # the "training" of one step
-    run = checkpoint.RunState(
-      train=state.replace(params=jax.tree.map(lambda x: x + step, base)),
-      rng=jax.random.key(step), host={"rl_step": step})
-    if checkpoint.stop_requested(stop):
-      checkpoint.save(manager, step, run)
-      checkpoint.close(manager)
-      print("preempted", step, flush=True)
-      break
-    if step % every == 0:
-      checkpoint.save(manager, step, run)
-      print("saved", step, flush=True)
+  with checkpoint.stop_signals() as stop:
+    print("ready", flush=True)
+    while True:
+      step += 1
+      time.sleep(0.01)  # the "training" of one step
+      run = checkpoint.RunState(
+        train=state.replace(params=jax.tree.map(lambda x: x + step, base)),
+        rng=jax.random.key(step), host={"rl_step": step})
+      if checkpoint.stop_requested(stop):
+        checkpoint.save(manager, step, run)
+        checkpoint.close(manager)
+        print("preempted", step, flush=True)
+        break
+      if step % every == 0:
+        checkpoint.save(manager, step, run)
+        print("saved", step, flush=True)
 """)
 
 
@@ -242,17 +243,30 @@ def _restored_step(tmp_path):
   return step
 
 
-def test_sigterm_saves_and_exits_zero(tmp_path):
-  proc = _start_worker(tmp_path, every=10_000)  # no periodic save: only the SIGTERM one
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_stop_signal_saves_and_exits_zero(tmp_path, sig):
+  proc = _start_worker(tmp_path, every=10_000)  # no periodic save: only the stop one
   assert proc.stdout.readline().strip() == "ready"
   time.sleep(0.5)
-  proc.send_signal(signal.SIGTERM)
+  proc.send_signal(sig)
   out, _ = proc.communicate(timeout=120)
   log = (tmp_path / "worker.log").read_text()[-3000:]
   assert proc.returncode == 0, log
   assert out.strip().startswith("preempted"), (out, log)
   step = int(out.split()[-1])
   assert _restored_step(tmp_path) == step
+
+
+def test_stop_signals_restores_the_previous_handlers():
+  """After the block a Ctrl-C interrupts again (e.g. a notebook kernel's interrupt)."""
+  before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+  with checkpoint.stop_signals() as stop:
+    assert signal.getsignal(signal.SIGINT) is not before[0]
+    signal.raise_signal(signal.SIGINT)  # the first one only asks to stop
+    assert stop.is_set()
+    with pytest.raises(KeyboardInterrupt):
+      signal.raise_signal(signal.SIGINT)  # the second one interrupts
+  assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
 
 
 def test_kill_9_mid_save_leaves_the_last_complete_checkpoint(tmp_path):
