@@ -360,8 +360,8 @@ def _attend(q, k, v, mask):
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bkgs,bksh->bkgh", probs, v).reshape(b, 1, n, h)
   q = q.reshape(b, t, kh, n // kh, h)
-  # [B, K, S, H] keys here: the same dot as before the cache layout changed (XLA CPU has no
-  # bf16 x bf16 -> f32 kernel for the [B, K, H, S] form; the transposes fold away).
+  # The dot takes [B, K, S, H] keys: XLA CPU has no bf16 x bf16 -> f32 kernel for the
+  # [B, K, H, S] form, and the transposes fold away.
   k = jnp.swapaxes(k, 2, 3)
   scores = jnp.einsum("btkgh,bksh->bkgts", q, k, preferred_element_type=jnp.float32)
   scores = jnp.where(mask[:, None, None], scores / math.sqrt(h), _MASK_VALUE)

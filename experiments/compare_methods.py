@@ -41,6 +41,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from ada_jax import metrics as metrics_lib
 
@@ -250,20 +251,11 @@ def main() -> None:
   run(warm, {**common, "rl.steps": 1})
   common["ckpt.init_from"] = warm / "checkpoints" / "0"
   jobs = {(label, s): root / f"{slug(label)}_seed{s}" for label in args.methods for s in seeds}
-  try:
-    from tqdm.auto import tqdm
-  except ImportError:  # pragma: no cover
-    tqdm = None
-  bar = tqdm(total=len(jobs), desc="runs", unit="run") if tqdm else None
   with ThreadPoolExecutor(args.jobs) as pool:
-    futures = {pool.submit(run, d, {**common, **METHODS[label], "seed": s}): (label, s)
-               for (label, s), d in jobs.items()}
-    for future in futures:
+    futures = [pool.submit(run, d, {**common, **METHODS[label], "seed": s})
+               for (label, s), d in jobs.items()]
+    for future in tqdm(futures, desc="runs", unit="run"):
       future.result()
-      if bar:
-        bar.update()
-  if bar:
-    bar.close()
   wall = time.perf_counter() - start
 
   results = summarize({label: [jobs[label, s] for s in seeds] for label in args.methods})
