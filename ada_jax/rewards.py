@@ -1,10 +1,39 @@
 """Verifiable maths rewards: last-box extraction, normalisation, math-verify equivalence.
 
-Reward semantics (DESIGN.md §2 "Reward", as in the authors' verl fork of Reinforce-Ada,
-arXiv 2510.04996): take the LAST `\\boxed{...}` (or `\\fbox{...}`) of a response with real
-brace matching, compare it with the reference answer by math-verify (symbolic equivalence;
-gold parsed as LaTeX, prediction as LaTeX or a plain expression) and return 1.0 or 0.0.
+Reward semantics (as in the authors' verl fork of Reinforce-Ada, arXiv 2510.04996): take
+the LAST `\\boxed{...}` (or `\\fbox{...}`) of a response with real brace matching, compare it
+with the reference answer by math-verify (symbolic equivalence; gold parsed as LaTeX,
+prediction as LaTeX or a plain expression) and return 1.0 or 0.0.
 No box, an error or a timeout scores 0.
+
+Around math-verify, so that no wrong answer scores 1 and the usual ways of writing a right
+one do:
+
+- Notation, both sides: `3.89e-10` / `3.89E-10` (Python's and Minerva's scientific
+  notation: a number directly followed by e and an integer) is `3.89\\times10^{-10}`;
+  `\\mathrm{e}`, `\\operatorname{e}`, `\\text{e}` are Euler's number e, `\\mathrm{i}`,
+  `\\imath` are i, `\\mathrm{\\pi}`, `\\uppi`, `π` are π; `×`, `·`, `−` are `\\times`,
+  `\\cdot`, `-`; `x^-7` is `x^{-7}`.
+- Complex numbers: when the reference contains the symbol i, i is the imaginary unit on
+  both sides (`14 - i` equals `14.0 - 1.0i`).
+- Numbers (every numeric comparison math-verify makes, inside tuples, sets, intervals and
+  equations too) replace math-verify's rule, which rounds to 6 decimal places and chops
+  values below 1e-15, so that 2^{-98} equalled 2^{-99}:
+  * every decimal is taken at its written value (0.5 is exactly 1/2, 14.0 is 14);
+  * exact values (integers, rationals, powers, factorials, radicals, π) compare exactly:
+    rationals as rationals, irrationals to 40 significant digits;
+  * a decimal REFERENCE (`1.6`, `3.89e-10`) states its precision: a response scores 1
+    when it is within half a unit of the reference's last written digit (trailing zeros
+    count: `1.60` asks for 1.595..1.605), i.e. when it rounds to the reference;
+  * a decimal RESPONSE to an exact reference (0.333333 for 1/3, 1.41421 for √2) scores 1
+    when it states at least `MIN_DECIMAL_DIGITS` (6) significant digits and is the
+    reference rounded to its own last written digit (within half a unit of it); fewer
+    digits (0.333, 1.414) score 0 unless the decimal is exactly the reference. The same
+    relative rule is used for decimals inside larger expressions (`2.5\\pi`).
+- Prose: a box whose content is words rather than maths ("the answer is 5", "no solution"
+  when the reference is not prose), or that math-verify cannot parse at all, raises
+  `UngradableAnswer`; the judges score it 0 with outcome `ERROR`, which the reward pool
+  counts in its `errors` statistic.
 
 `math_reward` runs the judge in-process, for trusted input and tests; untrusted model output
 is scored by `ada_jax.verifier.RewardPool`, which runs the `JUDGES` in worker processes
@@ -12,6 +41,7 @@ under a hard timeout. `reference_answer` extracts the reference of a data-set ro
 """
 
 import ast
+import contextvars
 import decimal
 import functools
 import math
@@ -106,6 +136,164 @@ def normalize_answer(answer: str) -> str:
 # --------------------------------------------------------------------------- equivalence
 
 
+# Scientific notation as Python and Minerva's references write it: a number directly followed
+# by e/E and an integer ("3.89e-10", "9e11"); "2e" or "2e - 1" (twice Euler's e, minus 1) stay.
+_SCI_E = re.compile(r"(?<![\w.\\])(\d+(?:\.\d*)?|\.\d+)[eE]([-+]?\d+)(?![\w.])")
+# Upright / operator / text forms of the constants e, i and π.
+_CONST_FORM = re.compile(
+  r"\\(?:mathrm|operatorname|mathit|mathup|textrm|textit|text|rm|up)\s*"
+  r"(?:\{\s*(e|i|\\pi|π)\s*\}|\s+(e|i)(?![A-Za-z]))"
+)
+_CONST_NAME = re.compile(r"\\(imath|uppi|varpi)(?![A-Za-z])|π")
+_BARE_EXPONENT = re.compile(r"\^\s*([-+]\s*\d+)")
+_UNICODE_OPS = str.maketrans({"×": " \\times ", "·": " \\cdot ", "−": "-"})
+
+
+def _spaced(match: re.Match, name: str) -> str:
+  # Spaces only where a letter would otherwise join the name ("2\\mathrm{e}x"); math-verify
+  # misreads a space before a closing brace ("\\frac{1}{ e }").
+  text, start, end = match.string, match.start(), match.end()
+  before = " " if start and text[start - 1].isalnum() else ""
+  after = " " if end < len(text) and text[end].isalpha() else ""
+  return before + name + after
+
+
+def _standard_notation(answer: str) -> str:
+  """One spelling for scientific notation, the constants e, i, π and a few operators."""
+  s = answer.translate(_UNICODE_OPS)
+  s = _SCI_E.sub(lambda m: f"{m.group(1)}\\times10^{{{m.group(2).lstrip('+')}}}", s)
+  s = _CONST_FORM.sub(lambda m: _spaced(m, (m.group(1) or m.group(2)).replace("π", "\\pi")), s)
+  s = _CONST_NAME.sub(lambda m: _spaced(m, "i" if m.group(1) == "imath" else "\\pi"), s)
+  return _BARE_EXPONENT.sub(lambda m: "^{" + m.group(1).replace(" ", "") + "}", s)
+
+
+class UngradableAnswer(ValueError):
+  """A boxed answer that is prose, or that math-verify cannot parse; scored 0 as an error."""
+
+
+# A run of two words (letters only, two or more each) once LaTeX commands are gone and
+# math-verify has dropped units and `\text{ and }`: "the answer is", "no solution".
+_WORD_RUN = re.compile(r"[A-Za-z]{2,}\s+[A-Za-z]{2,}")
+_LATEX_CMD = re.compile(r"\\[A-Za-z]+")
+
+
+@functools.lru_cache(maxsize=8192)
+def _is_prose(answer: str) -> bool:
+  from latex2sympy2_extended.latex2sympy2 import normalize_latex
+  from math_verify import LatexExtractionConfig
+
+  normalized = normalize_latex(answer, LatexExtractionConfig().normalization_config)
+  return _WORD_RUN.search(_LATEX_CMD.sub(" ", normalized)) is not None
+
+
+# ------------------------------------------------------------------------------- numbers
+
+MIN_DECIMAL_DIGITS = 6  # Significant digits a decimal response needs to approximate a value.
+_EXACT_DIGITS = 40  # Significant digits to which exact irrational values must agree.
+_DECIMAL_LITERAL = re.compile(r"(?<![\w.])(?:\d+\.\d+|\.\d+)")
+# Written decimals of (reference, prediction), by value: (exponent of the last written
+# digit, significant digits). sympy Floats forget trailing zeros; "1.60" keeps them here.
+_WRITTEN: contextvars.ContextVar[tuple[dict, dict]] = contextvars.ContextVar(
+  "_WRITTEN", default=({}, {})
+)
+
+
+def _written_decimals(answer: str) -> dict[decimal.Decimal, tuple[int, int]]:
+  out = {}
+  for m in _DECIMAL_LITERAL.finditer(answer):
+    d = decimal.Decimal(m.group())
+    if d:
+      t = d.as_tuple()
+      key = d.normalize()
+      if key not in out or t.exponent < out[key][0]:
+        out[key] = (t.exponent, len(t.digits))
+  return out
+
+
+def _at_written_value(expr, written: dict, min_digits: int):
+  """`expr` with each Float replaced by the rational it is written as, and the relative
+  half-unit of the least precise Float stating at least `min_digits` digits (0 if none)."""
+  import sympy
+
+  floats = expr.atoms(sympy.Float)
+  if not floats:
+    return expr, 0
+  exact, rel = {}, sympy.Integer(0)
+  for f in floats:
+    d = decimal.Decimal(str(abs(f))).normalize()
+    t = d.as_tuple()
+    exponent, digits = written.get(d, (t.exponent, len(t.digits)))
+    value = sympy.Rational(*d.as_integer_ratio())
+    exact[f] = value if f >= 0 else -value
+    if d and digits >= min_digits:
+      rel = max(rel, sympy.Rational(10) ** exponent / (2 * value))
+  return expr.xreplace(exact), rel
+
+
+def _numbers_equal(gold, pred) -> bool:
+  """Our numeric rule (module docstring): exact values exactly, decimals to their written
+  precision. `gold`, `pred`: sympy expressions; False when their difference is symbolic (the
+  caller then tries symbolic equality)."""
+  import sympy
+
+  written_gold, written_pred = _WRITTEN.get()
+  g, rel_g = _at_written_value(gold, written_gold, 1)
+  p, rel_p = _at_written_value(pred, written_pred, MIN_DECIMAL_DIGITS)
+  diff = g - p
+  if diff == 0:
+    return True
+  if not diff.is_number:
+    return False
+  if g.free_symbols or p.free_symbols:  # Constant offset between symbolic sides: unequal.
+    return False
+  tol = max(abs(g) * rel_g, abs(p) * rel_p)
+  if tol == 0:
+    if diff.is_Rational or all(part.is_Rational for part in diff.as_real_imag()):
+      return False
+    size = sympy.Max(abs(g), abs(p)).evalf(_EXACT_DIGITS + 20)
+    return bool(abs(diff).evalf(_EXACT_DIGITS + 20) <= size * sympy.Rational(10) ** -_EXACT_DIGITS)
+  return bool(abs(diff).evalf(30) <= tol.evalf(30))
+
+
+_MV_NUMERIC_EQ = None
+
+
+def _numeric_eq(a, b, float_rounding: int, numeric_precision: int) -> bool:
+  """Stand-in for `math_verify.grader.sympy_numeric_eq` (gold first, as math-verify calls
+  it): matrices and percentages keep math-verify's handling, element-wise via this rule."""
+  import sympy
+  from sympy.matrices.expressions import MatrixExpr
+
+  if isinstance(a, (sympy.MatrixBase, MatrixExpr)) or isinstance(b, (sympy.MatrixBase, MatrixExpr)):
+    return _MV_NUMERIC_EQ(a, b, float_rounding, numeric_precision)
+  if a.has(sympy.UnevaluatedExpr) or b.has(sympy.UnevaluatedExpr):  # "50\%" = 50·(1/100).
+    return _MV_NUMERIC_EQ(a, b, float_rounding, numeric_precision)
+  try:
+    return _numbers_equal(a, b)
+  except (TypeError, ValueError, ArithmeticError, AttributeError):  # NaN, zoo, sets...
+    return False
+
+
+def _math_verify():
+  """math_verify, with its numeric comparison replaced by `_numeric_eq` (once).
+
+  Its own rounds both sides to 6 decimal places and chops below 1e-15, which accepts
+  2^{-98} for 2^{-99} and 1e-7 for 2e-7; every comparison it makes (also inside tuples, sets,
+  intervals and equations) goes through this module-level function.
+  """
+  global _MV_NUMERIC_EQ
+  import math_verify  # Imported lazily: sympy + antlr cost ~0.5 s and belong in workers.
+  from math_verify import grader
+
+  if _MV_NUMERIC_EQ is None:
+    _MV_NUMERIC_EQ = grader.sympy_numeric_eq
+    grader.sympy_numeric_eq = _numeric_eq
+  return math_verify
+
+
+# --------------------------------------------------------------------------- equivalence
+
+
 def _in_main_thread() -> bool:
   return threading.current_thread() is threading.main_thread()
 
@@ -118,8 +306,7 @@ def _parse_gold_cached(reference: str):
 
 
 def _parse_gold(reference: str, timeout: int | None):
-  import math_verify  # Imported lazily: sympy + antlr cost ~0.5 s and belong in workers.
-
+  math_verify = _math_verify()
   return math_verify.parse(
     "\\boxed{" + reference + "}",
     [math_verify.LatexExtractionConfig()],
@@ -128,8 +315,30 @@ def _parse_gold(reference: str, timeout: int | None):
   )
 
 
+def _imaginary_unit(parsed: list) -> list:
+  """The parsed answers with every symbol named i replaced by the imaginary unit."""
+  import sympy
+
+  out = []
+  for x in parsed:
+    if isinstance(x, (sympy.Basic, sympy.MatrixBase)):
+      x = x.xreplace({s: sympy.I for s in x.free_symbols if getattr(s, "name", None) == "i"})
+    out.append(x)
+  return out
+
+
+def _is_complex(parsed: list) -> bool:
+  import sympy
+
+  return any(
+    isinstance(x, (sympy.Basic, sympy.MatrixBase))
+    and any(getattr(s, "name", None) == "i" for s in x.free_symbols)
+    for x in parsed
+  )
+
+
 def is_equivalent(prediction: str, reference: str, mv_timeout_s: int | None = None) -> bool:
-  """Whether a boxed prediction equals the reference answer, by math-verify.
+  """Whether a boxed prediction equals the reference answer (module docstring's rules).
 
   Args:
     prediction: box contents from the response (LaTeX or a plain expression).
@@ -138,16 +347,23 @@ def is_equivalent(prediction: str, reference: str, mv_timeout_s: int | None = No
       main thread only) or None for none (workers, where the pool enforces time).
 
   Returns:
-    True when equal (identical normalised strings, or math-verify's `verify`).
+    True when equal (identical normalised strings, or math-verify's `verify` with our
+    notation, complex-number and numeric rules).
 
   Raises:
+    UngradableAnswer: the prediction is prose (and the reference is not), or math-verify
+      cannot parse it.
     Whatever math-verify raises on unparseable input (callers score that 0).
   """
-  import math_verify
+  import sympy
 
   pred, ref = normalize_answer(prediction), normalize_answer(reference)
   if pred == ref:
     return True
+  pred, ref = _standard_notation(pred), _standard_notation(ref)
+  if _is_prose(pred) and not _is_prose(ref):
+    raise UngradableAnswer(f"box content is prose, not maths: {pred[:80]!r}")
+  math_verify = _math_verify()
   gold = _parse_gold_cached(ref) if mv_timeout_s is None else _parse_gold(ref, mv_timeout_s)
   target = math_verify.parse(
     "\\boxed{" + pred + "}",
@@ -155,9 +371,17 @@ def is_equivalent(prediction: str, reference: str, mv_timeout_s: int | None = No
     parsing_timeout=mv_timeout_s,
     raise_on_error=True,
   )
-  if not gold or not target:
+  if not any(isinstance(x, (sympy.Basic, sympy.MatrixBase)) for x in target):
+    raise UngradableAnswer(f"math-verify cannot parse the box content: {pred[:80]!r}")
+  if not gold:
     return False
-  return bool(math_verify.verify(gold, target, timeout_seconds=mv_timeout_s, raise_on_error=True))
+  if _is_complex(gold):
+    gold, target = _imaginary_unit(gold), _imaginary_unit(target)
+  token = _WRITTEN.set((_written_decimals(ref), _written_decimals(pred)))
+  try:
+    return bool(math_verify.verify(gold, target, timeout_seconds=mv_timeout_s, raise_on_error=True))
+  finally:
+    _WRITTEN.reset(token)
 
 
 # Judge outcome codes (worker → parent).
@@ -170,7 +394,10 @@ def _judge_math(
   pred = last_boxed(response)
   if pred is None or len(pred) > max_chars:
     return 0.0, NO_BOX
-  return float(is_equivalent(pred, reference, mv_timeout_s)), OK
+  try:
+    return float(is_equivalent(pred, reference, mv_timeout_s)), OK
+  except UngradableAnswer:
+    return 0.0, ERROR
 
 
 def _judge_exact(
@@ -185,7 +412,8 @@ def _judge_exact(
 
 # Reward functions by config name:
 #   (response, reference, mv_timeout_s, max_answer_chars) -> (reward, outcome).
-# `exact` (normalised string match) suits the procedural arithmetic task.
+# `exact` (normalised string match) suits the procedural arithmetic task. `ERROR`: the box
+# is prose or unparseable (`UngradableAnswer`); the pool also counts judges that raise.
 JUDGES: dict[str, Callable[[str, str, int | None, int], tuple[float, str]]] = {
   "math": _judge_math,
   "exact": _judge_exact,
