@@ -212,7 +212,7 @@ def _written_decimals(answer: str) -> dict[decimal.Decimal, tuple[int, int]]:
 
 def _at_written_value(expr, written: dict, min_digits: int):
   """`expr` with each Float replaced by the rational it is written as, and the relative
-  half-unit of the least precise Float stating at least `min_digits` digits (0 if none)."""
+  half-unit of the most precise Float stating at least `min_digits` digits (0 if none)."""
   import sympy
 
   floats = expr.atoms(sympy.Float)
@@ -225,8 +225,9 @@ def _at_written_value(expr, written: dict, min_digits: int):
     exponent, digits = written.get(d, (t.exponent, len(t.digits)))
     value = sympy.Rational(*d.as_integer_ratio())
     exact[f] = value if f >= 0 else -value
-    if d and digits >= min_digits:
-      rel = max(rel, sympy.Rational(10) ** exponent / (2 * value))
+    if d and digits >= min_digits:  # The most precise decimal sets the precision.
+      half_unit = sympy.Rational(10) ** exponent / (2 * value)
+      rel = half_unit if rel == 0 else min(rel, half_unit)
   return expr.xreplace(exact), rel
 
 
@@ -371,17 +372,20 @@ def is_equivalent(prediction: str, reference: str, mv_timeout_s: int | None = No
     parsing_timeout=mv_timeout_s,
     raise_on_error=True,
   )
-  if not any(isinstance(x, (sympy.Basic, sympy.MatrixBase)) for x in target):
-    raise UngradableAnswer(f"math-verify cannot parse the box content: {pred[:80]!r}")
   if not gold:
     return False
   if _is_complex(gold):
     gold, target = _imaginary_unit(gold), _imaginary_unit(target)
-  token = _WRITTEN.set((_written_decimals(ref), _written_decimals(pred)))
+  # The raw strings: `normalize_answer` drops trailing zeros ("1.60"), which state precision.
+  token = _WRITTEN.set((_written_decimals(reference), _written_decimals(prediction)))
   try:
-    return bool(math_verify.verify(gold, target, timeout_seconds=mv_timeout_s, raise_on_error=True))
+    equal = math_verify.verify(gold, target, timeout_seconds=mv_timeout_s, raise_on_error=True)
   finally:
     _WRITTEN.reset(token)
+  # Unparsed, the prediction could only match the reference's normalised LaTeX string.
+  if not equal and not any(isinstance(x, (sympy.Basic, sympy.MatrixBase)) for x in target):
+    raise UngradableAnswer(f"math-verify cannot parse the box content: {pred[:80]!r}")
+  return bool(equal)
 
 
 # Judge outcome codes (worker → parent).

@@ -2,6 +2,9 @@
 reference answers.
 """
 
+import decimal
+import fractions
+import math
 import time
 
 import hypothesis
@@ -122,6 +125,287 @@ EQUIVALENCE = [
 @pytest.mark.parametrize("response, reference, expected", EQUIVALENCE)
 def test_math_reward(response, reference, expected):
   assert rewards.math_reward(response, reference) == expected
+
+
+# Answer forms of MATH, Minerva Math and OlympiadBench that math-verify alone grades wrongly
+# (the first five: the issue's table), with their neighbours.
+NUMBERS_AND_CONSTANTS = [
+  ("\\boxed{2^{-98}}", "2^{-99}", 0.0),
+  ("\\boxed{1\\times10^{-7}}", "2\\times10^{-7}", 0.0),
+  ("\\boxed{1-e^{-1}}", "1-\\frac{1}{\\mathrm{e}}", 1.0),
+  ("\\boxed{3.89\\times10^{-10}}", "3.89e-10", 1.0),
+  ("\\boxed{14.0 - 1.0i}", "14 - i", 1.0),
+  # Small numbers: exact values exactly, also inside tuples, sets, intervals, equations.
+  ("\\boxed{1.0\\times10^{-7}}", "2.0\\times10^{-7}", 0.0),
+  ("\\boxed{\\frac{1}{2^{99}}}", "2^{-99}", 1.0),
+  ("\\boxed{(2^{-98}, 1)}", "(2^{-99}, 1)", 0.0),
+  ("\\boxed{\\{2^{-98}, 1\\}}", "\\{2^{-99}, 1\\}", 0.0),
+  ("\\boxed{[2^{-98}, 1]}", "[2^{-99}, 1]", 0.0),
+  ("\\boxed{x = 2^{-98}}", "x = 2^{-99}", 0.0),
+  (
+    "\\boxed{\\begin{pmatrix}2^{-98}\\\\2\\end{pmatrix}}",
+    "\\begin{pmatrix}2^{-99}\\\\2\\end{pmatrix}",
+    0.0,
+  ),
+  ("\\boxed{10!}", "3628800", 1.0),
+  ("\\boxed{\\frac{1}{10!}}", "\\frac{1}{3628801}", 0.0),
+  ("\\boxed{1.0000001}", "1", 0.0),
+  # Decimals: a decimal reference to its written precision (trailing zeros count) ...
+  ("\\boxed{1.63}", "1.6", 1.0),
+  ("\\boxed{1.64}", "1.60", 0.0),
+  ("\\boxed{1.7}", "1.6", 0.0),
+  ("\\boxed{\\frac{8}{5}}", "1.6", 1.0),
+  # ... a decimal response to an exact reference with at least 6 significant digits.
+  ("\\boxed{0.333333}", "\\frac13", 1.0),
+  ("\\boxed{0.333334}", "\\frac13", 0.0),
+  ("\\boxed{0.333}", "\\frac13", 0.0),
+  ("\\boxed{0.0000333333}", "\\frac{1}{30000}", 1.0),
+  ("\\boxed{0.000033}", "\\frac{1}{30000}", 0.0),
+  ("\\boxed{1.41421}", "\\sqrt{2}", 1.0),
+  ("\\boxed{1.414}", "\\sqrt{2}", 0.0),
+  ("\\boxed{3.141590}", "\\pi", 0.0),  # The written 0 is wrong: π = 3.1415927.
+  ("\\boxed{1.5\\pi}", "\\frac{3\\pi}{2}", 1.0),
+  ("\\boxed{1000.4}", "1000", 0.0),
+  # Scientific notation, references and responses.
+  ("\\boxed{3.89 \\cdot 10^{-10}}", "3.89e-10", 1.0),
+  ("\\boxed{3.89e-10}", "3.89\\times 10^{-10}", 1.0),
+  ("\\boxed{3.89E-10}", "3.89e-10", 1.0),
+  ("\\boxed{3.89 × 10^{-10}}", "3.89e-10", 1.0),
+  ("\\boxed{389\\times10^{-12}}", "3.89e-10", 1.0),
+  ("\\boxed{0.000000000389}", "3.89e-10", 1.0),
+  ("\\boxed{3.88\\times10^{-10}}", "3.89e-10", 0.0),
+  ("\\boxed{3.89\\times10^{-11}}", "3.89e-10", 0.0),
+  ("\\boxed{9\\times10^{11}}", "9e11", 1.0),
+  ("\\boxed{10^-7}", "1e-7", 1.0),
+  # Constants.
+  ("\\boxed{e}", "\\operatorname{e}", 1.0),
+  ("\\boxed{\\mathrm{e}^{2}}", "e^2", 1.0),
+  ("\\boxed{2e}", "2\\mathrm{e}", 1.0),
+  ("\\boxed{e^{3}}", "\\mathrm{e}^{2}", 0.0),
+  ("\\boxed{\\frac{\\pi}{2}}", "\\frac{\\mathrm{\\pi}}{2}", 1.0),
+  ("\\boxed{π/2}", "\\frac{\\pi}{2}", 1.0),
+  # Complex numbers: i is the imaginary unit when the reference is complex.
+  ("\\boxed{3 + 4i}", "3+4\\mathrm{i}", 1.0),
+  ("\\boxed{4i+3}", "3+4i", 1.0),
+  ("\\boxed{3 - 4i}", "3+4i", 0.0),
+  ("\\boxed{\\frac{1+i}{2}}", "\\frac12+\\frac{i}{2}", 1.0),
+  ("\\boxed{-i}", "i", 0.0),
+  ("\\boxed{i^2}", "-1", 0.0),  # A real reference: i is a variable.
+  # Words: units and named answers are graded, prose is not.
+  ("\\boxed{5\\text{ square units}}", "5", 1.0),
+  ("\\boxed{\\text{no solution}}", "\\text{no solution}", 1.0),
+  ("\\boxed{\\text{Evelyn}}", "\\text{Evelyn}", 1.0),
+  ("\\boxed{the answer is 5}", "5", 0.0),
+  ("\\boxed{\\text{no solution}}", "5", 0.0),
+]
+
+
+@pytest.mark.parametrize("response, reference, expected", NUMBERS_AND_CONSTANTS)
+def test_math_reward_numbers_and_constants(response, reference, expected):
+  assert rewards.math_reward(response, reference) == expected
+
+
+@pytest.mark.parametrize(
+  "box, reference, reward, outcome",
+  [
+    ("the answer is 5", "5", 0.0, rewards.ERROR),
+    ("\\text{it diverges}", "0", 0.0, rewards.ERROR),
+    ("\\text{The answer is } 5", "5", 0.0, rewards.ERROR),
+    ("\\frac{}{}", "5", 0.0, rewards.ERROR),  # Unparseable.
+    ("\\text{no solution}", "\\text{no solution}", 1.0, rewards.OK),  # A prose reference.
+    ("\\text{Evelyn}", "\\text{Bob}", 0.0, rewards.OK),  # One word is a name, not prose.
+    ("12 \\mathrm{km} \\mathrm{s}^{-1}", "12", 1.0, rewards.OK),  # Units are not prose.
+    ("13 \\text{ square units}", "12", 0.0, rewards.OK),
+  ],
+)
+def test_prose_or_unparseable_box_is_an_error(box, reference, reward, outcome):
+  assert rewards.JUDGES["math"](f"So \\boxed{{{box}}}.", reference, None, 1000) == (reward, outcome)
+
+
+# ------------------------------------------------ equivalence: properties over written forms
+
+_PROPERTY = hypothesis.settings(max_examples=20, deadline=None)
+
+
+def _judge(box: str, reference: str) -> float:
+  reward, outcome = rewards.JUDGES["math"](f"\\boxed{{{box}}}", reference, None, 1000)
+  assert outcome == rewards.OK, (box, reference)
+  return reward
+
+
+def _exact_forms(kind: str, a: int, b: int) -> list[str]:
+  """Spellings of one exact value: a/(b·10^a) (rational), b^{-a} (power), 1/a! (factorial)."""
+  if kind == "rational":
+    return [
+      f"\\frac{{{a}}}{{{b}\\times10^{{{a}}}}}",
+      f"\\dfrac{{{a}}}{{{b}}}\\cdot 10^{{-{a}}}",
+      f"{a} \\times 10^{{-{a}}} / {b}",
+      f"\\frac{{{a * 10}}}{{{b}}} \\times 10^{{-{a + 1}}}",
+    ]
+  if kind == "power":
+    return [
+      f"{b}^{{-{a}}}",
+      f"\\frac{{1}}{{{b}^{{{a}}}}}",
+      f"\\left(\\frac{{1}}{{{b}}}\\right)^{{{a}}}",
+    ]
+  return [f"\\frac{{1}}{{{a}!}}", f"({a}!)^{{-1}}", f"\\frac{{1}}{{{math.factorial(a)}}}"]
+
+
+@_PROPERTY
+@hypothesis.given(
+  kind=st.sampled_from(["rational", "power", "factorial"]),
+  a=st.integers(2, 60),
+  b=st.integers(2, 97),
+  pick=st.randoms(use_true_random=False),
+)
+def test_exact_small_numbers_compare_exactly(kind, a, b, pick):
+  forms = _exact_forms(kind, a, b)
+  reference = pick.choice(forms)
+  assert _judge(pick.choice(forms), reference) == 1.0
+  # The neighbouring value of the same kind, as tiny: never equal.
+  others = _exact_forms(kind, a + 1, b) + (
+    [] if kind == "factorial" else _exact_forms(kind, a, b + 1)
+  )
+  assert _judge(pick.choice(others), reference) == 0.0
+
+
+def _sci_forms(mantissa: str, exponent: int) -> list[str]:
+  """Spellings of mantissa·10^exponent, the mantissa's digits kept as written."""
+  forms = [
+    f"{mantissa}e{exponent}",
+    f"{mantissa}E{exponent}",
+    f"{mantissa}\\times10^{{{exponent}}}",
+    f"{mantissa} \\times 10^{{{exponent}}}",
+    f"{mantissa}\\cdot10^{{{exponent}}}",
+  ]
+  if -8 <= exponent <= 8:
+    forms.append(format(decimal.Decimal(mantissa).scaleb(exponent), "f"))
+  return forms
+
+
+def _change_digit(number: str, pick, significant_from: int = 0) -> str:
+  """`number` with one of its digits (from the `significant_from`-th on) set to another; the
+  first significant digit never becomes 0."""
+  at = [i for i, c in enumerate(number) if c.isdigit()][significant_from:]
+  index = pick.choice(at)
+  old = number[index]
+  new = pick.choice([d for d in "0123456789" if d != old and (d != "0" or index != at[0])])
+  return number[:index] + new + number[index + 1 :]
+
+
+@_PROPERTY
+@hypothesis.given(
+  lead=st.sampled_from("123456789"),
+  digits=st.text("0123456789", max_size=5),
+  exponent=st.integers(-40, 40),
+  pick=st.randoms(use_true_random=False),
+)
+def test_decimal_reference_compares_to_its_written_digits(lead, digits, exponent, pick):
+  mantissa = lead + ("." + digits if digits else "")
+  reference = pick.choice(_sci_forms(mantissa, exponent))
+  assert _judge(pick.choice(_sci_forms(mantissa, exponent)), reference) == 1.0
+  # Any stated digit changed, at any magnitude: wrong.
+  wrong = _change_digit(mantissa, pick)
+  assert _judge(pick.choice(_sci_forms(wrong, exponent)), reference) == 0.0
+
+
+def _significant(value: decimal.Decimal, digits: int, sci: bool) -> str:
+  """`value` rounded to `digits` significant digits, plain or `m\\times10^{k}`."""
+  if sci or not -8 <= value.adjusted() < digits - 1:  # Plain only with a decimal point.
+    mantissa, exponent = format(value, f".{digits - 1}e").split("e")
+    return f"{mantissa}\\times10^{{{int(exponent)}}}"
+  return format(value, f".{digits - 1 - value.adjusted()}f")
+
+
+@_PROPERTY
+@hypothesis.given(
+  p=st.integers(1, 10**6),
+  q=st.integers(1, 10**5),
+  prime=st.sampled_from([3, 7, 11, 13, 17, 19, 23]),
+  shift=st.integers(-20, 20),
+  digits=st.integers(rewards.MIN_DECIMAL_DIGITS, 10),
+  sci=st.booleans(),
+  pick=st.randoms(use_true_random=False),
+)
+def test_decimal_response_to_exact_reference(p, q, prime, shift, digits, sci, pick):
+  value = fractions.Fraction(p, q * prime) * fractions.Fraction(10) ** shift
+  # Not a finite decimal (those are exact: a decimal then equals the reference exactly).
+  hypothesis.assume(value.denominator % prime == 0)
+  reference = f"\\frac{{{value.numerator}}}{{{value.denominator}}}"
+  with decimal.localcontext(prec=80):
+    exact = decimal.Decimal(value.numerator) / value.denominator
+  rounded = _significant(exact, digits, sci)
+  assert _judge(rounded, reference) == 1.0
+  mantissa, _, tail = rounded.partition("\\times")
+  first = next(k for k, c in enumerate(c for c in mantissa if c.isdigit()) if c != "0")
+  wrong = _change_digit(mantissa, pick, first) + ("\\times" + tail if tail else "")
+  assert _judge(wrong, reference) == 0.0
+  # Fewer significant digits do not approximate an exact value (module docstring's rule).
+  short = _significant(exact, rewards.MIN_DECIMAL_DIGITS - 1, sci)
+  assert _judge(short, reference) == 0.0
+
+
+def _constant_forms(p: int, q: int, k: int) -> list[str]:
+  """Spellings of (p/q)·e^k + π (e, π as the maths sets write them)."""
+  e = ["e", "\\mathrm{e}", "\\operatorname{e}", "\\text{e}"]
+  pi = ["\\pi", "\\mathrm{\\pi}", "π"]
+  return [
+    f"\\frac{{{p}}}{{{q}}}{e[0]}^{{{k}}} + {pi[0]}",
+    f"\\frac{{{p} {e[1]}^{{{k}}}}}{{{q}}}+{pi[1]}",
+    f"{pi[2]} + \\dfrac{{{p}}}{{{q}}} \\cdot {e[2]}^{{{k}}}",
+    f"\\frac{{{p}}}{{{q}}}\\left({e[3]}^{{{k}}}\\right) + {pi[0]}",
+  ]
+
+
+@_PROPERTY
+@hypothesis.given(
+  p=st.integers(1, 999),
+  q=st.integers(1, 999),
+  k=st.integers(-9, 9).filter(bool),
+  pick=st.randoms(use_true_random=False),
+)
+def test_constants_in_any_spelling(p, q, k, pick):
+  forms = _constant_forms(p, q, k)
+  reference = pick.choice(forms)
+  assert _judge(pick.choice(forms), reference) == 1.0
+  others = (
+    _constant_forms(p + 1, q, k) + _constant_forms(p, q + 1, k) + _constant_forms(p, q, k + 1)
+  )
+  hypothesis.assume(fractions.Fraction(p + 1, q) != fractions.Fraction(p, q + 1))
+  assert _judge(pick.choice(others), reference) == 0.0
+
+
+def _complex_forms(a: fractions.Fraction, b: fractions.Fraction) -> list[str]:
+  """Spellings of a + bi (b ≠ 0), with i as the maths sets write it."""
+
+  def num(x: fractions.Fraction) -> str:
+    if x.denominator == 1:
+      return str(x.numerator)
+    return f"{'-' if x < 0 else ''}\\frac{{{abs(x.numerator)}}}{{{x.denominator}}}"
+
+  sign = "-" if b < 0 else "+"
+  forms = [
+    f"{num(a)} {sign} {num(abs(b))}i",
+    f"{num(b)}\\mathrm{{i}} + {num(a)}",
+    f"{num(a)}{sign}{num(abs(b))}\\,\\mathrm{{i}}",
+  ]
+  if a.denominator == 1 and b.denominator == 1:  # Decimals as written by a solver.
+    forms.append(f"{a.numerator}.0 {sign} {abs(b.numerator)}.0i")
+  return forms
+
+
+@_PROPERTY
+@hypothesis.given(
+  a=st.fractions(min_value=-50, max_value=50, max_denominator=9),
+  b=st.fractions(min_value=-50, max_value=50, max_denominator=9).filter(bool),
+  pick=st.randoms(use_true_random=False),
+)
+def test_complex_numbers_with_i_the_imaginary_unit(a, b, pick):
+  forms = _complex_forms(a, b)
+  reference = pick.choice(forms)
+  assert _judge(pick.choice(forms), reference) == 1.0
+  others = _complex_forms(a + 1, b) + _complex_forms(a, b + 1 or 2) + _complex_forms(a, -b)
+  assert _judge(pick.choice(others), reference) == 0.0
 
 
 def test_exact_judge():
