@@ -333,7 +333,7 @@ def _is_complex(parsed: list) -> bool:
 
   return any(
     isinstance(x, (sympy.Basic, sympy.MatrixBase))
-    and any(getattr(s, "name", None) == "i" for s in x.free_symbols)
+    and (x.has(sympy.I) or any(getattr(s, "name", None) == "i" for s in x.free_symbols))
     for x in parsed
   )
 

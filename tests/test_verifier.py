@@ -67,6 +67,13 @@ def test_score_matches_in_process_reward(pool):
   assert pool.score([], []).shape == (0,)
 
 
+def test_prose_boxes_count_as_errors(pool):
+  responses = ["\\boxed{the answer is 5}", "\\boxed{\\text{no solution}}", "\\boxed{5}", "5"]
+  np.testing.assert_array_equal(pool.score(responses, ["5"] * 4), [0, 0, 1, 0])
+  stats = pool.last_stats
+  assert (stats.errors, stats.correct, stats.no_box) == (2, 1, 1)
+
+
 def test_score_rejects_bad_input(pool):
   with pytest.raises(ValueError, match="2 responses but 1 references"):
     pool.score(["a", "b"], ["1"])
