@@ -10,7 +10,9 @@ Around math-verify, so that no wrong answer scores 1 and the usual ways of writi
 one do:
 
 - Notation, both sides: `3.89e-10` / `3.89E-10` (Python's and Minerva's scientific
-  notation: a number directly followed by e and an integer) is `3.89\\times10^{-10}`;
+  notation: a number directly followed by e and an integer) is `3.89\\times10^{-10}`, a
+  decimal stating its mantissa's digits (`3e8` states one: 2.998\\times10^{8} rounds to it;
+  `3\\times10^{8}` in LaTeX is the exact integer);
   `\\mathrm{e}`, `\\operatorname{e}`, `\\text{e}` are Euler's number e, `\\mathrm{i}`,
   `\\imath` are i, `\\mathrm{\\pi}`, `\\uppi`, `π` are π; `×`, `·`, `−` are `\\times`,
   `\\cdot`, `-`; `x^-7` is `x^{-7}`.
@@ -149,6 +151,13 @@ _BARE_EXPONENT = re.compile(r"\^\s*([-+]\s*\d+)")
 _UNICODE_OPS = str.maketrans({"×": " \\times ", "·": " \\cdot ", "−": "-"})
 
 
+def _sci_latex(match: re.Match) -> str:
+  # "3e8" states one significant digit like "3.89e-10" states three: the mantissa becomes a
+  # decimal (3.0), whose precision `_written_decimals` reads from the E-notation.
+  mantissa = match.group(1) if "." in match.group(1) else match.group(1) + ".0"
+  return f"{mantissa}\\times10^{{{match.group(2).lstrip('+')}}}"
+
+
 def _spaced(match: re.Match, name: str) -> str:
   # Spaces only where a letter would otherwise join the name ("2\\mathrm{e}x"); math-verify
   # misreads a space before a closing brace ("\\frac{1}{ e }").
@@ -161,7 +170,7 @@ def _spaced(match: re.Match, name: str) -> str:
 def _standard_notation(answer: str) -> str:
   """One spelling for scientific notation, the constants e, i, π and a few operators."""
   s = answer.translate(_UNICODE_OPS)
-  s = _SCI_E.sub(lambda m: f"{m.group(1)}\\times10^{{{m.group(2).lstrip('+')}}}", s)
+  s = _SCI_E.sub(_sci_latex, s)
   s = _CONST_FORM.sub(lambda m: _spaced(m, (m.group(1) or m.group(2)).replace("π", "\\pi")), s)
   s = _CONST_NAME.sub(lambda m: _spaced(m, "i" if m.group(1) == "imath" else "\\pi"), s)
   return _BARE_EXPONENT.sub(lambda m: "^{" + m.group(1).replace(" ", "") + "}", s)
@@ -190,7 +199,8 @@ def _is_prose(answer: str) -> bool:
 
 MIN_DECIMAL_DIGITS = 6  # Significant digits a decimal response needs to approximate a value.
 _EXACT_DIGITS = 40  # Significant digits to which exact irrational values must agree.
-_DECIMAL_LITERAL = re.compile(r"(?<![\w.])(?:\d+\.\d+|\.\d+)")
+# Decimals, and the integer mantissa of E-notation ("3" of "3e8").
+_DECIMAL_LITERAL = re.compile(r"(?<![\w.])(?:\d+\.\d+|\.\d+|\d+(?=[eE][-+]?\d))")
 # Written decimals of (reference, prediction), by value: (exponent of the last written
 # digit, significant digits). sympy Floats forget trailing zeros; "1.60" keeps them here.
 _WRITTEN: contextvars.ContextVar[tuple[dict, dict]] = contextvars.ContextVar(

@@ -176,6 +176,10 @@ NUMBERS_AND_CONSTANTS = [
   ("\\boxed{3.88\\times10^{-10}}", "3.89e-10", 0.0),
   ("\\boxed{3.89\\times10^{-11}}", "3.89e-10", 0.0),
   ("\\boxed{9\\times10^{11}}", "9e11", 1.0),
+  ("\\boxed{2.998\\times10^{8}}", "3e8", 1.0),  # "3e8" states one digit ...
+  ("\\boxed{2.998\\times10^{8}}", "3\\times10^{8}", 0.0),  # ... LaTeX's integer is exact.
+  ("\\boxed{4\\times10^{8}}", "3e8", 0.0),
+  ("\\boxed{1560}", "1.5e3", 0.0),
   ("\\boxed{10^-7}", "1e-7", 1.0),
   # Constants.
   ("\\boxed{e}", "\\operatorname{e}", 1.0),
