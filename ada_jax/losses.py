@@ -134,8 +134,16 @@ def token_logprobs(
   attention_mask: jax.Array,
   *,
   remat: bool = False,
+  block_size: int = 256,
 ) -> tuple[jax.Array, jax.Array]:
-  """Log-probabilities and entropies of each token given its prefix.
+  """Log-probabilities and entropies of each token given its prefix, computed block by
+  block over the sequence so that the `[B, T, V]` logits never exist whole.
+
+  The logits of `block_size` positions at a time are made from the hidden states, reduced
+  to (log-prob of the next token, entropy) and dropped; the backward pass recomputes each
+  block's logits (`jax.checkpoint`) instead of keeping them. At the paper's shapes (3,072
+  tokens, a 128,256-token vocabulary) one row's float32 logits take 1.5 GiB, and the
+  unblocked log-softmax with its backward kept several such copies live per row.
 
   Args:
     config: the architecture (static under jit).
@@ -144,19 +152,51 @@ def token_logprobs(
     positions: `int32[B, T]` RoPE positions.
     attention_mask: `bool[B, T]`, True at real tokens.
     remat: rematerialise each block in the backward pass.
+    block_size: positions per logits block (static; memory `B × block_size × V` float32).
 
   Returns:
     (logprobs `float32[B, T]`, entropy `float32[B, T]`) where `logprobs[:, t]` is
     log p(tokens[:, t] | tokens[:, <t]) and `entropy[:, t]` the entropy (nats) of that
     next-token distribution; both are 0 at t = 0, which has no prefix. The same alignment
     as the sampler's returned log-probs (the PPO "old" log-probs).
+
+  Raises:
+    ValueError: `block_size` < 1.
   """
-  out = model_lib.logits(config, params, tokens, positions, attention_mask, remat=remat)
-  logp = jax.nn.log_softmax(out[:, :-1].astype(jnp.float32), axis=-1)  # [B, T-1, V]
-  picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
-  entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+  if block_size < 1:
+    raise ValueError(f"block_size must be >= 1, got {block_size}")
+  hidden, table = model_lib.hidden_states(
+    config, params, tokens, positions, attention_mask, remat=remat
+  )
+  picked, entropy = _blockwise_logprobs(config, hidden[:, :-1], table, tokens[:, 1:], block_size)
   pad = lambda x: jnp.pad(x, ((0, 0), (1, 0)))
   return pad(picked), pad(entropy)
+
+
+def _blockwise_logprobs(config, hidden, table, targets, block_size):
+  """hidden `[B, T, D]`, table `[V, D]`, targets `int32[B, T]` -> (log p(target), entropy),
+  each `float32[B, T]`, from `block_size` positions of logits at a time."""
+  b, t, d = hidden.shape
+  size = min(block_size, t)
+  blocks = -(-t // size)
+  extra = blocks * size - t  # padded positions: computed, then cut off
+
+  def split(x):
+    x = jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2))
+    return x.reshape(b, blocks, size, *x.shape[2:]).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def one_block(h, target):
+    z = model_lib.unembed(config, table, h)  # [B, size, V] float32
+    lse = jax.nn.logsumexp(z, axis=-1)
+    picked = jnp.take_along_axis(z, target[..., None], axis=-1)[..., 0] - lse
+    # H = -Σ p log p = lse - Σ p z.
+    entropy = lse - jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
+    return picked, entropy
+
+  picked, entropy = jax.lax.map(lambda hb: one_block(*hb), (split(hidden), split(targets)))
+  merge = lambda x: x.swapaxes(0, 1).reshape(b, blocks * size)[:, :t]
+  return merge(picked), merge(entropy)
 
 
 def per_token_pg_loss(

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 
 
 def _parse_args(argv):
@@ -64,6 +65,8 @@ def _parse_args(argv):
 
 ARGS = _parse_args(sys.argv[1:])
 _MAX_DEVICES = max(int(d) for d in ARGS.devices.split(","))
+# XLA writes each compiled program's buffer assignment here; `largest_buffers` reads it.
+_DUMP_DIR = tempfile.mkdtemp(prefix="memory_plan_")
 # Before JAX is imported: fake CPU devices and XLA:CPU's memory-minimising scheduler.
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = " ".join(
@@ -71,16 +74,21 @@ os.environ["XLA_FLAGS"] = " ".join(
     os.environ.get("XLA_FLAGS", ""),
     f"--xla_force_host_platform_device_count={_MAX_DEVICES}",
     "--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
+    f"--xla_dump_to={_DUMP_DIR}",
+    "--xla_dump_hlo_module_re=jit_(train_step|generate)$",
   ]
 ).strip()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ast  # noqa: E402
 import functools  # noqa: E402
+import glob  # noqa: E402
 import importlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -151,6 +159,100 @@ def memory(compiled) -> dict[str, float]:
   return out
 
 
+_SLOT = re.compile(r"^\s*[\d.]+\w*iB\(\s*\d+%\);\s*[\d.]+\w*iB;\s*(\d+);\s*(\d+);\s*(.*)$")
+_VALUE = re.compile(r"value: <\d+ (\S+) @\d+> \(size=(\d+),offset=(\d+)\): (\w+)\[([\d,]*)\]")
+_OP_NAME = re.compile(r'^\s*(?:ROOT )?%(\S+) = (\w+)\[.*?op_name="([^"]*)"')
+
+
+def _newest(pattern: str) -> str:
+  files = glob.glob(os.path.join(_DUMP_DIR, pattern))
+  if not files:
+    raise FileNotFoundError(f"no XLA dump matches {pattern} in {_DUMP_DIR}")
+  return max(files, key=os.path.getmtime)
+
+
+def _op_dtypes(hlo_path: str) -> tuple[dict[str, str], dict[str, set[str]]]:
+  """From an HLO text dump: instruction -> op_name, and op_name -> result dtypes."""
+  op_of, dtypes = {}, {}
+  with open(hlo_path) as f:
+    for line in f:
+      m = _OP_NAME.match(line)
+      if m:
+        op_of[m.group(1)] = m.group(3)
+        dtypes.setdefault(m.group(3), set()).add(m.group(2))
+  return op_of, dtypes
+
+
+def largest_buffers(module: str, model_dtype: str, top: int = 12) -> dict:
+  """The largest slots of a compiled program's temporary allocation, from XLA's dump.
+
+  XLA packs temporaries into one allocation; a slot is a range of it that several values
+  share over time. For each of the `top` largest slots: its bytes, the values that use it
+  (shape, dtype, the JAX op that made them) and whether its largest value is an XLA:CPU
+  artefact: a float32 buffer where the program (the HLO before XLA:CPU's passes) computes
+  that op in `model_dtype` (bfloat16). XLA:CPU has no bfloat16 matmul kernels, so it
+  upcasts dot operands (and the stacks, gathers and copies that feed them) to float32; a
+  TPU or GPU compile keeps them in bfloat16, at half the bytes, or fuses them away.
+
+  Returns:
+    {'slots': [...], 'xla_cpu_f32_bytes': bytes of the slots whose largest value is such
+    an artefact, 'top_slots_bytes': bytes of the listed slots}.
+  """
+  report = _newest(f"*{module}.cpu_after_optimizations-memory-usage-report.txt")
+  assignment = _newest(f"*{module}.cpu_after_optimizations-buffer-assignment.txt")
+  op_of, _ = _op_dtypes(_newest(f"*{module}.cpu_after_optimizations.txt"))
+  _, program_dtypes = _op_dtypes(_newest(f"*{module}.before_optimizations.txt"))
+  slots = []
+  with open(report) as f:
+    for line in f:  # the first table is the temporary allocation's; parameters' follow
+      m = _SLOT.match(line)
+      if m:
+        slots.append({"bytes": 0, "offset": int(m.group(1)), "shapes": m.group(3).strip()})
+      elif slots and not line.strip():
+        break
+  by_offset: dict[int, list] = {}
+  in_temp = False
+  with open(assignment) as f:
+    for line in f:
+      if line.startswith("allocation "):
+        in_temp = "preallocated-temp" in line
+      elif in_temp:
+        m = _VALUE.search(line)
+        if m:
+          name, size, offset, dtype, dims = m.groups()
+          by_offset.setdefault(int(offset), []).append((int(size), name, dtype, dims))
+  out, cpu_bytes = [], 0
+  for slot in slots:
+    values = sorted(by_offset.get(slot["offset"], []), reverse=True)
+    if not values:
+      continue
+    slot["bytes"] = values[0][0]
+    size, name, dtype, dims = values[0]
+    op = op_of.get(name, "")
+    slot["xla_cpu_f32"] = (
+      model_dtype == "bfloat16"
+      and dtype == "f32"
+      and (
+        program_dtypes.get(op) == {"bf16"} or (not op and name.startswith(("convert", "copy_convert")))
+      )
+    )
+    slot["values"] = [
+      {"shape": f"{d}[{s}]", "op": op_of.get(n, n).replace("jit(train_step)/", "")}
+      for _, n, d, s in values[:3]
+    ]
+    out.append(slot)
+  out.sort(key=lambda x: -x["bytes"])
+  out = out[:top]
+  for slot in out:
+    cpu_bytes += slot["bytes"] if slot["xla_cpu_f32"] else 0
+    del slot["offset"]
+  return {
+    "slots": out,
+    "xla_cpu_f32_bytes": cpu_bytes,
+    "top_slots_bytes": sum(x["bytes"] for x in out),
+  }
+
+
 def _round_up(x: int, multiple: int) -> int:
   return -(-x // multiple) * multiple
 
@@ -194,6 +296,7 @@ def plan_train(cfg, model_cfg, mesh) -> dict:
     "opt_state_gib": per_device_bytes(state.opt_state) / GIB,
     "xla": memory(compiled),
     "compile_s": time.perf_counter() - start,
+    "largest_buffers": largest_buffers("jit_train_step", cfg.model.dtype),
   }
 
 
@@ -251,6 +354,7 @@ def plan_sampler(cfg, model_cfg, mesh) -> dict:
     "kv_cache_gib": kv_bytes / GIB,
     "xla": memory(compiled),
     "compile_s": time.perf_counter() - start,
+    "largest_buffers": largest_buffers("jit_generate", cfg.model.dtype),
   }
 
 
@@ -342,6 +446,7 @@ def main() -> None:
     )
     f.write("\n")
   print(f"wrote {ARGS.out}")
+  shutil.rmtree(_DUMP_DIR, ignore_errors=True)
 
 
 if __name__ == "__main__":
