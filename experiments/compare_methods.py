@@ -300,7 +300,16 @@ def main() -> None:
   parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
   parser.add_argument("--workdir", default="/tmp/ada_compare_methods")
   parser.add_argument("--out", default=None, help="output path without extension")
+  parser.add_argument("--readme", action="store_true",
+                      help="also replace the table between this output's markers in "
+                      "experiments/README.md")
+  parser.add_argument("--from_json", default=None,
+                      help="run nothing: rewrite the .md/.png (and --readme) from this JSON")
   args = parser.parse_args()
+  if args.from_json:
+    path = pathlib.Path(args.from_json)
+    write_outputs(json.loads(path.read_text()), path.with_suffix(""), args.readme)
+    return
   seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
   steps = args.steps or (40 if args.quick else 100)
   out = pathlib.Path(args.out or RESULTS / ("compare_methods" + "_quick" * args.quick))
@@ -333,19 +342,35 @@ def main() -> None:
     for seed_run, s in zip(r["runs"], seeds, strict=True):
       seed_run["config"] = configs[label, s]
       seed_run["command"] = " ".join(command(jobs[label, s], *specs[label, s])[1:])
-  md = table(results, len(seeds), steps)
   cmd = " ".join(["python experiments/compare_methods.py", *sys.argv[1:]])
   report = {"command": cmd, "git_commit": commit, "seeds": seeds, "steps": steps,
             "train_prompts": args.train_prompts, "jobs": args.jobs, "cpus": os.cpu_count(),
             "wall_s": round(wall, 1), "pass_rate_metric": PASS_RATE, "methods": results}
   out.parent.mkdir(parents=True, exist_ok=True)
   out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-  out.with_suffix(".md").write_text(f"`{cmd}` ({wall / 60:.1f} min on {os.cpu_count()} cores,"
-                                    f" commit {commit})\n\n{md}\n")
-  plot(results, out.with_suffix(".png"), steps)
-  print(md)
+  write_outputs(report, out, args.readme)
   print(json.dumps({"wall_s": round(wall, 1), "json": str(out.with_suffix(".json")),
                     "png": str(out.with_suffix(".png"))}))
+
+
+def write_outputs(report: dict, out: pathlib.Path, readme: bool) -> None:
+  """Writes <out>.md and <out>.png from a results JSON; with `readme`, also the table
+  between the `<!-- <out name>:begin -->` / `:end -->` markers of experiments/README.md."""
+  md = table(report["methods"], len(report["seeds"]), report["steps"])
+  text = (f"`{report['command']}` ({report['wall_s'] / 60:.1f} min on {report['cpus']} cores,"
+          f" commit {report['git_commit']})\n\n{md}\n")
+  out.with_suffix(".md").write_text(text)
+  plot(report["methods"], out.with_suffix(".png"), report["steps"])
+  print(md)
+  if readme:
+    path = REPO / "experiments" / "README.md"
+    begin, end = f"<!-- {out.name}:begin -->\n", f"<!-- {out.name}:end -->"
+    doc = path.read_text()
+    if begin not in doc or end not in doc:
+      raise SystemExit(f"--readme: {path} lacks the markers {begin.strip()} ... {end}")
+    head, rest = doc.split(begin, 1)
+    image = f"\n![{out.name}]({os.path.relpath(out.with_suffix('.png').absolute(), path.parent)})\n"
+    path.write_text(head + begin + text + image + rest[rest.index(end):])
 
 
 if __name__ == "__main__":
