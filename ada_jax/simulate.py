@@ -440,8 +440,8 @@ def plot_cost_vs_signal(rows: Mapping[str, SimResult], pass_rates: np.ndarray, a
     marker = "o" if name.startswith("grpo") else ("s" if name.startswith("ada") else "^")
     xy = (row.samples_per_prompt, row.signal_fraction)
     ax.plot(*xy, marker, ms=7, label=name)
-    # Est labels go under their points: at 4 samples per prompt they sit next to GRPO n=4's.
-    offset, align = {"ada_est": ((0, -13), "center"), "ada": ((5, 6), "left")}.get(
+    # Est labels go right of their points: they share x with GRPO's n = 4 and 8 markers.
+    offset, align = {"ada_est": ((7, -9), "left"), "ada": ((5, 6), "left")}.get(
         next((k for k in ("ada_est", "ada") if name.startswith(k)), ""), ((5, -10), "left"))
     ax.annotate(name, xy, textcoords="offset points", xytext=offset, fontsize=7, ha=align)
   ax.set_xlabel("samples drawn per prompt")
