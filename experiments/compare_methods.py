@@ -97,7 +97,7 @@ LAST = 10  # steps averaged for the "final" training pass rate
 
 
 def slug(label: str) -> str:
-  return label.lower().replace(" ", "_").replace("=", "").replace("-", "_")
+  return label.lower().replace(",", "").replace(" ", "_").replace("=", "").replace("-", "_")
 
 
 def command(workdir: pathlib.Path, config: str, overrides: dict[str, object]) -> list[str]:

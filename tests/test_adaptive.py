@@ -542,3 +542,19 @@ def test_dapo_properties(b, seed, cap):
   for p in groups:
     rewards, advs, _ = _group(res, p)
     assert rewards.size == cfg.n and 0 < rewards.sum() < cfg.n and np.all(advs != 0)
+
+
+def test_first_round_pass_rate_counts_only_draws_before_any_exit():
+  # pos, M = 8: prompt 0 misses in round 1 and hits once in round 2; prompt 1 hits in
+  # round 1 and exits. First-round rates 0 and 1/8; pool rates 1/16 and 1/8.
+  streams = [[0] * 8 + [1] + [0] * 7, [1] + [0] * 7]
+  res, _ = run_step(AdaConfig(method="pos"), _ids(2), Scripted(streams), _rng())
+  assert res.stats.first_round_pass_rate == pytest.approx((0 + 1 / 8) / 2)
+  np.testing.assert_allclose(res.stats.pool_pass_rate, [1 / 16, 1 / 8])
+  # dapo: only the step's own B prompts count, not the extra ones drawn to fill the batch.
+  draw = Scripted([[1, 1, 1, 1], [1, 0, 0, 0]])
+  more = lambda k: (draw.add([[0, 0, 0, 0]] * k), [f"x{i}" for i in range(k)])[1]
+  cfg = AdaConfig(method="dapo", dapo_max_extra_passes=1)
+  res, _ = run_step(cfg, _ids(2), draw, _rng(), more_prompts=more)
+  assert len(res.prompt_ids) == 4
+  assert res.stats.first_round_pass_rate == pytest.approx((1 + 1 / 4) / 2)
