@@ -15,6 +15,16 @@ by `AdaConfig.method` (DESIGN.md §2):
   half-then-fill rule; advantages from the whole pool (global normalization).
 * ``est`` (Reinforce-Ada-Est): persistent, decayed Beta-prior pass-rate estimates keyed
   by a stable prompt id; a K*B budget split by weight w(p̂); one pass; all samples kept.
+  Defaults are the released code's: K = 8, w = 1/p̂, every prompt 1 sample and the rest
+  shared by weight, a single-sample prompt's advantage A = r. The paper's hybrid is
+  `est_weight='1/sqrt_p', est_split='clipped', est_n_min=4, est_n_max=32,
+  inverse_p_weight='1/sqrt_p'` (`EST_PAPER`).
+
+Every method reports `StepStats.first_round_pass_rate`, the fraction of positive
+responses among each prompt's first-round samples (drawn before any exit decision),
+averaged over the step's B prompts: an unbiased estimate of the policy's mean pass rate
+on those prompts, whichever method drew them. `pool_pass_rate` (over every response drawn)
+is not: pos and balance stop sampling after successes, which tilts their pools upward.
 
 Everything is a deterministic function of the inputs and the numpy Generator, with no
 dependence on Python's salted `hash`, so every process of a multi-host run makes the same
@@ -31,6 +41,7 @@ import numpy as np
 
 from ada_jax import advantages as adv_lib
 from ada_jax.advantages import (
+  EST_SPLITS,
   EST_WEIGHTS,
   EstState,
   allocate_budget,
@@ -42,6 +53,7 @@ from ada_jax.advantages import (
 
 __all__ = [
   "AdaConfig",
+  "EST_PAPER",
   "DrawFn",
   "EstState",
   "METHODS",
@@ -85,8 +97,11 @@ class AdaConfig:
       'random' a uniformly random subset drawn from the step's Generator.
     baseline: 'global' (mean over the whole pool, Reinforce-Ada) or 'local' (mean over
       the kept group, GRPO). For grpo, dapo and est the two coincide.
-    std_normalize: divide advantages by the baseline source's std + std_eps. The released
-      verl runs keep verl's default (on); off by default here (DESIGN.md §2).
+    std_normalize: divide advantages by the baseline source's std (Bessel-corrected) +
+      std_eps. Off by default, as in the released Reinforce-Ada scripts (global
+      normalization subtracts the pool mean only). The released GRPO and DAPO baseline
+      scripts keep verl's default (on), so the `*_grpo.py` configs turn it on; off there
+      gives the Dr.GRPO-style variant.
     std_eps: the std offset (1e-6).
     inverse_p_weight: explicit pass-rate weight on advantages: 'none' (released code),
       '1/p' (paper v3 Seq), '1/sqrt_p' (paper v3 Est).
@@ -96,10 +111,14 @@ class AdaConfig:
     est_alpha: Beta prior alpha of the pass-rate estimate (1).
     est_beta: Beta prior beta (16): unseen prompts are presumed hard, p̂ = 1/17.
     est_decay: lambda, the factor on a prompt's old counts each time it is sampled.
-    est_budget_per_prompt: K; the step draws round(K * B) samples in all.
+    est_budget_per_prompt: K; the step draws round(K * B) samples in all (released: 8,
+      compared with GRPO n = 8).
     est_weight: sampling weight w(p̂): '1/p' (released code) or '1/sqrt_p' (paper).
-    est_n_min: at least this many samples per prompt (>= 1).
-    est_n_max: at most this many (None: no cap, released code).
+    est_split: how the budget becomes counts (`advantages.allocate_budget`): 'released'
+      (est_n_min each, the rest in proportion to w) or 'clipped' (paper: proportional to
+      w, clipped to [est_n_min, est_n_max]).
+    est_n_min: at least this many samples per prompt (>= 1; released 1, paper 4).
+    est_n_max: at most this many ('clipped' only; None: no cap; paper 32).
   """
 
   method: str = "pos"
@@ -119,8 +138,9 @@ class AdaConfig:
   est_alpha: float = 1.0
   est_beta: float = 16.0
   est_decay: float = 0.9
-  est_budget_per_prompt: float = 4.0
+  est_budget_per_prompt: float = 8.0
   est_weight: str = "1/p"
+  est_split: str = "released"
   est_n_min: int = 1
   est_n_max: int | None = None
 
@@ -180,6 +200,10 @@ class AdaConfig:
       bad("est_decay", "lambda must lie in [0, 1]")
     if self.est_weight not in EST_WEIGHTS:
       bad("est_weight", f"expected one of {sorted(EST_WEIGHTS)}")
+    if self.est_split not in EST_SPLITS:
+      bad("est_split", f"expected one of {list(EST_SPLITS)}")
+    if self.est_split == "released" and self.est_n_max is not None:
+      bad("est_n_max", "the released split has no cap; set est_split='clipped' or None")
     if self.est_n_min < 1:
       bad("est_n_min", "every prompt needs at least one sample")
     if self.est_budget_per_prompt < self.est_n_min:
@@ -187,12 +211,41 @@ class AdaConfig:
     if self.est_n_max is not None and self.est_n_max < self.est_budget_per_prompt:
       bad("est_n_max", "must be >= est_budget_per_prompt, or the budget cannot be spent")
 
+  def train_rows(self, num_prompts: int) -> int:
+    """Responses a step returns for training at most, for B = `num_prompts`: B·n, or for
+    est its whole budget round(K·B) (it trains on every sample). Est draws exactly this
+    many, so its training batch and mini-batches have a fixed number of rows, as in verl.
+    """
+    if self.method == "est":
+      return int(round(self.est_budget_per_prompt * num_prompts))
+    return num_prompts * self.n
+
+  @property
+  def min_rows_per_prompt(self) -> int:
+    """The fewest responses one `draw` call asks for any prompt: n (grpo, dapo), M (pos,
+    balance) or est_n_min (est). A sampler chunk of C rows is full whenever it may hold
+    C // this many prompts."""
+    if self.method in SEQ_METHODS:
+      return self.samples_per_round
+    return self.est_n_min if self.method == "est" else self.n
+
   def thresholds(self) -> tuple[int, int]:
     """(k_pos, k_neg) exit thresholds with the method's defaults filled in."""
     default = EXIT_THRESHOLDS.get(self.method, EXIT_THRESHOLDS["balance"])(self.n)
     k_pos = default[0] if self.k_pos is None else self.k_pos
     k_neg = default[1] if self.k_neg is None else self.k_neg
     return k_pos, k_neg
+
+
+# The paper's (v3) Est hybrid as AdaConfig overrides: allocation ∝ 1/sqrt(p̂) clipped to
+# [N_min, N_max] = [4, 32], and an explicit 1/sqrt(p̄) weight on the advantages.
+EST_PAPER: dict[str, Any] = dict(
+  est_weight="1/sqrt_p",
+  est_split="clipped",
+  est_n_min=4,
+  est_n_max=32,
+  inverse_p_weight="1/sqrt_p",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,6 +264,11 @@ class StepStats:
       extra prompts).
     mean_pool_size: mean responses drawn per sampled prompt.
     reward_mean: mean reward over every drawn response.
+    first_round_pass_rate: fraction of positive responses among each of the B prompts'
+      first-round (first-pass) samples, averaged over the B prompts. Those samples are
+      drawn before any exit decision, so this estimates the policy's mean pass rate on the
+      step's prompts without bias for every method (`pool_pass_rate` is biased upward for
+      pos and balance, which stop after successes).
     pool_size: int32[P] responses drawn per prompt.
     pool_pass_rate: float32[P] fraction of positive responses in each prompt's pool.
   """
@@ -225,6 +283,7 @@ class StepStats:
   signal_fraction: float
   mean_pool_size: float
   reward_mean: float
+  first_round_pass_rate: float
   pool_size: np.ndarray
   pool_pass_rate: np.ndarray
 
@@ -279,6 +338,7 @@ class _Pools:
     self.handles: list[list[Any]] = [[] for _ in range(num_prompts)]
     self.samples_per_round: list[int] = []
     self.active_per_round: list[int] = []
+    self.first_round_size: np.ndarray | None = None
 
   def grow(self, num_prompts: int):
     self.rewards += [[] for _ in range(num_prompts - len(self.rewards))]
@@ -300,6 +360,8 @@ class _Pools:
       self.handles[p].append(h)
     self.samples_per_round.append(int(rows.size))
     self.active_per_round.append(int(np.unique(rows).size))
+    if self.first_round_size is None:
+      self.first_round_size = np.asarray([len(r) for r in self.rewards], np.int64)
 
 
 def _has_spread(rewards: list[float]) -> bool:
@@ -343,6 +405,12 @@ def _finish(
   sampled = sizes > 0
   pos = np.asarray([sum(x > config.positive_threshold for x in r) for r in pools.rewards])
   all_rewards = np.concatenate([np.asarray(r, np.float64) for r in pools.rewards if r] or [[]])
+  first = pools.first_round_size
+  first_rates = [
+    np.mean(np.asarray(pools.rewards[p][: first[p]]) > config.positive_threshold)
+    for p in range(num_base)
+    if first is not None and first[p] > 0
+  ]
   stats = StepStats(
     num_prompts=num_base,
     samples_per_round=tuple(pools.samples_per_round),
@@ -354,6 +422,7 @@ def _finish(
     signal_fraction=(len(kept) - zero_groups) / max(num_base, 1),
     mean_pool_size=float(sizes[sampled].mean()) if sampled.any() else 0.0,
     reward_mean=float(all_rewards.mean()) if all_rewards.size else 0.0,
+    first_round_pass_rate=float(np.mean(first_rates)) if first_rates else 0.0,
     pool_size=sizes,
     pool_pass_rate=np.where(sampled, pos / np.maximum(sizes, 1), 0.0).astype(np.float32),
   )
@@ -437,8 +506,8 @@ def _run_est(config, prompt_ids, draw, rng, est_state, more_prompts):
   keys = prompt_keys(prompt_ids)
   p_hat = est_pass_rates(state, keys, config.est_alpha, config.est_beta)
   weights = EST_WEIGHTS[config.est_weight](p_hat)
-  budget = int(round(config.est_budget_per_prompt * b))
-  counts = allocate_budget(weights, budget, config.est_n_min, config.est_n_max)
+  counts = allocate_budget(weights, config.train_rows(b), config.est_n_min, config.est_n_max,
+                           config.est_split)
   pools = _Pools(b)
   pools.draw_round(draw, np.repeat(np.arange(b), counts))
   kept = {p: np.arange(len(pools.rewards[p])) for p in range(b)}  # Train on all samples.

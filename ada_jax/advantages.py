@@ -10,7 +10,7 @@ Pure numpy helpers used by the sampling controller (`ada_jax.adaptive`):
   explicit 1/p̄ or 1/sqrt(p̄) weight (paper v3).
 * Reinforce-Ada-Est: decayed Beta-prior pass-rate estimates per prompt (`EstState`,
   `est_pass_rates`, `update_est_state`) and the exact integer split of the K*B budget
-  (`allocate_budget`).
+  (`allocate_budget`: the released rule or the paper's clipped one).
 
 Strategies are plain functions in name->function tables chosen by config strings.
 """
@@ -95,11 +95,14 @@ def group_advantages(
   A_i = (r_i - mean) [/ (std + eps)] [* w(mean)], where mean and std come from the
   source chosen by `baseline` ("global": the prompt's whole pool for this step, all
   rounds; "local": the kept group). std is the unbiased (ddof=1) sample standard
-  deviation, as in the released verl code (`torch.std`); a one-element source has std 0.
-  A uniform source gives exactly zero advantages, so the std division never blows up.
+  deviation, as in verl's GRPO advantage (`torch.std`). A one-element source has mean 0
+  and std 1, as in verl (`compute_grpo_outcome_advantage`), so a prompt with a single
+  sample (Reinforce-Ada-Est) gets A = r, not 0. A uniform source of two or more gives
+  exactly zero advantages, so the std division never blows up.
   Reference: paper §3 "global normalization"; explicit 1/p̄ (1/sqrt p̄) weight: paper v3
-  (Reinforce-Ada-Est uses 1/sqrt p̄). Worked example: pool of 8 with 2 correct, p̄ = 0.25,
-  kept 2+2 -> +0.75, +0.75, -0.25, -0.25.
+  (Reinforce-Ada-Est uses 1/sqrt p̄). Worked examples: pool of 8 with 2 correct,
+  p̄ = 0.25, kept 2+2 -> +0.75, +0.75, -0.25, -0.25; GRPO's group [1, 0, 0, 0] with
+  `std_normalize` (std 0.5) -> [1.5, -0.5, -0.5, -0.5] (up to eps).
 
   Args:
     selected_rewards: float[k] rewards of the kept responses.
@@ -125,12 +128,13 @@ def group_advantages(
   if pool.size == 0:
     raise ValueError("group_advantages needs a non-empty pool")
   source = BASELINES[baseline](selected, pool)
-  mean = float(source.mean()) if source.size else 0.0
+  single = source.size <= 1  # verl: a lone sample's group has mean 0 and std 1
+  mean = 0.0 if single else float(source.mean())
   adv = selected - mean
   if std_normalize:
-    std = float(source.std(ddof=1)) if source.size > 1 else 0.0
-    adv = adv / (std + eps)
-  adv = adv * P_WEIGHTS[p_weight](max(mean, eps))
+    adv = adv / ((1.0 if single else float(source.std(ddof=1))) + eps)
+  p_bar = float(source.mean()) if source.size else 0.0
+  adv = adv * P_WEIGHTS[p_weight](max(p_bar, eps))
   return adv.astype(np.float32)
 
 
@@ -245,32 +249,49 @@ def update_est_state(
   return {"keys": all_keys[order], "pos": all_pos[order], "tot": all_tot[order]}
 
 
-def allocate_budget(
-  weights: np.ndarray, budget: int, n_min: int = 1, n_max: int | None = None
-) -> np.ndarray:
-  """Splits an integer budget over prompts in proportion to weights, within bounds.
+# How Est turns weights into integer counts (`allocate_budget`).
+EST_SPLITS = ("released", "clipped")
 
-  Finds the scale c with sum_i clip(c * w_i, n_min, n_max) = budget (bisection), then
-  rounds by largest remainder: every prompt gets floor(x_i) and the leftover units go to
-  the largest fractional parts, never past n_max. So the counts sum exactly to the
-  budget, each lies in [n_min, n_max], and a larger weight never gets fewer samples
-  (equal fractional parts, which float rounding can give nearly equal weights, go to the
-  larger weight first, then to the lower index). Reference: Reinforce-Ada-Est, a K*B
-  budget split by w(p̂) with at least one sample each (released code) or with
-  [N_min, N_max] clipping (paper v3).
+
+def allocate_budget(
+  weights: np.ndarray,
+  budget: int,
+  n_min: int = 1,
+  n_max: int | None = None,
+  split: str = "released",
+) -> np.ndarray:
+  """Splits an integer budget over prompts by weight: Reinforce-Ada-Est's allocation.
+
+  * ``released`` (the authors' released code): every prompt first gets n_min, the other
+    budget - B * n_min samples are shared in proportion to the weights, x_i = n_min +
+    (budget - B * n_min) * w_i / sum(w); `n_max` must be None. Example: weights 21/5 and
+    21, budget 8, n_min 1 -> x = [2.0, 6.0] -> [2, 6].
+  * ``clipped`` (paper v3, with [N_min, N_max] = [4, 32]): x_i = clip(c * w_i, n_min,
+    n_max) with the scale c (found by bisection) that makes sum(x) = budget.
+
+  Both round by largest remainder: every prompt gets floor(x_i) and the leftover units go
+  to the largest fractional parts (ties: the larger weight, then the lower index), never
+  past n_max. So the counts sum exactly to the budget, each lies in [n_min, n_max], and a
+  larger weight never gets fewer samples.
 
   Args:
     weights: float[B] positive weights.
     budget: total samples, B * n_min <= budget <= B * n_max.
     n_min: per-prompt minimum, >= 0.
-    n_max: per-prompt maximum, or None for none.
+    n_max: per-prompt maximum ('clipped' only), or None for none.
+    split: 'released' or 'clipped' (see above).
 
   Returns:
     int64[B] counts summing to `budget`.
 
   Raises:
-    ValueError: non-positive or non-finite weights, or an infeasible budget.
+    ValueError: non-positive or non-finite weights, an infeasible budget, an unknown
+      `split`, or an `n_max` with the 'released' split.
   """
+  if split not in EST_SPLITS:
+    raise ValueError(f"split must be one of {list(EST_SPLITS)}, got {split!r}")
+  if split == "released" and n_max is not None:
+    raise ValueError("the 'released' split has no per-prompt maximum; use split='clipped'")
   w = np.asarray(weights, np.float64)
   b = w.size
   if b == 0 or not np.all(np.isfinite(w)) or np.any(w <= 0):
@@ -280,17 +301,20 @@ def allocate_budget(
     raise ValueError(
       f"budget={budget} cannot be split over {b} prompts within [{n_min}, {n_max}] each"
     )
-  total = lambda c: np.clip(c * w, n_min, hi).sum()
-  lo_c, hi_c = 0.0, budget / w.min()
-  for _ in range(200):
-    mid = 0.5 * (lo_c + hi_c)
-    lo_c, hi_c = (mid, hi_c) if total(mid) < budget else (lo_c, mid)
-  x = np.clip(hi_c * w, n_min, hi)
+  if split == "released":
+    x = n_min + (budget - b * n_min) * (w / w.sum())
+  else:
+    total = lambda c: np.clip(c * w, n_min, hi).sum()
+    lo_c, hi_c = 0.0, budget / w.min()
+    for _ in range(200):
+      mid = 0.5 * (lo_c + hi_c)
+      lo_c, hi_c = (mid, hi_c) if total(mid) < budget else (lo_c, mid)
+    x = np.clip(hi_c * w, n_min, hi)
   counts = np.floor(x + 1e-9).astype(np.int64)
   frac = x - counts
   left = budget - int(counts.sum())
-  # Bisection leaves the continuous sum within rounding of the budget, so `left` is
-  # small; the loops settle any remainder exactly while respecting the bounds.
+  # The continuous sum is within rounding of the budget, so `left` is small; the loops
+  # settle any remainder exactly while respecting the bounds.
   while left > 0:
     room = np.flatnonzero(counts < hi)
     give = room[np.lexsort((-w[room], -frac[room]))][:left]

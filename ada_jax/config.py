@@ -161,15 +161,16 @@ class DataSpec:
 class SamplerSpec:
   """Rollouts (DESIGN.md §3). Attributes: temperature, top_k, top_p (the sampling rule);
   max_new_tokens (response budget, tokens); chunk_rows (C, rows per launch);
-  prompts_per_chunk (P, prefills per launch); prompt_buckets (padded prompt lengths, one
-  compile each)."""
+  prompts_per_chunk (P, prefills per launch; 0 = derived so that chunks are full, see
+  `RunConfig.prompts_per_chunk`); prompt_buckets (padded prompt lengths, one compile
+  each)."""
 
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
   max_new_tokens: int = 2048
   chunk_rows: int = 64
-  prompts_per_chunk: int = 8
+  prompts_per_chunk: int = 0
   prompt_buckets: tuple[int, ...] = (128, 256, 512, 1024)
 
 
@@ -254,11 +255,17 @@ class RunConfig:
 
   @property
   def train_rows(self) -> int:
-    """Rows of the RL training batch: B·n, or K·B for est (train on all samples)."""
-    b = self.rl.batch_prompts
-    if self.ada.method == "est":
-      return int(round(self.ada.est_budget_per_prompt * b))
-    return b * self.ada.n
+    """Rows of the RL training batch: B·n, or K·B for est (`AdaConfig.train_rows`)."""
+    return self.ada.train_rows(self.rl.batch_prompts)
+
+  @property
+  def prompts_per_chunk(self) -> int:
+    """P, distinct prompts per sampler launch: `sampler.prompts_per_chunk`, or when that
+    is 0, C // (the fewest rows a draw asks for one prompt), so that a chunk always fills
+    its C rows before it runs out of prompt slots (GRPO n = 4 with C = 256: 64)."""
+    if self.sampler.prompts_per_chunk:
+      return self.sampler.prompts_per_chunk
+    return max(1, self.sampler.chunk_rows // self.ada.min_rows_per_prompt)
 
   def check(self) -> None:
     """Cross-group rules. Raises ConfigError naming the config field."""
@@ -270,6 +277,13 @@ class RunConfig:
       raise ConfigError(
           f"config.train.num_minibatches ({self.train.num_minibatches}) must divide the "
           f"training batch ({self.train_rows} rows = rl.batch_prompts × responses per prompt)")
+    rows = self.ada.min_rows_per_prompt
+    if self.prompts_per_chunk * rows < self.sampler.chunk_rows:
+      raise ConfigError(
+          f"config.sampler.prompts_per_chunk ({self.sampler.prompts_per_chunk}) × "
+          f"{rows} rows per prompt (ada.method {self.ada.method!r}) leaves sampler chunks of "
+          f"config.sampler.chunk_rows ({self.sampler.chunk_rows}) part empty: use at least "
+          f"{-(-self.sampler.chunk_rows // rows)}, or 0 to derive it")
     if self.warmstart is not None and (self.tokenizer.dir or self.model.hf_dir):
       raise ConfigError("config.warmstart (the arithmetic warm start) needs the arithmetic "
                        "tokenizer: leave tokenizer.dir and model.hf_dir empty")

@@ -50,8 +50,8 @@ from ada_jax.verifier import RewardPool, VerifierConfig
 
 _COMPILES = [0]
 # Controller outputs that must be identical on every process (`distributed.assert_same`).
-_AGREED = ("reward_mean", "pass_rate", "samples_drawn", "active_prompts_per_round",
-           "zero_signal_frac", "response_len_mean", "rows_computed")
+_AGREED = ("reward_mean", "pass_rate", "first_round_pass_rate", "samples_drawn",
+           "active_prompts_per_round", "zero_signal_frac", "response_len_mean", "rows_computed")
 
 
 def _count_compiles(event: str, duration: float, **kwargs) -> None:
@@ -254,12 +254,16 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
     raise ConfigError(f"config.rl.batch_prompts ({cfg.rl.batch_prompts}) with config.train "
                       f"and config.mesh: {e}") from None
   ps = load_prompts(cfg, tokenizer)
+  ppc = cfg.prompts_per_chunk
+  if not cfg.sampler.prompts_per_chunk:  # derived: round up to the rows' mesh axes
+    dp = mesh.shape["data"] * mesh.shape["fsdp"]
+    ppc = min(-(-ppc // dp) * dp, cfg.sampler.chunk_rows)
   try:
     smp = sampler.Sampler(
         model_cfg, rule=sampler.SamplingRule(cfg.sampler.temperature, cfg.sampler.top_k,
                                              cfg.sampler.top_p),
         max_new_tokens=cfg.sampler.max_new_tokens, stop_ids=tokenizer.eos_ids,
-        chunk_rows=cfg.sampler.chunk_rows, prompts_per_chunk=cfg.sampler.prompts_per_chunk,
+        chunk_rows=cfg.sampler.chunk_rows, prompts_per_chunk=ppc,
         prompt_buckets=cfg.sampler.prompt_buckets, pad_id=tokenizer.pad_id, mesh=mesh)
   except ValueError as e:
     raise ConfigError(f"config.sampler: {e}") from None
@@ -381,7 +385,10 @@ def rl_step(cfg, step, state, est, iterator, np_rng, ps, smp, step_fn, score, to
   s = result.stats
   m = {
       "reward_mean": s.reward_mean,
+      # Over every response drawn: biased upward for pos/balance, which stop after
+      # successes. The first-round rate is the unbiased one, whichever the method.
       "pass_rate": float(np.mean(s.pool_pass_rate[:len(idx)])),
+      "first_round_pass_rate": s.first_round_pass_rate,
       "samples_drawn": s.rows_requested,
       "active_prompts_per_round": list(s.active_per_round),
       "zero_signal_frac": s.zero_signal_fraction,

@@ -147,3 +147,20 @@ def plot_curves(runs: Mapping[str, Iterable[Mapping[str, Any]]], keys: Sequence[
     fig.suptitle(title)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
+
+
+def git_commit(path: str | os.PathLike | None = None) -> str:
+  """The commit of the checkout holding `path` (default: this package), suffixed '+dirty'
+  when tracked files differ from it, or 'unknown' outside a git checkout; for experiment
+  results that must name the code that made them."""
+  import subprocess
+
+  cwd = pathlib.Path(path or __file__).resolve()
+  cwd = cwd if cwd.is_dir() else cwd.parent
+  git = lambda *args: subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
+                                     check=False)
+  head = git("rev-parse", "HEAD")
+  if head.returncode:
+    return "unknown"
+  dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+  return head.stdout.strip() + ("+dirty" if dirty else "")

@@ -19,6 +19,12 @@ Closed forms the simulator is checked against (tests/test_simulate.py):
   M * sum_{j<R} (1-p)^{Mj} responses in expectation and has signal with probability
   1 - p^M - (1-p)^{MR} (all M of round one correct, or all MR responses wrong).
 
+Measured pass rates: every method's `StepStats.first_round_pass_rate` (each prompt's
+first-round samples, drawn before any exit decision) should match the step's true mean
+pass rate within sampling error; the mean over every response drawn (`pool_pass_rate`)
+reads high for pos and balance, which stop sampling a prompt after successes. `simulate`
+reports both against the truth (tests/test_simulate.py checks it for every method).
+
 Units: pass rates are probabilities in [0, 1]; "samples" are responses drawn; fractions
 are of the step's B prompts. Randomness: numpy Generators seeded from the `seed`
 arguments, never the global numpy state.
@@ -32,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from ada_jax.adaptive import AdaConfig, StepResult, run_step
+from ada_jax.adaptive import EST_PAPER, AdaConfig, StepResult, run_step
 
 __all__ = [
   "PASS_RATE_MIX",
@@ -151,19 +157,23 @@ def grpo_n_for_signal(pass_rates: np.ndarray, target: float, n_max: int = 256) -
 
 
 def method_table(n: int = 4, samples_per_round: int = 8, max_rounds: int = 4,
-                 est_budget: float = 4.0) -> dict[str, AdaConfig]:
+                 est_budgets: Sequence[float] = (4.0, 8.0),
+                 est_paper_budgets: Sequence[float] = (8.0,)) -> dict[str, AdaConfig]:
   """The controller configurations compared in the paper's sampling-cost argument.
 
   Rows: `grpo_n{4,8,16,32}` (uniform sampling), `dapo_n4` (DAPO dynamic sampling, at most
   4 extra passes), `ada_pos` / `ada_balance` (Reinforce-Ada-Seq exit rules, paper §3),
-  `ada_est` (Reinforce-Ada-Est as released: w = 1/p̂) and `ada_est_paper` (paper v3:
-  w = 1/sqrt(p̂), 2 <= samples <= 4K, 1/sqrt(p̄) advantage weight).
+  `ada_est_k{K}` (Reinforce-Ada-Est as released: w = 1/p̂, 1 sample each and the rest of
+  the K·B budget by weight; the paper compares K = 8 with GRPO n = 8) and
+  `ada_est_paper_k{K}` (the paper's hybrid, `adaptive.EST_PAPER`: w = 1/sqrt(p̂) clipped
+  to [4, 32] samples, 1/sqrt(p̄) advantage weight).
 
   Args:
     n: group size kept per prompt (dapo, pos, balance).
     samples_per_round: M (pos, balance).
     max_rounds: R (pos, balance).
-    est_budget: K, Est's samples per prompt per step.
+    est_budgets: K of each released-Est row.
+    est_paper_budgets: K of each paper-hybrid row (4 <= K <= 32).
 
   Returns:
     row name -> `AdaConfig`, in display order.
@@ -176,15 +186,11 @@ def method_table(n: int = 4, samples_per_round: int = 8, max_rounds: int = 4,
   seq = dict(n=n, samples_per_round=samples_per_round, max_rounds=max_rounds)
   out["ada_pos"] = AdaConfig(method="pos", **seq)
   out["ada_balance"] = AdaConfig(method="balance", **seq)
-  out["ada_est"] = AdaConfig(method="est", est_budget_per_prompt=est_budget)
-  out["ada_est_paper"] = AdaConfig(
-    method="est",
-    est_budget_per_prompt=est_budget,
-    est_weight="1/sqrt_p",
-    est_n_min=2,
-    est_n_max=4 * est_budget,
-    inverse_p_weight="1/sqrt_p",
-  )
+  for k in est_budgets:
+    out[f"ada_est_k{k:g}"] = AdaConfig(method="est", est_budget_per_prompt=k)
+  for k in est_paper_budgets:
+    out[f"ada_est_paper_k{k:g}"] = AdaConfig(method="est", est_budget_per_prompt=k,
+                                             **EST_PAPER)
   return out
 
 
@@ -213,6 +219,13 @@ class SimResult:
     active_fraction_per_round: mean fraction of the step's prompts sampled in round 1, 2,
       ... (first 8 rounds; rounds no step reached are left out), rounded to 4 digits.
     scored_prompts: prompts counted (steps of the scored epochs × B).
+    true_pass_rate: mean true pass rate p of the scored steps' prompts (dapo: the step's
+      own B prompts, not its extra ones).
+    first_round_pass_rate: mean over scored steps of `StepStats.first_round_pass_rate`.
+    first_round_pass_rate_se: standard error of its difference from `true_pass_rate`
+      (step-to-step spread of the per-step differences / sqrt(steps)).
+    pool_pass_rate: mean over scored steps of the B prompts' pool pass rates (every
+      response drawn), the same for its standard error `pool_pass_rate_se`.
   """
 
   samples_per_prompt: float
@@ -223,6 +236,11 @@ class SimResult:
   mean_rounds: float
   active_fraction_per_round: list[float]
   scored_prompts: int
+  true_pass_rate: float
+  first_round_pass_rate: float
+  first_round_pass_rate_se: float
+  pool_pass_rate: float
+  pool_pass_rate_se: float
 
   def as_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -267,7 +285,7 @@ def simulate(cfg: AdaConfig, pass_rates: np.ndarray, *, batch: int, epochs: int 
   extra_rng = np.random.default_rng(seed + 1)
   est_state = None
   tot = dict(prompts=0, samples=0, signal=0, zero_groups=0, groups=0, selected=0, useful=0)
-  rounds, active = [], []
+  rounds, active, truth, first, pool = [], [], [], [], []
   for epoch in range(epochs):
     order = rng.permutation(p_all.size)
     for start in range(0, p_all.size - batch + 1, batch):
@@ -292,6 +310,9 @@ def simulate(cfg: AdaConfig, pass_rates: np.ndarray, *, batch: int, epochs: int 
       tot["selected"] += s.rows_selected
       tot["useful"] += s.rows_useful
       rounds.append(len(s.samples_per_round))
+      truth.append(float(np.mean(p_all[ids])))
+      first.append(s.first_round_pass_rate)
+      pool.append(float(np.mean(s.pool_pass_rate[:batch])))
       active.append(np.pad(s.active_per_round, (0, 8))[:8] / s.num_prompts)
   return SimResult(
     samples_per_prompt=tot["samples"] / tot["prompts"],
@@ -302,7 +323,16 @@ def simulate(cfg: AdaConfig, pass_rates: np.ndarray, *, batch: int, epochs: int 
     mean_rounds=float(np.mean(rounds)),
     active_fraction_per_round=[round(float(x), 4) for x in np.mean(active, 0) if x > 0],
     scored_prompts=tot["prompts"],
+    true_pass_rate=float(np.mean(truth)),
+    first_round_pass_rate=float(np.mean(first)),
+    first_round_pass_rate_se=_standard_error(np.subtract(first, truth)),
+    pool_pass_rate=float(np.mean(pool)),
+    pool_pass_rate_se=_standard_error(np.subtract(pool, truth)),
   )
+
+
+def _standard_error(x: np.ndarray) -> float:
+  return float(np.std(x, ddof=1) / np.sqrt(x.size)) if x.size > 1 else float("nan")
 
 
 def trace_step(cfg: AdaConfig, pass_rates: Sequence[float], seed: int = 0
@@ -369,16 +399,20 @@ def closed_form_checks(rows: Mapping[str, SimResult], pass_rates: np.ndarray,
 
 
 def markdown_table(rows: Mapping[str, SimResult], pass_rates: np.ndarray) -> list[str]:
-  """Lines of a Markdown table: samples/prompt, signal and zero-signal fractions, and the
-  GRPO group size that reaches the same signal in closed form (`grpo_n_for_signal`)."""
+  """Lines of a Markdown table: samples/prompt, signal and zero-signal fractions, the
+  GRPO group size that reaches the same signal in closed form (`grpo_n_for_signal`), and
+  the error of the first-round and pool pass rates against the true mean pass rate."""
   lines = [
-    "| method | samples/prompt | signal fraction | zero-signal groups | GRPO n, same signal |",
-    "|---|---|---|---|---|",
+    "| method | samples/prompt | signal fraction | zero-signal groups | GRPO n, same signal "
+    "| first-round pass rate − true (± se) | pool pass rate − true (± se) |",
+    "|---|---|---|---|---|---|---|",
   ]
   for name, r in rows.items():
     lines.append(
       f"| {name} | {r.samples_per_prompt:.2f} | {r.signal_fraction:.3f} | "
-      f"{r.zero_signal_fraction:.3f} | {grpo_n_for_signal(pass_rates, r.signal_fraction)} |"
+      f"{r.zero_signal_fraction:.3f} | {grpo_n_for_signal(pass_rates, r.signal_fraction)} | "
+      f"{r.first_round_pass_rate - r.true_pass_rate:+.4f} ± {r.first_round_pass_rate_se:.4f} | "
+      f"{r.pool_pass_rate - r.true_pass_rate:+.4f} ± {r.pool_pass_rate_se:.4f} |"
     )
   return lines
 
@@ -406,8 +440,8 @@ def plot_cost_vs_signal(rows: Mapping[str, SimResult], pass_rates: np.ndarray, a
     marker = "o" if name.startswith("grpo") else ("s" if name.startswith("ada") else "^")
     xy = (row.samples_per_prompt, row.signal_fraction)
     ax.plot(*xy, marker, ms=7, label=name)
-    # Est labels go under their points: at 4 samples per prompt they sit next to GRPO n=4's.
-    offset, align = {"ada_est": ((0, -13), "center"), "ada": ((5, 6), "left")}.get(
+    # Est labels go right of their points: they share x with GRPO's n = 4 and 8 markers.
+    offset, align = {"ada_est": ((7, -9), "left"), "ada": ((5, 6), "left")}.get(
         next((k for k in ("ada_est", "ada") if name.startswith(k)), ""), ((5, -10), "left"))
     ax.annotate(name, xy, textcoords="offset points", xytext=offset, fontsize=7, ha=align)
   ax.set_xlabel("samples drawn per prompt")

@@ -41,7 +41,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.sampler.top_p = 1.0  # 1.0 = off (paper)
   c.sampler.max_new_tokens = 2048  # response budget, tokens (paper: 2048)
   c.sampler.chunk_rows = 256  # C: rows per sampler launch
-  c.sampler.prompts_per_chunk = 32  # P: prefills per launch (rows of a prompt share one)
+  c.sampler.prompts_per_chunk = 0  # P: prefills per launch; 0 = C // rows per prompt (full)
   c.sampler.prompt_buckets = (128, 256, 512, 1024)  # padded prompt lengths (one compile each)
 
   c.ada = ml_collections.ConfigDict()
@@ -51,11 +51,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.ada.max_rounds = 4  # R: rounds at most (paper: 4)
   c.ada.k_pos = None  # positives needed to exit; None = floor(n/2) (balance) / 1 (pos)
   c.ada.k_neg = None  # negatives needed to exit; None = n - floor(n/2) (balance)
-  c.ada.std_normalize = False  # divide advantages by the pool std
+  c.ada.std_normalize = False  # divide advantages by the std (released Reinforce-Ada: off)
   c.ada.baseline = "global"  # 'global': mean over the whole pool (Reinforce-Ada); 'local'
   c.ada.inverse_p_weight = "none"  # 'none' (released code), '1/p' or '1/sqrt_p' (paper v3)
-  c.ada.est_budget_per_prompt = 4.0  # K: est draws round(K·B) samples per step
+  c.ada.est_budget_per_prompt = 8.0  # K: est draws round(K·B) samples (released: 8)
   c.ada.est_weight = "1/p"  # est sampling weight: '1/p' (released) or '1/sqrt_p' (paper)
+  c.ada.est_split = "released"  # 1 each, rest ∝ w (released); 'clipped' [4, 32] (paper)
 
   c.rl = ml_collections.ConfigDict()
   c.rl.steps = 300  # RL steps
@@ -103,4 +104,20 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh.data = -1  # data-parallel axis; -1 = all remaining devices
   c.mesh.fsdp = 1  # parameter-sharded data-parallel axis
   c.mesh.tensor = 1  # tensor-parallel axis (heads, MLP)
+  return c
+
+
+def released_baseline(c: ml_collections.ConfigDict, method: str = "grpo"
+                      ) -> ml_collections.ConfigDict:
+  """Turns a Reinforce-Ada config into the authors' GRPO / DAPO baseline (in place).
+
+  The released GRPO and DAPO scripts run verl's defaults where the Reinforce-Ada script
+  sets its own; each line below names its source. `--config.ada.std_normalize=False` on
+  the result gives the Dr.GRPO-style baseline (no std division).
+  """
+  c.ada.method = method
+  c.ada.std_normalize = True  # verl default norm_adv_by_std_in_grpo=True: torch.std + 1e-6
+  c.loss.dual_clip = 3.0  # verl default clip_ratio_c=3.0 (Reinforce-Ada script: 10)
+  c.optim.weight_decay = 0.01  # verl default actor optim weight_decay=0.01 (Ada script: 0)
+  c.optim.warmup_steps = 0  # verl default lr_warmup_steps_ratio=0 (Ada script: 10 steps)
   return c

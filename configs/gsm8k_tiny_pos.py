@@ -29,7 +29,6 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.sampler.max_new_tokens = 256
   c.sampler.chunk_rows = 64
-  c.sampler.prompts_per_chunk = 8
   c.sampler.prompt_buckets = (128, 256, 512)
 
   c.ada.method = "pos"

@@ -33,7 +33,6 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.batch_prompts = 512
 
   c.sampler.chunk_rows = 192  # KV cache of 192 rows × 3072 slots: 7.9 GiB/device on 8 chips
-  c.sampler.prompts_per_chunk = 32
 
   c.train.micro_batch_size = 2  # rows per accumulation step: 1 per data-parallel group on 8 chips
   c.train.remat = True  # per-block rematerialisation: activations of one block at a time

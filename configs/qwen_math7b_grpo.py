@@ -1,14 +1,15 @@
 """GRPO (n = 4) baseline of `qwen_math7b_pos.py`.
 
   python -m ada_jax.main --config=configs/qwen_math7b_grpo.py --workdir=/gcs/BUCKET/runs/q7b_grpo
+
+As the authors ran it: `common.released_baseline` (std normalization, dual clip 3, weight
+decay 0.01, no warm-up). `--config.ada.std_normalize=False` gives the Dr.GRPO-style variant.
 """
 
 import ml_collections
 
-from configs import qwen_math7b_pos
+from configs import common, qwen_math7b_pos
 
 
 def get_config() -> ml_collections.ConfigDict:
-  c = qwen_math7b_pos.get_config()
-  c.ada.method = "grpo"
-  return c
+  return common.released_baseline(qwen_math7b_pos.get_config())

@@ -34,7 +34,6 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.sampler.max_new_tokens = 12  # '\boxed{' + up to 4 digits + '}' + EOS fits
   c.sampler.chunk_rows = 256
-  c.sampler.prompts_per_chunk = 32
   c.sampler.prompt_buckets = (16,)
 
   c.ada.method = "pos"

@@ -1,37 +1,53 @@
-"""GRPO, DAPO, Reinforce-Ada (pos, balance) and Est on the tiny arithmetic task, same budget.
+"""GRPO, DAPO, Reinforce-Ada (pos, balance) and Est on the tiny arithmetic task.
 
   python experiments/compare_methods.py            # 3 seeds x 100 RL steps
   python experiments/compare_methods.py --quick    # 1 seed x 40 RL steps
 
+Methods, as the authors ran them: the baselines from `configs/tiny_arith_grpo.py`
+(`configs.common.released_baseline`: std normalization, dual clip 3, weight decay 0.01,
+no warm-up) — GRPO n = 4, GRPO n = 8 and DAPO n = 4 — plus GRPO n = 4 with the
+Reinforce-Ada optimizer settings (dual clip, weight decay and warm-up of
+`configs/tiny_arith_pos.py`), which separates those settings from the method;
+Reinforce-Ada-pos and -balance from `configs/tiny_arith_pos.py`; Est as released at a
+budget of K = 8 per prompt (the paper sets it against GRPO n = 8).
+
 One supervised warm start (`configs/tiny_arith_pos.py`'s, run once as its own workdir)
 gives the shared initial policy; every (method, seed) run then starts from its step-0
 checkpoint (`ckpt.init_from`) and trains the same number of RL steps with the same
-prompts per step (B = 64), optimizer and seed-dependent prompt order and rollout keys, so
-methods differ only in how they draw and select rollouts (DESIGN.md §2). The training set
-is cut to `--train_prompts` problems so that prompts come back every few steps; Est
+prompts per step (B = 64) and seed-dependent prompt order and rollout keys. The training
+set is cut to `--train_prompts` problems so that prompts come back every few steps; Est
 needs that to estimate pass rates from earlier visits (the paper trains several epochs).
+Sampler chunks are full for every method (`sampler.prompts_per_chunk` is derived from
+`chunk_rows` and the rows each prompt gets), so the time per step compares fairly.
 
 Each run is `python -m ada_jax.main` in its own process (`--jobs` at a time), in
-`--workdir/<method>_seed<s>`; a finished run is not repeated, an interrupted one resumes
-from its last checkpoint. Then the script reads every run's metrics.jsonl and
-summary.json and writes, under `--out` (default experiments/results/compare_methods or
-..._quick):
+`--workdir/<commit>_steps<S>_prompts<P>/<method>_seed<s>`; a finished run is not repeated,
+an interrupted one resumes from its last checkpoint. Then the script reads every run's
+metrics.jsonl and summary.json and writes, under `--out` (default
+experiments/results/compare_methods or ..._quick):
 
-  <out>.json   per method: final training pass rate (mean and spread over seeds), held-out
-               Avg@4 before/after RL, samples drawn, zero-signal fraction, seconds per step
-               split into sample / verify / train; per run: the curves
+  <out>.json   the git commit; per method: its config file, overrides and the full parsed
+               config of each run; final training pass rate (mean and spread over seeds),
+               held-out Avg@4 before/after RL, samples drawn, sampler rows computed,
+               zero-signal fraction, seconds per step split into sample / verify / train
+               and the step cost relative to GRPO n = 4; per run: the curves
   <out>.png    training pass rate vs step and vs samples drawn, zero-signal fraction vs
                step, held-out Avg@4 after RL, time per step
   <out>.md     the summary table (pasted into experiments/README.md)
 
-"Training pass rate" is the `pass_rate` metric: each batch prompt's mean reward over
-every response drawn for it, averaged over the batch's B prompts; it estimates the
-policy's pass rate on fresh training prompts whichever method drew the responses.
+"Training pass rate" is the `first_round_pass_rate` metric: the fraction of correct
+responses among each prompt's first-round samples (drawn before any exit decision),
+averaged over the step's B prompts. It is an unbiased estimate of the policy's pass rate
+on the step's prompts for every method. The `pass_rate` metric (every response drawn) is
+not: pos and balance stop sampling a prompt after successes, so it reads high for them
+(the Bernoulli simulator measures +0.009 for pos; experiments/simulate_sampling.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib
 import json
 import os
 import pathlib
@@ -43,35 +59,65 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from tqdm.auto import tqdm
 
+from ada_jax import config as config_lib
 from ada_jax import metrics as metrics_lib
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = REPO / "experiments" / "results"
-BASE_CONFIG = "configs/tiny_arith_pos.py"
+ADA, BASELINE = "configs/tiny_arith_pos.py", "configs/tiny_arith_grpo.py"
+WARM_START = ADA  # its supervised warm start is every run's initial policy
+# The Reinforce-Ada script's optimizer settings where the released baselines differ.
+ADA_OPTIM = ("loss.dual_clip", "optim.weight_decay", "optim.warmup_steps")
+PASS_RATE = "first_round_pass_rate"  # unbiased for every method (module docstring)
+REFERENCE = "GRPO n=4"  # step costs are reported relative to this row
 
-# label -> config overrides; everything else is BASE_CONFIG's.
-METHODS: dict[str, dict[str, object]] = {
-    "GRPO n=4": {"ada.method": "grpo", "ada.n": 4},
-    "GRPO n=16": {"ada.method": "grpo", "ada.n": 16},
-    "DAPO n=4": {"ada.method": "dapo", "ada.n": 4},
-    "Ada-pos": {"ada.method": "pos"},
-    "Ada-balance": {"ada.method": "balance"},
-    "Est K=4": {"ada.method": "est"},
+
+def _config(path: str):
+  """The ConfigDict of the experiment file `path` (relative to the repository)."""
+  config_lib.make_configs_importable()
+  return importlib.import_module(f"configs.{pathlib.Path(path).stem}").get_config()
+
+
+def _ada_optim() -> dict[str, object]:
+  ada = _config(ADA)
+  return {key: getattr(getattr(ada, key.split(".")[0]), key.split(".")[1]) for key in ADA_OPTIM}
+
+
+# label -> (config file, overrides); everything else is the file's.
+METHODS: dict[str, tuple[str, dict[str, object]]] = {
+    "GRPO n=4": (BASELINE, {}),
+    "GRPO n=4, Ada optim": (BASELINE, _ada_optim()),
+    "GRPO n=8": (BASELINE, {"ada.n": 8}),
+    "DAPO n=4": (BASELINE, {"ada.method": "dapo"}),
+    "Ada-pos": (ADA, {"ada.method": "pos"}),
+    "Ada-balance": (ADA, {"ada.method": "balance"}),
+    "Est K=8": (ADA, {"ada.method": "est", "ada.est_budget_per_prompt": 8.0}),
 }
 LAST = 10  # steps averaged for the "final" training pass rate
 
 
 def slug(label: str) -> str:
-  return label.lower().replace(" ", "_").replace("=", "").replace("-", "_")
+  return label.lower().replace(",", "").replace(" ", "_").replace("=", "").replace("-", "_")
 
 
-def command(workdir: pathlib.Path, overrides: dict[str, object]) -> list[str]:
-  args = [sys.executable, "-m", "ada_jax.main", f"--config={BASE_CONFIG}",
-          f"--workdir={workdir}"]
+def command(workdir: pathlib.Path, config: str, overrides: dict[str, object]) -> list[str]:
+  args = [sys.executable, "-m", "ada_jax.main", f"--config={config}", f"--workdir={workdir}"]
   return args + [f"--config.{k}={v}" for k, v in overrides.items()]
 
 
-def run(workdir: pathlib.Path, overrides: dict[str, object]) -> float:
+def full_config(config: str, overrides: dict[str, object]) -> dict:
+  """The parsed `RunConfig` of `config` with `overrides`, as a JSON-ready dict (checks the
+  overrides before anything runs: a bad one raises `ConfigError` naming it)."""
+  c = _config(config)
+  c.update_from_flattened_dict({k: str(v) if isinstance(v, pathlib.Path) else v
+                                for k, v in overrides.items()})
+  parsed = config_lib.parse(c)
+  out = json.loads(json.dumps(dataclasses.asdict(parsed), default=str))
+  out["derived"] = {"train_rows": parsed.train_rows, "prompts_per_chunk": parsed.prompts_per_chunk}
+  return out
+
+
+def run(workdir: pathlib.Path, config: str, overrides: dict[str, object]) -> float:
   """Runs (or resumes) one training run unless its summary says it finished; returns the
   wall seconds spent now. Raises RuntimeError with the log's tail when it fails."""
   summary = workdir / "summary.json"
@@ -80,7 +126,7 @@ def run(workdir: pathlib.Path, overrides: dict[str, object]) -> float:
   workdir.mkdir(parents=True, exist_ok=True)
   start = time.perf_counter()
   with open(workdir / "log.txt", "a") as log:
-    proc = subprocess.run(command(workdir, overrides), cwd=REPO, stdout=log,
+    proc = subprocess.run(command(workdir, config, overrides), cwd=REPO, stdout=log,
                           stderr=subprocess.STDOUT, check=False)
   if proc.returncode:
     tail = (workdir / "log.txt").read_text()[-2000:]
@@ -97,20 +143,27 @@ def summarize(runs: dict[str, list[pathlib.Path]]) -> dict:
       lines = metrics_lib.read_jsonl(d / "metrics.jsonl")
       summary = json.loads((d / "summary.json").read_text())
       drawn = np.cumsum([m["samples_drawn"] for m in lines])
+      steady = lines[1:] or lines  # step 1 compiles
       per_seed.append({
           "run": d.name,
           "step": [m["step"] for m in lines],
-          "pass_rate": [m["pass_rate"] for m in lines],
+          "pass_rate": [m[PASS_RATE] for m in lines],
+          "pool_pass_rate": [m["pass_rate"] for m in lines],
           "zero_signal_frac": [m["zero_signal_frac"] for m in lines],
           "samples_drawn_total": drawn.tolist(),
-          "final_pass_rate": float(np.mean([m["pass_rate"] for m in lines[-LAST:]])),
-          "first_pass_rate": float(np.mean([m["pass_rate"] for m in lines[:LAST]])),
+          "final_pass_rate": float(np.mean([m[PASS_RATE] for m in lines[-LAST:]])),
+          "first_pass_rate": float(np.mean([m[PASS_RATE] for m in lines[:LAST]])),
+          "final_pool_pass_rate": float(np.mean([m["pass_rate"] for m in lines[-LAST:]])),
           "heldout_before": summary["before_rl"]["eval/arith/avg@4"],
           "heldout_after": summary["after_rl"]["eval/arith/avg@4"],
           "samples_per_step": float(np.mean([m["samples_drawn"] for m in lines])),
+          "rows_computed_per_step": float(np.mean([m["rows_computed"] for m in lines])),
           "zero_signal": float(np.mean([m["zero_signal_frac"] for m in lines])),
-          **{f"{k}_s": float(np.median([m[f"time_{k}_s"] for m in lines[1:] or lines]))
+          **{f"{k}_s": float(np.median([m[f"time_{k}_s"] for m in steady]))
              for k in ("sample", "verify", "train")},
+          "step_s": float(np.median([sum(m[f"time_{k}_s"] for k in ("sample", "verify",
+                                                                      "train"))
+                                     for m in steady])),
       })
 
     def stat(key, per_seed=per_seed):
@@ -121,12 +174,18 @@ def summarize(runs: dict[str, list[pathlib.Path]]) -> dict:
 
     out[label] = {"final_pass_rate": stat("final_pass_rate"),
                   "first_pass_rate": stat("first_pass_rate"),
+                  "final_pool_pass_rate": stat("final_pool_pass_rate"),
                   "heldout_before": stat("heldout_before"),
                   "heldout_after": stat("heldout_after"),
                   "samples_per_step": stat("samples_per_step"),
+                  "rows_computed_per_step": stat("rows_computed_per_step"),
                   "zero_signal": stat("zero_signal"),
-                  **{f"{k}_s": stat(f"{k}_s") for k in ("sample", "verify", "train")},
+                  **{f"{k}_s": stat(f"{k}_s") for k in ("sample", "verify", "train", "step")},
                   "runs": per_seed}
+  if REFERENCE in out:
+    ref = out[REFERENCE]["step_s"]["mean"]
+    for r in out.values():
+      r["step_cost_vs_grpo_n4"] = r["step_s"]["mean"] / ref
   return out
 
 
@@ -136,18 +195,23 @@ def table(results: dict, seeds: int, steps: int) -> str:
   rows = [
       f"| method | train pass rate, first {LAST} steps | last {LAST} steps"
       f"{' (mean ± sd)' if seeds > 1 else ''} | held-out Avg@4 after RL | samples / step"
-      " | zero-signal fraction | s / step (sample + verify + train) |",
-      "|---|---|---|---|---|---|---|"]
+      " | sampler rows / step | zero-signal fraction | s / step (sample + verify + train)"
+      f" | step cost vs {REFERENCE} |",
+      "|---|---|---|---|---|---|---|---|---|"]
   for label, r in results.items():
     f, h = r["final_pass_rate"], r["heldout_after"]
     secs = " + ".join(f"{r[f'{k}_s']['mean']:.2f}" for k in ("sample", "verify", "train"))
+    ratio = r.get("step_cost_vs_grpo_n4")
     rows.append(f"| {label} | {r['first_pass_rate']['mean']:.3f} | **{f['mean']:.3f}**{sd(f)}"
                 f" | {100 * h['mean']:.1f}%{sd(h, 100, '.1f')}"
-                f" | {r['samples_per_step']['mean']:.0f} | {r['zero_signal']['mean']:.3f}"
-                f" | {secs} |")
+                f" | {r['samples_per_step']['mean']:.0f}"
+                f" | {r['rows_computed_per_step']['mean']:.0f}"
+                f" | {r['zero_signal']['mean']:.3f} | {secs}"
+                f" | {'' if ratio is None else f'{ratio:.2f}×'} |")
   before = next(iter(results.values()))["heldout_before"]["mean"]
   rows.append(f"\nHeld-out Avg@4 of the shared warm start before RL: {100 * before:.1f}%. "
-              f"{seeds} seed(s), {steps} RL steps, B = 64 prompts per step.")
+              f"{seeds} seed(s), {steps} RL steps, B = 64 prompts per step. Train pass rate: "
+              f"`{PASS_RATE}` (unbiased for every method).")
   return "\n".join(rows)
 
 
@@ -170,9 +234,9 @@ def plot(results: dict, path: pathlib.Path, steps: int) -> None:
     if len(runs) > 1:
       ax.fill_between(xs, ys.min(0), ys.max(0), color=colors[label], alpha=0.15)
 
-  panels = [(axes[0, 0], "step", "pass_rate", "RL step", "training pass rate"),
+  panels = [(axes[0, 0], "step", "pass_rate", "RL step", "training pass rate (first round)"),
             (axes[0, 1], "samples_drawn_total", "pass_rate", "responses sampled (cumulative)",
-             "training pass rate"),
+             "training pass rate (first round)"),
             (axes[0, 2], "step", "zero_signal_frac", "RL step",
              "fraction of prompts with zero advantage")]
   for ax, x_key, y_key, xlabel, ylabel in panels:
@@ -236,41 +300,77 @@ def main() -> None:
   parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
   parser.add_argument("--workdir", default="/tmp/ada_compare_methods")
   parser.add_argument("--out", default=None, help="output path without extension")
+  parser.add_argument("--readme", action="store_true",
+                      help="also replace the table between this output's markers in "
+                      "experiments/README.md")
+  parser.add_argument("--from_json", default=None,
+                      help="run nothing: rewrite the .md/.png (and --readme) from this JSON")
   args = parser.parse_args()
+  if args.from_json:
+    path = pathlib.Path(args.from_json)
+    write_outputs(json.loads(path.read_text()), path.with_suffix(""), args.readme)
+    return
   seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
   steps = args.steps or (40 if args.quick else 100)
   out = pathlib.Path(args.out or RESULTS / ("compare_methods" + "_quick" * args.quick))
-  root = pathlib.Path(args.workdir) / (f"steps{steps}_prompts{args.train_prompts}")
+  commit = metrics_lib.git_commit(REPO)
+  # Runs of other code never mix in: each commit gets its own folder of runs.
+  root = pathlib.Path(args.workdir) / f"{commit[:12]}_steps{steps}_prompts{args.train_prompts}"
   common = {"rl.steps": steps, "data.arith_prompts": args.train_prompts,
             "ckpt.every_steps": 10, "eval.every_steps": 0, "eval.arith_problems": 512}
+  warm = root / "warm_start"
+  specs = {(label, s): (METHODS[label][0], {**common, **METHODS[label][1], "seed": s,
+                                            "ckpt.init_from": warm / "checkpoints" / "0"})
+           for label in args.methods for s in seeds}
+  configs = {key: full_config(*spec) for key, spec in specs.items()}  # fail before running
 
   start = time.perf_counter()
   # The warm start, once: every run below takes its params from this run's step 0.
   print("warm start ...", flush=True)
-  warm = root / "warm_start"
-  run(warm, {**common, "rl.steps": 1})
-  common["ckpt.init_from"] = warm / "checkpoints" / "0"
-  jobs = {(label, s): root / f"{slug(label)}_seed{s}" for label in args.methods for s in seeds}
+  run(warm, WARM_START, {**common, "rl.steps": 1})
+  jobs = {key: root / f"{slug(key[0])}_seed{key[1]}" for key in specs}
   with ThreadPoolExecutor(args.jobs) as pool:
-    futures = [pool.submit(run, d, {**common, **METHODS[label], "seed": s})
-               for (label, s), d in jobs.items()]
+    futures = [pool.submit(run, d, *specs[key]) for key, d in jobs.items()]
     for future in tqdm(futures, desc="runs", unit="run"):
       future.result()
   wall = time.perf_counter() - start
 
   results = summarize({label: [jobs[label, s] for s in seeds] for label in args.methods})
-  md = table(results, len(seeds), steps)
-  cmd = "python experiments/compare_methods.py" + " --quick" * args.quick
-  report = {"command": cmd, "seeds": seeds, "steps": steps, "train_prompts": args.train_prompts,
-            "jobs": args.jobs, "wall_s": round(wall, 1), "methods": results}
+  for label, r in results.items():
+    r["config_file"], r["overrides"] = METHODS[label][0], {
+        k: str(v) for k, v in METHODS[label][1].items()}
+    for seed_run, s in zip(r["runs"], seeds, strict=True):
+      seed_run["config"] = configs[label, s]
+      seed_run["command"] = " ".join(command(jobs[label, s], *specs[label, s])[1:])
+  cmd = " ".join(["python experiments/compare_methods.py", *sys.argv[1:]])
+  report = {"command": cmd, "git_commit": commit, "seeds": seeds, "steps": steps,
+            "train_prompts": args.train_prompts, "jobs": args.jobs, "cpus": os.cpu_count(),
+            "wall_s": round(wall, 1), "pass_rate_metric": PASS_RATE, "methods": results}
   out.parent.mkdir(parents=True, exist_ok=True)
   out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-  out.with_suffix(".md").write_text(f"`{cmd}` ({wall / 60:.1f} min on {os.cpu_count()} cores)"
-                                    f"\n\n{md}\n")
-  plot(results, out.with_suffix(".png"), steps)
-  print(md)
+  write_outputs(report, out, args.readme)
   print(json.dumps({"wall_s": round(wall, 1), "json": str(out.with_suffix(".json")),
                     "png": str(out.with_suffix(".png"))}))
+
+
+def write_outputs(report: dict, out: pathlib.Path, readme: bool) -> None:
+  """Writes <out>.md and <out>.png from a results JSON; with `readme`, also the table
+  between the `<!-- <out name>:begin -->` / `:end -->` markers of experiments/README.md."""
+  md = table(report["methods"], len(report["seeds"]), report["steps"])
+  text = (f"`{report['command']}` ({report['wall_s'] / 60:.1f} min on {report['cpus']} cores,"
+          f" commit {report['git_commit']})\n\n{md}\n")
+  out.with_suffix(".md").write_text(text)
+  plot(report["methods"], out.with_suffix(".png"), report["steps"])
+  print(md)
+  if readme:
+    path = REPO / "experiments" / "README.md"
+    begin, end = f"<!-- {out.name}:begin -->\n", f"<!-- {out.name}:end -->"
+    doc = path.read_text()
+    if begin not in doc or end not in doc:
+      raise SystemExit(f"--readme: {path} lacks the markers {begin.strip()} ... {end}")
+    head, rest = doc.split(begin, 1)
+    image = f"\n![{out.name}]({os.path.relpath(out.with_suffix('.png').absolute(), path.parent)})\n"
+    path.write_text(head + begin + text + image + rest[rest.index(end):])
 
 
 if __name__ == "__main__":

@@ -305,9 +305,8 @@ def plan_sampler(cfg, model_cfg, mesh) -> dict:
   dp = sharding_lib.data_parallel_size(mesh)
   s = cfg.sampler
   chunk = s.chunk_rows if s.chunk_rows % dp == 0 else _round_up(s.chunk_rows, dp)
-  prompts = (
-    s.prompts_per_chunk if s.prompts_per_chunk % dp == 0 else _round_up(s.prompts_per_chunk, dp)
-  )
+  ppc = cfg.prompts_per_chunk  # derived from chunk_rows when the config leaves it 0
+  prompts = min(ppc if ppc % dp == 0 else _round_up(ppc, dp), chunk)
   lp = max(s.prompt_buckets)
   params = jax.tree.map(
     lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),

@@ -22,10 +22,12 @@ import argparse
 import dataclasses
 import json
 import pathlib
+import sys
 import time
 
 import numpy as np
 
+from ada_jax import metrics
 from ada_jax import simulate as sim
 
 
@@ -52,7 +54,10 @@ def main() -> None:
   parser.add_argument("--n", type=int, default=4)
   parser.add_argument("--samples_per_round", type=int, default=8)
   parser.add_argument("--max_rounds", type=int, default=4)
-  parser.add_argument("--est_budget", type=float, default=4.0)
+  parser.add_argument("--est_budgets", type=float, nargs="+", default=[4.0, 8.0],
+                      help="K of the released-Est rows (the paper compares K = 8 with GRPO n = 8)")
+  parser.add_argument("--est_paper_budgets", type=float, nargs="+", default=[8.0],
+                      help="K of the paper-hybrid Est rows")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--tolerance", type=float, default=0.01,
                       help="largest |simulated - closed form| GRPO signal fraction accepted")
@@ -62,7 +67,8 @@ def main() -> None:
 
   t0 = time.time()
   p = sim.sample_pass_rates(np.random.default_rng(args.seed), args.num_prompts)
-  configs = sim.method_table(args.n, args.samples_per_round, args.max_rounds, args.est_budget)
+  configs = sim.method_table(args.n, args.samples_per_round, args.max_rounds, args.est_budgets,
+                             args.est_paper_budgets)
   results = {
     name: sim.simulate(cfg, p, batch=args.batch, epochs=args.epochs,
                        warmup_epochs=args.warmup_epochs, seed=args.seed + 10 * i)
@@ -84,6 +90,8 @@ def main() -> None:
       ),
     }
   result = {
+    "git_commit": metrics.git_commit(),
+    "command": "python experiments/simulate_sampling.py " + " ".join(sys.argv[1:]),
     "notes": {
       "signal_fraction": "prompts whose training group has a non-zero advantage / B",
       "samples_per_prompt": "responses drawn per step / B (dapo: includes its extra prompts)",
@@ -93,6 +101,9 @@ def main() -> None:
       "grpo_n_for_same_signal": "smallest GRPO n whose closed-form signal fraction reaches "
       "the row's; GRPO would draw that many samples per prompt (Monte-Carlo noise can put a "
       "GRPO row one above its own n)",
+      "pass_rates": "first_round_pass_rate (each prompt's first-round samples, drawn before "
+      "any exit decision) and pool_pass_rate (every response drawn) against true_pass_rate "
+      "(the mean p of the scored steps' prompts); *_se: standard error of the difference",
       "scored": f"epochs {args.warmup_epochs + 1}..{args.epochs}; epoch 1.."
       f"{args.warmup_epochs} warm Est's statistics and are not scored",
     },

@@ -152,10 +152,40 @@ def test_grpo_local_mean_and_std_option():
   assert res.stats.zero_signal_fraction == 0.5
   draw = Scripted([[1, 0, 0, 0]])
   res, _ = run_step(AdaConfig(method="grpo", std_normalize=True), _ids(1), draw, _rng())
-  std = np.std([1, 0, 0, 0], ddof=1)  # 0.5, unbiased as torch.std in the released code
+  # verl: mean 1/4, torch.std (Bessel) = sqrt(0.75 / 3) = 1/2, + 1e-6.
+  np.testing.assert_allclose(_group(res, 0)[1], [1.5, -0.5, -0.5, -0.5], rtol=1e-5)
   np.testing.assert_allclose(
-    _group(res, 0)[1], np.array([0.75, -0.25, -0.25, -0.25]) / (std + 1e-6), rtol=1e-6
+    _group(res, 0)[1], np.array([0.75, -0.25, -0.25, -0.25]) / (0.5 + 1e-6), rtol=1e-7
   )
+
+
+@pytest.mark.parametrize("method", ["grpo", "dapo"])
+def test_shipped_grpo_configs_are_the_released_baselines(method):
+  from ada_jax import config as config_lib
+  from configs import common, llama3b_grpo, qwen_math7b_grpo, qwen_math15b_grpo, tiny_arith_grpo
+
+  for module in (tiny_arith_grpo, llama3b_grpo, qwen_math7b_grpo, qwen_math15b_grpo):
+    c = module.get_config()
+    c.ada.method = method
+    cfg = config_lib.parse(c)
+    assert cfg.ada.std_normalize and cfg.loss.dual_clip == 3.0
+    assert cfg.optim.weight_decay == 0.01 and cfg.optim.warmup_steps == 0
+  draw = Scripted([[1, 0, 0, 0]])
+  res, _ = run_step(cfg.ada, _ids(1), draw, _rng())
+  np.testing.assert_allclose(res.advantages, [1.5, -0.5, -0.5, -0.5], rtol=1e-5)
+  # The Dr.GRPO-style variant stays one override away.
+  c = common.released_baseline(tiny_arith_grpo.get_config(), method)
+  c.ada.std_normalize = False
+  res, _ = run_step(config_lib.parse(c).ada, _ids(1), Scripted([[1, 0, 0, 0]]), _rng())
+  np.testing.assert_allclose(res.advantages, [0.75, -0.25, -0.25, -0.25], rtol=1e-6)
+
+
+@pytest.mark.parametrize("std_normalize", [False, True])
+def test_a_single_sample_has_group_mean_zero(std_normalize):
+  # verl: a prompt with one response has mean 0 and std 1, so A = r (Est's lone samples).
+  for r in (1.0, 0.0):
+    a = adv_lib.group_advantages(np.array([r]), np.array([r]), std_normalize=std_normalize)
+    np.testing.assert_allclose(a, [r], rtol=1e-5)
 
 
 def test_advantage_options_on_two_of_eight():
@@ -234,21 +264,33 @@ def test_random_selection_is_deterministic_per_seed():
 
 
 def test_allocation_hand_cases():
+  # Released: one each, the other 8 - 2 = 6 by weight: 6 * [1/6, 5/6] = [1, 5] -> [2, 6].
+  np.testing.assert_array_equal(adaptive.allocate_budget(np.array([21 / 5, 21]), 8), [2, 6])
+  # One factor for all, floor 1 (the clipped rule) gives [1.33, 6.67] -> [1, 7] instead.
+  np.testing.assert_array_equal(
+    adaptive.allocate_budget(np.array([21 / 5, 21]), 8, split="clipped"), [1, 7]
+  )
+  # 1 + 5 * [1/4, 1/4, 1/2] = [2.25, 2.25, 3.5] -> [2, 2, 3], the leftover to the 0.5.
   np.testing.assert_array_equal(adaptive.allocate_budget(np.array([1.0, 1, 2]), 8), [2, 2, 4])
+  # Equal fractional parts: the leftover goes to the lower index.
   np.testing.assert_array_equal(adaptive.allocate_budget(np.array([1.0, 1, 1]), 10), [4, 3, 3])
-  # The minimum of one each binds for the easy prompt; the rest follows the weights.
+  # 1 + 8 * [1/101, 100/101] = [1.08, 8.92] -> [1, 9].
   np.testing.assert_array_equal(adaptive.allocate_budget(np.array([1.0, 100]), 10), [1, 9])
   # Clipping at n_max moves the surplus to the other prompts.
   np.testing.assert_array_equal(
-    adaptive.allocate_budget(np.array([1.0, 1, 100]), 12, 1, 6), [3, 3, 6]
+    adaptive.allocate_budget(np.array([1.0, 1, 100]), 12, 1, 6, "clipped"), [3, 3, 6]
   )
   np.testing.assert_array_equal(
-    adaptive.allocate_budget(np.array([1.0, 50, 100]), 12, 2, 6), [2, 4, 6]
+    adaptive.allocate_budget(np.array([1.0, 50, 100]), 12, 2, 6, "clipped"), [2, 4, 6]
   )
   with pytest.raises(ValueError, match="cannot be split"):
     adaptive.allocate_budget(np.ones(3), 2)
   with pytest.raises(ValueError, match="cannot be split"):
-    adaptive.allocate_budget(np.ones(3), 20, 1, 6)
+    adaptive.allocate_budget(np.ones(3), 20, 1, 6, "clipped")
+  with pytest.raises(ValueError, match="no per-prompt maximum"):
+    adaptive.allocate_budget(np.ones(3), 6, 1, 6)
+  with pytest.raises(ValueError, match="split"):
+    adaptive.allocate_budget(np.ones(3), 6, split="even")
 
 
 @settings(max_examples=150, deadline=None)
@@ -262,7 +304,15 @@ def test_allocation_sums_to_budget_within_bounds(w, n_min, extra, n_max_extra):
   w = np.asarray(w)
   n_max = None if n_max_extra is None else n_min + n_max_extra
   budget = w.size * n_min + (extra if n_max is None else min(extra, w.size * (n_max - n_min)))
-  counts = adaptive.allocate_budget(w, budget, n_min, n_max)
+  counts = adaptive.allocate_budget(w, budget, n_min, n_max, "clipped")
+  if n_max is None:
+    released = adaptive.allocate_budget(w, budget, n_min)
+    assert released.sum() == budget and released.min() >= n_min
+    # Largest remainder: each count is its exact share rounded down or up.
+    share = n_min + (budget - w.size * n_min) * w / w.sum()
+    assert np.all(np.abs(released - share) < 1 + 1e-9)
+    heavier = w[:, None] > w[None, :]
+    assert np.all(released[:, None] >= released[None, :], where=heavier)
   assert counts.sum() == budget
   assert counts.min() >= n_min and (n_max is None or counts.max() <= n_max)
   # A strictly larger weight never gets fewer samples (equal weights may differ by one).
@@ -280,15 +330,16 @@ def test_est_state_updates_and_steers_the_budget():
   np.testing.assert_allclose(
     adaptive.est_pass_rates(state, keys, 1.0, 16.0), [5 / 21, 1 / 21], rtol=1e-12
   )
-  # Released rule w = 1/p̂: weights 21/5 and 21 -> 8 split as [1.33, 6.67] -> [1, 7].
-  draw = Scripted([[1] * 8, [0, 0, 0, 0, 0, 0, 1, 0]])
+  # Released rule w = 1/p̂: weights 21/5 and 21, budget 8: 1 each, then 6 * [1/6, 5/6].
+  draw = Scripted([[1] * 8, [0, 0, 0, 0, 0, 1, 0, 0]])
   res, state = run_step(cfg, ids, draw, _rng(), est_state=state)
-  np.testing.assert_array_equal(res.stats.pool_size, [1, 7])
-  # Decayed counts: pos 0.9*4 + 1 = 4.6, tot 0.9*4 + 1 = 4.6 for "easy".
+  np.testing.assert_array_equal(res.stats.pool_size, [2, 6])
+  # Decayed counts: pos 0.9*4 + 2 = 5.6, tot 0.9*4 + 2 = 5.6 for "easy".
   i = int(np.flatnonzero(state["keys"] == keys[0])[0])
-  assert state["pos"][i] == pytest.approx(4.6) and state["tot"][i] == pytest.approx(4.6)
-  # All samples are trained on; the one-sample pool has no signal.
-  np.testing.assert_allclose(_group(res, 1)[1], np.array([0] * 6 + [1]) - 1 / 7, atol=1e-6)
+  assert state["pos"][i] == pytest.approx(5.6) and state["tot"][i] == pytest.approx(5.6)
+  # All samples are trained on, against their prompt's mean.
+  np.testing.assert_allclose(_group(res, 1)[1], np.array([0] * 5 + [1]) - 1 / 6, atol=1e-6)
+  assert not np.any(_group(res, 0)[1])
   # The state is plain arrays: it survives an npz round trip unchanged.
   buf = io.BytesIO()
   np.savez(buf, **state)
@@ -298,10 +349,30 @@ def test_est_state_updates_and_steers_the_budget():
     np.testing.assert_array_equal(loaded[k], state[k])
 
 
+def test_est_released_defaults_and_single_sample_advantage():
+  cfg = AdaConfig(method="est")
+  assert (cfg.est_budget_per_prompt, cfg.est_weight, cfg.est_split) == (8.0, "1/p", "released")
+  assert cfg.train_rows(64) == 512 == AdaConfig(method="grpo", n=8).train_rows(64)
+  # p̂ = 41/57 (easy) vs 1/17 (unseen): weights 1.39 and 17, budget 16: 1 each, then
+  # 14 * [0.076, 0.924] = [1.06, 12.94] -> [2, 13], the leftover to the 0.94 -> [2, 14].
+  state = adaptive.update_est_state(adaptive.init_est_state(), adaptive.prompt_keys(["e"]),
+                                    np.array([40.0]), np.array([40.0]), 1.0)
+  res, _ = run_step(cfg, ["e", "new"], Scripted([[1] * 2, [0] * 14]), _rng(), est_state=state)
+  np.testing.assert_array_equal(res.stats.pool_size, [2, 14])
+  # Budget 3 over 3 prompts: one sample each; a lone sample's advantage is its reward.
+  cfg = AdaConfig(method="est", est_budget_per_prompt=1)
+  res, _ = run_step(cfg, _ids(3), Scripted([[1], [0], [1]]), _rng())
+  np.testing.assert_array_equal(res.stats.pool_size, [1, 1, 1])
+  np.testing.assert_allclose(res.advantages, [1.0, 0.0, 1.0])
+  assert res.stats.zero_signal_fraction == pytest.approx(1 / 3)
+
+
 def test_est_paper_variant_clips_and_weights():
+  assert AdaConfig(method="est", **adaptive.EST_PAPER).train_rows(10) == 80
   cfg = AdaConfig(
     method="est",
     est_weight="1/sqrt_p",
+    est_split="clipped",
     est_n_min=2,
     est_n_max=6,
     est_budget_per_prompt=4,
@@ -341,7 +412,9 @@ def test_est_paper_variant_clips_and_weights():
     ({"est_decay": 1.5}, "est_decay"),
     ({"est_weight": "p"}, "est_weight"),
     ({"est_n_min": 0}, "est_n_min"),
-    ({"est_n_max": 2}, "est_n_max"),
+    ({"est_n_max": 2, "est_split": "clipped"}, "est_n_max"),
+    ({"est_n_max": 16}, "est_n_max"),
+    ({"est_split": "even"}, "est_split"),
     ({"k_pos": -1}, "k_pos"),
   ],
 )
@@ -442,7 +515,10 @@ def test_est_properties(b, k, seed, steps):
     assert res.stats.pool_size.min() >= 1
     for p in range(b):
       rewards, advs, _ = _group(res, p)
-      assert np.all(advs == 0) == (rewards.min() == rewards.max())
+      if rewards.size == 1:  # verl's lone sample: mean 0, A = r
+        np.testing.assert_array_equal(advs, rewards)
+      else:
+        assert np.all(advs == 0) == (rewards.min() == rewards.max())
   assert np.all(np.diff(state["keys"]) > 0)
 
 
@@ -466,3 +542,19 @@ def test_dapo_properties(b, seed, cap):
   for p in groups:
     rewards, advs, _ = _group(res, p)
     assert rewards.size == cfg.n and 0 < rewards.sum() < cfg.n and np.all(advs != 0)
+
+
+def test_first_round_pass_rate_counts_only_draws_before_any_exit():
+  # pos, M = 8: prompt 0 misses in round 1 and hits once in round 2; prompt 1 hits in
+  # round 1 and exits. First-round rates 0 and 1/8; pool rates 1/16 and 1/8.
+  streams = [[0] * 8 + [1] + [0] * 7, [1] + [0] * 7]
+  res, _ = run_step(AdaConfig(method="pos"), _ids(2), Scripted(streams), _rng())
+  assert res.stats.first_round_pass_rate == pytest.approx((0 + 1 / 8) / 2)
+  np.testing.assert_allclose(res.stats.pool_pass_rate, [1 / 16, 1 / 8])
+  # dapo: only the step's own B prompts count, not the extra ones drawn to fill the batch.
+  draw = Scripted([[1, 1, 1, 1], [1, 0, 0, 0]])
+  more = lambda k: (draw.add([[0, 0, 0, 0]] * k), [f"x{i}" for i in range(k)])[1]
+  cfg = AdaConfig(method="dapo", dapo_max_extra_passes=1)
+  res, _ = run_step(cfg, _ids(2), draw, _rng(), more_prompts=more)
+  assert len(res.prompt_ids) == 4
+  assert res.stats.first_round_pass_rate == pytest.approx((1 + 1 / 4) / 2)

@@ -110,3 +110,20 @@ def test_bad_arguments_are_named(call, name):
   rates = np.linspace(0.05, 0.95, 64)
   with pytest.raises(ValueError, match=rf"^{name}\b"):
     call(rates)
+
+
+def test_first_round_pass_rate_is_unbiased_for_every_method(rates):
+  # The first-round pass rate matches the prompts' true mean pass rate within sampling
+  # error for every method; the pool pass rate (every response drawn) reads high for
+  # pos, which stops sampling a prompt at its first success.
+  table = sim.method_table()
+  assert {"grpo_n8", "ada_est_k8", "ada_est_paper_k8"} <= set(table)
+  for i, (name, cfg) in enumerate(table.items()):
+    got = sim.simulate(cfg, rates, batch=256, epochs=3, seed=20 + i)
+    err = got.first_round_pass_rate - got.true_pass_rate
+    assert abs(err) < 4 * got.first_round_pass_rate_se + 1e-9, (name, err)
+    assert got.first_round_pass_rate_se < 0.01, name
+    if name == "ada_pos":
+      assert got.pool_pass_rate - got.true_pass_rate > 4 * got.pool_pass_rate_se, name
+    if name.startswith("grpo"):  # one round: the two measures are the same responses
+      assert got.pool_pass_rate == pytest.approx(got.first_round_pass_rate)
