@@ -23,6 +23,7 @@ from ada_jax.benchmarks import EvalConfig
 from ada_jax.checkpoint import CheckpointConfig
 from ada_jax.losses import LossConfig
 from ada_jax.model import PRESETS, ModelConfig
+from ada_jax.sampler import SamplingRule
 from ada_jax.train import OptimConfig, TrainConfig
 from ada_jax.warmstart import WarmStartConfig
 
@@ -172,6 +173,14 @@ class SamplerSpec:
   prompts_per_chunk: int = 8
   prompt_buckets: tuple[int, ...] = (128, 256, 512, 1024)
 
+  def __post_init__(self):
+    self.rule  # noqa: B018 -- SamplingRule checks temperature, top_k, top_p
+
+  @property
+  def rule(self) -> SamplingRule:
+    """The sampling rule; the trainer recomputes log-probs at its `logprob_temperature`."""
+    return SamplingRule(self.temperature, self.top_k, self.top_p)
+
 
 @dataclasses.dataclass(frozen=True)
 class RLSpec:
@@ -250,7 +259,10 @@ class RunConfig:
 
   @property
   def train_config(self) -> TrainConfig:
-    return TrainConfig(loss=self.loss, optim=self.optim, **dataclasses.asdict(self.train))
+    # The sampler's temperature is the one source of the trainer's (PPO ratio consistency).
+    return TrainConfig(loss=self.loss, optim=self.optim,
+                       temperature=self.sampler.rule.logprob_temperature,
+                       **dataclasses.asdict(self.train))
 
   @property
   def train_rows(self) -> int:

@@ -256,8 +256,7 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
   ps = load_prompts(cfg, tokenizer)
   try:
     smp = sampler.Sampler(
-        model_cfg, rule=sampler.SamplingRule(cfg.sampler.temperature, cfg.sampler.top_k,
-                                             cfg.sampler.top_p),
+        model_cfg, rule=cfg.sampler.rule,
         max_new_tokens=cfg.sampler.max_new_tokens, stop_ids=tokenizer.eos_ids,
         chunk_rows=cfg.sampler.chunk_rows, prompts_per_chunk=cfg.sampler.prompts_per_chunk,
         prompt_buckets=cfg.sampler.prompt_buckets, pad_id=tokenizer.pad_id, mesh=mesh)

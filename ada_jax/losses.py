@@ -133,9 +133,16 @@ def token_logprobs(
   positions: jax.Array,
   attention_mask: jax.Array,
   *,
+  temperature: float = 1.0,
   remat: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-  """Log-probabilities and entropies of each token given its prefix.
+  """Log-probabilities and entropies of each token given its prefix, under softmax(z / T).
+
+  The PPO ratio compares these with the sampler's recorded log-probs, which are those of
+  the tempered full-vocabulary distribution softmax(z / T) (before top-k / top-p, see
+  `sampler.SamplingRule`); recomputing them at the sampler's T is what makes the ratio 1
+  for unchanged weights (verl and OpenRLHF divide the logits by the rollout temperature
+  the same way). The entropy is that of the same tempered distribution.
 
   Args:
     config: the architecture (static under jit).
@@ -143,6 +150,8 @@ def token_logprobs(
     tokens: `int32[B, T]` prompt + response, left-padded.
     positions: `int32[B, T]` RoPE positions.
     attention_mask: `bool[B, T]`, True at real tokens.
+    temperature: T > 0 dividing the logits (static); the sampling rule's
+      `logprob_temperature`.
     remat: rematerialise each block in the backward pass.
 
   Returns:
@@ -151,8 +160,13 @@ def token_logprobs(
     next-token distribution; both are 0 at t = 0, which has no prefix. The same alignment
     as the sampler's returned log-probs (the PPO "old" log-probs).
   """
+  if not temperature > 0:
+    raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}")
   out = model_lib.logits(config, params, tokens, positions, attention_mask, remat=remat)
-  logp = jax.nn.log_softmax(out[:, :-1].astype(jnp.float32), axis=-1)  # [B, T-1, V]
+  z = out[:, :-1].astype(jnp.float32)
+  if temperature != 1.0:
+    z = z / temperature
+  logp = jax.nn.log_softmax(z, axis=-1)  # [B, T-1, V]
   picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
   entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
   pad = lambda x: jnp.pad(x, ((0, 0), (1, 0)))

@@ -39,9 +39,17 @@ class SamplingRule:
   Temperature is applied first, then top-k, then top-p (nucleus) on the tempered
   distribution, the order of Hugging Face `generate` and vLLM.
 
+  What the PPO ratio means: the recorded log-prob of a drawn token is log softmax(z / T)
+  over the FULL vocabulary, the tempered distribution before top-k / top-p truncation
+  (as verl and OpenRLHF record and recompute it). `losses.token_logprobs` with
+  `temperature=rule.logprob_temperature` recomputes exactly that quantity on the training
+  path, so with unchanged weights the ratio is 1. Top-k / top-p only choose which tokens
+  can be drawn; they do not renormalise the log-prob.
+
   Attributes:
     temperature: > 0 divides the logits; 0 means greedy (argmax).
-    top_k: keep the k most likely tokens; 0 keeps all.
+    top_k: keep the k most likely tokens; 0 keeps all. Must not exceed the vocabulary
+      (`Sampler` checks it against the model).
     top_p: keep the smallest set of most likely tokens whose mass reaches top_p; 1 keeps all.
   """
 
@@ -60,6 +68,18 @@ class SamplingRule:
   @property
   def greedy(self) -> bool:
     return self.temperature == 0.0
+
+  @property
+  def logprob_temperature(self) -> float:
+    """T of the recorded log-probs, log softmax(z / T): the temperature, or 1 when greedy.
+    The trainer must recompute log-probs and entropy at this T (`TrainConfig.temperature`)."""
+    return 1.0 if self.greedy else float(self.temperature)
+
+  def check_vocab(self, vocab_size: int) -> None:
+    """Raises ValueError naming `top_k` when it exceeds `vocab_size` (tokens)."""
+    if self.top_k > vocab_size:
+      raise ValueError(f"SamplingRule.top_k ({self.top_k}) exceeds the model's vocabulary "
+                       f"({vocab_size} tokens); use top_k <= {vocab_size}, or 0 to keep all")
 
   def tempered(self, logits: jax.Array) -> jax.Array:
     """`float32[C, V]` logits divided by the temperature (unchanged when greedy)."""
@@ -81,33 +101,51 @@ class SamplingRule:
       logits = jnp.where(keep, logits, -jnp.inf)
     return logits
 
-  def sample(self, rng: jax.Array, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Draws one token per row.
+  def draw(self, logits: jax.Array, u: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Draws one token per row from given uniform numbers (the pure part of `sample`).
 
-    Inverse-CDF sampling: one uniform number per row against the cumulative distribution,
-    instead of Gumbel noise for every vocabulary entry (V random numbers per row per step
-    dominated decode time on CPU at V = 128k).
+    Inverse-CDF sampling: the first token whose cumulative mass reaches u·(total mass)
+    AND whose own mass is positive, so a token outside the kept set (top-k, top-p, a -inf
+    logit, or a probability that underflows to 0) is never drawn, whatever u is in [0, 1)
+    (u = 0 would otherwise select token 0). The last kept token's cumulative mass equals
+    the total, so some token always qualifies.
 
     Args:
-      rng: PRNG key (one uniform draw per row).
       logits: `float32[C, V]` raw next-token logits.
+      u: `float32[C]` uniform numbers in [0, 1) (ignored when greedy).
 
     Returns:
       (tokens `int32[C]`, logprobs `float32[C]`): the log-probability of each drawn token
-      under log_softmax(logits / T), the distribution the PPO ratio is taken against (T = 1
-      when greedy).
+      under log_softmax(logits / T) over the full vocabulary (see the class docstring;
+      T = 1 when greedy).
     """
+    logits = logits.astype(jnp.float32)
     tempered = self.tempered(logits)
     if self.greedy:
       tokens = jnp.argmax(logits, -1)
     else:
       probs = jax.nn.softmax(self.truncated(logits), axis=-1)
       cdf = jnp.cumsum(probs, axis=-1)
-      u = jax.random.uniform(rng, (logits.shape[0], 1)) * cdf[:, -1:]
-      # First index whose cumulative mass reaches u; zero-mass tokens are never picked.
-      tokens = jnp.minimum(jnp.sum(cdf < u, axis=-1), logits.shape[-1] - 1)
+      target = u.astype(jnp.float32)[:, None] * cdf[:, -1:]
+      tokens = jnp.argmax((cdf >= target) & (probs > 0), axis=-1)
     picked = jnp.take_along_axis(tempered, tokens[:, None], -1)[:, 0]
     return tokens.astype(jnp.int32), picked - jax.nn.logsumexp(tempered, axis=-1)
+
+  def sample(self, rng: jax.Array, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Draws one token per row: `draw` with one uniform number per row from `rng`.
+
+    One uniform per row against the cumulative distribution instead of Gumbel noise for
+    every vocabulary entry (V random numbers per row per step dominated decode time on CPU
+    at V = 128k).
+
+    Args:
+      rng: PRNG key (one uniform draw per row).
+      logits: `float32[C, V]` raw next-token logits.
+
+    Returns:
+      (tokens `int32[C]`, logprobs `float32[C]`), as `draw`.
+    """
+    return self.draw(logits, jax.random.uniform(rng, (logits.shape[0],)))
 
 
 @struct.dataclass
@@ -116,8 +154,9 @@ class Rollout:
 
   Attributes:
     tokens: `int32[C, Lr]` response tokens, 0 after the stop token and for masked rows.
-    logprobs: `float32[C, Lr]` log-probs of the sampled tokens under log_softmax(logits/T),
-      0 where `mask` is False; these are the PPO "old" log-probs.
+    logprobs: `float32[C, Lr]` log-probs of the sampled tokens under log_softmax(logits/T)
+      over the full vocabulary (`SamplingRule`), 0 where `mask` is False; these are the
+      PPO "old" log-probs.
     mask: `bool[C, Lr]` True for generated tokens up to and including the stop token.
     lengths: `int32[C]` number of generated tokens (`mask.sum(-1)`).
   """
@@ -265,6 +304,7 @@ class Sampler:
                pad_id: int = 0, mesh: jax.sharding.Mesh | None = None):
     if max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    rule.check_vocab(config.vocab_size)
     if not 1 <= prompts_per_chunk <= chunk_rows:
       raise ValueError(f"prompts_per_chunk ({prompts_per_chunk}) must be in [1, chunk_rows="
                        f"{chunk_rows}]")
