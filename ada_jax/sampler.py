@@ -270,6 +270,33 @@ class SampleStats:
   wall_s: float = 0.0
 
 
+def check_context_length(config: ModelConfig, prompt_buckets: Sequence[int],
+                         max_new_tokens: int, *, prefix: str = "") -> None:
+  """Raises unless the longest padded prompt plus the response budget fits the model.
+
+  A row holds at most max(prompt_buckets) prompt tokens then `max_new_tokens` response
+  tokens (its KV cache has that many slots); past `config.max_position_embeddings` the
+  model runs on positions it was never trained for, silently.
+
+  Args:
+    config: the architecture (its `max_position_embeddings`).
+    prompt_buckets: padded prompt lengths (tokens).
+    max_new_tokens: response budget (tokens).
+    prefix: prepended to the field names in the message (e.g. 'config.sampler.').
+
+  Raises:
+    ValueError: the sum exceeds `max_position_embeddings`; the message names the fields.
+  """
+  longest = max(prompt_buckets, default=0)
+  total = longest + max_new_tokens
+  limit = config.max_position_embeddings
+  if total > limit:
+    raise ValueError(
+        f"{prefix}prompt_buckets (largest {longest}) + {prefix}max_new_tokens "
+        f"({max_new_tokens}) = {total} tokens exceed the model's max_position_embeddings "
+        f"({limit}); lower them so that their sum is at most {limit}")
+
+
 def bucket_length(length: int, buckets: Sequence[int]) -> int:
   """Smallest bucket >= length. Raises ValueError if the prompt is longer than all."""
   for b in sorted(buckets):
@@ -293,6 +320,10 @@ class Sampler:
     pad_id: token id used for left padding.
     mesh: optional mesh; rows are sharded over ('data', 'fsdp'), so C must divide evenly.
 
+  Raises:
+    ValueError: a bad size, `rule.top_k` above the vocabulary, or the largest prompt
+      bucket plus `max_new_tokens` beyond the model's positions (`check_context_length`).
+
   Attributes:
     compiles: number of times `generate` was traced (one per new static shape).
   """
@@ -305,6 +336,7 @@ class Sampler:
     if max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     rule.check_vocab(config.vocab_size)
+    check_context_length(config, prompt_buckets, max_new_tokens)
     if not 1 <= prompts_per_chunk <= chunk_rows:
       raise ValueError(f"prompts_per_chunk ({prompts_per_chunk}) must be in [1, chunk_rows="
                        f"{chunk_rows}]")
