@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from ada_jax import model as model_lib
+from ada_jax import sharding as sharding_lib
 from ada_jax.model import KVCache, ModelConfig, Params
 
 
@@ -182,12 +182,8 @@ class _DecodeState:
   cache: KVCache
 
 
-def _constrain(x, mesh, spec):
-  return x if mesh is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-
-
-def _cache_spec(mesh):
-  return P(("data", "fsdp"), "tensor", None, None)
+def _constrain(x, sharding):
+  return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
 def generate(config: ModelConfig, params: Params, prompt_tokens: jax.Array,
@@ -208,7 +204,8 @@ def generate(config: ModelConfig, params: Params, prompt_tokens: jax.Array,
     rule: the sampling rule.
     max_new_tokens: Lr, the response token budget.
     stop_ids: tokens that end a row (kept in the response, then the row is done).
-    mesh: when given, rows are sharded over ('data', 'fsdp') and kv heads over 'tensor'.
+    mesh: when given, the cache and outputs are sharded by `sharding.kv_cache_shardings` /
+      the rule table: rows over ('data', 'fsdp'), kv heads over 'tensor' when they divide.
 
   Returns:
     A `Rollout` with `[C, Lr]` arrays.
@@ -219,12 +216,15 @@ def generate(config: ModelConfig, params: Params, prompt_tokens: jax.Array,
   last_logits, cache = model_lib.prefill(config, params, prompt_tokens, positions, prompt_mask,
                                          cache_len=lp + max_new_tokens)
   cache = model_lib.gather_cache_rows(cache, row_prompt)
-  spec = _cache_spec(mesh)
-  cache = cache.replace(k=tuple(_constrain(k, mesh, spec) for k in cache.k),
-                        v=tuple(_constrain(v, mesh, spec) for v in cache.v))
+  if mesh is not None:  # every sharding from the rule table (`sharding.model_rules`)
+    shardings = sharding_lib.kv_cache_shardings(config, mesh, c, lp + max_new_tokens)
+    cache = cache.replace(k=tuple(map(_constrain, cache.k, shardings.k)),
+                          v=tuple(map(_constrain, cache.v, shardings.v)),
+                          mask=_constrain(cache.mask, shardings.mask))
+  out_sharding = None if mesh is None else NamedSharding(
+      mesh, sharding_lib.logical_to_spec(("batch", "length"), (c, max_new_tokens), mesh))
   stop = jnp.asarray(stop_ids, jnp.int32)
-  zeros = lambda dtype: _constrain(jnp.zeros((c, max_new_tokens), dtype), mesh,
-                                   P(("data", "fsdp"), None))
+  zeros = lambda dtype: _constrain(jnp.zeros((c, max_new_tokens), dtype), out_sharding)
   state = _DecodeState(
       i=jnp.zeros((), jnp.int32), logits=last_logits[row_prompt],
       done=~row_mask, positions=prompt_mask.sum(-1).astype(jnp.int32)[row_prompt], rng=rng,
@@ -360,7 +360,7 @@ class Sampler:
     # Replicated outputs: every process of a multi-host run can read the whole chunk (the
     # controller on every host needs every response), at the cost of one small all-gather.
     self._generate = jax.jit(counted, out_shardings=None if mesh is None else
-                             NamedSharding(mesh, P()))
+                             sharding_lib.replicated(mesh))
 
   def _pack(self, row_prompt: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
     """Splits rows (in order) into chunks of <= C rows and <= P distinct prompts.
@@ -437,5 +437,5 @@ class Sampler:
   def _place(self, *arrays: np.ndarray) -> tuple[Any, ...]:
     if self.mesh is None:
       return tuple(jnp.asarray(a) for a in arrays)
-    rows = NamedSharding(self.mesh, P(("data", "fsdp")))
+    rows = sharding_lib.batch_sharding(self.mesh)
     return tuple(jax.device_put(a, rows) for a in arrays)
