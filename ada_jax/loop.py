@@ -351,7 +351,8 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
     if cfg.ckpt.export_hf:
       params = distributed.host_copy(state.params)  # collective: every process takes part
       if jax.process_index() == 0:
-        checkpoint.export_hf(model_cfg, params, pathlib.Path(workdir) / "hf_final")
+        checkpoint.export_hf(model_cfg, params, pathlib.Path(workdir) / "hf_final",
+                             tokenizer=tokenizer)
   if jax.process_index() == 0:
     (pathlib.Path(workdir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
   return summary

@@ -112,6 +112,7 @@ def _no_signal_config(steps):
   c.eval.benchmarks = ()
   c.ckpt.every_steps = 1
   c.ckpt.keep = 10
+  c.ckpt.export_hf = True
   return c
 
 
@@ -154,6 +155,16 @@ def test_dapo_without_a_mixed_group_skips_the_update_and_goes_on(no_signal_run):
     assert m["ada/rounds"] == 2  # the first pass and the one extra pass allowed
     assert "loss" not in m
   assert sum("policy update is skipped" in x for x in messages) == 3
+
+
+def test_run_exports_a_loadable_folder(no_signal_run):
+  """`ckpt.export_hf`: the run's tokenizer and stop ids go with the weights."""
+  workdir = no_signal_run[0]
+  folder = workdir / "hf_final"
+  for name in ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"):
+    assert (folder / name).is_file(), name
+  gen = json.loads((folder / "generation_config.json").read_text())
+  assert gen["eos_token_id"] == list(arith.load_tokenizer().eos_ids)
 
 
 def test_resumed_run_draws_the_saved_runs_keys(no_signal_run, tmp_path):
