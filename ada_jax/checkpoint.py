@@ -40,6 +40,7 @@ from jax.experimental import multihost_utils
 
 from ada_jax import weights
 from ada_jax.model import ModelConfig, Params
+from ada_jax.tokenizer import Tokenizer
 from ada_jax.train import TrainState
 
 EstState = dict[str, np.ndarray]
@@ -301,9 +302,15 @@ def resume(
   return start(None), "scratch"
 
 
-def export_hf(config: ModelConfig, params: Params, path: str | os.PathLike) -> None:
-  """Writes the final policy as a Hugging Face folder (`weights.save_hf`)."""
+def export_hf(config: ModelConfig, params: Params, path: str | os.PathLike,
+              tokenizer: Tokenizer | None = None) -> None:
+  """Writes the final policy as a Hugging Face folder (`weights.save_hf`) and, when given,
+  the run's tokenizer with its chat template and a generation_config.json holding the run's
+  stop ids (`Tokenizer.save`), so that transformers and inference servers load the folder
+  as is and stop where the sampler did."""
   weights.save_hf(config, params, path)
+  if tokenizer is not None:
+    tokenizer.save(path)
 
 
 # ----------------------------------------------------------------------------- host state

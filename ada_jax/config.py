@@ -23,6 +23,7 @@ from ada_jax.benchmarks import EvalConfig
 from ada_jax.checkpoint import CheckpointConfig
 from ada_jax.losses import LossConfig
 from ada_jax.model import PRESETS, ModelConfig
+from ada_jax.sampler import SamplingRule, check_context_length
 from ada_jax.train import OptimConfig, TrainConfig
 from ada_jax.warmstart import WarmStartConfig
 
@@ -173,6 +174,14 @@ class SamplerSpec:
   prompts_per_chunk: int = 0
   prompt_buckets: tuple[int, ...] = (128, 256, 512, 1024)
 
+  def __post_init__(self):
+    self.rule  # noqa: B018 -- SamplingRule checks temperature, top_k, top_p
+
+  @property
+  def rule(self) -> SamplingRule:
+    """The sampling rule; the trainer recomputes log-probs at its `logprob_temperature`."""
+    return SamplingRule(self.temperature, self.top_k, self.top_p)
+
 
 @dataclasses.dataclass(frozen=True)
 class RLSpec:
@@ -251,7 +260,10 @@ class RunConfig:
 
   @property
   def train_config(self) -> TrainConfig:
-    return TrainConfig(loss=self.loss, optim=self.optim, **dataclasses.asdict(self.train))
+    # The sampler's temperature is the one source of the trainer's (PPO ratio consistency).
+    return TrainConfig(loss=self.loss, optim=self.optim,
+                       temperature=self.sampler.rule.logprob_temperature,
+                       **dataclasses.asdict(self.train))
 
   @property
   def train_rows(self) -> int:
@@ -287,6 +299,25 @@ class RunConfig:
     if self.warmstart is not None and (self.tokenizer.dir or self.model.hf_dir):
       raise ConfigError("config.warmstart (the arithmetic warm start) needs the arithmetic "
                        "tokenizer: leave tokenizer.dir and model.hf_dir empty")
+
+
+  def check_model(self, model: ModelConfig) -> None:
+    """Rules that need the architecture: the rollout (and, when benchmarks are set, the
+    evaluation) prompt bucket plus response budget fit the model's positions. Call it
+    before anything compiles. Raises ConfigError naming the fields."""
+    context_fits(model, self.sampler.prompt_buckets, self.sampler.max_new_tokens,
+                 "config.sampler")
+    if self.eval.benchmarks:
+      context_fits(model, self.eval.prompt_buckets, self.eval.max_new_tokens, "config.eval")
+
+
+def context_fits(model: ModelConfig, prompt_buckets, max_new_tokens: int, group: str) -> None:
+  """`sampler.check_context_length` as a ConfigError naming `<group>.prompt_buckets` and
+  `<group>.max_new_tokens` (for training, evaluation and prompt selection alike)."""
+  try:
+    check_context_length(model, prompt_buckets, max_new_tokens, prefix=f"{group}.")
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
 
 
 def _fields(cls) -> dict[str, Any]:

@@ -92,7 +92,13 @@ def run(
   Returns:
     The report written to the JSON file: `model`, `name`, `settings`, `results`,
     `dropped_over_max_prompt_tokens` (per benchmark), `wall_s`.
+
+  Raises:
+    ConfigError: the largest prompt bucket plus `max_new_tokens` exceed the model's
+      positions (before anything compiles).
   """
+  config_lib.context_fits(model_config, config.prompt_buckets, config.max_new_tokens,
+                          "config.eval")
   out_dir = pathlib.Path(workdir) / "eval"
   start = time.perf_counter()
   benchmarks = benchmarks_lib.load_benchmarks(config, tokenizer)

@@ -7,9 +7,10 @@ advantages become a fixed-shape training batch (`make_train_batch`); `train.upda
 runs k mini-batch updates; metrics go to JSONL/TensorBoard/console; the whole run state is
 checkpointed every `ckpt.every_steps` steps, at the end, and on SIGTERM.
 
-Determinism: the rollout key of step s is `fold_in(rollout_key, s)`, the host Generator,
-the prompt position and the Est statistics are checkpointed, so a run restarted from its
-last checkpoint repeats exactly the steps an uninterrupted run would take.
+Determinism: the rollout key of step s is `fold_in(rollout_key, s)`; the root key it comes
+from, the host Generator, the prompt position and the Est statistics are checkpointed and
+read back, so a run restarted from its last checkpoint repeats exactly the steps an
+uninterrupted run would take.
 """
 
 from __future__ import annotations
@@ -144,7 +145,9 @@ def make_train_batch(result: adaptive.StepResult, responses: dict[str, np.ndarra
   if len(sel) > rows:
     raise ValueError(f"{len(sel)} responses selected for a {rows}-row batch")
   lr = responses["tokens"].shape[1]
-  lp = sampler.bucket_length(max(len(prompt_tokens[p]) for p in result.prompt_index), buckets)
+  # No selection (dapo without a mixed group) gives an all-padding batch.
+  longest = max((len(prompt_tokens[p]) for p in result.prompt_index), default=1)
+  lp = sampler.bucket_length(longest, buckets)
   total = lp + lr
   tokens = np.zeros((rows, total), np.int32)
   attention = np.zeros((rows, total), bool)
@@ -243,6 +246,7 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
   if model_cfg.vocab_size < tokenizer.vocab_size:
     raise ConfigError(f"config.model: vocab_size {model_cfg.vocab_size} is smaller than the "
                      f"tokenizer's {tokenizer.vocab_size}")
+  cfg.check_model(model_cfg)
   try:
     mesh = sharding_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
   except ValueError as e:
@@ -260,8 +264,7 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
     ppc = min(-(-ppc // dp) * dp, cfg.sampler.chunk_rows)
   try:
     smp = sampler.Sampler(
-        model_cfg, rule=sampler.SamplingRule(cfg.sampler.temperature, cfg.sampler.top_k,
-                                             cfg.sampler.top_p),
+        model_cfg, rule=cfg.sampler.rule,
         max_new_tokens=cfg.sampler.max_new_tokens, stop_ids=tokenizer.eos_ids,
         chunk_rows=cfg.sampler.chunk_rows, prompts_per_chunk=ppc,
         prompt_buckets=cfg.sampler.prompt_buckets, pad_id=tokenizer.pad_id, mesh=mesh)
@@ -276,7 +279,7 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
   with_ref = cfg.loss.kl_coeff > 0
   target = train.abstract_state(model_cfg, train_cfg, mesh, with_ref=with_ref)
   root = jax.random.key(cfg.seed)
-  init_key, rollout_key, eval_key = jax.random.split(root, 3)
+  init_key = jax.random.split(root, 3)[0]  # [1]: rollouts, from the run state's root
   iterator = prompts.PromptIterator(len(ps), cfg.rl.batch_prompts, seed=cfg.seed)
 
   def start(params):
@@ -305,6 +308,10 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
     checkpoint.save(manager, 0, run_state)
   host = run_state.host
   state, est = run_state.train, run_state.est
+  # The checkpoint's root key, not the config's seed: a resumed run draws the keys the saved
+  # run would have drawn (tests/test_guards.py).
+  root = run_state.rng
+  rollout_key = jax.random.split(root, 3)[1]
   iterator.restore(host["iterator"])
   np_rng = checkpoint.generator_from_state(host["np_rng"])
   first = int(host["step"])
@@ -348,7 +355,8 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
     if cfg.ckpt.export_hf:
       params = distributed.host_copy(state.params)  # collective: every process takes part
       if jax.process_index() == 0:
-        checkpoint.export_hf(model_cfg, params, pathlib.Path(workdir) / "hf_final")
+        checkpoint.export_hf(model_cfg, params, pathlib.Path(workdir) / "hf_final",
+                             tokenizer=tokenizer)
   if jax.process_index() == 0:
     (pathlib.Path(workdir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
   return summary
@@ -376,11 +384,19 @@ def rl_step(cfg, step, state, est, iterator, np_rng, ps, smp, step_fn, score, to
   result, est = adaptive.run_step(cfg.ada, [ps.prompt_ids[i] for i in idx], rollouts, np_rng,
                                   est, more_prompts if cfg.ada.method == "dapo" else None)
   responses = rollouts.responses()
-  batch = make_train_batch(result, responses, rollouts.prompt_tokens, rows=cfg.train_rows,
-                           buckets=cfg.sampler.prompt_buckets)
   start = time.perf_counter()
-  batch = distributed.local_rows(batch, mesh, cfg.train.num_minibatches)  # this host's rows
-  state, tm = train.update_policy(step_fn, state, batch, config=cfg.train_config, mesh=mesh)
+  skipped = len(result.handles) == 0
+  if skipped:
+    # dapo when no group is mixed even after its extra passes: there is nothing to train on,
+    # and an update on an empty batch would still move the params (Adam's momentum).
+    logging.warning("RL step %d: no response selected for training (%s found no group with "
+                    "mixed rewards); the policy update is skipped", step, cfg.ada.method)
+    tm = {}
+  else:
+    batch = make_train_batch(result, responses, rollouts.prompt_tokens, rows=cfg.train_rows,
+                             buckets=cfg.sampler.prompt_buckets)
+    batch = distributed.local_rows(batch, mesh, cfg.train.num_minibatches)  # this host's rows
+    state, tm = train.update_policy(step_fn, state, batch, config=cfg.train_config, mesh=mesh)
   time_train = time.perf_counter() - start
   s = result.stats
   m = {
@@ -400,6 +416,7 @@ def rl_step(cfg, step, state, est, iterator, np_rng, ps, smp, step_fn, score, to
       "rows_computed": rollouts.rows_computed,
       "rows_useful": rollouts.rows_useful,
       "compiles": _COMPILES[0] - compiles,  # XLA compilations during the step
+      "update_skipped": float(skipped),  # 1: no response to train on, params unchanged
   }
   m.update(s.as_metrics())
   m.update({k: tm[k] for k in ("loss", "entropy", "clip_frac", "grad_norm", "approx_kl",

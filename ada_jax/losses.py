@@ -133,17 +133,25 @@ def token_logprobs(
   positions: jax.Array,
   attention_mask: jax.Array,
   *,
+  temperature: float = 1.0,
   remat: bool = False,
   block_size: int = 256,
 ) -> tuple[jax.Array, jax.Array]:
-  """Log-probabilities and entropies of each token given its prefix, computed block by
-  block over the sequence so that the `[B, T, V]` logits never exist whole.
+  """Log-probabilities and entropies of each token given its prefix, under softmax(z / T),
+  computed block by block over the sequence so that the `[B, T, V]` logits never exist
+  whole.
 
-  The logits of `block_size` positions at a time are made from the hidden states, reduced
-  to (log-prob of the next token, entropy) and dropped; the backward pass recomputes each
-  block's logits (`jax.checkpoint`) instead of keeping them. At the paper's shapes (3,072
-  tokens, a 128,256-token vocabulary) one row's float32 logits take 1.5 GiB, and the
-  unblocked log-softmax with its backward kept several such copies live per row.
+  The PPO ratio compares these with the sampler's recorded log-probs, which are those of
+  the tempered full-vocabulary distribution softmax(z / T) (before top-k / top-p, see
+  `sampler.SamplingRule`); recomputing them at the sampler's T is what makes the ratio 1
+  for unchanged weights (verl and OpenRLHF divide the logits by the rollout temperature
+  the same way). The entropy is that of the same tempered distribution.
+
+  Memory: the logits of `block_size` positions at a time are made from the hidden states,
+  reduced to (log-prob of the next token, entropy) and dropped; the backward pass
+  recomputes each block's logits (`jax.checkpoint`) instead of keeping them. At the
+  paper's shapes (3,072 tokens, a 128,256-token vocabulary) one row's float32 logits take
+  1.5 GiB, and the unblocked log-softmax with its backward kept several such copies live.
 
   Args:
     config: the architecture (static under jit).
@@ -151,6 +159,8 @@ def token_logprobs(
     tokens: `int32[B, T]` prompt + response, left-padded.
     positions: `int32[B, T]` RoPE positions.
     attention_mask: `bool[B, T]`, True at real tokens.
+    temperature: T > 0 dividing the logits (static); the sampling rule's
+      `logprob_temperature`.
     remat: rematerialise each block in the backward pass.
     block_size: positions per logits block (static; memory `B × block_size × V` float32).
 
@@ -161,21 +171,26 @@ def token_logprobs(
     as the sampler's returned log-probs (the PPO "old" log-probs).
 
   Raises:
-    ValueError: `block_size` < 1.
+    ValueError: `temperature` <= 0 or `block_size` < 1.
   """
+  if not temperature > 0:
+    raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}")
   if block_size < 1:
-    raise ValueError(f"block_size must be >= 1, got {block_size}")
+    raise ValueError(f"token_logprobs: block_size must be >= 1, got {block_size}")
   hidden, table = model_lib.hidden_states(
     config, params, tokens, positions, attention_mask, remat=remat
   )
-  picked, entropy = _blockwise_logprobs(config, hidden[:, :-1], table, tokens[:, 1:], block_size)
+  picked, entropy = _blockwise_logprobs(
+    config, hidden[:, :-1], table, tokens[:, 1:], temperature, block_size
+  )
   pad = lambda x: jnp.pad(x, ((0, 0), (1, 0)))
   return pad(picked), pad(entropy)
 
 
-def _blockwise_logprobs(config, hidden, table, targets, block_size):
-  """hidden `[B, T, D]`, table `[V, D]`, targets `int32[B, T]` -> (log p(target), entropy),
-  each `float32[B, T]`, from `block_size` positions of logits at a time."""
+def _blockwise_logprobs(config, hidden, table, targets, temperature, block_size):
+  """hidden `[B, T, D]`, table `[V, D]`, targets `int32[B, T]` -> (log p(target), entropy)
+  under softmax(logits / temperature), each `float32[B, T]`, from `block_size` positions of
+  logits at a time."""
   b, t, d = hidden.shape
   size = min(block_size, t)
   blocks = -(-t // size)
@@ -188,6 +203,8 @@ def _blockwise_logprobs(config, hidden, table, targets, block_size):
   @jax.checkpoint
   def one_block(h, target):
     z = model_lib.unembed(config, table, h)  # [B, size, V] float32
+    if temperature != 1.0:
+      z = z / temperature
     lse = jax.nn.logsumexp(z, axis=-1)
     picked = jnp.take_along_axis(z, target[..., None], axis=-1)[..., 0] - lse
     # H = -Σ p log p = lse - Σ p z.

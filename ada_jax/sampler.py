@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from ada_jax import model as model_lib
+from ada_jax import sharding as sharding_lib
 from ada_jax.model import KVCache, ModelConfig, Params
 
 
@@ -39,9 +39,17 @@ class SamplingRule:
   Temperature is applied first, then top-k, then top-p (nucleus) on the tempered
   distribution, the order of Hugging Face `generate` and vLLM.
 
+  What the PPO ratio means: the recorded log-prob of a drawn token is log softmax(z / T)
+  over the FULL vocabulary, the tempered distribution before top-k / top-p truncation
+  (as verl and OpenRLHF record and recompute it). `losses.token_logprobs` with
+  `temperature=rule.logprob_temperature` recomputes exactly that quantity on the training
+  path, so with unchanged weights the ratio is 1. Top-k / top-p only choose which tokens
+  can be drawn; they do not renormalise the log-prob.
+
   Attributes:
     temperature: > 0 divides the logits; 0 means greedy (argmax).
-    top_k: keep the k most likely tokens; 0 keeps all.
+    top_k: keep the k most likely tokens; 0 keeps all. Must not exceed the vocabulary
+      (`Sampler` checks it against the model).
     top_p: keep the smallest set of most likely tokens whose mass reaches top_p; 1 keeps all.
   """
 
@@ -60,6 +68,18 @@ class SamplingRule:
   @property
   def greedy(self) -> bool:
     return self.temperature == 0.0
+
+  @property
+  def logprob_temperature(self) -> float:
+    """T of the recorded log-probs, log softmax(z / T): the temperature, or 1 when greedy.
+    The trainer must recompute log-probs and entropy at this T (`TrainConfig.temperature`)."""
+    return 1.0 if self.greedy else float(self.temperature)
+
+  def check_vocab(self, vocab_size: int) -> None:
+    """Raises ValueError naming `top_k` when it exceeds `vocab_size` (tokens)."""
+    if self.top_k > vocab_size:
+      raise ValueError(f"SamplingRule.top_k ({self.top_k}) exceeds the model's vocabulary "
+                       f"({vocab_size} tokens); use top_k <= {vocab_size}, or 0 to keep all")
 
   def tempered(self, logits: jax.Array) -> jax.Array:
     """`float32[C, V]` logits divided by the temperature (unchanged when greedy)."""
@@ -81,33 +101,51 @@ class SamplingRule:
       logits = jnp.where(keep, logits, -jnp.inf)
     return logits
 
-  def sample(self, rng: jax.Array, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Draws one token per row.
+  def draw(self, logits: jax.Array, u: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Draws one token per row from given uniform numbers (the pure part of `sample`).
 
-    Inverse-CDF sampling: one uniform number per row against the cumulative distribution,
-    instead of Gumbel noise for every vocabulary entry (V random numbers per row per step
-    dominated decode time on CPU at V = 128k).
+    Inverse-CDF sampling: the first token whose cumulative mass reaches u·(total mass)
+    AND whose own mass is positive, so a token outside the kept set (top-k, top-p, a -inf
+    logit, or a probability that underflows to 0) is never drawn, whatever u is in [0, 1)
+    (u = 0 would otherwise select token 0). The last kept token's cumulative mass equals
+    the total, so some token always qualifies.
 
     Args:
-      rng: PRNG key (one uniform draw per row).
       logits: `float32[C, V]` raw next-token logits.
+      u: `float32[C]` uniform numbers in [0, 1) (ignored when greedy).
 
     Returns:
       (tokens `int32[C]`, logprobs `float32[C]`): the log-probability of each drawn token
-      under log_softmax(logits / T), the distribution the PPO ratio is taken against (T = 1
-      when greedy).
+      under log_softmax(logits / T) over the full vocabulary (see the class docstring;
+      T = 1 when greedy).
     """
+    logits = logits.astype(jnp.float32)
     tempered = self.tempered(logits)
     if self.greedy:
       tokens = jnp.argmax(logits, -1)
     else:
       probs = jax.nn.softmax(self.truncated(logits), axis=-1)
       cdf = jnp.cumsum(probs, axis=-1)
-      u = jax.random.uniform(rng, (logits.shape[0], 1)) * cdf[:, -1:]
-      # First index whose cumulative mass reaches u; zero-mass tokens are never picked.
-      tokens = jnp.minimum(jnp.sum(cdf < u, axis=-1), logits.shape[-1] - 1)
+      target = u.astype(jnp.float32)[:, None] * cdf[:, -1:]
+      tokens = jnp.argmax((cdf >= target) & (probs > 0), axis=-1)
     picked = jnp.take_along_axis(tempered, tokens[:, None], -1)[:, 0]
     return tokens.astype(jnp.int32), picked - jax.nn.logsumexp(tempered, axis=-1)
+
+  def sample(self, rng: jax.Array, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Draws one token per row: `draw` with one uniform number per row from `rng`.
+
+    One uniform per row against the cumulative distribution instead of Gumbel noise for
+    every vocabulary entry (V random numbers per row per step dominated decode time on CPU
+    at V = 128k).
+
+    Args:
+      rng: PRNG key (one uniform draw per row).
+      logits: `float32[C, V]` raw next-token logits.
+
+    Returns:
+      (tokens `int32[C]`, logprobs `float32[C]`), as `draw`.
+    """
+    return self.draw(logits, jax.random.uniform(rng, (logits.shape[0],)))
 
 
 @struct.dataclass
@@ -116,8 +154,9 @@ class Rollout:
 
   Attributes:
     tokens: `int32[C, Lr]` response tokens, 0 after the stop token and for masked rows.
-    logprobs: `float32[C, Lr]` log-probs of the sampled tokens under log_softmax(logits/T),
-      0 where `mask` is False; these are the PPO "old" log-probs.
+    logprobs: `float32[C, Lr]` log-probs of the sampled tokens under log_softmax(logits/T)
+      over the full vocabulary (`SamplingRule`), 0 where `mask` is False; these are the
+      PPO "old" log-probs.
     mask: `bool[C, Lr]` True for generated tokens up to and including the stop token.
     lengths: `int32[C]` number of generated tokens (`mask.sum(-1)`).
   """
@@ -143,12 +182,8 @@ class _DecodeState:
   cache: KVCache
 
 
-def _constrain(x, mesh, spec):
-  return x if mesh is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-
-
-def _cache_spec(mesh):
-  return P(("data", "fsdp"), "tensor", None, None)
+def _constrain(x, sharding):
+  return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
 def generate(config: ModelConfig, params: Params, prompt_tokens: jax.Array,
@@ -169,7 +204,8 @@ def generate(config: ModelConfig, params: Params, prompt_tokens: jax.Array,
     rule: the sampling rule.
     max_new_tokens: Lr, the response token budget.
     stop_ids: tokens that end a row (kept in the response, then the row is done).
-    mesh: when given, rows are sharded over ('data', 'fsdp') and kv heads over 'tensor'.
+    mesh: when given, the cache and outputs are sharded by `sharding.kv_cache_shardings` /
+      the rule table: rows over ('data', 'fsdp'), kv heads over 'tensor' when they divide.
 
   Returns:
     A `Rollout` with `[C, Lr]` arrays.
@@ -180,12 +216,15 @@ def generate(config: ModelConfig, params: Params, prompt_tokens: jax.Array,
   last_logits, cache = model_lib.prefill(config, params, prompt_tokens, positions, prompt_mask,
                                          cache_len=lp + max_new_tokens)
   cache = model_lib.gather_cache_rows(cache, row_prompt)
-  spec = _cache_spec(mesh)
-  cache = cache.replace(k=tuple(_constrain(k, mesh, spec) for k in cache.k),
-                        v=tuple(_constrain(v, mesh, spec) for v in cache.v))
+  if mesh is not None:  # every sharding from the rule table (`sharding.model_rules`)
+    shardings = sharding_lib.kv_cache_shardings(config, mesh, c, lp + max_new_tokens)
+    cache = cache.replace(k=tuple(map(_constrain, cache.k, shardings.k)),
+                          v=tuple(map(_constrain, cache.v, shardings.v)),
+                          mask=_constrain(cache.mask, shardings.mask))
+  out_sharding = None if mesh is None else NamedSharding(
+      mesh, sharding_lib.logical_to_spec(("batch", "length"), (c, max_new_tokens), mesh))
   stop = jnp.asarray(stop_ids, jnp.int32)
-  zeros = lambda dtype: _constrain(jnp.zeros((c, max_new_tokens), dtype), mesh,
-                                   P(("data", "fsdp"), None))
+  zeros = lambda dtype: _constrain(jnp.zeros((c, max_new_tokens), dtype), out_sharding)
   state = _DecodeState(
       i=jnp.zeros((), jnp.int32), logits=last_logits[row_prompt],
       done=~row_mask, positions=prompt_mask.sum(-1).astype(jnp.int32)[row_prompt], rng=rng,
@@ -231,6 +270,33 @@ class SampleStats:
   wall_s: float = 0.0
 
 
+def check_context_length(config: ModelConfig, prompt_buckets: Sequence[int],
+                         max_new_tokens: int, *, prefix: str = "") -> None:
+  """Raises unless the longest padded prompt plus the response budget fits the model.
+
+  A row holds at most max(prompt_buckets) prompt tokens then `max_new_tokens` response
+  tokens (its KV cache has that many slots); past `config.max_position_embeddings` the
+  model runs on positions it was never trained for, silently.
+
+  Args:
+    config: the architecture (its `max_position_embeddings`).
+    prompt_buckets: padded prompt lengths (tokens).
+    max_new_tokens: response budget (tokens).
+    prefix: prepended to the field names in the message (e.g. 'config.sampler.').
+
+  Raises:
+    ValueError: the sum exceeds `max_position_embeddings`; the message names the fields.
+  """
+  longest = max(prompt_buckets, default=0)
+  total = longest + max_new_tokens
+  limit = config.max_position_embeddings
+  if total > limit:
+    raise ValueError(
+        f"{prefix}prompt_buckets (largest {longest}) + {prefix}max_new_tokens "
+        f"({max_new_tokens}) = {total} tokens exceed the model's max_position_embeddings "
+        f"({limit}); lower them so that their sum is at most {limit}")
+
+
 def bucket_length(length: int, buckets: Sequence[int]) -> int:
   """Smallest bucket >= length. Raises ValueError if the prompt is longer than all."""
   for b in sorted(buckets):
@@ -254,6 +320,10 @@ class Sampler:
     pad_id: token id used for left padding.
     mesh: optional mesh; rows are sharded over ('data', 'fsdp'), so C must divide evenly.
 
+  Raises:
+    ValueError: a bad size, `rule.top_k` above the vocabulary, or the largest prompt
+      bucket plus `max_new_tokens` beyond the model's positions (`check_context_length`).
+
   Attributes:
     compiles: number of times `generate` was traced (one per new static shape).
   """
@@ -265,6 +335,8 @@ class Sampler:
                pad_id: int = 0, mesh: jax.sharding.Mesh | None = None):
     if max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    rule.check_vocab(config.vocab_size)
+    check_context_length(config, prompt_buckets, max_new_tokens)
     if not 1 <= prompts_per_chunk <= chunk_rows:
       raise ValueError(f"prompts_per_chunk ({prompts_per_chunk}) must be in [1, chunk_rows="
                        f"{chunk_rows}]")
@@ -288,7 +360,7 @@ class Sampler:
     # Replicated outputs: every process of a multi-host run can read the whole chunk (the
     # controller on every host needs every response), at the cost of one small all-gather.
     self._generate = jax.jit(counted, out_shardings=None if mesh is None else
-                             NamedSharding(mesh, P()))
+                             sharding_lib.replicated(mesh))
 
   def _pack(self, row_prompt: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
     """Splits rows (in order) into chunks of <= C rows and <= P distinct prompts.
@@ -365,5 +437,5 @@ class Sampler:
   def _place(self, *arrays: np.ndarray) -> tuple[Any, ...]:
     if self.mesh is None:
       return tuple(jnp.asarray(a) for a in arrays)
-    rows = NamedSharding(self.mesh, P(("data", "fsdp")))
+    rows = sharding_lib.batch_sharding(self.mesh)
     return tuple(jax.device_put(a, rows) for a in arrays)

@@ -13,7 +13,11 @@ axes of a `Mesh` with axes ('data', 'fsdp', 'tensor') (DESIGN.md §4):
 A dimension that its mesh axes do not divide evenly is replicated instead (e.g. the tiny
 test models have 2 kv heads, a mesh may have tensor=4), so any model runs on any mesh;
 only batch rows, whose split is a configuration choice, raise an error when they do not
-divide (`check_rows`).
+divide (`check_rows`). Query heads follow their kv heads (`model_rules`): attention groups
+each query head under its kv head, so when the kv heads cannot be split over 'tensor'
+(Qwen2.5-Math-1.5B's 2 kv heads on tensor=4) the query heads are not split either, and
+attention runs replicated over 'tensor' instead of making XLA re-shard (fully
+rematerialise) the q/k/v projections and the KV cache at every step.
 
 The mesh uses `AxisType.Auto`: shardings are given at the jit boundary (params, batch,
 cache) and XLA propagates them through the model, which carries no annotations of its own.
@@ -22,7 +26,7 @@ cache) and XLA propagates them through the model, which carries no annotations o
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -105,8 +109,21 @@ def data_parallel_size(mesh: Mesh) -> int:
   return math.prod(mesh.shape[a] for a in DATA_AXES)
 
 
-def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> P:
-  """`PartitionSpec` for an array with logical `axes`, by `RULES`.
+def model_rules(config: ModelConfig, mesh: Mesh) -> dict[str, str | tuple[str, ...] | None]:
+  """`RULES` for one model on one mesh: 'heads' (query heads) is replicated when 'kv_heads'
+  cannot be split (the kv heads' count not divisible by the 'tensor' size); see the module
+  docstring. Every model-dependent sharding (params, KV cache) goes through this."""
+  rules = dict(RULES)
+  target = rules["kv_heads"]
+  axes = (target,) if isinstance(target, str) else tuple(target or ())
+  if config.num_kv_heads % math.prod(mesh.shape[a] for a in axes):
+    rules["heads"] = None
+  return rules
+
+
+def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh, *,
+                    rules: Mapping[str, str | tuple[str, ...] | None] | None = None) -> P:
+  """`PartitionSpec` for an array with logical `axes`, by `RULES` (or `model_rules`).
 
   A dimension is replicated (None) when its mesh axes do not divide its size, when the
   mesh axes have size 1, or when an earlier dimension already used one of them (a mesh
@@ -116,18 +133,20 @@ def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh
     axes: one logical name (or None) per dimension.
     shape: the array's shape.
     mesh: the mesh.
+    rules: the table to use; default `RULES`.
 
   Raises:
     ValueError: an unknown logical name, or len(axes) != len(shape).
   """
   if len(axes) != len(shape):
     raise ValueError(f"logical axes {tuple(axes)} do not match shape {tuple(shape)}")
+  rules = RULES if rules is None else rules
   used: set[str] = set()
   spec = []
   for name, size in zip(axes, shape, strict=True):
-    if name is not None and name not in RULES:
-      raise ValueError(f"logical axis {name!r} has no sharding rule (known: {sorted(RULES)})")
-    target = RULES.get(name) if name is not None else None
+    if name is not None and name not in rules:
+      raise ValueError(f"logical axis {name!r} has no sharding rule (known: {sorted(rules)})")
+    target = rules.get(name) if name is not None else None
     mesh_axes = (target,) if isinstance(target, str) else tuple(target or ())
     mesh_axes = tuple(a for a in mesh_axes if mesh.shape[a] > 1)
     ways = math.prod(mesh.shape[a] for a in mesh_axes)
@@ -143,8 +162,9 @@ def param_specs(config: ModelConfig, mesh: Mesh) -> Params:
   """`PartitionSpec` of every parameter (the params tree)."""
   shapes = model_lib.param_shapes(config)
   axes = model_lib.logical_axes(config)
+  rules = model_rules(config, mesh)
   return jax.tree.map(
-    lambda a, s: logical_to_spec(a, s.shape, mesh),
+    lambda a, s: logical_to_spec(a, s.shape, mesh, rules=rules),
     axes,
     shapes,
     is_leaf=lambda x: isinstance(x, tuple),
@@ -262,11 +282,11 @@ def kv_cache_shardings(
     `[B, K, S, H]`, mask `[B, S]`, index replicated).
   """
   k, h = config.num_kv_heads, config.head_dim
-  keys = NamedSharding(mesh, logical_to_spec(("batch", "kv_heads", "head_dim", "length"),
-                                             (batch, k, h, cache_len), mesh))
-  values = NamedSharding(mesh, logical_to_spec(("batch", "kv_heads", "length", "head_dim"),
-                                               (batch, k, cache_len, h), mesh))
-  mask = NamedSharding(mesh, logical_to_spec(("batch", "length"), (batch, cache_len), mesh))
+  rules = model_rules(config, mesh)
+  spec = lambda axes, shape: NamedSharding(mesh, logical_to_spec(axes, shape, mesh, rules=rules))
+  keys = spec(("batch", "kv_heads", "head_dim", "length"), (batch, k, h, cache_len))
+  values = spec(("batch", "kv_heads", "length", "head_dim"), (batch, k, cache_len, h))
+  mask = spec(("batch", "length"), (batch, cache_len))
   return model_lib.KVCache(k=(keys,) * config.num_layers, v=(values,) * config.num_layers,
                            mask=mask, index=replicated(mesh))
 

@@ -396,6 +396,37 @@ class Tokenizer:
     """The underlying `tokenizers.Tokenizer`."""
     return self._tok
 
+  def save(self, path: str | pathlib.Path) -> None:
+    """Writes this tokenizer as a Hugging Face folder that `Tokenizer.from_dir` and
+    transformers' `AutoTokenizer` / `GenerationConfig` load back.
+
+    Files: tokenizer.json; tokenizer_config.json (tokenizer class
+    `PreTrainedTokenizerFast`, the special-token strings as loaded, so the chat template
+    renders as it did in the run); chat_template.jinja (the 'default' template) and
+    additional_chat_templates/<name>.jinja (named ones); generation_config.json with
+    `eos_token_id` = the stop ids (all of them, so that transformers' `generate` and
+    inference servers stop where the sampler did), `bos_token_id` and `pad_token_id`.
+    Existing files of those names are replaced.
+
+    Args:
+      path: the folder (created if missing).
+    """
+    folder = pathlib.Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    self._tok.save(str(folder / TOKENIZER_FILE))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **self.special_tokens}
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
+                                      encoding="utf-8")
+    for name, template in self.chat_templates.items():
+      target = (folder / TEMPLATE_FILE if name == "default"
+                else folder / TEMPLATE_DIR / f"{name}.jinja")
+      target.parent.mkdir(exist_ok=True)
+      target.write_text(template, encoding="utf-8")
+    generation = {"eos_token_id": list(self.eos_ids), "pad_token_id": self.pad_id}
+    if self.bos_id is not None:
+      generation["bos_token_id"] = self.bos_id
+    (folder / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
+
   def token_to_id(self, token: str) -> int | None:
     return self._tok.token_to_id(token)
 

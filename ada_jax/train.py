@@ -82,6 +82,9 @@ class TrainConfig:
     micro_batch_size: rows per micro-batch (gradient accumulation inside the jit);
       0 = the whole mini-batch at once.
     remat: rematerialise each transformer block in the backward pass.
+    temperature: T at which log-probs and entropy are recomputed, softmax(logits / T); it
+      must be the sampler's (`sampler.SamplingRule.logprob_temperature`, which
+      `config.RunConfig.train_config` passes), else the PPO ratio is off from the start.
   """
 
   loss: LossConfig = LossConfig()
@@ -89,12 +92,15 @@ class TrainConfig:
   num_minibatches: int = 4
   micro_batch_size: int = 0
   remat: bool = False
+  temperature: float = 1.0
 
   def __post_init__(self):
     if self.num_minibatches < 1:
       raise ValueError(f"TrainConfig.num_minibatches must be >= 1, got {self.num_minibatches}")
     if self.micro_batch_size < 0:
       raise ValueError(f"TrainConfig.micro_batch_size must be >= 0, got {self.micro_batch_size}")
+    if not self.temperature > 0:
+      raise ValueError(f"TrainConfig.temperature must be > 0, got {self.temperature}")
 
 
 @struct.dataclass
@@ -344,13 +350,15 @@ def loss_and_grads(
     if mesh is not None:
       params = sharding_lib.gather_embedding(params, mesh)
     logprobs, entropy = losses.token_logprobs(
-      model_config, params, mb.tokens, mb.positions, mb.attention_mask, remat=config.remat
+      model_config, params, mb.tokens, mb.positions, mb.attention_mask,
+      temperature=config.temperature, remat=config.remat
     )
     ref = mb.ref_logprobs
     if need_ref:
       ref_p = ref_params if mesh is None else sharding_lib.gather_embedding(ref_params, mesh)
       ref, _ = losses.token_logprobs(
-        model_config, ref_p, mb.tokens, mb.positions, mb.attention_mask
+        model_config, ref_p, mb.tokens, mb.positions, mb.attention_mask,
+        temperature=config.temperature
       )
       ref = jax.lax.stop_gradient(ref)
     return losses.policy_loss(

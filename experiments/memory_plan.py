@@ -81,6 +81,7 @@ os.environ["XLA_FLAGS"] = " ".join(
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ast  # noqa: E402
+import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import glob  # noqa: E402
 import importlib  # noqa: E402
@@ -94,8 +95,6 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from ada_jax import config as config_lib  # noqa: E402
 from ada_jax import model as model_lib  # noqa: E402
@@ -263,13 +262,7 @@ def plan_train(cfg, model_cfg, mesh) -> dict:
   rows = cfg.train_rows // cfg.train.num_minibatches
   micro = cfg.train.micro_batch_size or rows
   micro_used = _round_up(micro, dp)
-  train_cfg = train.TrainConfig(
-    loss=cfg.loss,
-    optim=cfg.optim,
-    num_minibatches=cfg.train.num_minibatches,
-    micro_batch_size=micro_used,
-    remat=cfg.train.remat,
-  )
+  train_cfg = dataclasses.replace(cfg.train_config, micro_batch_size=micro_used)
   train.check_batch_layout(cfg.train_rows, train_cfg, mesh)
   length = max(cfg.sampler.prompt_buckets) + cfg.sampler.max_new_tokens
   state = train.abstract_state(model_cfg, train_cfg, mesh)
@@ -313,13 +306,13 @@ def plan_sampler(cfg, model_cfg, mesh) -> dict:
     model_lib.param_shapes(model_cfg),
     sharding_lib.param_shardings(model_cfg, mesh),
   )
-  rows = NamedSharding(mesh, P(("data", "fsdp")))  # as `Sampler._place` puts them
+  rows = sharding_lib.batch_sharding(mesh)  # as `Sampler._place` puts them
   sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
   fn = jax.jit(
     functools.partial(
       sampler_lib.generate,
       model_cfg,
-      rule=sampler_lib.SamplingRule(s.temperature, s.top_k, s.top_p),
+      rule=s.rule,
       max_new_tokens=s.max_new_tokens,
       stop_ids=(0,),
       mesh=mesh,

@@ -1,0 +1,191 @@
+"""Guards that real configs hit: the context length (training, evaluation, prompt
+selection, the shipped configs), a dapo step with nothing to train on, and the root PRNG
+key read back on resume."""
+
+import json
+import logging
+import pathlib
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from ml_collections import config_flags
+from test_loop import tiny_config
+
+from ada_jax import arith, evaluate, loop, select_prompts
+from ada_jax import config as config_lib
+from ada_jax import model as model_lib
+from ada_jax import sampler as sampler_lib
+from ada_jax.benchmarks import EvalConfig
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.py")
+                 if p.name not in ("__init__.py", "common.py"))
+# The architectures behind the Hub ids the shipped configs name (no network in tests).
+HUB_PRESETS = {"Qwen/Qwen2.5-Math-1.5B": "qwen2.5-math-1.5b",
+               "Qwen/Qwen2.5-Math-7B": "qwen2.5-math-7b",
+               "meta-llama/Llama-3.2-3B-Instruct": "llama-3.2-3b-instruct"}
+
+
+@pytest.mark.parametrize("edit,match", [
+    # The issue's example: 16-token prompt bucket + 60 new tokens > 64 positions.
+    (lambda c: c.sampler.__setitem__("max_new_tokens", 60),
+     r"config\.sampler\.prompt_buckets .*config\.sampler\.max_new_tokens \(60\) = 76 .*"
+     r"max_position_embeddings \(64\)"),
+    (lambda c: c.sampler.__setitem__("prompt_buckets", (8, 60)), r"config\.sampler\.prompt"),
+    (lambda c: c.eval.__setitem__("max_new_tokens", 49), r"config\.eval\.max_new_tokens"),
+    (lambda c: c.sampler.__setitem__("top_k", 129), r"config\.sampler.*top_k"),
+])
+def test_bad_rollout_settings_fail_before_any_compile(tmp_path, edit, match):
+  c = tiny_config()
+  edit(c)
+  before = loop._COMPILES[0]
+  with pytest.raises(config_lib.ConfigError, match=match):
+    loop.run(c, str(tmp_path / "run"))
+  assert loop._COMPILES[0] == before
+  assert not (tmp_path / "run").exists()
+
+
+def test_context_that_just_fits_is_accepted():
+  model = model_lib.preset("tiny-llama", max_position_embeddings=64)
+  sampler_lib.check_context_length(model, (8, 16), 48)
+  with pytest.raises(ValueError, match="max_new_tokens"):
+    sampler_lib.check_context_length(model, (8, 16), 49)
+  with pytest.raises(ValueError, match="prompt_buckets"):
+    sampler_lib.Sampler(model, max_new_tokens=49, stop_ids=[1], prompt_buckets=(16,))
+
+
+def _tiny_arith_model():
+  tokenizer = arith.load_tokenizer()
+  model = model_lib.preset("tiny-llama", vocab_size=128, max_position_embeddings=64)
+  return model, tokenizer
+
+
+def test_evaluation_checks_the_context_first(tmp_path):
+  model, tokenizer = _tiny_arith_model()
+  config = EvalConfig(benchmarks=("arith",), k=1, max_new_tokens=60, prompt_buckets=(16,),
+                      max_prompt_tokens=16, arith_problems=4, verifier_workers=1)
+  before = loop._COMPILES[0]
+  with pytest.raises(config_lib.ConfigError, match=r"config\.eval\.max_new_tokens \(60\)"):
+    evaluate.run(config, tmp_path, params=None, model_config=model, tokenizer=tokenizer,
+                 model_tag="x", name="y", progress=False)
+  assert loop._COMPILES[0] == before and not (tmp_path / "eval").exists()
+
+
+def test_prompt_selection_checks_the_context_first(tmp_path):
+  model, tokenizer = _tiny_arith_model()
+  config = select_prompts.SelectConfig(k=2, max_new_tokens=60, prompt_buckets=(16,),
+                                       judge="exact", verifier_workers=1)
+  before = loop._COMPILES[0]
+  with pytest.raises(config_lib.ConfigError, match=r"SelectConfig\.max_new_tokens \(60\)"):
+    select_prompts.run(config, tmp_path / "out", params=None, model_config=model,
+                       tokenizer=tokenizer, prompt_set=None, model_tag="x", progress=False)
+  assert loop._COMPILES[0] == before and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_shipped_configs_fit_their_models(path):
+  """Training and evaluation contexts fit (Qwen2.5-Math: 1,024 + 3,072 = 4,096)."""
+  cfg = config_lib.parse(
+      config_flags.config_flags._LoadConfigModule(path.stem, str(path)).get_config())
+  spec = cfg.model
+  if spec.hf_dir:
+    spec = config_lib.ModelSpec(preset=HUB_PRESETS[spec.hf_dir], dtype=spec.dtype)
+  model = config_lib.model_config(spec)
+  cfg.check_model(model)
+  config_lib.context_fits(model, cfg.eval.prompt_buckets, cfg.eval.max_new_tokens,
+                          "config.eval")  # also when the config names no benchmark
+  if "qwen_math" in path.stem:
+    assert max(cfg.sampler.prompt_buckets) == 1024 and cfg.sampler.max_new_tokens == 3072
+
+
+# ----------------------------------------------------------------------- runs on the loop
+
+
+def _no_signal_config(steps):
+  """dapo from random weights: every reward is 0, so no group is ever mixed."""
+  c = tiny_config(steps)
+  c.warmstart = None
+  c.ada.method = "dapo"
+  c.ada.dapo_max_extra_passes = 1
+  c.eval.benchmarks = ()
+  c.ckpt.every_steps = 1
+  c.ckpt.keep = 10
+  c.ckpt.export_hf = True
+  return c
+
+
+class _Records(logging.Handler):
+  def __init__(self):
+    super().__init__(logging.WARNING)
+    self.messages = []
+
+  def emit(self, record):
+    self.messages.append(record.getMessage())
+
+
+@pytest.fixture(scope="module")
+def no_signal_run(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("dapo")
+  keys = []
+  real = loop.rl_step
+
+  def spy(*args):
+    keys.append(np.asarray(jax.random.key_data(args[-1])).tolist())
+    return real(*args)
+
+  records = _Records()
+  logging.getLogger().addHandler(records)
+  try:
+    with pytest.MonkeyPatch.context() as mp:
+      mp.setattr(loop, "rl_step", spy)
+      summary = loop.run(_no_signal_config(3), str(workdir))
+  finally:
+    logging.getLogger().removeHandler(records)
+  return workdir, summary, keys, records.messages
+
+
+def test_dapo_without_a_mixed_group_skips_the_update_and_goes_on(no_signal_run):
+  workdir, summary, _, messages = no_signal_run
+  lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert summary["steps_done"] == 3 and [m["step"] for m in lines] == [1, 2, 3]
+  for m in lines:
+    assert m["update_skipped"] == 1.0 and m["ada/rows_selected"] == 0
+    assert m["ada/rounds"] == 2  # the first pass and the one extra pass allowed
+    assert "loss" not in m
+  assert sum("policy update is skipped" in x for x in messages) == 3
+
+
+def test_run_exports_a_loadable_folder(no_signal_run):
+  """`ckpt.export_hf`: the run's tokenizer and stop ids go with the weights."""
+  workdir = no_signal_run[0]
+  folder = workdir / "hf_final"
+  for name in ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"):
+    assert (folder / name).is_file(), name
+  gen = json.loads((folder / "generation_config.json").read_text())
+  assert gen["eos_token_id"] == list(arith.load_tokenizer().eos_ids)
+
+
+def test_resumed_run_draws_the_saved_runs_keys(no_signal_run, tmp_path):
+  """The root key comes from the checkpoint: resuming at step 2, even with another seed in
+  the config, step 3 draws the uninterrupted run's key."""
+  workdir, _, keys, _ = no_signal_run
+  assert len({json.dumps(k) for k in keys}) == 3
+  resumed = tmp_path / "resumed"
+  (resumed / "checkpoints").mkdir(parents=True)
+  for step in ("0", "1", "2"):
+    shutil.copytree(workdir / "checkpoints" / step, resumed / "checkpoints" / step)
+  c = _no_signal_config(3)
+  c.seed = 7
+  got = []
+  real = loop.rl_step
+
+  def spy(*args):
+    got.append(np.asarray(jax.random.key_data(args[-1])).tolist())
+    return real(*args)
+
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(loop, "rl_step", spy)
+    summary = loop.run(c, str(resumed))
+  assert summary["source"] == "checkpoint:2" and got == keys[2:]
