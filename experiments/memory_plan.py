@@ -29,7 +29,14 @@ A micro-batch must split evenly over data × fsdp; when the config's `micro_batc
 does not on a mesh (e.g. 32 devices), the plan uses one row per data-parallel group
 (`micro_used`) and says so.
 
-Output: a table on stdout and JSON (default experiments/results/memory_plan.json).
+For each program it also lists the largest slots of XLA's temporary allocation
+(`largest_buffers`: bytes, the shapes and the JAX op of the values sharing each slot, read
+from XLA's buffer-assignment dump) and marks those that are XLA:CPU artefacts: float32
+copies of what the program computes in bfloat16 (CPU has no bf16 matmul kernels), which a
+TPU or GPU compile would not hold.
+
+Output: a table on stdout and JSON (default experiments/results/memory_plan.json) naming
+the git commit and each row's full run config.
 """
 
 from __future__ import annotations
@@ -97,6 +104,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ada_jax import config as config_lib  # noqa: E402
+from ada_jax import metrics as metrics_lib  # noqa: E402
 from ada_jax import model as model_lib  # noqa: E402
 from ada_jax import sampler as sampler_lib  # noqa: E402
 from ada_jax import sharding as sharding_lib  # noqa: E402
@@ -232,7 +240,7 @@ def largest_buffers(module: str, model_dtype: str, top: int = 12) -> dict:
       model_dtype == "bfloat16"
       and dtype == "f32"
       and (
-        program_dtypes.get(op) == {"bf16"} or (not op and name.startswith(("convert", "copy_convert")))
+        program_dtypes.get(op) == {"bf16"} or (not op and "convert" in name)
       )
     )
     slot["values"] = [
@@ -369,6 +377,7 @@ def plan(name: str, devices: int, programs: set[str]) -> dict:
       "num_minibatches": cfg.train.num_minibatches,
     },
   }
+  row["run_config"] = dataclasses.asdict(cfg)
   if "train" in programs:
     row["train"] = plan_train(cfg, model_cfg, mesh)
   if "sampler" in programs:
@@ -425,6 +434,7 @@ def main() -> None:
     "hbm_gib": HBM_GIB,
     "overrides": ARGS.set,
     "xla_flags": os.environ["XLA_FLAGS"],
+    "git_commit": metrics_lib.git_commit(),
     "jax": jax.__version__,
     "host": platform.machine(),
     "wall_s": time.perf_counter() - start,

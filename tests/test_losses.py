@@ -193,17 +193,20 @@ def test_bad_config_names_the_field():
     losses.LossConfig(dual_clip=0.5)
 
 
-def _unblocked_logprobs(config, params, tokens, pos, mask):
+def _unblocked_logprobs(config, params, tokens, pos, mask, temperature):
   """The direct computation the blocked one replaces: the whole [B, T, V] log-softmax."""
-  logp = jax.nn.log_softmax(model_lib.logits(config, params, tokens, pos, mask)[:, :-1], -1)
+  logits = model_lib.logits(config, params, tokens, pos, mask)[:, :-1] / temperature
+  logp = jax.nn.log_softmax(logits, -1)
   picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
   entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
   pad = lambda x: jnp.pad(x, ((0, 0), (1, 0)))
   return pad(picked), pad(entropy)
 
 
-@pytest.mark.parametrize("block_size", [1, 3, 4, 11, 12, 64])
-def test_blocked_logprobs_and_gradients_equal_unblocked(block_size):
+@pytest.mark.parametrize(
+  "block_size, temperature", [(1, 1.0), (3, 0.5), (4, 1.0), (11, 0.7), (12, 1.0), (64, 1.3)]
+)
+def test_blocked_logprobs_and_gradients_equal_unblocked(block_size, temperature):
   # T - 1 = 11 scored positions: blocks that divide it, that do not (padding), and one
   # larger than the sequence.
   config = model_lib.preset("tiny-llama")
@@ -219,8 +222,10 @@ def test_blocked_logprobs_and_gradients_equal_unblocked(block_size):
       return jnp.sum(weights[0] * lp * mask) + jnp.sum(weights[1] * ent * mask)
     return f
 
-  blocked = lambda p: losses.token_logprobs(config, p, tokens, pos, mask, block_size=block_size)
-  direct = lambda p: _unblocked_logprobs(config, p, tokens, pos, mask)
+  blocked = lambda p: losses.token_logprobs(
+    config, p, tokens, pos, mask, temperature=temperature, block_size=block_size
+  )
+  direct = lambda p: _unblocked_logprobs(config, p, tokens, pos, mask, temperature)
   for got, want in zip(blocked(params), direct(params), strict=True):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
   g_blocked = jax.grad(objective(blocked))(params)
