@@ -229,18 +229,15 @@ class StepStats:
   pool_pass_rate: np.ndarray
 
   def as_metrics(self, prefix: str = "ada/") -> dict[str, float]:
-    """Flat scalar metrics for logging (per-round entries suffixed _r1, _r2, ...)."""
+    """Flat scalar metrics for logging (per-round entries suffixed _r1, _r2, ...).
+
+    `rows_requested`, `zero_signal_fraction` and `reward_mean` are left out: the training
+    loop logs them under its own names (`samples_drawn`, `zero_signal_frac`,
+    `reward_mean`), and a figure has one name in `metrics.jsonl`.
+    """
     out = {
       f"{prefix}{k}": float(getattr(self, k))
-      for k in (
-        "rows_requested",
-        "rows_selected",
-        "rows_useful",
-        "zero_signal_fraction",
-        "signal_fraction",
-        "mean_pool_size",
-        "reward_mean",
-      )
+      for k in ("rows_selected", "rows_useful", "signal_fraction", "mean_pool_size")
     }
     out[f"{prefix}rounds"] = float(len(self.samples_per_round))
     out[f"{prefix}samples_per_prompt"] = self.rows_requested / max(self.num_prompts, 1)

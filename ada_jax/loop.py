@@ -206,13 +206,20 @@ class _Rollouts:
 
 
 def _heldout_eval(cfg, workdir, tokenizer, params, model_cfg, step) -> dict[str, float]:
-  """`cfg.eval` benchmarks of the current policy (report in workdir/eval/step_<step>.*)."""
+  """`cfg.eval` benchmarks of the current policy (report in workdir/eval/step_<step>.*),
+  with a progress bar and a closing line on the console."""
   if not cfg.eval.benchmarks:
     return {}
+  primary = jax.process_index() == 0
+  metrics_lib.console(f"held-out evaluation at RL step {step}: "
+                      f"{', '.join(cfg.eval.benchmarks)} (Avg@{cfg.eval.k})")
   results = evaluate.run(cfg.eval, workdir, params=params, model_config=model_cfg,
-                         tokenizer=tokenizer, model_tag=f"{workdir}@{step}",
-                         name=f"step_{step}", progress=False)["results"]
-  return benchmarks.flat_metrics(results)
+                         tokenizer=tokenizer, model_tag=evaluate.run_model_tag(workdir, step),
+                         name=f"step_{step}", progress=primary)["results"]
+  flat = benchmarks.flat_metrics(results)
+  metrics_lib.console(f"held-out at RL step {step}: " + ", ".join(
+      f"{k.removeprefix('eval/')} {v:.4f}" for k, v in flat.items() if "avg@" in k))
+  return flat
 
 
 def run(config, workdir: str) -> dict[str, Any]:
@@ -280,9 +287,13 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
     if params is None:
       params = model_lib.init_params(model_cfg, init_key)
       if cfg.warmstart is not None:
-        params, ws = warmstart_lib.warm_start(model_cfg, params, tokenizer, cfg.warmstart)
+        params, ws = warmstart_lib.warm_start(model_cfg, params, tokenizer, cfg.warmstart,
+                                              progress=jax.process_index() == 0)
+        metrics_lib.console(warmstart_lib.describe(ws, cfg.warmstart))
         host["warmstart"] = {"wall_s": float(ws["wall_s"]),
-                             "final_loss": float(np.mean(ws["loss"][-20:]))}
+                             "final_loss": float(np.mean(ws["loss"][-20:])),
+                             "steps_run": int(ws["steps_run"]),
+                             "reached_target": bool(ws["reached_target"])}
     host["before_rl"] = _heldout_eval(cfg, workdir, tokenizer, params, model_cfg, 0)
     state = train.init_train_state(model_cfg, train_cfg, params, mesh,
                                    ref_params=params if with_ref else None)
@@ -295,6 +306,9 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
                                         init_from=cfg.ckpt.init_from or None,
                                         pretrained=str(model_dir) if model_dir else None)
   logging.info("run state from %s", source)
+  if source.startswith("checkpoint"):
+    metrics_lib.console(f"resuming from step {int(run_state.host['step'])} ({source} in "
+                        f"{workdir}/checkpoints)")
   if not source.startswith("checkpoint"):
     # Step 0 (the warm-started policy, its held-out score) is saved at once, so a restart
     # never repeats the warm start and other runs can `init_from` this folder's step 0.
@@ -307,10 +321,12 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
   step_fn = train.make_train_step(model_cfg, train_cfg, mesh, with_ref=with_ref)
   writer = metrics_lib.MetricsWriter(workdir, total_steps=cfg.rl.steps, start_step=first,
                                      primary=jax.process_index() == 0)
+  if first == 0:
+    writer.add_scalars(0, host.get("before_rl", {}))
   verifier_cfg = VerifierConfig(judge=cfg.rl.judge, num_workers=cfg.rl.verifier_workers,
                                 timeout_s=cfg.rl.verifier_timeout_s)
   step = first
-  agreed = None
+  agreed = stopped_by = None
   with checkpoint.stop_signals() as stop, RewardPool(verifier_cfg) as pool:
     score = distributed.shared_scorer(pool.score)  # identical rewards on every process
     for step in range(first + 1, cfg.rl.steps + 1):
@@ -330,21 +346,26 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
         checkpoint.save(manager, step, checkpoint.RunState(train=state, rng=root, est=est,
                                                            host=host))
       if stopping:
-        writer.log_text(f"SIGTERM: saved checkpoint {step}, exiting")
+        # Another process's signal stops this one too (`stop_requested` combines them).
+        stopped_by = stop.signal_name or "a signal to another process"
+        writer.log_text(f"{stopped_by}: saved checkpoint {step}, exiting")
         break
   checkpoint.close(manager)
-  writer.close()
   summary = {"steps_done": step, "source": source, "warmstart": host.get("warmstart"),
              "before_rl": host.get("before_rl", {})}
+  if stopped_by is not None:
+    summary["stopped_by"] = stopped_by
   if jax.process_count() > 1:  # equal on every process (tests/test_distributed.py)
     summary["fingerprints"] = {"controller": agreed,
                                "params": distributed.local_fingerprint(state.params)}
-  if step == cfg.rl.steps:
+  if step == cfg.rl.steps and stopped_by is None:  # stopped: the rerun evaluates
     summary["after_rl"] = _heldout_eval(cfg, workdir, tokenizer, state.params, model_cfg, step)
+    writer.add_scalars(step, summary["after_rl"])
     if cfg.ckpt.export_hf:
       params = distributed.host_copy(state.params)  # collective: every process takes part
       if jax.process_index() == 0:
         checkpoint.export_hf(model_cfg, params, pathlib.Path(workdir) / "hf_final")
+  writer.close()
   if jax.process_index() == 0:
     (pathlib.Path(workdir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
   return summary
