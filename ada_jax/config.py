@@ -82,6 +82,16 @@ def parse_flags(argv: list[str]) -> list[str]:
     _usage_exit(f"the config has no field named by {which} ({text})")
 
 
+def quiet_logs() -> None:
+  """For command-line entry points, before JAX picks its backend: log at WARNING unless
+  `--verbosity` was given (orbax, TFDS, JAX's platform probe and the multi-process set-up
+  log every file and probe at INFO; progress bars and status lines say what matters)."""
+  from absl import flags, logging
+
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+
+
 _HELP_FLAGS = ("-h", "--help", "-?", "--helpshort", "--helpfull", "--helpxml")
 
 

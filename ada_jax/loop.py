@@ -102,11 +102,8 @@ def load_prompts(cfg: config_lib.RunConfig, tokenizer: Tokenizer) -> prompts.Pro
       examples = data.load_examples(spec, d.split, data_dir=data_dir,
                                     manual_dir=d.manual_dir or None)
     except (OSError, ValueError) as e:  # a bad file (named, with its line) or no network
-      network = isinstance(e, OSError) and not isinstance(e, FileNotFoundError)
-      hint = ("; offline, set config.data.manual_dir to the folder with the JSONL files "
-              "(MATH500's too, or config.data.exclude_math500=False)"
-              if network and not d.manual_dir else "")
-      raise ConfigError(f"config.data: {' '.join(str(e).split())}{hint}") from None
+      raise ConfigError(f"config.data: {' '.join(str(e).split())}"
+                        f"{_offline_hint(e, 'config.data.manual_dir')}") from None
     style = d.prompt_style
   ps = prompts.build_prompts(examples, tokenizer, style=style,
                              max_prompt_tokens=d.max_prompt_tokens)
@@ -117,6 +114,33 @@ def load_prompts(cfg: config_lib.RunConfig, tokenizer: Tokenizer) -> prompts.Pro
     raise ConfigError(f"config.rl.batch_prompts ({cfg.rl.batch_prompts}) exceeds the "
                      f"{len(ps)} usable training prompts")
   return ps
+
+
+def _offline_hint(error: Exception, field: str) -> str:
+  if not isinstance(error, ConnectionError):
+    return ""
+  return (f"; set {field} to a folder with these JSONL files (a folder shared/data beside "
+          "the checkout is the configs' default when present)")
+
+
+def check_eval_data(cfg: config_lib.RunConfig) -> None:
+  """Fails before any compile when a maths benchmark of `cfg.eval` can neither be read
+  from `eval.manual_dir` nor downloaded (`data.check_available`).
+
+  Raises:
+    ConfigError: naming `config.eval.manual_dir` (offline) or `config.eval.benchmarks`.
+  """
+  e = cfg.eval
+  data_dir = e.data_dir or os.environ.get("TFDS_DATA_DIR") or str(
+      pathlib.Path.home() / "tensorflow_datasets")
+  for name in e.benchmarks:
+    if name not in data.SETS:
+      continue  # 'arith' is generated, unknown names fail in `benchmarks.load_examples`
+    try:
+      data.check_available(name, data_dir=data_dir, manual_dir=e.manual_dir or None)
+    except OSError as err:
+      raise ConfigError(f"config.eval.benchmarks ({name}): {err}"
+                        f"{_offline_hint(err, 'config.eval.manual_dir')}") from None
 
 
 def make_train_batch(result: adaptive.StepResult, responses: dict[str, np.ndarray],
@@ -261,6 +285,7 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
     raise ConfigError(f"config.rl.batch_prompts ({cfg.rl.batch_prompts}) with config.train "
                       f"and config.mesh: {e}") from None
   ps = load_prompts(cfg, tokenizer)
+  check_eval_data(cfg)
   try:
     smp = sampler.Sampler(
         model_cfg, rule=sampler.SamplingRule(cfg.sampler.temperature, cfg.sampler.top_k,

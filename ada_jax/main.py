@@ -27,18 +27,11 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config fil
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics.")
 
 
-def quiet_logs() -> None:
-  """WARNING and above unless `--verbosity` was given: orbax, TFDS and the multi-process
-  set-up log every file and probe at INFO; the progress bars and status lines say what
-  matters."""
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
-
-
 def main(argv):
   del argv
-  quiet_logs()
-  from ada_jax import distributed
+  from ada_jax import config, distributed
+
+  config.quiet_logs()
 
   distributed.initialize(distributed.DistributedConfig.from_env())  # before any JAX use
   import jax
@@ -46,7 +39,7 @@ def main(argv):
   logging.warning("process %d/%d, %d local / %d global devices (%s)", jax.process_index(),
                   jax.process_count(), jax.local_device_count(), jax.device_count(),
                   jax.devices()[0].platform)
-  from ada_jax import config, loop
+  from ada_jax import loop
 
   with distributed.exit_on_failure(), config.exit_on_config_error():
     summary = loop.run(_CONFIG.value, _WORKDIR.value)
