@@ -13,7 +13,9 @@ import json
 import math
 import os
 import pathlib
+import re
 import sys
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -78,8 +80,11 @@ class MetricsWriter:
     # Events at steps >= purge_step in earlier event files are hidden by TensorBoard: those
     # steps are about to be written again. Step 0 holds only the held-out scores before RL,
     # which a run restarted at step 0 writes again too.
+    # The suffix keeps a restart within the same second from replacing the earlier file
+    # (named by the second) and sorts the files in the order they were started.
     self._tb = SummaryWriter(str(self.path.parent / "tensorboard"),
-                             purge_step=start_step + 1 if start_step else 0)
+                             purge_step=start_step + 1 if start_step else 0,
+                             filename_suffix=f".{time.time_ns()}")
     self._bar = tqdm(total=total_steps, initial=start_step, desc="RL steps", unit="step",
                      dynamic_ncols=True)
 
@@ -104,13 +109,15 @@ class MetricsWriter:
   def add_scalars(self, step: int, metrics: Mapping[str, Any]) -> None:
     """TensorBoard scalars only (e.g. held-out scores before and after RL, which have no
     line of their own in `metrics.jsonl`; `summary.json` holds them). Flushed at once, so
-    a killed run's event file holds every step it finished."""
+    a killed run's event file holds every step it finished. Tags are the metric names
+    with characters TensorBoard does not take replaced (`eval/arith/avg@4` ->
+    `eval/arith/avg_at_4`)."""
     if not self.primary:
       return
     for k, v in metrics.items():
       v = _scalar(v)
       if v is not None:
-        self._tb.add_scalar(k, v, step)
+        self._tb.add_scalar(tensorboard_tag(k), v, step)
     self._tb.flush()
 
   def log_text(self, message: str) -> None:
@@ -122,6 +129,11 @@ class MetricsWriter:
     if self.primary:
       self._tb.close()
       self._bar.close()
+
+
+def tensorboard_tag(name: str) -> str:
+  """The TensorBoard tag of metric `name` (TensorBoard takes letters, digits, `_.-/`)."""
+  return re.sub(r"[^\w.\-/]", "_", name.replace("@", "_at_"))
 
 
 def console(message: str) -> None:
