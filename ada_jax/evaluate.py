@@ -280,6 +280,17 @@ def load_model(
   return LoadedModel(params, model_config, tokenizer, tag)
 
 
+def report_text(report: Mapping[str, Any], workdir: str | os.PathLike, *,
+                as_json: bool = False) -> str:
+  """What the CLI prints on stdout: the results table (Markdown) and where the report
+  files are, or with `as_json` the report itself as JSON (for scripts)."""
+  if as_json:
+    return json.dumps(report, indent=2)
+  title = f"{report['name']} (Avg@{report['settings']['k']})"
+  files = pathlib.Path(workdir).absolute() / "eval" / f"{report['name']}.{{json,md}}"
+  return f"{markdown_table(report['results'], title)}\nreports: {files}"
+
+
 def define_flags(flag_values=None, sys_argv: list[str] | None = None) -> None:
   """Registers the CLI flags on `flag_values` (default: absl's global FLAGS)."""
   from absl import flags
@@ -380,12 +391,7 @@ if __name__ == "__main__":
     config_lib.quiet_logs()
     with config_lib.exit_on_config_error():
       report = main(argv)
-    if flags.FLAGS.json:
-      print(json.dumps(report, indent=2))
-    else:
-      print(markdown_table(report["results"], f"{report['name']} (Avg@{report['settings']['k']})"
-                           ) + f"\nreports: {pathlib.Path(flags.FLAGS.workdir).absolute()}/eval/"
-            f"{report['name']}.{{json,md}}")
+    print(report_text(report, flags.FLAGS.workdir, as_json=flags.FLAGS.json), flush=True)
     # Not returned: app.run would sys.exit() a returned report.
 
   app.run(_main, flags_parser=config_lib.parse_flags)

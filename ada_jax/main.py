@@ -31,8 +31,7 @@ def main(argv):
   del argv
   from ada_jax import config, distributed
 
-  config.quiet_logs()
-
+  config.quiet_logs()  # before JAX probes its platforms
   distributed.initialize(distributed.DistributedConfig.from_env())  # before any JAX use
   import jax
 
@@ -43,22 +42,25 @@ def main(argv):
 
   with distributed.exit_on_failure(), config.exit_on_config_error():
     summary = loop.run(_CONFIG.value, _WORKDIR.value)
-  if jax.process_index() != 0:
-    return EXIT_FINISHED if "after_rl" in summary else EXIT_STOPPED
+  text, code = report(summary, _WORKDIR.value)
+  if jax.process_index() == 0:
+    print(text, flush=True)
+  return code
+
+
+def report(summary: dict, workdir: str) -> tuple[str, int]:
+  """The closing lines on stdout and the exit code of a run with `loop.run`'s `summary`."""
   if "after_rl" not in summary:  # stopped early: say so, not "done"
-    print(f"stopped by {summary.get('stopped_by', 'a signal')} after RL step "
-          f"{summary['steps_done']} with a checkpoint; run the same command again to resume "
-          f"(exit code {EXIT_STOPPED}). Files: {_WORKDIR.value}", flush=True)
-    return EXIT_STOPPED
+    return (f"stopped by {summary.get('stopped_by', 'a signal')} after RL step "
+            f"{summary['steps_done']} with a checkpoint; run the same command again to "
+            f"resume (exit code {EXIT_STOPPED}). Files: {workdir}"), EXIT_STOPPED
   before, after = summary.get("before_rl", {}), summary["after_rl"]
   scores = "".join(f"\n  {k}: {before.get(k, float('nan')):.4f} -> {v:.4f}"
                    for k, v in after.items() if "avg@" in k)
   held_out = (f"; held-out before -> after RL:{scores}" if scores else
               " (no held-out benchmarks: config.eval.benchmarks is empty)")
-  print(f"done: {summary['steps_done']} RL steps{held_out}\n"
-        f"  details: {_WORKDIR.value}/summary.json, metrics.jsonl, eval/, tensorboard/",
-        flush=True)
-  return EXIT_FINISHED
+  return (f"done: {summary['steps_done']} RL steps{held_out}\n"
+          f"  details: {workdir}/summary.json, metrics.jsonl, eval/, tensorboard/"), EXIT_FINISHED
 
 
 if __name__ == "__main__":

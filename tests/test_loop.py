@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ada_jax import config as config_lib
-from ada_jax import loop
+from ada_jax import evaluate, loop
 from configs import tiny_arith_pos
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -165,3 +165,29 @@ def test_bad_config_fails_before_any_compile(tmp_path, edit, match):
     loop.run(c, str(tmp_path / "run"))
   assert loop._COMPILES[0] == before
   assert not (tmp_path / "run").exists()  # nothing written for a config that cannot run
+
+
+def test_evaluate_cli_reuses_the_runs_results(reference_run, tmp_path):
+  """`python -m ada_jax.evaluate --checkpoint=STEP` on a run's own checkpoint: the results the
+  run's held-out evaluation after RL cached for that step are reused (nothing sampled, the
+  cache does not grow), the run's report stays the only one for it, and `--json` prints
+  the report on stdout; logs at WARNING, as main's."""
+  workdir = reference_run[0]
+  eval_dir = workdir / "eval"
+  cache = (eval_dir / "cache.jsonl").read_text()
+  own = json.loads((eval_dir / "step_4.json").read_text())
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  proc = subprocess.run(
+      [sys.executable, "-m", "ada_jax.evaluate", f"--config={_write_config(tmp_path, 4)}",
+       f"--workdir={workdir}", "--checkpoint=4", "--json"], cwd=ROOT, env=env,
+      capture_output=True, text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  report = json.loads(proc.stdout)
+  assert report["results"] == own["results"] and report["model"] == own["model"]
+  assert report["name"] == "step_4"
+  assert (eval_dir / "cache.jsonl").read_text() == cache  # every result from the cache
+  assert sorted(p.name for p in eval_dir.iterdir()) == [
+      "cache.jsonl", "step_0.json", "step_0.md", "step_4.json", "step_4.md"]
+  assert not [line for line in proc.stderr.splitlines() if line.startswith("I1")]
+  text = evaluate.report_text(report, workdir)
+  assert "| arith | 16 |" in text and text.endswith(f"{eval_dir}/step_4.{{json,md}}")
