@@ -102,6 +102,10 @@ def test_run_writes_metrics_checkpoints_summary(reference_run):
   assert _steps_saved(workdir) == [0, 2, 4]  # keep = 3
   assert summary["steps_done"] == 4
   assert "eval/arith/avg@2" in summary["before_rl"] and "eval/arith/avg@2" in summary["after_rl"]
+  assert "stopped_by" not in summary
+  # One name per figure: the controller's statistics the loop logs are not repeated.
+  assert not {"ada/reward_mean", "ada/zero_signal_fraction", "ada/rows_requested"} & set(lines[0])
+  assert lines[0]["ada/rows_selected"] == 8 * 4  # B prompts × n kept
   assert json.loads((workdir / "summary.json").read_text())["steps_done"] == 4
   assert list((workdir / "tensorboard").iterdir())
 
@@ -134,7 +138,9 @@ def test_resume_after_kill9_repeats_the_uninterrupted_run(reference_run, tmp_pat
 
 
 @pytest.mark.slow
-def test_sigterm_saves_and_exits_zero(tmp_path):
+def test_sigterm_saves_and_exits_75(tmp_path):
+  """A preemption notice: checkpoint after the current step, the log names SIGTERM, and the
+  exit code says "stopped, resumable" (75), not "finished" (0)."""
   workdir = tmp_path / "run"
   proc = _launch(tmp_path, workdir, steps=50)
   deadline = time.time() + 600
@@ -142,9 +148,11 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
     time.sleep(0.2)
   proc.send_signal(signal.SIGTERM)
   out, _ = proc.communicate(timeout=300)
-  assert proc.returncode == 0, out[-3000:]
+  assert proc.returncode == 75, out[-3000:]
   last = _metrics(workdir)[-1]["step"]
   assert last < 50 and _steps_saved(workdir)[-1] == last
+  assert f"SIGTERM: saved checkpoint {last}, exiting" in out
+  assert json.loads((workdir / "summary.json").read_text())["stopped_by"] == "SIGTERM"
 
 
 @pytest.mark.parametrize("edit,match", [
