@@ -199,3 +199,19 @@ def test_evaluate_cli_reuses_the_runs_results(reference_run, tmp_path):
   assert not [line for line in proc.stderr.splitlines() if line.startswith("I1")]
   text = evaluate.report_text(report, workdir)
   assert "| arith | 16 |" in text and text.endswith(f"{eval_dir}/step_4.{{json,md}}")
+
+
+def test_offline_benchmarks_fail_before_any_compile_naming_eval_manual_dir(tmp_path, monkeypatch):
+  from ada_jax import data
+
+  monkeypatch.setattr(data, "reachable", lambda url, timeout_s=3.0: False)
+  monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "tfds"))
+  c = tiny_config()
+  c.eval.benchmarks = ("arith", "aime24")
+  c.eval.manual_dir = ""
+  before = loop._COMPILES[0]
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"config\.eval\.benchmarks \(aime24\): aime24: aime24_test\.jsonl not in"
+                           r".*unreachable.*set config\.eval\.manual_dir"):
+    loop.run(c, str(tmp_path / "run"))
+  assert loop._COMPILES[0] == before and not (tmp_path / "run").exists()
