@@ -231,9 +231,10 @@ class StepStats:
   def as_metrics(self, prefix: str = "ada/") -> dict[str, float]:
     """Flat scalar metrics for logging (per-round entries suffixed _r1, _r2, ...).
 
-    `rows_requested`, `zero_signal_fraction` and `reward_mean` are left out: the training
-    loop logs them under its own names (`samples_drawn`, `zero_signal_frac`,
-    `reward_mean`), and a figure has one name in `metrics.jsonl`.
+    `rows_requested`, `zero_signal_fraction`, `reward_mean` and the prompts per round are
+    left out: the training loop logs them under its own names (`samples_drawn`,
+    `zero_signal_frac`, `reward_mean`, `active_prompts_per_round`), and a figure has one
+    name in `metrics.jsonl`.
     """
     out = {
       f"{prefix}{k}": float(getattr(self, k))
@@ -241,9 +242,8 @@ class StepStats:
     }
     out[f"{prefix}rounds"] = float(len(self.samples_per_round))
     out[f"{prefix}samples_per_prompt"] = self.rows_requested / max(self.num_prompts, 1)
-    for r, (s, a) in enumerate(zip(self.samples_per_round, self.active_per_round, strict=True), 1):
+    for r, s in enumerate(self.samples_per_round, 1):
       out[f"{prefix}samples_r{r}"] = float(s)
-      out[f"{prefix}active_r{r}"] = float(a)
     return out
 
 

@@ -332,8 +332,9 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
                                         pretrained=str(model_dir) if model_dir else None)
   logging.info("run state from %s", source)
   if source.startswith("checkpoint"):
-    metrics_lib.console(f"resuming from step {int(run_state.host['step'])} ({source} in "
-                        f"{workdir}/checkpoints)")
+    resumed = int(run_state.host["step"])
+    metrics_lib.console(f"resuming from step {resumed} (checkpoint {workdir}/checkpoints/"
+                        f"{resumed})")
   if not source.startswith("checkpoint"):
     # Step 0 (the warm-started policy, its held-out score) is saved at once, so a restart
     # never repeats the warm start and other runs can `init_from` this folder's step 0.

@@ -89,8 +89,9 @@ class MetricsWriter:
                      dynamic_ncols=True)
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float | int]:
-    """Records one step. Non-scalar values (lists, e.g. per-round counts) go to the JSONL
-    only; NaN/inf become null. Returns the scalar metrics written."""
+    """Records one step. A list (e.g. per-round counts) is one JSONL field, and one
+    TensorBoard scalar per entry (`<name>/1`, `<name>/2`, ...); NaN/inf become null.
+    Returns the scalar metrics written."""
     scalars = {k: v for k, v in ((k, _scalar(v)) for k, v in metrics.items()) if v is not None}
     if not self.primary:
       return scalars
@@ -102,6 +103,8 @@ class MetricsWriter:
     with open(self.path, "a") as f:
       f.write(json.dumps(record) + "\n")
     self.add_scalars(step, scalars)
+    self.add_scalars(step, {f"{k}/{i}": x for k, v in record.items() if isinstance(v, list)
+                            for i, x in enumerate(v, 1)})
     self._bar.update(step - self._bar.n)
     self._bar.set_postfix({k: f"{scalars[k]:.3g}" for k in self.show if k in scalars})
     return scalars

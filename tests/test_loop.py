@@ -104,7 +104,8 @@ def test_run_writes_metrics_checkpoints_summary(reference_run):
   assert "eval/arith/avg@2" in summary["before_rl"] and "eval/arith/avg@2" in summary["after_rl"]
   assert "stopped_by" not in summary
   # One name per figure: the controller's statistics the loop logs are not repeated.
-  assert not {"ada/reward_mean", "ada/zero_signal_fraction", "ada/rows_requested"} & set(lines[0])
+  assert not {"ada/reward_mean", "ada/zero_signal_fraction", "ada/rows_requested",
+              "ada/active_r1"} & set(lines[0])
   assert lines[0]["ada/rows_selected"] == 8 * 4  # B prompts × n kept
   assert json.loads((workdir / "summary.json").read_text())["steps_done"] == 4
   assert list((workdir / "tensorboard").iterdir())

@@ -86,3 +86,12 @@ def test_tensorboard_restart_at_step_0_rewrites_the_held_out_scores_once(tmp_pat
   w.close()
   assert _tensorboard_steps(tmp_path / "tensorboard", "eval/arith/avg_at_2") == [0]
   assert _tensorboard_steps(tmp_path / "tensorboard", "loss") == [1]
+
+
+def test_a_list_is_one_jsonl_field_and_a_tensorboard_scalar_per_entry(tmp_path):
+  w = metrics.MetricsWriter(tmp_path, total_steps=1)
+  w.write(1, {"active_prompts_per_round": [8, 3], "eval/arith/avg@4": 0.5})
+  w.close()
+  assert metrics.read_jsonl(tmp_path / "metrics.jsonl")[0]["active_prompts_per_round"] == [8, 3]
+  assert _tensorboard_steps(tmp_path / "tensorboard", "active_prompts_per_round/2") == [1]
+  assert _tensorboard_steps(tmp_path / "tensorboard", "eval/arith/avg_at_4") == [1]
