@@ -16,8 +16,8 @@ killed at any moment, even by `kill -9`, restarts from its last complete checkpo
 last `keep` checkpoints are kept.
 
 Preemption and Ctrl-C: `stop_signals` turns SIGTERM and a first SIGINT into a flag; the
-loop polls `stop_requested` at each step boundary, saves, waits for the write, and returns
-so that the process exits 0.
+loop polls `stop_requested` at each step boundary, saves, waits for the write, and returns;
+`ada_jax.main` then exits with code 75 ("stopped, resumable").
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ for responses round by round through `draw`, which lays the requested rows out f
 chunked sampler and scores them with the verifier pool; the selected responses and their
 advantages become a fixed-shape training batch (`make_train_batch`); `train.update_policy`
 runs k mini-batch updates; metrics go to JSONL/TensorBoard/console; the whole run state is
-checkpointed every `ckpt.every_steps` steps, at the end, and on SIGTERM.
+checkpointed every `ckpt.every_steps` steps, at the end, and on SIGTERM or Ctrl-C (the
+summary then names the signal, `stopped_by`, and has no `after_rl`).
 
 Determinism: the rollout key of step s is `fold_in(rollout_key, s)`, the host Generator,
 the prompt position and the Est statistics are checkpointed, so a run restarted from its
