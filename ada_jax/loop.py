@@ -336,7 +336,7 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
     resumed = int(run_state.host["step"])
     metrics_lib.console(f"resuming from step {resumed} (checkpoint {workdir}/checkpoints/"
                         f"{resumed})")
-  if not source.startswith("checkpoint"):
+  else:
     # Step 0 (the warm-started policy, its held-out score) is saved at once, so a restart
     # never repeats the warm start and other runs can `init_from` this folder's step 0.
     checkpoint.save(manager, 0, run_state)
