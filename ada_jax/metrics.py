@@ -100,11 +100,11 @@ class MetricsWriter:
       v = v.tolist() if isinstance(v, np.ndarray) else v
       record[k] = ([_scalar(x) for x in v] if isinstance(v, (list, tuple)) else
                    v if isinstance(v, str) else _scalar(v))
+    # TensorBoard first: a step with its JSONL line has its events on disk too.
+    self.add_scalars(step, {**scalars, **{f"{k}/{i}": x for k, v in record.items()
+                                          if isinstance(v, list) for i, x in enumerate(v, 1)}})
     with open(self.path, "a") as f:
       f.write(json.dumps(record) + "\n")
-    self.add_scalars(step, scalars)
-    self.add_scalars(step, {f"{k}/{i}": x for k, v in record.items() if isinstance(v, list)
-                            for i, x in enumerate(v, 1)})
     self._bar.update(step - self._bar.n)
     self._bar.set_postfix({k: f"{scalars[k]:.3g}" for k in self.show if k in scalars})
     return scalars
