@@ -288,24 +288,21 @@ class StepStats:
   pool_pass_rate: np.ndarray
 
   def as_metrics(self, prefix: str = "ada/") -> dict[str, float]:
-    """Flat scalar metrics for logging (per-round entries suffixed _r1, _r2, ...)."""
+    """Flat scalar metrics for logging (per-round entries suffixed _r1, _r2, ...).
+
+    `rows_requested`, `zero_signal_fraction`, `reward_mean` and the prompts per round are
+    left out: the training loop logs them under its own names (`samples_drawn`,
+    `zero_signal_frac`, `reward_mean`, `active_prompts_per_round`), and a figure has one
+    name in `metrics.jsonl`.
+    """
     out = {
       f"{prefix}{k}": float(getattr(self, k))
-      for k in (
-        "rows_requested",
-        "rows_selected",
-        "rows_useful",
-        "zero_signal_fraction",
-        "signal_fraction",
-        "mean_pool_size",
-        "reward_mean",
-      )
+      for k in ("rows_selected", "rows_useful", "signal_fraction", "mean_pool_size")
     }
     out[f"{prefix}rounds"] = float(len(self.samples_per_round))
     out[f"{prefix}samples_per_prompt"] = self.rows_requested / max(self.num_prompts, 1)
-    for r, (s, a) in enumerate(zip(self.samples_per_round, self.active_per_round, strict=True), 1):
+    for r, s in enumerate(self.samples_per_round, 1):
       out[f"{prefix}samples_r{r}"] = float(s)
-      out[f"{prefix}active_r{r}"] = float(a)
     return out
 
 

@@ -16,8 +16,8 @@ killed at any moment, even by `kill -9`, restarts from its last complete checkpo
 last `keep` checkpoints are kept.
 
 Preemption and Ctrl-C: `stop_signals` turns SIGTERM and a first SIGINT into a flag; the
-loop polls `stop_requested` at each step boundary, saves, waits for the write, and returns
-so that the process exits 0.
+loop polls `stop_requested` at each step boundary, saves, waits for the write, and returns;
+`ada_jax.main` then exits with code 75 ("stopped, resumable").
 """
 
 from __future__ import annotations
@@ -339,17 +339,30 @@ def generator_from_state(state: dict[str, Any]) -> np.random.Generator:
 # ----------------------------------------------------------------------------- preemption
 
 
+class StopRequest(threading.Event):
+  """The event `stop_signals` yields; `signal_name` is the first signal that set it
+  ('SIGTERM', 'SIGINT'), None while unset."""
+
+  signal_name: str | None = None
+
+  def request(self, signum: int) -> None:
+    if not self.is_set():
+      self.signal_name = signal.Signals(signum).name
+    self.set()
+
+
 @contextlib.contextmanager
-def stop_signals() -> Iterator[threading.Event]:
+def stop_signals() -> Iterator[StopRequest]:
   """While active, SIGTERM and a first Ctrl-C (SIGINT) set the yielded event instead of
-  killing the process; a second Ctrl-C interrupts at once (KeyboardInterrupt). The
-  previous handlers come back on exit (a notebook's interrupt keeps working afterwards).
+  killing the process; a second Ctrl-C interrupts at once (KeyboardInterrupt). The event
+  names the signal (`StopRequest.signal_name`). The previous handlers come back on exit (a
+  notebook's interrupt keeps working afterwards).
 
   The loop polls `stop_requested(event)` between steps, saves a checkpoint, waits for it
-  (`close`) and returns, so the process exits with code 0. Outside the main thread, where
-  Python cannot install handlers, the event is never set.
+  (`close`) and returns; `ada_jax.main` then exits with its "stopped, resumable" code.
+  Outside the main thread, where Python cannot install handlers, the event is never set.
   """
-  event = threading.Event()
+  event = StopRequest()
   if threading.current_thread() is not threading.main_thread():
     yield event
     return
@@ -357,12 +370,12 @@ def stop_signals() -> Iterator[threading.Event]:
   def on_sigint(signum, frame):
     if event.is_set():
       raise KeyboardInterrupt
-    event.set()
+    event.request(signum)
     print("\nCtrl-C: stopping after this RL step with a checkpoint (Ctrl-C again to abort)",
           file=sys.stderr, flush=True)
 
   previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-  signal.signal(signal.SIGTERM, lambda signum, frame: event.set())
+  signal.signal(signal.SIGTERM, lambda signum, frame: event.request(signum))
   signal.signal(signal.SIGINT, on_sigint)
   try:
     yield event

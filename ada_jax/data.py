@@ -20,6 +20,8 @@ import dataclasses
 import hashlib
 import json
 import pathlib
+import socket
+import urllib.parse
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -420,6 +422,14 @@ class AdaMath(tfds.core.GeneratorBasedBuilder):
       disable_shuffling=True,
     )
 
+  def _log_download_bytes(self) -> None:
+    # TFDS prints "Downloading and preparing dataset ..." to stdout even when every file is
+    # local; what is read from where is `builder`'s INFO line.
+    pass
+
+  def _log_download_done(self) -> None:
+    pass
+
   def _split_generators(self, dl_manager):
     spec = self.builder_config.spec
     try:
@@ -446,6 +456,84 @@ class AdaMath(tfds.core.GeneratorBasedBuilder):
       yield ex["prompt_id"], ex
 
 
+def reachable(url: str, timeout_s: float = 3.0) -> bool:
+  """Whether a TCP connection to `url`'s host (port 443/80) opens within `timeout_s`
+  seconds: one quick probe, so that an offline machine is told at once instead of after
+  TFDS's download retries (minutes)."""
+  parts = urllib.parse.urlsplit(url)
+  port = parts.port or (443 if parts.scheme == "https" else 80)
+  try:
+    with socket.create_connection((parts.hostname, port), timeout=timeout_s):
+      return True
+  except OSError:
+    return False
+
+
+def missing_files(spec: MathSetSpec, manual_dir: str | pathlib.Path | None) -> list[JsonlSource]:
+  """The files of `spec` (sources and excludes) that are not on disk: not in `manual_dir`
+  (relative names) or absent (absolute paths of user files)."""
+  out = []
+  for src in spec.sources + spec.exclude:
+    path = pathlib.Path(src.file)
+    if not path.is_absolute():
+      path = pathlib.Path(manual_dir) / src.file if manual_dir else None
+    if path is None or not path.is_file():
+      out.append(src)
+  return list(dict.fromkeys(out))
+
+
+def check_available(
+  spec: str | MathSetSpec,
+  *,
+  data_dir: str | pathlib.Path,
+  manual_dir: str | pathlib.Path | None = None,
+) -> None:
+  """Fails fast when `builder` could not prepare `spec`: not yet prepared in `data_dir`,
+  and a file neither in `manual_dir` nor downloadable (no URL, or its host unreachable by
+  one `reachable` probe). Nothing is probed when all files are local or the data set is
+  prepared already.
+
+  Raises:
+    ValueError: unknown name.
+    FileNotFoundError: a user file does not exist, or a file without URL is missing.
+    ConnectionError: offline and files missing; the message names them.
+  """
+  b = _builder(spec, data_dir)
+  if not _prepared(b):
+    _check_files(b.builder_config.spec, manual_dir)
+
+
+def _check_files(spec: MathSetSpec, manual_dir: str | pathlib.Path | None) -> None:
+  missing = missing_files(spec, manual_dir)
+  where = f"the manual directory {manual_dir}" if manual_dir else "a manual directory (none set)"
+  for src in missing:
+    if pathlib.Path(src.file).is_absolute():
+      raise FileNotFoundError(f"{src.file}: no such JSONL file")
+    if src.url is None:
+      raise FileNotFoundError(f"{src.file}: not in {where} and no URL to download it from")
+  names = ", ".join(src.file for src in missing)
+  for url in dict.fromkeys(src.url for src in missing):
+    if not reachable(url):
+      host = urllib.parse.urlsplit(url).hostname
+      raise ConnectionError(f"{spec.name}: {names} not in {where}, and {host} is unreachable "
+                            "(offline?)")
+
+
+def _prepared(b: AdaMath) -> bool:
+  # `is_prepared()` logs a warning for a folder that does not exist yet.
+  return (b.data_path / "dataset_info.json").exists()
+
+
+def _builder(spec: str | MathSetSpec, data_dir: str | pathlib.Path) -> AdaMath:
+  if isinstance(spec, str):
+    if spec not in SETS:
+      raise ValueError(f"unknown data set {spec!r}; known: {sorted(SETS)}")
+    config = spec
+  else:
+    config = make_config(spec)
+  return AdaMath(config=config, data_dir=str(data_dir), file_format="array_record")
+
+
 def builder(
   spec: str | MathSetSpec,
   *,
@@ -457,7 +545,7 @@ def builder(
   Args:
     spec: a `SETS` name or a spec (e.g. from `user_jsonl_spec`).
     data_dir: TFDS data directory (prepared array_record files live here).
-    manual_dir: folder with the JSONL files; None: download.
+    manual_dir: folder with the JSONL files; files it lacks are downloaded.
 
   Returns:
     The builder; `builder.as_data_source(split)` gives random access to raw examples.
@@ -465,14 +553,16 @@ def builder(
   Raises:
     ValueError: unknown name, or a malformed file (`file:line`).
     FileNotFoundError: a file is neither in `manual_dir` nor downloadable.
+    ConnectionError: files to download and no network (`check_available`, in seconds).
   """
-  if isinstance(spec, str):
-    if spec not in SETS:
-      raise ValueError(f"unknown data set {spec!r}; known: {sorted(SETS)}")
-    config = spec
-  else:
-    config = make_config(spec)
-  b = AdaMath(config=config, data_dir=str(data_dir), file_format="array_record")
+  b = _builder(spec, data_dir)
+  if not _prepared(b):
+    spec = b.builder_config.spec
+    _check_files(spec, manual_dir)
+    missing = [src.file for src in missing_files(spec, manual_dir)]
+    logging.info("preparing %s/%s in %s: reading %s%s", b.name, spec.name, data_dir,
+                 manual_dir or "no manual directory",
+                 f", downloading {', '.join(missing)}" if missing else "")
   b.download_and_prepare(
     download_config=tfds.download.DownloadConfig(manual_dir=manual_dir and str(manual_dir))
   )

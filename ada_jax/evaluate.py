@@ -1,8 +1,11 @@
 """Evaluation reports and the evaluation CLI, on top of `ada_jax.benchmarks` (the core).
 
 `run` loads the benchmarks, starts one verifier pool per judge, evaluates with the resumable
-results cache `<workdir>/eval/cache.jsonl` and writes `<workdir>/eval/<name>.json` and `.md`;
-the training loop calls it before RL, every `eval.every_steps` steps and at the end.
+results cache `<workdir>/eval/cache.jsonl` and writes `<workdir>/eval/<name>.json` and `.md`
+(never over a report of other weights or settings); the training loop calls it before RL,
+every `eval.every_steps` steps and at the end. A run's checkpoint at step s has one cache
+identity (`checkpoint_tag`) whether the loop or the CLI evaluates it, so either reuses the
+other's finished batches.
 
 The CLI evaluates a Hugging Face folder (or Hub id) or an orbax checkpoint of a run. The
 experiment config (`--config`, parsed by `config.parse` as for training) gives the `eval`
@@ -12,6 +15,10 @@ settings, the architecture (`model`), the tokenizer and the mesh; `--benchmarks`
 
   python -m ada_jax.evaluate --config=configs/x.py --workdir=DIR --checkpoint=STEP
   python -m ada_jax.evaluate --workdir=DIR --hf_dir=PATH --benchmarks=math500,aime24 --k=32
+
+The CLI prints the results table (Markdown) on stdout, or the report as JSON with `--json`;
+logs go to stderr at WARNING, as `ada_jax.main`'s. Exit codes: 0 done, 2 a bad flag or
+config field (one line), 1 a failure.
 """
 
 from __future__ import annotations
@@ -62,6 +69,38 @@ def markdown_table(results: Mapping[str, Mapping[str, float]], title: str = "") 
   return "\n".join(lines) + "\n"
 
 
+def checkpoint_tag(directory: str | os.PathLike, step: int) -> str:
+  """The cache identity of the weights of checkpoint `step` in the orbax folder
+  `directory` (the step apart from its folder, as the cache has always keyed it)."""
+  return f"checkpoint:{pathlib.Path(directory).absolute()}:{int(step)}"
+
+
+def run_model_tag(workdir: str | os.PathLike, step: int) -> str:
+  """The cache identity of a training run's policy after RL step `step` (its checkpoint
+  `<workdir>/checkpoints/<step>`): the training loop's held-out evaluations and the CLI's
+  `--checkpoint=step` share it, so one reuses the other's results."""
+  return checkpoint_tag(pathlib.Path(workdir) / "checkpoints", step)
+
+
+def report_name(out_dir: pathlib.Path, name: str, model_tag: str,
+                settings: Mapping[str, Any]) -> str:
+  """`name`, or `name.2`, `name.3`, ... : the first whose report is absent or is of the same
+  model and settings (the same evaluation, its numbers from the cache), so a report never
+  replaces one of other weights or settings."""
+  candidate, i = name, 1
+  while (out_dir / f"{candidate}.json").exists():
+    try:
+      old = json.loads((out_dir / f"{candidate}.json").read_text())
+    except (OSError, json.JSONDecodeError):
+      old = {}
+    if old.get("model") == model_tag and old.get("settings") == json.loads(
+        json.dumps(settings)):
+      break
+    i += 1
+    candidate = f"{name}.{i}"
+  return candidate
+
+
 def run(
   config: EvalConfig,
   workdir: str | os.PathLike,
@@ -85,13 +124,14 @@ def run(
     workdir: run directory.
     params, model_config, tokenizer: the model.
     model_tag: identity of the model in the cache (path and version of its weights).
-    name: file name stem of the reports, e.g. 'step_1000' or 'hf_Llama-3.2-3B-Instruct'.
+    name: file name stem of the reports, e.g. 'step_1000' or 'hf_Llama-3.2-3B-Instruct';
+      `report_name` adds '.2', '.3', ... where a report of other weights or settings has it.
     mesh: sampler mesh or None.
     progress: tqdm bars.
 
   Returns:
-    The report written to the JSON file: `model`, `name`, `settings`, `results`,
-    `dropped_over_max_prompt_tokens` (per benchmark), `wall_s`.
+    The report written to the JSON file: `model`, `name` (the file stem used), `settings`,
+    `results`, `dropped_over_max_prompt_tokens` (per benchmark), `wall_s`.
 
   Raises:
     ConfigError: the largest prompt bucket plus `max_new_tokens` exceed the model's
@@ -120,10 +160,12 @@ def run(
     results = benchmarks_lib.evaluate(
       *model, benchmarks, config, jax.random.key(config.seed), scorers, **kw
     )
+  settings = dataclasses.asdict(config)
+  name = report_name(out_dir, name, model_tag, settings)
   report = {
     "model": model_tag,
     "name": name,
-    "settings": dataclasses.asdict(config),
+    "settings": settings,
     "results": results,
     "dropped_over_max_prompt_tokens": {b.name: b.prompts.num_dropped for b in benchmarks},
     "wall_s": round(time.perf_counter() - start, 2),
@@ -244,6 +286,17 @@ def load_model(
   return LoadedModel(params, model_config, tokenizer, tag)
 
 
+def report_text(report: Mapping[str, Any], workdir: str | os.PathLike, *,
+                as_json: bool = False) -> str:
+  """What the CLI prints on stdout: the results table (Markdown) and where the report
+  files are, or with `as_json` the report itself as JSON (for scripts)."""
+  if as_json:
+    return json.dumps(report, indent=2)
+  title = f"{report['name']} (Avg@{report['settings']['k']})"
+  files = pathlib.Path(workdir).absolute() / "eval" / f"{report['name']}.{{json,md}}"
+  return f"{markdown_table(report['results'], title)}\nreports: {files}"
+
+
 def define_flags(flag_values=None, sys_argv: list[str] | None = None) -> None:
   """Registers the CLI flags on `flag_values` (default: absl's global FLAGS)."""
   from absl import flags
@@ -267,6 +320,8 @@ def define_flags(flag_values=None, sys_argv: list[str] | None = None) -> None:
     (flags.DEFINE_integer, "limit", "Only the first N problems of each benchmark."),
   ):
     define(name, None, help_, flag_values=fv)
+  flags.DEFINE_bool("json", False, "Print the report as JSON on stdout instead of the table.",
+                    flag_values=fv)
 
 
 def main(argv: Sequence[str], flag_values=None) -> dict[str, Any]:
@@ -316,8 +371,8 @@ def main(argv: Sequence[str], flag_values=None) -> dict[str, Any]:
     except FileNotFoundError as e:
       raise config_lib.ConfigError(f"--checkpoint={fv.checkpoint}: {e}") from None
     model = load_model(cfg, mesh, checkpoint_path=ckpt, tokenizer_dir=fv.tokenizer_dir)
-    # The step apart from its folder: the tag the evaluation cache has always used.
-    tag, name = f"checkpoint:{directory}:{fv.checkpoint}", f"step_{fv.checkpoint}"
+    # The training loop's tag for the same step: its cached results are reused.
+    tag, name = checkpoint_tag(directory, fv.checkpoint), f"step_{fv.checkpoint}"
   return run(
     config,
     fv.workdir,
@@ -337,7 +392,12 @@ if __name__ == "__main__":
   config_lib.make_configs_importable()
 
   def _main(argv):
+    from absl import flags
+
+    config_lib.quiet_logs()
     with config_lib.exit_on_config_error():
-      main(argv)  # not returned: app.run would sys.exit() a returned report
+      report = main(argv)
+    print(report_text(report, flags.FLAGS.workdir, as_json=flags.FLAGS.json), flush=True)
+    # Not returned: app.run would sys.exit() a returned report.
 
   app.run(_main, flags_parser=config_lib.parse_flags)

@@ -5,7 +5,8 @@ for responses round by round through `draw`, which lays the requested rows out f
 chunked sampler and scores them with the verifier pool; the selected responses and their
 advantages become a fixed-shape training batch (`make_train_batch`); `train.update_policy`
 runs k mini-batch updates; metrics go to JSONL/TensorBoard/console; the whole run state is
-checkpointed every `ckpt.every_steps` steps, at the end, and on SIGTERM.
+checkpointed every `ckpt.every_steps` steps, at the end, and on SIGTERM or Ctrl-C (the
+summary then names the signal, `stopped_by`, and has no `after_rl`).
 
 Determinism: the rollout key of step s is `fold_in(rollout_key, s)`; the root key it comes
 from, the host Generator, the prompt position and the Est statistics are checkpointed and
@@ -103,11 +104,8 @@ def load_prompts(cfg: config_lib.RunConfig, tokenizer: Tokenizer) -> prompts.Pro
       examples = data.load_examples(spec, d.split, data_dir=data_dir,
                                     manual_dir=d.manual_dir or None)
     except (OSError, ValueError) as e:  # a bad file (named, with its line) or no network
-      network = isinstance(e, OSError) and not isinstance(e, FileNotFoundError)
-      hint = ("; offline, set config.data.manual_dir to the folder with the JSONL files "
-              "(MATH500's too, or config.data.exclude_math500=False)"
-              if network and not d.manual_dir else "")
-      raise ConfigError(f"config.data: {' '.join(str(e).split())}{hint}") from None
+      raise ConfigError(f"config.data: {' '.join(str(e).split())}"
+                        f"{_offline_hint(e, 'config.data.manual_dir')}") from None
     style = d.prompt_style
   ps = prompts.build_prompts(examples, tokenizer, style=style,
                              max_prompt_tokens=d.max_prompt_tokens)
@@ -118,6 +116,33 @@ def load_prompts(cfg: config_lib.RunConfig, tokenizer: Tokenizer) -> prompts.Pro
     raise ConfigError(f"config.rl.batch_prompts ({cfg.rl.batch_prompts}) exceeds the "
                      f"{len(ps)} usable training prompts")
   return ps
+
+
+def _offline_hint(error: Exception, field: str) -> str:
+  if not isinstance(error, ConnectionError):
+    return ""
+  return (f"; set {field} to a folder with these JSONL files (a folder shared/data beside "
+          "the checkout is the configs' default when present)")
+
+
+def check_eval_data(cfg: config_lib.RunConfig) -> None:
+  """Fails before any compile when a maths benchmark of `cfg.eval` can neither be read
+  from `eval.manual_dir` nor downloaded (`data.check_available`).
+
+  Raises:
+    ConfigError: naming `config.eval.manual_dir` (offline) or `config.eval.benchmarks`.
+  """
+  e = cfg.eval
+  data_dir = e.data_dir or os.environ.get("TFDS_DATA_DIR") or str(
+      pathlib.Path.home() / "tensorflow_datasets")
+  for name in e.benchmarks:
+    if name not in data.SETS:
+      continue  # 'arith' is generated, unknown names fail in `benchmarks.load_examples`
+    try:
+      data.check_available(name, data_dir=data_dir, manual_dir=e.manual_dir or None)
+    except OSError as err:
+      raise ConfigError(f"config.eval.benchmarks ({name}): {err}"
+                        f"{_offline_hint(err, 'config.eval.manual_dir')}") from None
 
 
 def make_train_batch(result: adaptive.StepResult, responses: dict[str, np.ndarray],
@@ -209,13 +234,20 @@ class _Rollouts:
 
 
 def _heldout_eval(cfg, workdir, tokenizer, params, model_cfg, step) -> dict[str, float]:
-  """`cfg.eval` benchmarks of the current policy (report in workdir/eval/step_<step>.*)."""
+  """`cfg.eval` benchmarks of the current policy (report in workdir/eval/step_<step>.*),
+  with a progress bar and a closing line on the console."""
   if not cfg.eval.benchmarks:
     return {}
+  primary = jax.process_index() == 0
+  metrics_lib.console(f"held-out evaluation at RL step {step}: "
+                      f"{', '.join(cfg.eval.benchmarks)} (Avg@{cfg.eval.k})")
   results = evaluate.run(cfg.eval, workdir, params=params, model_config=model_cfg,
-                         tokenizer=tokenizer, model_tag=f"{workdir}@{step}",
-                         name=f"step_{step}", progress=False)["results"]
-  return benchmarks.flat_metrics(results)
+                         tokenizer=tokenizer, model_tag=evaluate.run_model_tag(workdir, step),
+                         name=f"step_{step}", progress=primary)["results"]
+  flat = benchmarks.flat_metrics(results)
+  metrics_lib.console(f"held-out at RL step {step}: " + ", ".join(
+      f"{k.removeprefix('eval/')} {v:.4f}" for k, v in flat.items() if "avg@" in k))
+  return flat
 
 
 def run(config, workdir: str) -> dict[str, Any]:
@@ -258,6 +290,7 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
     raise ConfigError(f"config.rl.batch_prompts ({cfg.rl.batch_prompts}) with config.train "
                       f"and config.mesh: {e}") from None
   ps = load_prompts(cfg, tokenizer)
+  check_eval_data(cfg)
   ppc = cfg.prompts_per_chunk
   if not cfg.sampler.prompts_per_chunk:  # derived: round up to the rows' mesh axes
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -287,9 +320,13 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
     if params is None:
       params = model_lib.init_params(model_cfg, init_key)
       if cfg.warmstart is not None:
-        params, ws = warmstart_lib.warm_start(model_cfg, params, tokenizer, cfg.warmstart)
+        params, ws = warmstart_lib.warm_start(model_cfg, params, tokenizer, cfg.warmstart,
+                                              progress=jax.process_index() == 0)
+        metrics_lib.console(warmstart_lib.describe(ws, cfg.warmstart))
         host["warmstart"] = {"wall_s": float(ws["wall_s"]),
-                             "final_loss": float(np.mean(ws["loss"][-20:]))}
+                             "final_loss": float(np.mean(ws["loss"][-20:])),
+                             "steps_run": int(ws["steps_run"]),
+                             "reached_target": bool(ws["reached_target"])}
     host["before_rl"] = _heldout_eval(cfg, workdir, tokenizer, params, model_cfg, 0)
     state = train.init_train_state(model_cfg, train_cfg, params, mesh,
                                    ref_params=params if with_ref else None)
@@ -302,7 +339,11 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
                                         init_from=cfg.ckpt.init_from or None,
                                         pretrained=str(model_dir) if model_dir else None)
   logging.info("run state from %s", source)
-  if not source.startswith("checkpoint"):
+  if source.startswith("checkpoint"):
+    resumed = int(run_state.host["step"])
+    metrics_lib.console(f"resuming from step {resumed} (checkpoint {workdir}/checkpoints/"
+                        f"{resumed})")
+  else:
     # Step 0 (the warm-started policy, its held-out score) is saved at once, so a restart
     # never repeats the warm start and other runs can `init_from` this folder's step 0.
     checkpoint.save(manager, 0, run_state)
@@ -318,10 +359,12 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
   step_fn = train.make_train_step(model_cfg, train_cfg, mesh, with_ref=with_ref)
   writer = metrics_lib.MetricsWriter(workdir, total_steps=cfg.rl.steps, start_step=first,
                                      primary=jax.process_index() == 0)
+  if first == 0:
+    writer.add_scalars(0, host.get("before_rl", {}))
   verifier_cfg = VerifierConfig(judge=cfg.rl.judge, num_workers=cfg.rl.verifier_workers,
                                 timeout_s=cfg.rl.verifier_timeout_s)
   step = first
-  agreed = None
+  agreed = stopped_by = None
   with checkpoint.stop_signals() as stop, RewardPool(verifier_cfg) as pool:
     score = distributed.shared_scorer(pool.score)  # identical rewards on every process
     for step in range(first + 1, cfg.rl.steps + 1):
@@ -341,22 +384,27 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
         checkpoint.save(manager, step, checkpoint.RunState(train=state, rng=root, est=est,
                                                            host=host))
       if stopping:
-        writer.log_text(f"SIGTERM: saved checkpoint {step}, exiting")
+        # Another process's signal stops this one too (`stop_requested` combines them).
+        stopped_by = stop.signal_name or "a signal to another process"
+        writer.log_text(f"{stopped_by}: saved checkpoint {step}, exiting")
         break
   checkpoint.close(manager)
-  writer.close()
   summary = {"steps_done": step, "source": source, "warmstart": host.get("warmstart"),
              "before_rl": host.get("before_rl", {})}
+  if stopped_by is not None:
+    summary["stopped_by"] = stopped_by
   if jax.process_count() > 1:  # equal on every process (tests/test_distributed.py)
     summary["fingerprints"] = {"controller": agreed,
                                "params": distributed.local_fingerprint(state.params)}
-  if step == cfg.rl.steps:
+  if step == cfg.rl.steps and stopped_by is None:  # stopped: the rerun evaluates
     summary["after_rl"] = _heldout_eval(cfg, workdir, tokenizer, state.params, model_cfg, step)
+    writer.add_scalars(step, summary["after_rl"])
     if cfg.ckpt.export_hf:
       params = distributed.host_copy(state.params)  # collective: every process takes part
       if jax.process_index() == 0:
         checkpoint.export_hf(model_cfg, params, pathlib.Path(workdir) / "hf_final",
                              tokenizer=tokenizer)
+  writer.close()
   if jax.process_index() == 0:
     (pathlib.Path(workdir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
   return summary

@@ -3,10 +3,24 @@
 Thin on purpose (STYLE.md §1): parse flags, join the multi-process run if there is one
 (`ada_jax.distributed`, configured by environment variables), log the process/device
 facts, hand over to `ada_jax.loop.run`.
+
+Exit codes, for scripts and job schedulers:
+  0  (`EXIT_FINISHED`) all RL steps and the held-out evaluation after RL are done.
+  75 (`EXIT_STOPPED`, EX_TEMPFAIL) stopped by SIGTERM or a first Ctrl-C after an RL step,
+     with a checkpoint of it: run the same command again to resume.
+  2  (`EXIT_USAGE`) a bad flag or config field (one line naming it); nothing was run.
+  1  a failure (a traceback; with several processes, one line per process): the run
+     resumes from its last periodic checkpoint when started again.
+A second Ctrl-C interrupts at once without a new checkpoint (Python's KeyboardInterrupt,
+exit status 130 in a shell).
 """
 
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+EXIT_FINISHED = 0
+EXIT_STOPPED = 75
+EXIT_USAGE = 2
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
@@ -15,30 +29,38 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and m
 
 def main(argv):
   del argv
-  from ada_jax import distributed
+  from ada_jax import config, distributed
 
+  config.quiet_logs()  # before JAX probes its platforms
   distributed.initialize(distributed.DistributedConfig.from_env())  # before any JAX use
   import jax
 
-  if not flags.FLAGS["verbosity"].present:
-    # orbax and TFDS log every file they touch at INFO; the progress bar says what matters.
-    logging.set_verbosity(logging.WARNING)
   logging.warning("process %d/%d, %d local / %d global devices (%s)", jax.process_index(),
                   jax.process_count(), jax.local_device_count(), jax.device_count(),
                   jax.devices()[0].platform)
-  from ada_jax import config, loop
+  from ada_jax import loop
 
   with distributed.exit_on_failure(), config.exit_on_config_error():
     summary = loop.run(_CONFIG.value, _WORKDIR.value)
-  if "after_rl" not in summary:  # stopped early (SIGTERM): say so, not "done"
-    print(f"stopped after RL step {summary['steps_done']} with a checkpoint; run the same "
-          f"command again to resume. Files: {_WORKDIR.value}")
-    return
-  before, after = summary.get("before_rl", {}), summary.get("after_rl", {})
+  text, code = report(summary, _WORKDIR.value)
+  if jax.process_index() == 0:
+    print(text, flush=True)
+  return code
+
+
+def report(summary: dict, workdir: str) -> tuple[str, int]:
+  """The closing lines on stdout and the exit code of a run with `loop.run`'s `summary`."""
+  if "after_rl" not in summary:  # stopped early: say so, not "done"
+    return (f"stopped by {summary.get('stopped_by', 'a signal')} after RL step "
+            f"{summary['steps_done']} with a checkpoint; run the same command again to "
+            f"resume (exit code {EXIT_STOPPED}). Files: {workdir}"), EXIT_STOPPED
+  before, after = summary.get("before_rl", {}), summary["after_rl"]
   scores = "".join(f"\n  {k}: {before.get(k, float('nan')):.4f} -> {v:.4f}"
                    for k, v in after.items() if "avg@" in k)
-  print(f"done: {summary['steps_done']} RL steps; held-out before -> after RL:{scores}\n"
-        f"  details: {_WORKDIR.value}/summary.json, metrics.jsonl, eval/, tensorboard/")
+  held_out = (f"; held-out before -> after RL:{scores}" if scores else
+              " (no held-out benchmarks: config.eval.benchmarks is empty)")
+  return (f"done: {summary['steps_done']} RL steps{held_out}\n"
+          f"  details: {workdir}/summary.json, metrics.jsonl, eval/, tensorboard/"), EXIT_FINISHED
 
 
 if __name__ == "__main__":
@@ -46,4 +68,4 @@ if __name__ == "__main__":
 
   config.make_configs_importable()
   flags.mark_flags_as_required(["config", "workdir"])
-  app.run(main, flags_parser=config.parse_flags)
+  app.run(main, flags_parser=config.parse_flags)  # exits with main's return value

@@ -3,7 +3,8 @@
 Only the primary process (process 0) writes. On resume, lines of steps after the restored
 checkpoint (written before a crash, about to be recomputed) are moved to
 `metrics.orphaned.jsonl` rather than deleted, so the main file has one line per step and
-nothing written is lost.
+nothing written is lost; the TensorBoard writer starts with a `purge_step`, so TensorBoard
+hides those steps' events of the earlier event file and every curve has one point per step.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import json
 import math
 import os
 import pathlib
+import re
+import sys
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -45,7 +49,8 @@ class MetricsWriter:
     workdir: run directory (created if needed).
     total_steps: length of the progress bar (RL steps).
     start_step: the step the run resumes after (0 for a fresh run); lines with a larger
-      `step` are moved to `metrics.orphaned.jsonl`.
+      `step` are moved to `metrics.orphaned.jsonl`, and TensorBoard events of steps after
+      it (after 0 included, for a run restarted at step 0) are purged.
     primary: False on processes other than 0: nothing is written.
     show: keys shown in the progress bar's postfix.
   """
@@ -72,13 +77,21 @@ class MetricsWriter:
     from tensorboardX import SummaryWriter
     from tqdm.auto import tqdm
 
-    self._tb = SummaryWriter(str(self.path.parent / "tensorboard"))
+    # Events at steps >= purge_step in earlier event files are hidden by TensorBoard: those
+    # steps are about to be written again. Step 0 holds only the held-out scores before RL,
+    # which a run restarted at step 0 writes again too.
+    # The suffix keeps a restart within the same second from replacing the earlier file
+    # (named by the second) and sorts the files in the order they were started.
+    self._tb = SummaryWriter(str(self.path.parent / "tensorboard"),
+                             purge_step=start_step + 1 if start_step else 0,
+                             filename_suffix=f".{time.time_ns()}")
     self._bar = tqdm(total=total_steps, initial=start_step, desc="RL steps", unit="step",
                      dynamic_ncols=True)
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float | int]:
-    """Records one step. Non-scalar values (lists, e.g. per-round counts) go to the JSONL
-    only; NaN/inf become null. Returns the scalar metrics written."""
+    """Records one step. A list (e.g. per-round counts) is one JSONL field, and one
+    TensorBoard scalar per entry (`<name>/1`, `<name>/2`, ...); NaN/inf become null.
+    Returns the scalar metrics written."""
     scalars = {k: v for k, v in ((k, _scalar(v)) for k, v in metrics.items()) if v is not None}
     if not self.primary:
       return scalars
@@ -87,23 +100,53 @@ class MetricsWriter:
       v = v.tolist() if isinstance(v, np.ndarray) else v
       record[k] = ([_scalar(x) for x in v] if isinstance(v, (list, tuple)) else
                    v if isinstance(v, str) else _scalar(v))
+    # TensorBoard first: a step with its JSONL line has its events on disk too.
+    self.add_scalars(step, {**scalars, **{f"{k}/{i}": x for k, v in record.items()
+                                          if isinstance(v, list) for i, x in enumerate(v, 1)}})
     with open(self.path, "a") as f:
       f.write(json.dumps(record) + "\n")
-    for k, v in scalars.items():
-      self._tb.add_scalar(k, v, step)
     self._bar.update(step - self._bar.n)
     self._bar.set_postfix({k: f"{scalars[k]:.3g}" for k in self.show if k in scalars})
     return scalars
 
+  def add_scalars(self, step: int, metrics: Mapping[str, Any]) -> None:
+    """TensorBoard scalars only (e.g. held-out scores before and after RL, which have no
+    line of their own in `metrics.jsonl`; `summary.json` holds them). Flushed at once, so
+    a killed run's event file holds every step it finished. Tags are the metric names
+    with characters TensorBoard does not take replaced (`eval/arith/avg@4` ->
+    `eval/arith/avg_at_4`)."""
+    if not self.primary:
+      return
+    for k, v in metrics.items():
+      v = _scalar(v)
+      if v is not None:
+        self._tb.add_scalar(tensorboard_tag(k), v, step)
+    self._tb.flush()
+
   def log_text(self, message: str) -> None:
     """A line on the console that does not break the progress bar."""
     if self.primary:
-      self._bar.write(message)
+      console(message)
 
   def close(self) -> None:
     if self.primary:
       self._tb.close()
       self._bar.close()
+
+
+def tensorboard_tag(name: str) -> str:
+  """The TensorBoard tag of metric `name` (TensorBoard takes letters, digits, `_.-/`)."""
+  return re.sub(r"[^\w.\-/]", "_", name.replace("@", "_at_"))
+
+
+def console(message: str) -> None:
+  """A status line on stderr (beside the progress bars, without breaking them), from the
+  primary process only."""
+  import jax
+  from tqdm.auto import tqdm
+
+  if jax.process_index() == 0:
+    tqdm.write(message, file=sys.stderr)
 
 
 def plot_curves(runs: Mapping[str, Iterable[Mapping[str, Any]]], keys: Sequence[str],

@@ -285,6 +285,20 @@ def _length_bounds(task: arith.ArithConfig, tokenizer: Tokenizer) -> tuple[int, 
   return prompt, response
 
 
+def describe(metrics: dict[str, Any], config: WarmStartConfig) -> str:
+  """One line on how a warm start ended: at `target_accuracy` (stopped early) or after all
+  `config.steps`, with the last accuracy and loss (`metrics` as `warm_start` returns it)."""
+  acc, target = metrics["accuracy"], config.target_accuracy
+  on = f" on level {config.target_level}" if config.target_level else ""
+  loss = float(metrics["loss"][-1]) if len(metrics["loss"]) else float("nan")
+  head = f"warm start: {metrics['steps_run']} of {config.steps} steps, {metrics['wall_s']:.0f} s"
+  if metrics["reached_target"]:
+    return f"{head}: stopped early, accuracy{on} {acc:.2f} >= target {target} (loss {loss:.3f})"
+  shown = "n/a" if acc is None else f"{acc:.2f}"
+  goal = f", target {target} not reached" if target > 0 else ""
+  return f"{head}: accuracy{on} {shown}{goal} (loss {loss:.3f})"
+
+
 def warm_start(
   model_config: ModelConfig,
   params: Params,
@@ -312,8 +326,9 @@ def warm_start(
     `sequence_accuracy float32[S]` (teacher-forced, per step), `grad_norm float32[S]`
     (S = steps run), `level_accuracy` (level -> `float32[S // check_every]`, teacher-forced
     exact match of that level's problems per window of `check_every` steps), `steps_run`,
-    `reached_target` (stopped by `target_accuracy`), `wall_s` (seconds, compile included),
-    `examples` (count).
+    `reached_target` (stopped by `target_accuracy`), `accuracy` (the last window's exact
+    match on `target_level`, the figure compared with `target_accuracy`; None before the
+    first check), `wall_s` (seconds, compile included), `examples` (count).
 
   Raises:
     ValueError: bad settings (named as `WarmStartConfig` fields), or a tokenizer larger
@@ -339,7 +354,7 @@ def warm_start(
   # Copy so that donation never invalidates the caller's arrays.
   params = jax.tree.map(jnp.array, params)
   opt_state = optimizer.init(params)
-  history, reached = [], False
+  history, reached, accuracy = [], False, None
   bar = tqdm.trange(steps, desc="warm start", disable=not progress, leave=False)
   for i in bar:
     rows = slice(i * batch_size, (i + 1) * batch_size)
@@ -373,6 +388,7 @@ def warm_start(
     out["level_accuracy"][int(level)] = np.asarray(acc, np.float32)
   out["steps_run"] = len(history)
   out["reached_target"] = reached
+  out["accuracy"] = accuracy
   out["wall_s"] = time.perf_counter() - start
   out["examples"] = len(history) * batch_size
   return params, out

@@ -5,7 +5,21 @@ tokenizer, data, sampler, ada, rl, loss, optim, train, ckpt, warmstart, eval, me
 `ada_jax/config.py` for each field's meaning and checks).
 """
 
+import pathlib
+
 import ml_collections
+
+# A `shared` folder beside the checkout (the repository's parent folder) holding `data/`
+# (the maths JSONL files, see ada_jax/data.py) and `tokenizers/`: configs read it when it
+# is there, so that a run needs no network and no extra flag.
+SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"
+
+
+def shared_path(*parts: str) -> str:
+  """`SHARED/<parts>` if it exists, else '' (the field's default: download)."""
+  path = SHARED.joinpath(*parts)
+  return str(path) if path.exists() else ""
+
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -25,7 +39,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict()
   c.data.source = "math_train"  # 'arith', a data.SETS name, or 'jsonl'
   c.data.split = "train"  # split of a data.SETS source
-  c.data.manual_dir = ""  # folder with the maths JSONL files (offline TFDS preparation)
+  # Folder with the maths JSONL files; '' = download. Default: shared/data beside the checkout.
+  c.data.manual_dir = shared_path("data")
   c.data.data_dir = ""  # TFDS data dir; '' = TFDS default
   c.data.jsonl_paths = ()  # the user's JSONL prompt files (source 'jsonl')
   c.data.problem_field = "problem"  # field of the problem text in those files
@@ -98,7 +113,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval.k = 32  # Avg@k samples per problem (paper: 32)
   c.eval.max_new_tokens = 4096  # eval response budget (paper: 4096)
   c.eval.every_steps = 0  # 0 = only before and after RL
-  c.eval.manual_dir = ""  # maths JSONL folder for the eval sets (offline)
+  c.eval.manual_dir = shared_path("data")  # as data.manual_dir, for the eval sets
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1  # data-parallel axis; -1 = all remaining devices

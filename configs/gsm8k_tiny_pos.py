@@ -1,8 +1,12 @@
 """The real pipeline at real sequence lengths on a CPU: GSM8K prompts, the Llama 3
 tokenizer, a tiny random Llama-architecture model, math-verify rewards, Reinforce-Ada-pos.
 
-  python -m ada_jax.main --config=configs/gsm8k_tiny_pos.py --workdir=/tmp/ada_gsm8k \
-      --config.data.manual_dir=../shared/data
+  python -m ada_jax.main --config=configs/gsm8k_tiny_pos.py --workdir=/tmp/ada_gsm8k
+
+It needs the Llama 3 `tokenizer.json` in `shared/tokenizers/llama3/` beside the checkout
+(or `--config.tokenizer.dir=DIR`). The GSM8K files come from `shared/data/` beside the
+checkout when present (`common.shared_path`), else from `--config.data.manual_dir=DIR`,
+else they are downloaded from GitHub (openai/grade-school-math) on first use.
 
 The model is random (rewards are ~0: this checks plumbing, shapes and speed, not
 learning). Point `--config.model.hf_dir=DIR --config.model.preset=''` at a Hugging Face
@@ -19,7 +23,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.preset = "tiny-llama"
   c.model.dtype = "float32"
   c.model.overrides = ml_collections.ConfigDict(dict(vocab_size=128_256))
-  c.tokenizer.dir = "../shared/tokenizers/llama3"  # tokenizer.json only: no chat template
+  # tokenizer.json only (no chat template); a path that is absent is named by the error.
+  c.tokenizer.dir = str(common.SHARED / "tokenizers" / "llama3")
   c.tokenizer.eos_ids = (128001, 128009)
 
   c.data.source = "gsm8k"

@@ -4,7 +4,8 @@
 
 Weights and tokenizer come from `model.hf_dir` (a local Hugging Face folder, or the Hub id,
 downloaded when online). Training prompts: the MATH problems outside MATH500 through the
-TFDS builder (offline: `--config.data.manual_dir=DIR` with the JSONL files).
+TFDS builder (offline: `shared/data` beside the checkout, or `--config.data.manual_dir=DIR`
+with the JSONL files).
 
 Memory (experiments/memory_plan.py, results/memory_plan.json): 4-way tensor parallelism
 times FSDP over the remaining chips, remat, and one sequence per data-parallel group per

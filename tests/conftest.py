@@ -25,3 +25,14 @@ def shared_dir() -> pathlib.Path:
   if not (SHARED / "data").is_dir():
     pytest.skip(f"../shared not present at {SHARED}: real-data test skipped")
   return SHARED
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+  """`ada_jax.data`'s network probe answers "offline" without trying (where a test has
+  imported the module): no test reaches the network, and a missing file fails at once."""
+  import sys
+
+  data = sys.modules.get("ada_jax.data")
+  if data is not None:
+    monkeypatch.setattr(data, "reachable", lambda url, timeout_s=3.0: False)

@@ -116,7 +116,7 @@ def test_pos_retires_after_first_round_containing_a_positive():
   for p in range(3):
     np.testing.assert_array_equal(_group(res, p)[0], [1, 0, 0, 0])
   metrics = res.stats.as_metrics()
-  assert metrics["ada/samples_r2"] == 16 and metrics["ada/active_r3"] == 1
+  assert metrics["ada/samples_r2"] == 16 and metrics["ada/samples_r3"] == 8
   assert metrics["ada/samples_per_prompt"] == 16 and metrics["ada/rows_selected"] == 12
 
 

@@ -184,7 +184,7 @@ def test_bad_config_names_the_field():
 
 
 # A worker process: saves steps in a tight loop (params = base + step); SIGTERM makes it
-# save the current step and exit 0 at the next step boundary.
+# save the current step and stop at the next step boundary.
 _WORKER = textwrap.dedent("""
   import sys, time
   import jax
@@ -263,10 +263,18 @@ def test_stop_signals_restores_the_previous_handlers():
   with checkpoint.stop_signals() as stop:
     assert signal.getsignal(signal.SIGINT) is not before[0]
     signal.raise_signal(signal.SIGINT)  # the first one only asks to stop
-    assert stop.is_set()
+    assert stop.is_set() and stop.signal_name == "SIGINT"
     with pytest.raises(KeyboardInterrupt):
       signal.raise_signal(signal.SIGINT)  # the second one interrupts
   assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_stop_request_names_the_first_signal():
+  with checkpoint.stop_signals() as stop:
+    assert stop.signal_name is None
+    signal.raise_signal(signal.SIGTERM)
+    signal.raise_signal(signal.SIGTERM)
+    assert stop.is_set() and stop.signal_name == "SIGTERM"
 
 
 def test_kill_9_mid_save_leaves_the_last_complete_checkpoint(tmp_path):

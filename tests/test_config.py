@@ -55,7 +55,7 @@ def test_unknown_group_and_indivisible_minibatches():
     ("tiny_arith_pos.py", "--config.ada.method=reinforce", "ada_jax: config.ada"),
     ("tiny_arith_pos.py", "--config.rl.batchsize=3",
      "ada_jax: the config has no field named by config.rl.batchsize"),
-    ("no_such_config.py", "--config.rl.steps=3", "ada_jax: --config: "),
+    ("no_such_config.py", "--config.rl.steps=3", "ada_jax: --config="),
 ])
 def test_command_line_bad_config_is_one_line_exit_2_from_any_directory(
     tmp_path, config_name, override, message):

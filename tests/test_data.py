@@ -191,3 +191,74 @@ def test_user_set_cache_name_changes_with_the_math500_filter(tmp_path):
   user.write_text('{"problem": "1+1", "answer": "2"}\n')
   names = {data.user_jsonl_spec("u", [user], exclude_math500=flag).name for flag in (True, False)}
   assert len(names) == 2
+
+
+# --------------------------------------------------------------------------- offline
+
+
+def _tiny_gsm8k(folder, rows=3):
+  folder.mkdir(parents=True, exist_ok=True)
+  for split in ("train", "test"):
+    with open(folder / f"gsm8k_{split}.jsonl", "w") as f:
+      for i in range(rows):
+        f.write(json.dumps({"question": f"{split} {i}: 2 + {i}?", "answer": f"... #### {2 + i}"})
+                + "\n")
+  return folder
+
+
+def test_local_files_are_read_without_probe_or_download_banner(tmp_path, monkeypatch, capfd):
+  def probe(url, timeout_s=3.0):
+    raise AssertionError(f"probed {url} although every file is local")
+
+  monkeypatch.setattr(data, "reachable", probe)
+  manual = _tiny_gsm8k(tmp_path / "manual")
+  examples = data.load_examples("gsm8k", "train", data_dir=tmp_path / "tfds", manual_dir=manual)
+  assert [e["answer"] for e in examples] == ["2", "3", "4"]
+  out, err = capfd.readouterr()
+  assert "Downloading and preparing" not in out + err
+  assert "downloaded and prepared" not in out + err
+
+
+@pytest.mark.parametrize("manual", [None, "empty", "only_train"])
+def test_offline_and_files_missing_fails_at_once_naming_them(tmp_path, monkeypatch, manual):
+  probes = []
+  monkeypatch.setattr(data, "reachable", lambda url, timeout_s=3.0: probes.append(url) or False)
+  folder = None
+  if manual is not None:
+    folder = tmp_path / "manual"
+    folder.mkdir()
+    if manual == "only_train":
+      _tiny_gsm8k(folder)
+      (folder / "gsm8k_test.jsonl").unlink()
+  expected = "gsm8k_test.jsonl" if manual == "only_train" else "gsm8k_train.jsonl, gsm8k_test"
+  with pytest.raises(ConnectionError, match=f"{expected}.* not in .*unreachable"):
+    data.load_examples("gsm8k", "train", data_dir=tmp_path / "tfds", manual_dir=folder)
+  assert len(probes) == 1  # one probe, no download retries
+  assert not (tmp_path / "tfds" / "ada_math" / "gsm8k" / "1.0.0").exists()
+
+
+def test_prepared_data_needs_neither_files_nor_network(tmp_path, monkeypatch):
+  manual = _tiny_gsm8k(tmp_path / "manual")
+  data.load_examples("gsm8k", "test", data_dir=tmp_path / "tfds", manual_dir=manual)
+  monkeypatch.setattr(data, "reachable", lambda url, timeout_s=3.0: False)
+  shutil.rmtree(manual)
+  data.check_available("gsm8k", data_dir=tmp_path / "tfds", manual_dir=None)
+  assert len(data.load_examples("gsm8k", "test", data_dir=tmp_path / "tfds")) == 3
+
+
+_REACHABLE = data.reachable  # the module's own (tests/conftest.py patches it per test)
+
+
+def test_reachable_probes_one_local_port():
+  import socket
+
+  server = socket.socket()
+  server.bind(("127.0.0.1", 0))
+  server.listen(1)
+  port = server.getsockname()[1]
+  reachable = _REACHABLE
+  try:
+    assert reachable(f"http://127.0.0.1:{port}/x.jsonl", timeout_s=2.0)
+  finally:
+    server.close()
+  assert not reachable(f"http://127.0.0.1:{port}/x.jsonl", timeout_s=2.0)

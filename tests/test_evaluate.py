@@ -33,6 +33,31 @@ def test_markdown_table_lists_benchmarks_and_weighted_average():
   assert "| **weighted average** | 4 | 37.5 | 50.0 | 2 |" in table
 
 
+def test_a_report_never_replaces_one_of_other_weights_or_settings(tmp_path):
+  settings = {"benchmarks": ("arith",), "k": 4}
+  assert evaluate.report_name(tmp_path, "step_3", "checkpoint:/r/checkpoints:3", settings) == (
+    "step_3")
+  (tmp_path / "step_3.json").write_text(
+    json.dumps({"model": "checkpoint:/r/checkpoints:3", "settings": settings}))
+  # The same evaluation (its numbers from the cache) keeps its name.
+  assert evaluate.report_name(tmp_path, "step_3", "checkpoint:/r/checkpoints:3", settings) == (
+    "step_3")
+  other = evaluate.report_name(tmp_path, "step_3", "checkpoint:/other/checkpoints:3", settings)
+  assert other == "step_3.2"
+  (tmp_path / "step_3.2.json").write_text(json.dumps({"model": "x", "settings": settings}))
+  assert evaluate.report_name(tmp_path, "step_3", "checkpoint:/r/checkpoints:3",
+                              {**settings, "k": 8}) == "step_3.3"
+
+
+def test_loop_and_cli_share_the_cache_identity_of_a_step(tmp_path):
+  """The training loop tags step s of `workdir` as the CLI's `--checkpoint=s` does (with
+  the default `<workdir>/checkpoints`), whichever spelling of the folder is used."""
+  work = tmp_path / "run"
+  assert evaluate.run_model_tag(work, 7) == evaluate.checkpoint_tag(work / "checkpoints", 7)
+  assert evaluate.checkpoint_tag(work / "checkpoints", 7) != evaluate.checkpoint_tag(
+    work / "checkpoints", 8)
+
+
 # --------------------------------------------------------------------------- CLI
 
 

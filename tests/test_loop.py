@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ada_jax import config as config_lib
-from ada_jax import loop
+from ada_jax import evaluate, loop
 from configs import tiny_arith_pos
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -102,6 +102,11 @@ def test_run_writes_metrics_checkpoints_summary(reference_run):
   assert _steps_saved(workdir) == [0, 2, 4]  # keep = 3
   assert summary["steps_done"] == 4
   assert "eval/arith/avg@2" in summary["before_rl"] and "eval/arith/avg@2" in summary["after_rl"]
+  assert "stopped_by" not in summary
+  # One name per figure: the controller's statistics the loop logs are not repeated.
+  assert not {"ada/reward_mean", "ada/zero_signal_fraction", "ada/rows_requested",
+              "ada/active_r1"} & set(lines[0])
+  assert lines[0]["ada/rows_selected"] == 8 * 4  # B prompts × n kept
   assert json.loads((workdir / "summary.json").read_text())["steps_done"] == 4
   assert list((workdir / "tensorboard").iterdir())
 
@@ -134,7 +139,9 @@ def test_resume_after_kill9_repeats_the_uninterrupted_run(reference_run, tmp_pat
 
 
 @pytest.mark.slow
-def test_sigterm_saves_and_exits_zero(tmp_path):
+def test_sigterm_saves_and_exits_75(tmp_path):
+  """A preemption notice: checkpoint after the current step, the log names SIGTERM, and the
+  exit code says "stopped, resumable" (75), not "finished" (0)."""
   workdir = tmp_path / "run"
   proc = _launch(tmp_path, workdir, steps=50)
   deadline = time.time() + 600
@@ -142,9 +149,11 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
     time.sleep(0.2)
   proc.send_signal(signal.SIGTERM)
   out, _ = proc.communicate(timeout=300)
-  assert proc.returncode == 0, out[-3000:]
+  assert proc.returncode == 75, out[-3000:]
   last = _metrics(workdir)[-1]["step"]
   assert last < 50 and _steps_saved(workdir)[-1] == last
+  assert f"SIGTERM: saved checkpoint {last}, exiting" in out
+  assert json.loads((workdir / "summary.json").read_text())["stopped_by"] == "SIGTERM"
 
 
 @pytest.mark.parametrize("edit,match", [
@@ -165,3 +174,45 @@ def test_bad_config_fails_before_any_compile(tmp_path, edit, match):
     loop.run(c, str(tmp_path / "run"))
   assert loop._COMPILES[0] == before
   assert not (tmp_path / "run").exists()  # nothing written for a config that cannot run
+
+
+def test_evaluate_cli_reuses_the_runs_results(reference_run, tmp_path):
+  """`python -m ada_jax.evaluate --checkpoint=STEP` on a run's own checkpoint: the results the
+  run's held-out evaluation after RL cached for that step are reused (nothing sampled, the
+  cache does not grow), the run's report stays the only one for it, and `--json` prints
+  the report on stdout; logs at WARNING, as main's."""
+  workdir = reference_run[0]
+  eval_dir = workdir / "eval"
+  cache = (eval_dir / "cache.jsonl").read_text()
+  own = json.loads((eval_dir / "step_4.json").read_text())
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  proc = subprocess.run(
+      [sys.executable, "-m", "ada_jax.evaluate", f"--config={_write_config(tmp_path, 4)}",
+       f"--workdir={workdir}", "--checkpoint=4", "--json"], cwd=ROOT, env=env,
+      capture_output=True, text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  report = json.loads(proc.stdout)
+  assert report["results"] == own["results"] and report["model"] == own["model"]
+  assert report["name"] == "step_4"
+  assert (eval_dir / "cache.jsonl").read_text() == cache  # every result from the cache
+  assert sorted(p.name for p in eval_dir.iterdir()) == [
+      "cache.jsonl", "step_0.json", "step_0.md", "step_4.json", "step_4.md"]
+  assert not [line for line in proc.stderr.splitlines() if line.startswith("I1")]
+  text = evaluate.report_text(report, workdir)
+  assert "| arith | 16 |" in text and text.endswith(f"{eval_dir}/step_4.{{json,md}}")
+
+
+def test_offline_benchmarks_fail_before_any_compile_naming_eval_manual_dir(tmp_path, monkeypatch):
+  from ada_jax import data
+
+  monkeypatch.setattr(data, "reachable", lambda url, timeout_s=3.0: False)
+  monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "tfds"))
+  c = tiny_config()
+  c.eval.benchmarks = ("arith", "aime24")
+  c.eval.manual_dir = ""
+  before = loop._COMPILES[0]
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"config\.eval\.benchmarks \(aime24\): aime24: aime24_test\.jsonl not in"
+                           r".*unreachable.*set config\.eval\.manual_dir"):
+    loop.run(c, str(tmp_path / "run"))
+  assert loop._COMPILES[0] == before and not (tmp_path / "run").exists()

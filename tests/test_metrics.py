@@ -39,3 +39,59 @@ def test_plot_curves(tmp_path):
   metrics.plot_curves(runs, ["pass_rate"], tmp_path / "c.png", smooth=3,
                       units={"pass_rate": "fraction"})
   assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _tensorboard_steps(logdir, tag):
+  """Steps of `tag` as TensorBoard shows them (every event file of the folder, with its
+  purge of steps a restarted run rewrote)."""
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+  acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+  acc.Reload()
+  return [e.step for e in acc.Scalars(tag)] if tag in acc.Tags()["scalars"] else []
+
+
+def test_tensorboard_after_a_crash_and_resume_has_each_step_once(tmp_path):
+  """A run killed after step 4 with its last checkpoint at step 2: the resumed writer
+  (start_step=2) rewrites steps 3-5, and TensorBoard shows steps 0-5 once each, the new
+  values for 3-4; held-out scalars (`add_scalars`) sit at steps 0 and 5."""
+  w = metrics.MetricsWriter(tmp_path, total_steps=5)
+  w.add_scalars(0, {"eval/arith/avg@2": 0.25})
+  for step in range(1, 5):
+    w.write(step, {"loss": float(step)})
+  w._tb.close()  # no close(): as a killed process leaves it (each step is flushed)
+  w = metrics.MetricsWriter(tmp_path, total_steps=5, start_step=2)
+  for step in range(3, 6):
+    w.write(step, {"loss": 10.0 * step})
+  w.add_scalars(5, {"eval/arith/avg@2": 0.5})
+  w.close()
+  assert len(list((tmp_path / "tensorboard").iterdir())) == 2  # one event file per run
+  assert _tensorboard_steps(tmp_path / "tensorboard", "loss") == [1, 2, 3, 4, 5]
+  assert _tensorboard_steps(tmp_path / "tensorboard", "eval/arith/avg_at_2") == [0, 5]
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+  acc = EventAccumulator(str(tmp_path / "tensorboard"))
+  acc.Reload()
+  assert [e.value for e in acc.Scalars("loss")] == [1.0, 2.0, 30.0, 40.0, 50.0]
+
+
+def test_tensorboard_restart_at_step_0_rewrites_the_held_out_scores_once(tmp_path):
+  w = metrics.MetricsWriter(tmp_path, total_steps=3)
+  w.add_scalars(0, {"eval/arith/avg@2": 0.25})
+  w.write(1, {"loss": 1.0})
+  w._tb.close()
+  w = metrics.MetricsWriter(tmp_path, total_steps=3, start_step=0)
+  w.add_scalars(0, {"eval/arith/avg@2": 0.25})
+  w.write(1, {"loss": 2.0})
+  w.close()
+  assert _tensorboard_steps(tmp_path / "tensorboard", "eval/arith/avg_at_2") == [0]
+  assert _tensorboard_steps(tmp_path / "tensorboard", "loss") == [1]
+
+
+def test_a_list_is_one_jsonl_field_and_a_tensorboard_scalar_per_entry(tmp_path):
+  w = metrics.MetricsWriter(tmp_path, total_steps=1)
+  w.write(1, {"active_prompts_per_round": [8, 3], "eval/arith/avg@4": 0.5})
+  w.close()
+  assert metrics.read_jsonl(tmp_path / "metrics.jsonl")[0]["active_prompts_per_round"] == [8, 3]
+  assert _tensorboard_steps(tmp_path / "tensorboard", "active_prompts_per_round/2") == [1]
+  assert _tensorboard_steps(tmp_path / "tensorboard", "eval/arith/avg_at_4") == [1]

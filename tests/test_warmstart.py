@@ -130,6 +130,14 @@ def test_loss_decreases_and_is_deterministic(tok):
   assert m4["steps_run"] == 5 * (first + 1) and m["steps_run"] == 40
   assert set(m4["level_accuracy"]) == {1} and m4["level_accuracy"][1].shape == (first + 1,)
   np.testing.assert_array_equal(m4["loss"], m["loss"][: m4["steps_run"]])
+  # The line the training loop prints: where it stopped, the accuracy and the target.
+  assert m4["accuracy"] == pytest.approx(windows[first])
+  stop_line = warmstart.describe(m4, dataclasses.replace(ws, target_accuracy=target))
+  assert stop_line.startswith(f"warm start: {5 * (first + 1)} of 40 steps, ")
+  assert f"stopped early, accuracy {windows[first]:.2f} >= target {target}" in stop_line
+  assert "target" not in warmstart.describe(m, ws) and "40 of 40 steps" in warmstart.describe(m, ws)
+  assert "target 0.99 not reached" in warmstart.describe(
+    m, dataclasses.replace(ws, target_accuracy=0.99))
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,164 @@
+"""The command lines as a user runs them (subprocesses): --help, a missing config file,
+offline data, exit codes and messages of a finished, an interrupted and a resumed run,
+TensorBoard events after a resume, and the evaluate CLI's output."""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from test_loop import _metrics, _steps_saved, _write_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _env():
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+  return env
+
+
+def _run(args, cwd, timeout=600, **kw):
+  return subprocess.run([sys.executable, *args], cwd=cwd, env=_env(), capture_output=True,
+                        text=True, timeout=timeout, check=False, **kw)
+
+
+@pytest.mark.parametrize("module", ["ada_jax.main", "ada_jax.evaluate"])
+def test_help_exits_0(module, tmp_path):
+  proc = _run(["-m", module, "--help"], cwd=tmp_path)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "--workdir" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("module", ["ada_jax.main", "ada_jax.evaluate"])
+def test_missing_config_is_named_as_typed(module, tmp_path):
+  proc = _run(["-m", module, "--config=configs/no_such.py", f"--workdir={tmp_path / 'w'}",
+               "--checkpoint=1"], cwd=tmp_path)
+  assert proc.returncode == 2
+  assert proc.stderr.strip().splitlines()[-1].startswith(
+      "ada_jax: --config=configs/no_such.py: no such file")
+  assert "Traceback" not in proc.stderr and "config_config" not in proc.stderr
+
+
+# `python -m ada_jax.main` with the network probe answering "offline" (the tests never reach
+# the network): TFDS's download would retry for minutes.
+OFFLINE_MAIN = ("import runpy, sys; from ada_jax import data; "
+                "data.reachable = lambda url, timeout_s=3.0: False; "
+                "runpy.run_module('ada_jax.main', run_name='__main__', alter_sys=True)")
+
+
+def test_gsm8k_config_offline_without_files_fails_in_seconds_with_one_line(tmp_path):
+  workdir = tmp_path / "run"
+  env_tfds = str(tmp_path / "tfds")
+  start = time.perf_counter()
+  proc = subprocess.run(
+      [sys.executable, "-c", OFFLINE_MAIN, f"--config={ROOT / 'configs' / 'gsm8k_tiny_pos.py'}",
+       f"--workdir={workdir}", "--config.data.manual_dir=", "--config.tokenizer.dir="],
+      cwd=tmp_path, env={**_env(), "TFDS_DATA_DIR": env_tfds}, capture_output=True, text=True,
+      timeout=300, check=False)
+  wall = time.perf_counter() - start
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith("ada_jax: config.data: gsm8k: gsm8k_train.jsonl, gsm8k_test.jsonl not in")
+  assert "unreachable" in last and "set config.data.manual_dir" in last
+  assert "Traceback" not in proc.stderr and "Downloading" not in proc.stdout + proc.stderr
+  assert not workdir.exists()
+  assert wall < 120, wall  # seconds (interpreter and TensorFlow start-up), not minutes
+
+
+def _main(tmp_path, workdir, steps, *overrides, popen=False):
+  args = ["-m", "ada_jax.main", f"--config={_write_config(tmp_path, steps)}",
+          f"--workdir={workdir}", *overrides]
+  if popen:
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  return _run(args, cwd=ROOT)
+
+
+@pytest.mark.parametrize("summary,code,text", [
+    ({"steps_done": 3, "after_rl": {}}, 0,
+     "done: 3 RL steps (no held-out benchmarks: config.eval.benchmarks is empty)\n"),
+    ({"steps_done": 3, "before_rl": {"eval/arith/avg@4": 0.28, "eval/arith/pass@4": 0.5},
+      "after_rl": {"eval/arith/avg@4": 0.435, "eval/arith/pass@4": 0.75}}, 0,
+     "done: 3 RL steps; held-out before -> after RL:\n  eval/arith/avg@4: 0.2800 -> 0.4350\n"),
+    ({"steps_done": 8, "stopped_by": "SIGINT"}, 75,
+     "stopped by SIGINT after RL step 8 with a checkpoint; run the same command again"),
+])
+def test_closing_lines_and_exit_codes(summary, code, text):
+  from ada_jax import main
+
+  got, exit_code = main.report(summary, "/runs/x")
+  assert exit_code == code and got.startswith(text)
+  assert "pass@4" not in got  # Avg@k only
+
+
+def _tensorboard(workdir):
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+  acc = EventAccumulator(str(pathlib.Path(workdir) / "tensorboard"), size_guidance={"scalars": 0})
+  acc.Reload()
+  return {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_with_checkpoint_exit_75_and_the_rerun_resumes(tmp_path):
+  """SIGINT: the log names it, exit code 75 (resumable); the same command resumes ("resuming
+  from step N"), evaluates with progress lines, and TensorBoard has every step once and the
+  held-out scores before and after RL."""
+  workdir = tmp_path / "run"
+  proc = _main(tmp_path, workdir, 50, popen=True)
+  deadline = time.time() + 600
+  while not _metrics(workdir) and proc.poll() is None and time.time() < deadline:
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGINT)
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode == 75, err[-3000:]
+  last = _metrics(workdir)[-1]["step"]
+  assert _steps_saved(workdir)[-1] == last < 50
+  assert f"SIGINT: saved checkpoint {last}, exiting" in err and "SIGTERM" not in err
+  assert out.startswith(f"stopped by SIGINT after RL step {last} with a checkpoint")
+  assert "held-out evaluation at RL step 0: arith (Avg@2)" in err
+  assert "held-out at RL step 0: arith/avg@2 " in err
+
+  resumed = _main(tmp_path, workdir, last + 1)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert f"resuming from step {last} " in resumed.stderr
+  assert f"held-out at RL step {last + 1}: arith/avg@2 " in resumed.stderr
+  assert f"done: {last + 1} RL steps; held-out before -> after RL:\n  eval/arith/avg@2: " in (
+      resumed.stdout)
+  tb = _tensorboard(workdir)
+  assert tb["loss"] == list(range(1, last + 2))
+  assert tb["eval/arith/avg_at_2"] == [0, last + 1]
+
+
+@pytest.mark.slow
+def test_kill9_and_resume_leave_each_tensorboard_step_once(tmp_path):
+  """kill -9 after step 4 with checkpoint 3: the rerun resumes from step 3 and TensorBoard
+  shows steps 1-6 once each. Without benchmarks the closing line says so (no empty
+  held-out line); the warm start's line and main's log level (no INFO lines)."""
+  workdir = tmp_path / "run"
+  flags_ = ["--config.ckpt.every_steps=3", "--config.eval.benchmarks=()",
+            "--config.warmstart.steps=8"]
+  proc = _main(tmp_path, workdir, 6, *flags_, popen=True)
+  deadline = time.time() + 600
+  while len(_metrics(workdir)) < 4 and proc.poll() is None and time.time() < deadline:
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  _, err = proc.communicate()
+  assert _steps_saved(workdir)[-1] == 3 and len(_metrics(workdir)) >= 4
+  assert _tensorboard(workdir)["loss"][:4] == [1, 2, 3, 4]
+  assert "warm start: 8 of 8 steps" in err
+  resumed = _main(tmp_path, workdir, 6, *flags_)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "resuming from step 3 " in resumed.stderr
+  assert resumed.stdout.startswith("done: 6 RL steps (no held-out benchmarks")
+  assert "held-out before -> after RL" not in resumed.stdout
+  assert not [line for line in resumed.stderr.splitlines() if line.startswith("I1")]
+  tb = _tensorboard(workdir)
+  assert tb["loss"] == [1, 2, 3, 4, 5, 6] and not [t for t in tb if t.startswith("eval/")]
+  names = set(_metrics(workdir)[0])
+  assert "reward_mean" in names and "zero_signal_frac" in names
+  assert not {"ada/reward_mean", "ada/zero_signal_fraction", "ada/rows_requested"} & names
