@@ -205,11 +205,9 @@ def _blockwise_logprobs(config, hidden, table, targets, temperature, block_size)
     z = model_lib.unembed(config, table, h)  # [B, size, V] float32
     if temperature != 1.0:
       z = z / temperature
-    lse = jax.nn.logsumexp(z, axis=-1)
-    picked = jnp.take_along_axis(z, target[..., None], axis=-1)[..., 0] - lse
-    # H = -Σ p log p = lse - Σ p z.
-    entropy = lse - jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
-    return picked, entropy
+    logp = jax.nn.log_softmax(z, axis=-1)
+    picked = jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0]
+    return picked, -jnp.sum(jnp.exp(logp) * logp, axis=-1)
 
   picked, entropy = jax.lax.map(lambda hb: one_block(*hb), (split(hidden), split(targets)))
   merge = lambda x: x.swapaxes(0, 1).reshape(b, blocks * size)[:, :t]
