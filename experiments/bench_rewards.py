@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from ada_jax import rewards, verifier
+from ada_jax import metrics, rewards, verifier
 
 GROUP = 8  # Responses per prompt, as in a Reinforce-Ada round.
 _FRAC = re.compile(r"^\\frac\{(\d+)\}\{(\d+)\}$")
@@ -108,6 +108,8 @@ def main():
   cores = len(os.sched_getaffinity(0))
   counts = [cores if w == "all" else int(w) for w in args.workers.split(",")]
   result = {
+    "git_commit": metrics.git_commit(),
+    "args": vars(args),
     "num_responses": len(responses),
     "mean_response_chars": round(float(np.mean([len(r) for r in responses])), 1),
     "cores": cores,

@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ada_jax import metrics, weights
 from ada_jax import model as model_lib
 from ada_jax import sampler as sampler_lib
-from ada_jax import weights
 
 
 def _best_of(fn, repeats):
@@ -135,6 +135,7 @@ def main():
                         + args.new_tokens * model_flops_per_token(
                             config, args.prompt_len + args.new_tokens / 2))
   result = {
+      "git_commit": metrics.git_commit(), "args": vars(args),
       "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
       "devices": f"{jax.device_count()} x {jax.devices()[0].platform}", "cpus": os.cpu_count(),
       "ours_s": round(ours_s, 4), "hf_s": round(hf_s, 4),
