@@ -109,7 +109,7 @@ def test_llama_notebook_config_passes_the_library_checks(devices):
                             devices=jax.devices()[:devices])
   train.check_batch_layout(cfg.train_rows, cfg.train_config, mesh)
   rows = mesh.shape["data"] * mesh.shape["fsdp"]
-  assert cfg.sampler.chunk_rows % rows == 0 and cfg.sampler.prompts_per_chunk % rows == 0
+  assert cfg.sampler.chunk_rows % rows == 0 and cfg.prompts_per_chunk % rows == 0
 
 
 def _execute(name: str, monkeypatch, **env) -> nbformat.NotebookNode:
