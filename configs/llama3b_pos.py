@@ -8,9 +8,10 @@ TFDS builder (offline: `shared/data` beside the checkout, or `--config.data.manu
 with the JSONL files).
 
 Memory (experiments/memory_plan.py, results/memory_plan.json): 4-way tensor parallelism
-times FSDP over the remaining chips, remat, and one sequence per data-parallel group per
-micro-batch keep the train step of the paper's batch (512 prompts × 4 responses, 1024 +
-2048 tokens) under 32 GiB per device on 8 devices. On a larger slice set
+times FSDP over the remaining chips, remat, one sequence per data-parallel group per
+micro-batch and 192-row sampler chunks keep the paper's batch (512 prompts × 4 responses,
+1024 + 2048 tokens) at a 12.0 GiB peak per device on 8 devices (fits v5e-8). On a larger
+slice set
 `--config.train.micro_batch_size` to data × fsdp (e.g. 8 on 32 devices); see docs/tpu.md.
 """
 
