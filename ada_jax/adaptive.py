@@ -3,7 +3,7 @@
 Host-side numpy only. Given a `draw` callable (the real sampler + verifier, or a
 Bernoulli simulator), `run_step` decides which prompts get how many responses, in how
 many rounds, which responses are kept for training and their advantages. Methods, chosen
-by `AdaConfig.method` (DESIGN.md §2):
+by `AdaConfig.method` (docs/design.md "Algorithm"):
 
 * ``grpo``: n responses per prompt in one pass, local group statistics.
 * ``dapo``: n per prompt; groups with uniform rewards are dropped and further prompts

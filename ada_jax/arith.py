@@ -1,6 +1,6 @@
 """Procedural arithmetic task and its small tokenizer: the CPU-sized RL job.
 
-DESIGN.md §6: a tiny model must be able to learn it on a laptop, with a difficulty mix
+docs/design.md "Data": a tiny model must be able to learn it on a laptop, with a difficulty mix
 that puts many prompts at small but non-zero pass rates. A problem is `a<op>b=` with
 op in {+, -, *}; its level is the digit count of BOTH operands (level 1: 0–9, level d > 1:
 10^(d-1) .. 10^d - 1). Subtraction puts the larger operand first, so answers are never

@@ -1,7 +1,8 @@
 """Avg@k evaluation on the maths benchmarks (and the arithmetic task): the core that the
 training loop calls and that `ada_jax.evaluate` (reports, CLI) wraps.
 
-Reinforce-Ada (arXiv 2510.04996; DESIGN.md §9) reports Avg@32: k = 32 responses per
+Reinforce-Ada (arXiv 2510.04996; docs/design.md "Reference figures") reports Avg@32: k = 32
+responses per
 problem at temperature 1.0, top-p 1.0, up to 4096 new tokens, in the training prompt format;
 the score of a benchmark is the mean reward over all k·P samples, and the headline number is
 the average over MATH500, Minerva Math, OlympiadBench and the AIME-like sets weighted by
@@ -10,7 +11,8 @@ their problem counts. Also reported: pass@j with the unbiased estimator of Chen 
 (optionally) greedy accuracy.
 
 Generation uses the training sampler (`ada_jax.sampler.Sampler`): the k rows of a problem are
-adjacent, so they share one prefill; rewards come from the same verifier pool (DESIGN.md §2).
+adjacent, so they share one prefill; rewards come from the same verifier pool (docs/design.md
+"Algorithm").
 Problems are processed in fixed batches; each finished batch is appended to a per-problem
 results cache (JSONL, keyed by benchmark, prompt id, model and settings), so an interrupted
 evaluation continues where it stopped. Batch b of a benchmark always samples with the key
@@ -74,7 +76,7 @@ class EvalConfig:
       the maths sets, 'raw' for arith).
     judge: reward function (`rewards.JUDGES`); '' = the benchmark's default ('math' for the
       maths sets, 'exact' for arith).
-    max_prompt_tokens: longer prompts are dropped and counted (DESIGN.md §2: 1024).
+    max_prompt_tokens: longer prompts are dropped and counted (docs/design.md "Algorithm": 1024).
     limit: evaluate only the first `limit` problems of each benchmark; 0 = all.
     seed: seed of the sampling key (`run`); `evaluate` takes the key as an argument.
     chunk_rows: rows per sampler launch (C).

@@ -1,4 +1,5 @@
-"""Run state on disk: orbax checkpoints, resume order, preemption, final export (DESIGN.md §7).
+"""Run state on disk: orbax checkpoints, resume order, preemption, final export (docs/design.md
+"Run state").
 
 A checkpoint holds the whole run, so that a restarted run continues exactly where the
 saved one was (same next batches, same samples, same updates):
@@ -250,7 +251,7 @@ def resume(
   init_from: str | None = None,
   pretrained: str | None = None,
 ) -> tuple[RunState, str]:
-  """Where a run's state comes from, in this order (DESIGN.md §7):
+  """Where a run's state comes from, in this order (docs/design.md "Run state"):
 
   1. the latest complete checkpoint in the run's own directory (a restart after
      preemption or a crash continues the same run);

@@ -1,7 +1,8 @@
 """The boundary between experiment configs (ml_collections) and the library (dataclasses).
 
 An experiment file's `get_config()` returns a ConfigDict with nested groups; `parse`
-turns it, once, into a `RunConfig` of small frozen dataclasses (STYLE.md §3). Every key
+turns it, once, into a `RunConfig` of small frozen dataclasses (docs/design.md "Architecture").
+Every key
 must be a field of its group's dataclass, every value passes that dataclass's own checks,
 and the cross-group rules (`RunConfig.check`) hold, all before anything is compiled; an
 error names the offending `config.group.field`.
@@ -17,7 +18,7 @@ import typing
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ada_jax import arith
+from ada_jax import arith, weights
 from ada_jax.adaptive import AdaConfig
 from ada_jax.benchmarks import EvalConfig
 from ada_jax.checkpoint import CheckpointConfig
@@ -126,7 +127,7 @@ class ModelSpec:
     preset: a `model.PRESETS` name; weights are random unless `hf_dir` or a checkpoint
       provides them.
     hf_dir: a Hugging Face folder (or Hub id): architecture from its config.json, weights
-      loaded at start (DESIGN.md §7 resume order, step 3).
+      loaded at start (docs/design.md "Run state" resume order, step 3).
     dtype: parameter and compute dtype ('float32' or 'bfloat16').
     overrides: `ModelConfig` fields replacing the preset's (e.g. tiny CPU shapes).
   """
@@ -197,7 +198,7 @@ class DataSpec:
 
 @dataclasses.dataclass(frozen=True)
 class SamplerSpec:
-  """Rollouts (DESIGN.md §3). Attributes: temperature, top_k, top_p (the sampling rule);
+  """Rollouts (docs/design.md "Sampler"). Attributes: temperature, top_k, top_p (the sampling rule);
   max_new_tokens (response budget, tokens); chunk_rows (C, rows per launch);
   prompts_per_chunk (P, prefills per launch; 0 = derived so that chunks are full, see
   `RunConfig.prompts_per_chunk`); prompt_buckets (padded prompt lengths, one compile
@@ -420,8 +421,6 @@ def model_config(spec: ModelSpec, hf_config: Mapping[str, Any] | None = None) ->
   if spec.preset:
     base = PRESETS[spec.preset]
   else:
-    from ada_jax import weights
-
     base = weights.config_from_hf(dict(hf_config or {}), source=f"{spec.hf_dir}/config.json")
   try:
     return dataclasses.replace(base, dtype=spec.dtype, param_dtype=spec.dtype,

@@ -1,6 +1,6 @@
 """Maths data sets: TFDS builders, JSONL readers, data-set specs.
 
-DESIGN.md §6. One TFDS builder, `AdaMath` (registered as `ada_math`, a name TFDS's own
+docs/design.md "Data". One TFDS builder, `AdaMath` (registered as `ada_math`, a name TFDS's own
 catalogue does not use), with one config per data set: `gsm8k` (train/test), `math_train`
 (the 4,500 MATH test problems outside MATH500, plus any JSONL files the user adds),
 `math500`, `minerva_math`, `olympiadbench`, `aime24`, `amc23` (test). Offline they read the
@@ -256,16 +256,6 @@ def _escape(text: str) -> str:
   return text.replace("{", "{{").replace("}", "}}")
 
 
-def with_extra_training_files(base: MathSetSpec, extra: MathSetSpec) -> MathSetSpec:
-  """`base` (e.g. `SETS['math_train']`) plus the files of a `user_jsonl_spec`."""
-  return MathSetSpec(
-    f"{base.name}_plus_{extra.name}",
-    base.sources + extra.sources,
-    exclude=tuple(dict.fromkeys(base.exclude + extra.exclude)),
-    description=f"{base.description} Plus {extra.description}",
-  )
-
-
 # --------------------------------------------------------------------------- reading
 
 
@@ -412,7 +402,7 @@ class AdaMath(tfds.core.GeneratorBasedBuilder):
 
   def _info(self) -> tfds.core.DatasetInfo:
     # Built directly: `dataset_info_from_configs` looks for metadata files next to this
-    # module (DESIGN.md §6).
+    # module (docs/design.md "Data").
     return tfds.core.DatasetInfo(
       builder=self,
       description=self.builder_config.description,
@@ -585,36 +575,3 @@ def load_examples(
   source = builder(spec, data_dir=data_dir, manual_dir=manual_dir).as_data_source(split)
   examples = [decode(source[i]) for i in range(len(source))]
   return examples
-
-
-def hf_examples(
-  repo_id: str,
-  *,
-  split: str = "train",
-  data_dir: str | pathlib.Path,
-  problem_field: str = "problem",
-  answer_field: str = "gt",
-  answer_format: str = "plain",
-) -> list[dict[str, str]]:
-  """A Hugging Face prompt set through TFDS's `huggingface:` namespace (needs network and
-  the `datasets` package). Defaults fit the paper's sets (`problem`, `gt`), e.g.
-  `RLHFlow/reinforce_ada_hard_prompt`.
-
-  Returns:
-    Example dicts with the `FEATURES` keys; ids are `<repo_id>/<split>/<row>`.
-  """
-  name = "huggingface:" + repo_id.replace("/", "__").lower()
-  source = tfds.data_source(name, split=split, data_dir=str(data_dir))
-  fmt = ANSWER_FORMATS[answer_format]
-  out = []
-  for i in range(len(source)):
-    row = decode(source[i])
-    out.append(
-      {
-        "prompt_id": f"{repo_id}/{split}/{i}",
-        "problem": row[problem_field],
-        "answer": fmt(row[answer_field]),
-        "source": repo_id,
-      }
-    )
-  return out

@@ -1,4 +1,4 @@
-"""Multi-host runs on JAX's own multi-controller runtime (DESIGN.md §4).
+"""Multi-host runs on JAX's own multi-controller runtime (docs/design.md "Distribution").
 
 Every host runs one process with the same program: `initialize` connects the processes
 through `jax.distributed.initialize` (TPU VMs and Slurm / Open MPI clusters are detected by

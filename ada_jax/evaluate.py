@@ -39,8 +39,8 @@ from absl import logging
 from ada_jax import benchmarks as benchmarks_lib
 from ada_jax import checkpoint as checkpoint_lib
 from ada_jax import config as config_lib
+from ada_jax import inputs, sharding, weights
 from ada_jax import model as model_lib
-from ada_jax import sharding, weights
 from ada_jax.benchmarks import EvalConfig
 from ada_jax.model import ModelConfig, Params
 from ada_jax.tokenizer import Tokenizer
@@ -207,7 +207,7 @@ class LoadedModel:
     params: the weights, placed on the mesh; None when nothing names weights (the caller
       initialises them).
     model_config: the architecture.
-    tokenizer: `loop.load_tokenizer`'s, checked against `model_config.vocab_size`.
+    tokenizer: `inputs.load_tokenizer`'s, checked against `model_config.vocab_size`.
     tag: identity of the weights in results caches: 'hf:<folder>:<files hash>',
       'checkpoint:<absolute path>', or '' when params is None.
   """
@@ -249,7 +249,6 @@ def load_model(
       vocabulary.
     FileNotFoundError: a checkpoint path without a checkpoint.
   """
-  from ada_jax import loop  # Not at the top: loop imports this module.
 
   if hf_dir is not None and checkpoint_path is not None:
     raise ValueError("give at most one of --hf_dir and --checkpoint")
@@ -264,21 +263,13 @@ def load_model(
   tokenizer_spec = cfg.tokenizer
   if tokenizer_dir:
     tokenizer_spec = dataclasses.replace(tokenizer_spec, dir=tokenizer_dir)
-  tokenizer = loop.load_tokenizer(tokenizer_spec, model_dir)
-  if tokenizer.vocab_size > model_config.vocab_size:
-    raise ValueError(
-      f"the tokenizer has {tokenizer.vocab_size} ids, more than "
-      f"the model's vocab_size={model_config.vocab_size}"
-    )
+  tokenizer = inputs.load_tokenizer(tokenizer_spec, model_dir)
+  model_lib.check_vocab(model_config, tokenizer.vocab_size)
   shardings = sharding.param_shardings(model_config, mesh)
   params, tag = None, ""
   if checkpoint_path is not None:
     path = pathlib.Path(checkpoint_path).absolute()
-    target = jax.tree.map(
-      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-      model_lib.param_shapes(model_config),
-      shardings,
-    )
+    target = sharding.abstract_params(model_config, mesh)
     params, tag = checkpoint_lib.restore_params(path, target), f"checkpoint:{path}"
   elif model_dir is not None:
     _, params = weights.load_hf(model_dir, dtype=model_config.param_dtype, shardings=shardings)

@@ -1,4 +1,4 @@
-"""Token-level clipped policy-gradient loss (DESIGN.md §2 "Loss"), as pure functions.
+"""Token-level clipped policy-gradient loss (docs/design.md "Algorithm" "Loss"), as pure functions.
 
 The objective is the one of the authors' released code (a verl fork), i.e. PPO's clipped
 surrogate applied per token with DAPO's asymmetric "clip-higher" range and verl's dual
@@ -38,7 +38,7 @@ from ada_jax.model import ModelConfig, Params
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-  """Hyper-parameters of `policy_loss` (defaults: DESIGN.md §2, the released code).
+  """Hyper-parameters of `policy_loss` (defaults: docs/design.md "Algorithm", the released code).
 
   Attributes:
     clip_low: ε_low, the ratio's lower clip is 1 − clip_low.

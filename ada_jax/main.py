@@ -1,6 +1,7 @@
 """Entry point: `python -m ada_jax.main --config=configs/<experiment>.py --workdir=DIR`.
 
-Thin on purpose (STYLE.md §1): parse flags, join the multi-process run if there is one
+Thin on purpose (docs/design.md "Architecture"): parse flags, join the multi-process run if there
+is one
 (`ada_jax.distributed`, configured by environment variables), log the process/device
 facts, hand over to `ada_jax.loop.run`.
 

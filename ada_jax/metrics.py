@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 
@@ -132,6 +133,28 @@ class MetricsWriter:
     if self.primary:
       self._tb.close()
       self._bar.close()
+
+
+class CompileCounter:
+  """Counts XLA backend compilations while open (`with CompileCounter() as c: ...;
+  c.count`); the listener is registered on entry and removed on exit, so nothing is
+  counted outside the block and nothing stays registered after it."""
+
+  _EVENT = "/jax/core/compile/backend_compile_duration"
+
+  def __init__(self):
+    self.count = 0
+
+  def _listen(self, event: str, duration: float, **kwargs) -> None:
+    if event == self._EVENT:
+      self.count += 1
+
+  def __enter__(self) -> CompileCounter:
+    jax.monitoring.register_event_duration_secs_listener(self._listen)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    jax.monitoring.unregister_event_duration_listener(self._listen)
 
 
 def tensorboard_tag(name: str) -> str:

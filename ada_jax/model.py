@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 Params = dict[str, Any]
@@ -181,7 +182,8 @@ class KVCache:
   Rows are independent; all rows write the same slot at a step (left-padded prompts make
   that line up), while each row carries its own RoPE positions. The layout puts the
   kv-head axis before the slot axis: on XLA CPU that ran decode attention 3.5–9× faster
-  than [B, S, K, H] (DESIGN.md §3). Keys keep the slot axis last, so that a decode step's
+  than [B, S, K, H] (docs/design.md "Sampler"). Keys keep the slot axis last, so that a decode
+  step's
   query-key products reduce over the head dim with the slots contiguous (attention 1.5×
   faster on XLA CPU than [B, K, S, H] keys). Only this class, `Attention` and `_attend`
   know the layout.
@@ -520,10 +522,22 @@ def logical_axes(config: ModelConfig) -> Params:
   return nnx.to_pure_dict(nnx.state(abstract), lambda v: tuple(v.get_metadata()["axes"]))
 
 
-def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
+def check_vocab(config: ModelConfig, tokenizer_vocab_size: int) -> None:
+  """Raises ValueError naming `ModelConfig.vocab_size` when the tokenizer has ids the
+  embedding table has no row for (a smaller tokenizer is fine: padded vocabularies)."""
+  if tokenizer_vocab_size > config.vocab_size:
+    raise ValueError(
+      f"ModelConfig.vocab_size ({config.vocab_size}) is smaller than the tokenizer's "
+      f"({tokenizer_vocab_size})"
+    )
+
+
+def positions_from_mask(attention_mask: jax.Array | np.ndarray) -> jax.Array | np.ndarray:
   """Per-row positions `int32[B, T]` of a left-padded batch: 0 at each row's first real
-  token, counting up; padding positions are 0 (they are masked anyway)."""
-  return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
+  token, counting up; padding positions are 0 (they are masked anyway). A numpy mask gives
+  a numpy result (host-side batches: nothing is compiled)."""
+  xp = np if isinstance(attention_mask, np.ndarray) else jnp
+  return xp.maximum(xp.cumsum(attention_mask.astype(xp.int32), axis=-1) - 1, 0)
 
 
 def logits(config: ModelConfig, params: Params, tokens: jax.Array, positions: jax.Array,

@@ -5,7 +5,7 @@ rows' cache from its prompt (rows of one prompt share one prefill), then decodes
 `lax.while_loop` over a preallocated KV cache until every row has emitted a stop token or
 the token budget is spent. Rows with `row_mask=False` are done from step 0: they never
 hold the loop open and their outputs are zero/masked. That is how the adaptive controller
-retires prompts without changing shapes (DESIGN.md §3).
+retires prompts without changing shapes (docs/design.md "Sampler").
 
 `Sampler` is the host-side driver: it packs any number of rows into chunks of C (at most
 P distinct prompts each), left-pads prompts to a fixed bucket length, launches only chunks
@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding
 from ada_jax import model as model_lib
 from ada_jax import sharding as sharding_lib
 from ada_jax.model import KVCache, ModelConfig, Params
+from ada_jax.tokenizer import pad_left
 
 
 @dataclasses.dataclass(frozen=True)
@@ -412,12 +413,9 @@ class Sampler:
     for j, (rows, prompt_ids) in enumerate(self._pack(row_prompt)):
       uniq, local = np.unique(prompt_ids, return_inverse=True)
       lp = bucket_length(max(len(prompts[p]) for p in uniq), self.prompt_buckets)
-      tokens = np.full((self.prompts_per_chunk, lp), self.pad_id, np.int32)
-      mask = np.zeros((self.prompts_per_chunk, lp), bool)
-      for k, p in enumerate(uniq):
-        ids = prompts[p]
-        tokens[k, lp - len(ids):] = ids
-        mask[k, lp - len(ids):] = True
+      # Unused prompt slots of the chunk are all padding (empty sequences).
+      chunk = [prompts[p] for p in uniq] + [[]] * (self.prompts_per_chunk - len(uniq))
+      tokens, mask = pad_left(chunk, self.pad_id, length=lp)
       row_local = np.zeros((self.chunk_rows,), np.int32)
       row_local[:len(rows)] = local
       row_mask = np.arange(self.chunk_rows) < len(rows)

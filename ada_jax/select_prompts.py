@@ -3,7 +3,7 @@
 Reinforce-Ada (arXiv 2510.04996) trains on prompt sets built by sampling the base model:
 K responses per prompt (default 16, temperature 1.0); a prompt is kept when its pass rate
 is at most a threshold AND at least one response is correct, so that no kept prompt is
-hopeless and none is already solved (DESIGN.md §6: prompts at pass rate 0 teach nothing).
+hopeless and none is already solved (docs/design.md "Data": prompts at pass rate 0 teach nothing).
 The two sets of the issue are `hard` (pass rate <= 0.125, i.e. 1-2 correct of 16) and
 `easy` (pass rate <= 0.3125, 1-5 correct of 16); any `FilterRule` can be added.
 
@@ -25,7 +25,7 @@ and a seed fixes the result. Outputs, in `<workdir>/select/`:
   python -m ada_jax.select_prompts --config=configs/x.py --workdir=DIR [--hf_dir=PATH |
       --checkpoint=STEP] [--k=16] [--rules=hard:0.125:1,easy:0.3125:1] [--limit=N]
 
-The prompts are the config's training prompts (`data` group, `loop.load_prompts`: same
+The prompts are the config's training prompts (`data` group, `inputs.load_prompts`: same
 source, prompt style and length limit as training). The model is --hf_dir, or --checkpoint
 of `<workdir>/checkpoints` (or --checkpoint_dir), or else the policy a fresh training run
 of the config would start from: `ckpt.init_from`, else `model.hf_dir`, else random init
@@ -48,7 +48,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from ada_jax import benchmarks, checkpoint, evaluate, sampler, sharding
+from ada_jax import benchmarks, checkpoint, evaluate, inputs, sampler, sharding
 from ada_jax import config as config_lib
 from ada_jax import model as model_lib
 from ada_jax import prompts as prompts_lib
@@ -432,7 +432,7 @@ def run(
     out_dir: output folder.
     params: the model's parameters (placed as `mesh` expects, if given).
     model_config, tokenizer: the model.
-    prompt_set: prompts to measure (`loop.load_prompts`).
+    prompt_set: prompts to measure (`inputs.load_prompts`).
     model_tag: identity of the model in the cache.
     mesh: sampler mesh, or None.
     progress: tqdm bar.
@@ -532,9 +532,7 @@ def load_policy(
   folder = pathlib.Path(out_dir).absolute() / f"base_params_{digest[:12]}"
   shardings = sharding.param_shardings(model_config, mesh)
   if (folder / "params").is_dir():
-    abstract = lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh)
-    target = jax.tree.map(abstract, model_lib.param_shapes(model_config), shardings)
-    params = checkpoint.restore_params(folder, target)
+    params = checkpoint.restore_params(folder, sharding.abstract_params(model_config, mesh))
   else:
     init_key = jax.random.split(jax.random.key(cfg.seed), 3)[0]  # As loop.train_run splits.
     params = model_lib.init_params(model_config, init_key)
@@ -558,10 +556,8 @@ def training_prompts(
 ) -> prompts_lib.PromptSet:
   """The config's training prompts exactly as training tokenizes them (the first `limit`
   if > 0)."""
-  from ada_jax import loop
-
   # load_prompts checks there are >= rl.batch_prompts prompts: irrelevant to selection.
-  ps = loop.load_prompts(
+  ps = inputs.load_prompts(
     dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, batch_prompts=1)), tokenizer
   )
   if limit:

@@ -3,7 +3,7 @@
 Every array in the system names its dimensions with logical axes: parameters carry them in
 `model.logical_axes` ('vocab', 'embed', 'heads', 'kv_heads', 'head_dim', 'mlp'),
 activations and batches use 'batch' and 'length'. `RULES` maps each logical name to mesh
-axes of a `Mesh` with axes ('data', 'fsdp', 'tensor') (DESIGN.md §4):
+axes of a `Mesh` with axes ('data', 'fsdp', 'tensor') (docs/design.md "Distribution"):
 
 * rows of batches, activations and KV caches are split over ('data', 'fsdp');
 * parameters are split over 'fsdp' along their model width (ZeRO-3 style, gathered by
@@ -176,6 +176,20 @@ def param_shardings(config: ModelConfig, mesh: Mesh) -> Params:
   return jax.tree.map(
     lambda s: NamedSharding(mesh, s), param_specs(config, mesh), is_leaf=lambda x: isinstance(x, P)
   )
+
+
+def abstract(shapes: Any, shardings: Any) -> Any:
+  """A restore target: `jax.ShapeDtypeStruct`s of `shapes` (any tree of arrays or structs)
+  carrying the matching `shardings` leaf."""
+  return jax.tree.map(
+    lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
+  )
+
+
+def abstract_params(config: ModelConfig, mesh: Mesh) -> Params:
+  """The parameter tree as `jax.ShapeDtypeStruct`s with their shardings, allocating
+  nothing: the target for `checkpoint.restore_params`."""
+  return abstract(model_lib.param_shapes(config), param_shardings(config, mesh))
 
 
 def place_params(params: Params, shardings: Params) -> Params:

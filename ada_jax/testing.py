@@ -6,12 +6,14 @@ requirements), which are test oracles only.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ada_jax import arith, checkpoint, losses, sharding, train, weights
 from ada_jax import model as model_lib
 
 # transformers config kwargs of one tiny checkpoint per family; the Llama one uses the
@@ -101,8 +103,6 @@ def rl_batch(config, params, prompt_lengths, response_lengths, *, prompt_len: in
   log-probs are the model's own (under `params`) plus Gaussian `noise`, so ratios sit near
   1 and both clipped and unclipped tokens occur; advantages are standard normal.
   """
-  from ada_jax import losses, train
-
   rng = np.random.default_rng(seed)
   rows, total = len(prompt_lengths), prompt_len + response_len
   cols = np.arange(total)[None, :]
@@ -125,8 +125,6 @@ def rl_batch(config, params, prompt_lengths, response_lengths, *, prompt_len: in
 
 def tiny_arith_model(seed: int = 0, **overrides):
   """A 1-layer d=32 Llama for the arithmetic tokenizer: (ModelConfig, random params)."""
-  from ada_jax import arith
-
   config = model_lib.ModelConfig(**{
       **dict(family="llama", vocab_size=arith.load_tokenizer().vocab_size, embed_dim=32,
              mlp_dim=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16),
@@ -142,10 +140,6 @@ def save_arith_model(config, params, folder: pathlib.Path, checkpoint_dir: pathl
   Returns:
     The `ModelConfig` fields as `model.overrides` of a 'tiny-llama' preset config group.
   """
-  import dataclasses
-
-  from ada_jax import arith, checkpoint, sharding, train, weights
-
   weights.save_hf(config, params, folder)
   for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
     (pathlib.Path(folder) / name).write_text((arith.TOKENIZER_DIR / name).read_text())

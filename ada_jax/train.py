@@ -1,4 +1,5 @@
-"""Policy update: train state, AdamW, and the sharded policy-gradient step (DESIGN.md §2, §4).
+"""Policy update: train state, AdamW, and the sharded policy-gradient step (docs/design.md
+"Algorithm", "Distribution").
 
 `train_step` is a pure function doing ONE optimizer update on one mini-batch: the
 mini-batch is cut into micro-batches whose gradients are accumulated by `lax.scan` inside
@@ -42,7 +43,7 @@ from ada_jax.model import ModelConfig, Params
 class OptimConfig:
   """AdamW with linear warm-up then a constant rate, after global-norm clipping.
 
-  Defaults: DESIGN.md §2 (the released code's verl settings).
+  Defaults: docs/design.md "Algorithm" (the released code's verl settings).
 
   Attributes:
     learning_rate: peak learning rate.
@@ -216,9 +217,7 @@ def abstract_state(
   """`TrainState` of `jax.ShapeDtypeStruct`s carrying their shardings (a restore target)."""
   shardings = state_shardings(model_config, config, mesh, with_ref=with_ref)
   shapes = jax.eval_shape(lambda: _init_unplaced(model_config, config, with_ref))
-  return jax.tree.map(
-    lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
-  )
+  return sharding_lib.abstract(shapes, shardings)
 
 
 def _init_unplaced(model_config, config, with_ref):

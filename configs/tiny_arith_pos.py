@@ -6,7 +6,7 @@ A 3-layer d=96 Llama-architecture model with the task's character tokenizer is
 warm-started by a short supervised stage on 1-3 digit additions that stops once 2-digit
 problems are solved 60% of the time (greedy), then RL-trained on 2-3 digit additions of the
 training split. That leaves about half of the RL prompts at pass rates
-strictly between 0 and 1 — where adaptive sampling matters (DESIGN.md §6;
+strictly between 0 and 1 — where adaptive sampling matters (docs/design.md "Data";
 experiments/calibrate_arith.py measured the mix). Held-out accuracy (Avg@4 on unseen
 problems of the same distribution) is measured before and after RL: workdir/summary.json.
 """

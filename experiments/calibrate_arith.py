@@ -13,7 +13,7 @@ and records each prompt's pass rate. It also measures greedy accuracy on held-ou
 A candidate's RL prompt mixes are scored from the per-level measurements (a mix with level
 weights w has bucket fraction Σ_L w_L · fraction_L), so one sampling pass rates every mix.
 Buckets: pass rate 0, (0, 0.25], (0.25, 0.5), [0.5, 0.75), ≥ 0.75, and `mid`, the share
-strictly inside (0, 0.5), where Reinforce-Ada differs from GRPO (DESIGN.md §6).
+strictly inside (0, 0.5), where Reinforce-Ada differs from GRPO (docs/design.md "Data").
 
 `--rl_check_steps N` then runs N steps of a deliberately plain RL proxy from the warm
 start (on-policy REINFORCE, group-mean baseline, one Adam update per step, no clipping or

@@ -1,6 +1,6 @@
 """Tests for the Reinforce-Ada sampling controller (ada_jax.adaptive, ada_jax.advantages).
 
-Hand-worked cases from DESIGN.md §2 with scripted reward streams, then hypothesis
+Hand-worked cases from docs/design.md "Algorithm" with scripted reward streams, then hypothesis
 property tests on random reward streams.
 """
 

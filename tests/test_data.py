@@ -144,11 +144,6 @@ def test_user_jsonl_dataset(tmp_path, manual_dir, data_dir):
       "source": "mine",
     },
   ]
-  # MATH training prompts plus the user's file.
-  both = data.with_extra_training_files(data.SETS["math_train"], spec)
-  combined = data.load_examples(both, "train", data_dir=data_dir, manual_dir=manual_dir)
-  assert len(combined) == 4500 + 2
-  assert combined[-1]["prompt_id"] == "mine/mine/2"
   # Wrong field name: file, line and field in the message.
   bad = data.user_jsonl_spec("bad", [user], problem_field="question")
   with pytest.raises(ValueError, match=r"mine\.jsonl:1: field 'question'"):

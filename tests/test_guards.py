@@ -15,6 +15,7 @@ from test_loop import tiny_config
 
 from ada_jax import arith, evaluate, loop, select_prompts
 from ada_jax import config as config_lib
+from ada_jax import metrics as metrics_lib
 from ada_jax import model as model_lib
 from ada_jax import sampler as sampler_lib
 from ada_jax.benchmarks import EvalConfig
@@ -40,10 +41,10 @@ HUB_PRESETS = {"Qwen/Qwen2.5-Math-1.5B": "qwen2.5-math-1.5b",
 def test_bad_rollout_settings_fail_before_any_compile(tmp_path, edit, match):
   c = tiny_config()
   edit(c)
-  before = loop._COMPILES[0]
-  with pytest.raises(config_lib.ConfigError, match=match):
-    loop.run(c, str(tmp_path / "run"))
-  assert loop._COMPILES[0] == before
+  with metrics_lib.CompileCounter() as compiles:
+    with pytest.raises(config_lib.ConfigError, match=match):
+      loop.run(c, str(tmp_path / "run"))
+  assert compiles.count == 0
   assert not (tmp_path / "run").exists()
 
 
@@ -66,22 +67,22 @@ def test_evaluation_checks_the_context_first(tmp_path):
   model, tokenizer = _tiny_arith_model()
   config = EvalConfig(benchmarks=("arith",), k=1, max_new_tokens=60, prompt_buckets=(16,),
                       max_prompt_tokens=16, arith_problems=4, verifier_workers=1)
-  before = loop._COMPILES[0]
-  with pytest.raises(config_lib.ConfigError, match=r"config\.eval\.max_new_tokens \(60\)"):
-    evaluate.run(config, tmp_path, params=None, model_config=model, tokenizer=tokenizer,
-                 model_tag="x", name="y", progress=False)
-  assert loop._COMPILES[0] == before and not (tmp_path / "eval").exists()
+  with metrics_lib.CompileCounter() as compiles:
+    with pytest.raises(config_lib.ConfigError, match=r"config\.eval\.max_new_tokens \(60\)"):
+      evaluate.run(config, tmp_path, params=None, model_config=model, tokenizer=tokenizer,
+                   model_tag="x", name="y", progress=False)
+  assert compiles.count == 0 and not (tmp_path / "eval").exists()
 
 
 def test_prompt_selection_checks_the_context_first(tmp_path):
   model, tokenizer = _tiny_arith_model()
   config = select_prompts.SelectConfig(k=2, max_new_tokens=60, prompt_buckets=(16,),
                                        judge="exact", verifier_workers=1)
-  before = loop._COMPILES[0]
-  with pytest.raises(config_lib.ConfigError, match=r"SelectConfig\.max_new_tokens \(60\)"):
-    select_prompts.run(config, tmp_path / "out", params=None, model_config=model,
-                       tokenizer=tokenizer, prompt_set=None, model_tag="x", progress=False)
-  assert loop._COMPILES[0] == before and not (tmp_path / "out").exists()
+  with metrics_lib.CompileCounter() as compiles:
+    with pytest.raises(config_lib.ConfigError, match=r"SelectConfig\.max_new_tokens \(60\)"):
+      select_prompts.run(config, tmp_path / "out", params=None, model_config=model,
+                         tokenizer=tokenizer, prompt_set=None, model_tag="x", progress=False)
+  assert compiles.count == 0 and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
@@ -109,6 +110,7 @@ def _no_signal_config(steps):
   c.warmstart = None
   c.ada.method = "dapo"
   c.ada.dapo_max_extra_passes = 1
+  c.sampler.prompts_per_chunk = 0  # derived: dapo draws 4 rows a prompt, 8 would half-fill
   c.eval.benchmarks = ()
   c.ckpt.every_steps = 1
   c.ckpt.keep = 10

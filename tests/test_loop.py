@@ -16,6 +16,7 @@ import pytest
 
 from ada_jax import config as config_lib
 from ada_jax import evaluate, loop
+from ada_jax import metrics as metrics_lib
 from configs import tiny_arith_pos
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -169,10 +170,10 @@ def test_bad_config_fails_before_any_compile(tmp_path, edit, match):
   c = tiny_config()
   c.unlock() if hasattr(c, "unlock") else None
   edit(c)
-  before = loop._COMPILES[0]
-  with pytest.raises(config_lib.ConfigError, match=match):
-    loop.run(c, str(tmp_path / "run"))
-  assert loop._COMPILES[0] == before
+  with metrics_lib.CompileCounter() as compiles:
+    with pytest.raises(config_lib.ConfigError, match=match):
+      loop.run(c, str(tmp_path / "run"))
+  assert compiles.count == 0
   assert not (tmp_path / "run").exists()  # nothing written for a config that cannot run
 
 
@@ -210,9 +211,10 @@ def test_offline_benchmarks_fail_before_any_compile_naming_eval_manual_dir(tmp_p
   c = tiny_config()
   c.eval.benchmarks = ("arith", "aime24")
   c.eval.manual_dir = ""
-  before = loop._COMPILES[0]
-  with pytest.raises(config_lib.ConfigError,
-                     match=r"config\.eval\.benchmarks \(aime24\): aime24: aime24_test\.jsonl not in"
-                           r".*unreachable.*set config\.eval\.manual_dir"):
-    loop.run(c, str(tmp_path / "run"))
-  assert loop._COMPILES[0] == before and not (tmp_path / "run").exists()
+  with metrics_lib.CompileCounter() as compiles:
+    with pytest.raises(
+        config_lib.ConfigError,
+        match=r"config\.eval\.benchmarks \(aime24\): aime24: aime24_test\.jsonl not in"
+        r".*unreachable.*set config\.eval\.manual_dir"):
+      loop.run(c, str(tmp_path / "run"))
+  assert compiles.count == 0 and not (tmp_path / "run").exists()

@@ -128,14 +128,26 @@ def test_sampling_frequencies_match_truncated_distribution(temperature, top_k, t
   assert _chi2(np.where(wrong > 0, freq, 0) + 1e-12 * (wrong > 0), wrong) > 10 * CHI2_CRIT
 
 
+# (rows requested, chunks the packing rule needs with C = 4 rows and P = 2 prompts a chunk):
+# a chunk closes when it holds C rows or a row brings a (P+1)-th distinct prompt.
+PACKINGS = [
+    ([0, 0, 0, 0, 1], 2),  # 4 rows fill the first chunk
+    ([3], 1),
+    ([1, 2, 1, 2], 1),  # 2 prompts, 4 rows: one chunk
+    ([0, 0, 3, 3, 1, 1, 2], 2),
+    ([0, 1, 2, 3], 2),  # 4 rows but 4 prompts: the prompt limit splits them
+    ([0, 1, 0, 1, 0, 1, 0, 1], 2),
+]
+
+
 def test_row_mask_and_rng_do_not_recompile(tiny):
   config, params = tiny
   smp = sampler_lib.Sampler(config, max_new_tokens=6, stop_ids=[-1], chunk_rows=4,
                             prompts_per_chunk=2, prompt_buckets=(8,))
-  for i, rows in enumerate([[0, 0, 0, 0, 1], [3], [1, 2, 1, 2], [0, 0, 3, 3, 1, 1, 2]]):
+  for i, (rows, chunks) in enumerate(PACKINGS):
     out, stats = smp.generate(params, PROMPTS, rows, jax.random.key(i))
-    assert stats.chunks == -(-len(rows) // 4) or stats.chunks > len(rows) // 4
-    assert stats.rows_computed == 4 * stats.chunks and stats.rows_useful == len(rows)
+    assert stats.chunks == chunks, rows  # neither fewer (rows lost) nor more (wasted)
+    assert stats.rows_computed == 4 * chunks and stats.rows_useful == len(rows)
     assert out["tokens"].shape == (len(rows), 6)
   assert smp.compiles == 1
 
@@ -151,17 +163,35 @@ def test_chunk_packing_respects_prompt_limit_and_skips_empty_chunks(tiny):
   assert stats.chunks == 0 and stats.rows_computed == 0
 
 
-def test_masked_rows_are_zero_and_do_not_hold_the_loop(tiny):
+def test_masked_rows_are_zero_and_do_not_hold_the_loop(tiny, monkeypatch):
+  """Live rows stop at their first token; the decode loop must then end, whatever the
+  masked rows would do (they never stop on their own: their token is never a stop id)."""
   config, params = tiny
   tokens, mask = _padded(PROMPTS[:2], 8)
+  row_prompt = jnp.array([0, 1, 0, 1])
+  greedy = sampler_lib.SamplingRule(temperature=0.0)
+  first = testing.greedy_reference(config, params, tokens, mask, 1)[:, 0]
+  assert 0 not in first  # a masked row emits 0: it must not count as a stop
+  steps = []  # one entry per decode step the loop runs (counted at run time)
+  real_decode = model_lib.decode
+
+  def counting_decode(*args, **kwargs):
+    jax.debug.callback(lambda: steps.append(1))
+    return real_decode(*args, **kwargs)
+
+  monkeypatch.setattr(model_lib, "decode", counting_decode)
   fn = jax.jit(lambda rm: sampler_lib.generate(
-      config, params, tokens, mask, jnp.array([0, 1, 0, 1]), rm, jax.random.key(0),
-      rule=sampler_lib.SamplingRule(), max_new_tokens=5, stop_ids=(-1,)))
+      config, params, tokens, mask, row_prompt, rm, jax.random.key(0), rule=greedy,
+      max_new_tokens=5, stop_ids=tuple(int(t) for t in first)))
   out = fn(jnp.array([True, False, True, False]))
+  jax.effects_barrier()
   assert not np.asarray(out.mask[1::2]).any() and (np.asarray(out.tokens[1::2]) == 0).all()
-  assert (np.asarray(out.lengths) == [5, 0, 5, 0]).all()
+  assert (np.asarray(out.lengths) == [1, 0, 1, 0]).all()
+  assert len(steps) == 1  # the live rows' one step; masked rows added none
+  steps.clear()
   none = fn(jnp.zeros(4, bool))  # every row masked: the loop must not run at all
-  assert int(none.lengths.sum()) == 0
+  jax.effects_barrier()
+  assert int(none.lengths.sum()) == 0 and steps == []
 
 
 def test_sharded_sampler_matches_single_device(tiny):

@@ -253,7 +253,7 @@ def test_cli_on_tiny_arith_and_the_selected_set_trains(tmp_path, monkeypatch):
   c.data.jsonl_paths = (str(out / "mixed.jsonl"),)
   c.data.prompt_style = "raw"  # The arithmetic task's bare prompts, as selection saw them.
   c.data.data_dir = str(tmp_path / "tfds")
-  # User JSONL sets are decontaminated against MATH500 (loop.load_prompts' default): an
+  # User JSONL sets are decontaminated against MATH500 (inputs.load_prompts' default): an
   # empty copy of it keeps this test offline.
   manual = tmp_path / "manual"
   manual.mkdir()
