@@ -503,8 +503,9 @@ def _run_est(config, prompt_ids, draw, rng, est_state, more_prompts):
   keys = prompt_keys(prompt_ids)
   p_hat = est_pass_rates(state, keys, config.est_alpha, config.est_beta)
   weights = EST_WEIGHTS[config.est_weight](p_hat)
-  counts = allocate_budget(weights, config.train_rows(b), config.est_n_min, config.est_n_max,
-                           config.est_split)
+  counts = allocate_budget(
+    weights, config.train_rows(b), config.est_n_min, config.est_n_max, config.est_split
+  )
   pools = _Pools(b)
   pools.draw_round(draw, np.repeat(np.arange(b), counts))
   kept = {p: np.arange(len(pools.rewards[p])) for p in range(b)}  # Train on all samples.

@@ -128,8 +128,13 @@ class EvalConfig:
     if isinstance(self.benchmarks, str):  # 'math500,aime24', e.g. from a command line.
       names = [b.strip() for b in self.benchmarks.split(",")]
       object.__setattr__(self, "benchmarks", [b for b in names if b])
-    for name in ("benchmarks", "pass_at", "prompt_buckets", "arith_levels",
-                 "arith_ops"):  # Hashable.
+    for name in (
+      "benchmarks",
+      "pass_at",
+      "prompt_buckets",
+      "arith_levels",
+      "arith_ops",
+    ):  # Hashable.
       object.__setattr__(self, name, tuple(getattr(self, name)))
 
     def need(ok: bool, field: str, what: str):

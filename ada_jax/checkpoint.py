@@ -209,11 +209,13 @@ def params_step_dir(path: str | os.PathLike) -> pathlib.Path:
     FileNotFoundError: `path` holds no checkpoint; the message lists the steps saved next
       to it, or points at `path/checkpoints` when `path` is a run folder.
   """
+
   def saved_steps(folder: pathlib.Path) -> list[int]:
     if not folder.is_dir():
       return []
-    return sorted(int(p.name) for p in folder.iterdir()
-                  if p.name.isdigit() and (p / "params").is_dir())
+    return sorted(
+      int(p.name) for p in folder.iterdir() if p.name.isdigit() and (p / "params").is_dir()
+    )
 
   path = pathlib.Path(path).absolute()
   if (path / "params").is_dir():
@@ -303,8 +305,9 @@ def resume(
   return start(None), "scratch"
 
 
-def export_hf(config: ModelConfig, params: Params, path: str | os.PathLike,
-              tokenizer: Tokenizer | None = None) -> None:
+def export_hf(
+  config: ModelConfig, params: Params, path: str | os.PathLike, tokenizer: Tokenizer | None = None
+) -> None:
   """Writes the final policy as a Hugging Face folder (`weights.save_hf`) and, when given,
   the run's tokenizer with its chat template and a generation_config.json holding the run's
   stop ids (`Tokenizer.save`), so that transformers and inference servers load the folder
@@ -372,8 +375,11 @@ def stop_signals() -> Iterator[StopRequest]:
     if event.is_set():
       raise KeyboardInterrupt
     event.request(signum)
-    print("\nCtrl-C: stopping after this RL step with a checkpoint (Ctrl-C again to abort)",
-          file=sys.stderr, flush=True)
+    print(
+      "\nCtrl-C: stopping after this RL step with a checkpoint (Ctrl-C again to abort)",
+      file=sys.stderr,
+      flush=True,
+    )
 
   previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
   signal.signal(signal.SIGTERM, lambda signum, frame: event.request(signum))

@@ -230,8 +230,10 @@ def user_jsonl_spec(
     digest.update(f"{p}|{stat.st_size}|{stat.st_mtime_ns}|".encode())
     resolved.append(p)
   # The MATH500 filter changes the rows, so it is part of the cache key too.
-  digest.update(f"{problem_field}|{answer_field}|{answer_format}|{split}|"
-                f"exclude_math500={exclude_math500}".encode())
+  digest.update(
+    f"{problem_field}|{answer_field}|{answer_format}|{split}|"
+    f"exclude_math500={exclude_math500}".encode()
+  )
   sources = tuple(
     JsonlSource(
       split,
@@ -505,8 +507,9 @@ def _check_files(spec: MathSetSpec, manual_dir: str | pathlib.Path | None) -> No
   for url in dict.fromkeys(src.url for src in missing):
     if not reachable(url):
       host = urllib.parse.urlsplit(url).hostname
-      raise ConnectionError(f"{spec.name}: {names} not in {where}, and {host} is unreachable "
-                            "(offline?)")
+      raise ConnectionError(
+        f"{spec.name}: {names} not in {where}, and {host} is unreachable (offline?)"
+      )
 
 
 def _prepared(b: AdaMath) -> bool:
@@ -550,9 +553,14 @@ def builder(
     spec = b.builder_config.spec
     _check_files(spec, manual_dir)
     missing = [src.file for src in missing_files(spec, manual_dir)]
-    logging.info("preparing %s/%s in %s: reading %s%s", b.name, spec.name, data_dir,
-                 manual_dir or "no manual directory",
-                 f", downloading {', '.join(missing)}" if missing else "")
+    logging.info(
+      "preparing %s/%s in %s: reading %s%s",
+      b.name,
+      spec.name,
+      data_dir,
+      manual_dir or "no manual directory",
+      f", downloading {', '.join(missing)}" if missing else "",
+    )
   b.download_and_prepare(
     download_config=tfds.download.DownloadConfig(manual_dir=manual_dir and str(manual_dir))
   )

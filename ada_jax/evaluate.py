@@ -82,8 +82,9 @@ def run_model_tag(workdir: str | os.PathLike, step: int) -> str:
   return checkpoint_tag(pathlib.Path(workdir) / "checkpoints", step)
 
 
-def report_name(out_dir: pathlib.Path, name: str, model_tag: str,
-                settings: Mapping[str, Any]) -> str:
+def report_name(
+  out_dir: pathlib.Path, name: str, model_tag: str, settings: Mapping[str, Any]
+) -> str:
   """`name`, or `name.2`, `name.3`, ... : the first whose report is absent or is of the same
   model and settings (the same evaluation, its numbers from the cache), so a report never
   replaces one of other weights or settings."""
@@ -93,8 +94,7 @@ def report_name(out_dir: pathlib.Path, name: str, model_tag: str,
       old = json.loads((out_dir / f"{candidate}.json").read_text())
     except (OSError, json.JSONDecodeError):
       old = {}
-    if old.get("model") == model_tag and old.get("settings") == json.loads(
-        json.dumps(settings)):
+    if old.get("model") == model_tag and old.get("settings") == json.loads(json.dumps(settings)):
       break
     i += 1
     candidate = f"{name}.{i}"
@@ -137,8 +137,7 @@ def run(
     ConfigError: the largest prompt bucket plus `max_new_tokens` exceed the model's
       positions (before anything compiles).
   """
-  config_lib.context_fits(model_config, config.prompt_buckets, config.max_new_tokens,
-                          "config.eval")
+  config_lib.context_fits(model_config, config.prompt_buckets, config.max_new_tokens, "config.eval")
   out_dir = pathlib.Path(workdir) / "eval"
   start = time.perf_counter()
   benchmarks = benchmarks_lib.load_benchmarks(config, tokenizer)
@@ -277,8 +276,9 @@ def load_model(
   return LoadedModel(params, model_config, tokenizer, tag)
 
 
-def report_text(report: Mapping[str, Any], workdir: str | os.PathLike, *,
-                as_json: bool = False) -> str:
+def report_text(
+  report: Mapping[str, Any], workdir: str | os.PathLike, *, as_json: bool = False
+) -> str:
   """What the CLI prints on stdout: the results table (Markdown) and where the report
   files are, or with `as_json` the report itself as JSON (for scripts)."""
   if as_json:
@@ -311,8 +311,9 @@ def define_flags(flag_values=None, sys_argv: list[str] | None = None) -> None:
     (flags.DEFINE_integer, "limit", "Only the first N problems of each benchmark."),
   ):
     define(name, None, help_, flag_values=fv)
-  flags.DEFINE_bool("json", False, "Print the report as JSON on stdout instead of the table.",
-                    flag_values=fv)
+  flags.DEFINE_bool(
+    "json", False, "Print the report as JSON on stdout instead of the table.", flag_values=fv
+  )
 
 
 def main(argv: Sequence[str], flag_values=None) -> dict[str, Any]:
@@ -339,8 +340,11 @@ def main(argv: Sequence[str], flag_values=None) -> dict[str, Any]:
     cfg = config_lib.parse(fv.config)
   else:
     cfg = dataclasses.replace(config_lib.RunConfig(), eval=EvalConfig())
-  flags_ = {k: v for k, v in {"benchmarks": fv.benchmarks, "k": fv.k, "limit": fv.limit}.items()
-            if v is not None}
+  flags_ = {
+    k: v
+    for k, v in {"benchmarks": fv.benchmarks, "k": fv.k, "limit": fv.limit}.items()
+    if v is not None
+  }
   try:
     config = dataclasses.replace(cfg.eval, **flags_)
     mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
@@ -348,8 +352,9 @@ def main(argv: Sequence[str], flag_values=None) -> dict[str, Any]:
     raise config_lib.ConfigError(str(e)) from None
   # A report made with other benchmarks / k / limit than the config's gets its own name, so
   # it never replaces the run's own eval/step_<n> report.
-  suffix = "".join("_" + ("+".join(v) if k == "benchmarks" else f"{k}{v}")
-                   for k, v in sorted(flags_.items()))
+  suffix = "".join(
+    "_" + ("+".join(v) if k == "benchmarks" else f"{k}{v}") for k, v in sorted(flags_.items())
+  )
   if fv.hf_dir is not None:
     model = load_model(cfg, mesh, hf_dir=fv.hf_dir, tokenizer_dir=fv.tokenizer_dir)
     tag, name = model.tag, f"hf_{pathlib.Path(fv.hf_dir).absolute().name}"

@@ -46,42 +46,58 @@ def load_prompts(cfg: config_lib.RunConfig, tokenizer: Tokenizer) -> prompts.Pro
   else:
     if d.source == "jsonl":
       try:
-        spec = data.user_jsonl_spec("user", d.jsonl_paths, problem_field=d.problem_field,
-                                    answer_field=d.answer_field,
-                                    answer_format=d.answer_format,
-                                    exclude_math500=d.exclude_math500)
+        spec = data.user_jsonl_spec(
+          "user",
+          d.jsonl_paths,
+          problem_field=d.problem_field,
+          answer_field=d.answer_field,
+          answer_format=d.answer_format,
+          exclude_math500=d.exclude_math500,
+        )
       except (OSError, ValueError) as e:
         raise ConfigError(f"config.data: {e}") from None
     elif d.source in data.SETS:
       spec = d.source
     else:
-      raise ConfigError(f"config.data.source {d.source!r}: use 'arith', 'jsonl' or one of "
-                       f"{sorted(data.SETS)}")
-    data_dir = d.data_dir or os.environ.get("TFDS_DATA_DIR") or str(
-        pathlib.Path.home() / "tensorflow_datasets")
+      raise ConfigError(
+        f"config.data.source {d.source!r}: use 'arith', 'jsonl' or one of {sorted(data.SETS)}"
+      )
+    data_dir = (
+      d.data_dir
+      or os.environ.get("TFDS_DATA_DIR")
+      or str(pathlib.Path.home() / "tensorflow_datasets")
+    )
     try:
-      examples = data.load_examples(spec, d.split, data_dir=data_dir,
-                                    manual_dir=d.manual_dir or None)
+      examples = data.load_examples(
+        spec, d.split, data_dir=data_dir, manual_dir=d.manual_dir or None
+      )
     except (OSError, ValueError) as e:  # a bad file (named, with its line) or no network
-      raise ConfigError(f"config.data: {' '.join(str(e).split())}"
-                        f"{_offline_hint(e, 'config.data.manual_dir')}") from None
+      raise ConfigError(
+        f"config.data: {' '.join(str(e).split())}{_offline_hint(e, 'config.data.manual_dir')}"
+      ) from None
     style = d.prompt_style
-  ps = prompts.build_prompts(examples, tokenizer, style=style,
-                             max_prompt_tokens=d.max_prompt_tokens)
+  ps = prompts.build_prompts(
+    examples, tokenizer, style=style, max_prompt_tokens=d.max_prompt_tokens
+  )
   if ps.num_dropped:
-    logging.warning("%d training prompts over %d tokens dropped", ps.num_dropped,
-                    d.max_prompt_tokens)
+    logging.warning(
+      "%d training prompts over %d tokens dropped", ps.num_dropped, d.max_prompt_tokens
+    )
   if len(ps) < cfg.rl.batch_prompts:
-    raise ConfigError(f"config.rl.batch_prompts ({cfg.rl.batch_prompts}) exceeds the "
-                     f"{len(ps)} usable training prompts")
+    raise ConfigError(
+      f"config.rl.batch_prompts ({cfg.rl.batch_prompts}) exceeds the "
+      f"{len(ps)} usable training prompts"
+    )
   return ps
 
 
 def _offline_hint(error: Exception, field: str) -> str:
   if not isinstance(error, ConnectionError):
     return ""
-  return (f"; set {field} to a folder with these JSONL files (a folder shared/data beside "
-          "the checkout is the configs' default when present)")
+  return (
+    f"; set {field} to a folder with these JSONL files (a folder shared/data beside "
+    "the checkout is the configs' default when present)"
+  )
 
 
 def check_eval_data(cfg: config_lib.RunConfig) -> None:
@@ -92,13 +108,17 @@ def check_eval_data(cfg: config_lib.RunConfig) -> None:
     ConfigError: naming `config.eval.manual_dir` (offline) or `config.eval.benchmarks`.
   """
   e = cfg.eval
-  data_dir = e.data_dir or os.environ.get("TFDS_DATA_DIR") or str(
-      pathlib.Path.home() / "tensorflow_datasets")
+  data_dir = (
+    e.data_dir
+    or os.environ.get("TFDS_DATA_DIR")
+    or str(pathlib.Path.home() / "tensorflow_datasets")
+  )
   for name in e.benchmarks:
     if name not in data.SETS:
       continue  # 'arith' is generated, unknown names fail in `benchmarks.load_examples`
     try:
       data.check_available(name, data_dir=data_dir, manual_dir=e.manual_dir or None)
     except OSError as err:
-      raise ConfigError(f"config.eval.benchmarks ({name}): {err}"
-                        f"{_offline_hint(err, 'config.eval.manual_dir')}") from None
+      raise ConfigError(
+        f"config.eval.benchmarks ({name}): {err}{_offline_hint(err, 'config.eval.manual_dir')}"
+      ) from None

@@ -50,8 +50,16 @@ from ada_jax.tokenizer import Tokenizer
 from ada_jax.verifier import RewardPool, VerifierConfig
 
 # Controller outputs that must be identical on every process (`distributed.assert_same`).
-_AGREED = ("reward_mean", "pass_rate", "first_round_pass_rate", "samples_drawn",
-           "active_prompts_per_round", "zero_signal_frac", "response_len_mean", "rows_computed")
+_AGREED = (
+  "reward_mean",
+  "pass_rate",
+  "first_round_pass_rate",
+  "samples_drawn",
+  "active_prompts_per_round",
+  "zero_signal_frac",
+  "response_len_mean",
+  "rows_computed",
+)
 
 
 def _heldout_eval(cfg, workdir, tokenizer, params, model_cfg, step) -> dict[str, float]:
@@ -60,14 +68,24 @@ def _heldout_eval(cfg, workdir, tokenizer, params, model_cfg, step) -> dict[str,
   if not cfg.eval.benchmarks:
     return {}
   primary = jax.process_index() == 0
-  metrics_lib.console(f"held-out evaluation at RL step {step}: "
-                      f"{', '.join(cfg.eval.benchmarks)} (Avg@{cfg.eval.k})")
-  results = evaluate.run(cfg.eval, workdir, params=params, model_config=model_cfg,
-                         tokenizer=tokenizer, model_tag=evaluate.run_model_tag(workdir, step),
-                         name=f"step_{step}", progress=primary)["results"]
+  metrics_lib.console(
+    f"held-out evaluation at RL step {step}: {', '.join(cfg.eval.benchmarks)} (Avg@{cfg.eval.k})"
+  )
+  results = evaluate.run(
+    cfg.eval,
+    workdir,
+    params=params,
+    model_config=model_cfg,
+    tokenizer=tokenizer,
+    model_tag=evaluate.run_model_tag(workdir, step),
+    name=f"step_{step}",
+    progress=primary,
+  )["results"]
   flat = benchmarks.flat_metrics(results)
-  metrics_lib.console(f"held-out at RL step {step}: " + ", ".join(
-      f"{k.removeprefix('eval/')} {v:.4f}" for k, v in flat.items() if "avg@" in k))
+  metrics_lib.console(
+    f"held-out at RL step {step}: "
+    + ", ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in flat.items() if "avg@" in k)
+  )
   return flat
 
 
@@ -109,8 +127,9 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
   try:
     train.check_batch_layout(cfg.train_rows, train_cfg, mesh)
   except ValueError as e:
-    raise ConfigError(f"config.rl.batch_prompts ({cfg.rl.batch_prompts}) with config.train "
-                      f"and config.mesh: {e}") from None
+    raise ConfigError(
+      f"config.rl.batch_prompts ({cfg.rl.batch_prompts}) with config.train and config.mesh: {e}"
+    ) from None
   ps = inputs.load_prompts(cfg, tokenizer)
   inputs.check_eval_data(cfg)
   ppc = cfg.prompts_per_chunk
@@ -119,10 +138,16 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
     ppc = min(-(-ppc // dp) * dp, cfg.sampler.chunk_rows)
   try:
     smp = sampler.Sampler(
-        model_cfg, rule=cfg.sampler.rule,
-        max_new_tokens=cfg.sampler.max_new_tokens, stop_ids=tokenizer.eos_ids,
-        chunk_rows=cfg.sampler.chunk_rows, prompts_per_chunk=ppc,
-        prompt_buckets=cfg.sampler.prompt_buckets, pad_id=tokenizer.pad_id, mesh=mesh)
+      model_cfg,
+      rule=cfg.sampler.rule,
+      max_new_tokens=cfg.sampler.max_new_tokens,
+      stop_ids=tokenizer.eos_ids,
+      chunk_rows=cfg.sampler.chunk_rows,
+      prompts_per_chunk=ppc,
+      prompt_buckets=cfg.sampler.prompt_buckets,
+      pad_id=tokenizer.pad_id,
+      mesh=mesh,
+    )
   except ValueError as e:
     raise ConfigError(f"config.sampler: {e}") from None
   if cfg.ckpt.init_from:
@@ -142,29 +167,41 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
     if params is None:
       params = model_lib.init_params(model_cfg, init_key)
       if cfg.warmstart is not None:
-        params, ws = warmstart_lib.warm_start(model_cfg, params, tokenizer, cfg.warmstart,
-                                              progress=jax.process_index() == 0)
+        params, ws = warmstart_lib.warm_start(
+          model_cfg, params, tokenizer, cfg.warmstart, progress=jax.process_index() == 0
+        )
         metrics_lib.console(warmstart_lib.describe(ws, cfg.warmstart))
-        host["warmstart"] = {"wall_s": float(ws["wall_s"]),
-                             "final_loss": float(np.mean(ws["loss"][-20:])),
-                             "steps_run": int(ws["steps_run"]),
-                             "reached_target": bool(ws["reached_target"])}
+        host["warmstart"] = {
+          "wall_s": float(ws["wall_s"]),
+          "final_loss": float(np.mean(ws["loss"][-20:])),
+          "steps_run": int(ws["steps_run"]),
+          "reached_target": bool(ws["reached_target"]),
+        }
     host["before_rl"] = _heldout_eval(cfg, workdir, tokenizer, params, model_cfg, 0)
-    state = train.init_train_state(model_cfg, train_cfg, params, mesh,
-                                   ref_params=params if with_ref else None)
-    host.update(step=0, iterator=_jsonable(iterator.state()),
-                np_rng=checkpoint.generator_state(np.random.default_rng(cfg.seed)))
+    state = train.init_train_state(
+      model_cfg, train_cfg, params, mesh, ref_params=params if with_ref else None
+    )
+    host.update(
+      step=0,
+      iterator=_jsonable(iterator.state()),
+      np_rng=checkpoint.generator_state(np.random.default_rng(cfg.seed)),
+    )
     return checkpoint.RunState(train=state, rng=root, est=None, host=host)
 
   manager = checkpoint.make_manager(pathlib.Path(workdir) / "checkpoints", cfg.ckpt.manager)
-  run_state, source = checkpoint.resume(manager, target, start=start,
-                                        init_from=cfg.ckpt.init_from or None,
-                                        pretrained=str(model_dir) if model_dir else None)
+  run_state, source = checkpoint.resume(
+    manager,
+    target,
+    start=start,
+    init_from=cfg.ckpt.init_from or None,
+    pretrained=str(model_dir) if model_dir else None,
+  )
   logging.info("run state from %s", source)
   if source.startswith("checkpoint"):
     resumed = int(run_state.host["step"])
-    metrics_lib.console(f"resuming from step {resumed} (checkpoint {workdir}/checkpoints/"
-                        f"{resumed})")
+    metrics_lib.console(
+      f"resuming from step {resumed} (checkpoint {workdir}/checkpoints/{resumed})"
+    )
   else:
     # Step 0 (the warm-started policy, its held-out score) is saved at once, so a restart
     # never repeats the warm start and other runs can `init_from` this folder's step 0.
@@ -179,12 +216,14 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
   np_rng = checkpoint.generator_from_state(host["np_rng"])
   first = int(host["step"])
   step_fn = train.make_train_step(model_cfg, train_cfg, mesh, with_ref=with_ref)
-  writer = metrics_lib.MetricsWriter(workdir, total_steps=cfg.rl.steps, start_step=first,
-                                     primary=jax.process_index() == 0)
+  writer = metrics_lib.MetricsWriter(
+    workdir, total_steps=cfg.rl.steps, start_step=first, primary=jax.process_index() == 0
+  )
   if first == 0:
     writer.add_scalars(0, host.get("before_rl", {}))
-  verifier_cfg = VerifierConfig(judge=cfg.rl.judge, num_workers=cfg.rl.verifier_workers,
-                                timeout_s=cfg.rl.verifier_timeout_s)
+  verifier_cfg = VerifierConfig(
+    judge=cfg.rl.judge, num_workers=cfg.rl.verifier_workers, timeout_s=cfg.rl.verifier_timeout_s
+  )
   step = first
   agreed = stopped_by = None
   with checkpoint.stop_signals() as stop, RewardPool(verifier_cfg) as pool:
@@ -193,39 +232,52 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
     for step in range(first + 1, cfg.rl.steps + 1):
       state, est, m = rl_step(ctx, step, state, est, jax.random.fold_in(rollout_key, step))
       if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < cfg.rl.steps:
-        m.update(_heldout_eval(
-            cfg, workdir, tokenizer, state.params, model_cfg, step))
+        m.update(_heldout_eval(cfg, workdir, tokenizer, state.params, model_cfg, step))
       writer.write(step, m)
-      host.update(step=step, iterator=_jsonable(iterator.state()),
-                  np_rng=checkpoint.generator_state(np_rng))
-      agreed = distributed.assert_same(f"controller state after RL step {step}", [
-          host["iterator"], host["np_rng"], est, [m.get(k) for k in _AGREED]])
+      host.update(
+        step=step, iterator=_jsonable(iterator.state()), np_rng=checkpoint.generator_state(np_rng)
+      )
+      agreed = distributed.assert_same(
+        f"controller state after RL step {step}",
+        [host["iterator"], host["np_rng"], est, [m.get(k) for k in _AGREED]],
+      )
       stopping = checkpoint.stop_requested(stop)
-      if stopping or step == cfg.rl.steps or (cfg.ckpt.every_steps and
-                                              step % cfg.ckpt.every_steps == 0):
-        checkpoint.save(manager, step, checkpoint.RunState(train=state, rng=root, est=est,
-                                                           host=host))
+      if (
+        stopping
+        or step == cfg.rl.steps
+        or (cfg.ckpt.every_steps and step % cfg.ckpt.every_steps == 0)
+      ):
+        checkpoint.save(
+          manager, step, checkpoint.RunState(train=state, rng=root, est=est, host=host)
+        )
       if stopping:
         # Another process's signal stops this one too (`stop_requested` combines them).
         stopped_by = stop.signal_name or "a signal to another process"
         writer.log_text(f"{stopped_by}: saved checkpoint {step}, exiting")
         break
   checkpoint.close(manager)
-  summary = {"steps_done": step, "source": source, "warmstart": host.get("warmstart"),
-             "before_rl": host.get("before_rl", {})}
+  summary = {
+    "steps_done": step,
+    "source": source,
+    "warmstart": host.get("warmstart"),
+    "before_rl": host.get("before_rl", {}),
+  }
   if stopped_by is not None:
     summary["stopped_by"] = stopped_by
   if jax.process_count() > 1:  # equal on every process (tests/test_distributed.py)
-    summary["fingerprints"] = {"controller": agreed,
-                               "params": distributed.local_fingerprint(state.params)}
+    summary["fingerprints"] = {
+      "controller": agreed,
+      "params": distributed.local_fingerprint(state.params),
+    }
   if step == cfg.rl.steps and stopped_by is None:  # stopped: the rerun evaluates
     summary["after_rl"] = _heldout_eval(cfg, workdir, tokenizer, state.params, model_cfg, step)
     writer.add_scalars(step, summary["after_rl"])
     if cfg.ckpt.export_hf:
       params = distributed.host_copy(state.params)  # collective: every process takes part
       if jax.process_index() == 0:
-        checkpoint.export_hf(model_cfg, params, pathlib.Path(workdir) / "hf_final",
-                             tokenizer=tokenizer)
+        checkpoint.export_hf(
+          model_cfg, params, pathlib.Path(workdir) / "hf_final", tokenizer=tokenizer
+        )
   writer.close()
   if jax.process_index() == 0:
     (pathlib.Path(workdir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -259,8 +311,9 @@ class StepContext:
   np_rng: np.random.Generator
 
 
-def rl_step(ctx: StepContext, step: int, state: train.TrainState, est: Any, key: jax.Array
-            ) -> tuple[train.TrainState, Any, dict[str, Any]]:
+def rl_step(
+  ctx: StepContext, step: int, state: train.TrainState, est: Any, key: jax.Array
+) -> tuple[train.TrainState, Any, dict[str, Any]]:
   """One RL step: prompts -> adaptive rollouts -> training batch -> policy update.
 
   Args:
@@ -277,10 +330,10 @@ def rl_step(ctx: StepContext, step: int, state: train.TrainState, est: Any, key:
   with metrics_lib.CompileCounter() as compiles:
     # Prompts, then rollouts: the controller asks `draw` for rows round by round.
     step_prompts = rollout.StepPrompts(ctx.prompt_set, ctx.iterator, cfg.rl.batch_prompts)
-    draw = rollout.Rollouts(ctx.sampler, state.params, ctx.tokenizer, ctx.score, step_prompts,
-                            key)
-    result, est = adaptive.run_step(cfg.ada, step_prompts.ids, draw, ctx.np_rng, est,
-                                    step_prompts.more_prompts)
+    draw = rollout.Rollouts(ctx.sampler, state.params, ctx.tokenizer, ctx.score, step_prompts, key)
+    result, est = adaptive.run_step(
+      cfg.ada, step_prompts.ids, draw, ctx.np_rng, est, step_prompts.more_prompts
+    )
     responses = draw.responses()
     # Batch and update.
     start = time.perf_counter()
@@ -288,40 +341,54 @@ def rl_step(ctx: StepContext, step: int, state: train.TrainState, est: Any, key:
     if skipped:
       # dapo when no group is mixed even after its extra passes: there is nothing to train
       # on, and an update on an empty batch would still move the params (Adam's momentum).
-      logging.warning("RL step %d: no response selected for training (%s found no group "
-                      "with mixed rewards); the policy update is skipped", step,
-                      cfg.ada.method)
+      logging.warning(
+        "RL step %d: no response selected for training (%s found no group "
+        "with mixed rewards); the policy update is skipped",
+        step,
+        cfg.ada.method,
+      )
       tm = {}
     else:
-      batch = rollout.make_train_batch(result, responses, step_prompts.tokens,
-                                       rows=cfg.train_rows, buckets=cfg.sampler.prompt_buckets)
+      batch = rollout.make_train_batch(
+        result,
+        responses,
+        step_prompts.tokens,
+        rows=cfg.train_rows,
+        buckets=cfg.sampler.prompt_buckets,
+      )
       batch = distributed.local_rows(batch, ctx.mesh, cfg.train.num_minibatches)
-      state, tm = train.update_policy(ctx.step_fn, state, batch, config=cfg.train_config,
-                                      mesh=ctx.mesh)
+      state, tm = train.update_policy(
+        ctx.step_fn, state, batch, config=cfg.train_config, mesh=ctx.mesh
+      )
     time_train = time.perf_counter() - start
   s = result.stats
   m = {
-      "reward_mean": s.reward_mean,
-      # Over every response drawn: biased upward for pos/balance, which stop after
-      # successes. The first-round rate is the unbiased one, whichever the method.
-      "pass_rate": float(np.mean(s.pool_pass_rate[:cfg.rl.batch_prompts])),
-      "first_round_pass_rate": s.first_round_pass_rate,
-      "samples_drawn": s.rows_requested,
-      "active_prompts_per_round": list(s.active_per_round),
-      "zero_signal_frac": s.zero_signal_fraction,
-      "response_len_mean": float(np.mean(responses["lengths"])),
-      "tokens_per_s": draw.tokens / max(draw.time_sample_s, 1e-9),
-      "time_sample_s": draw.time_sample_s,
-      "time_verify_s": draw.time_verify_s,
-      "time_train_s": time_train,
-      "rows_computed": draw.rows_computed,
-      "rows_useful": draw.rows_useful,
-      "compiles": compiles.count,  # XLA compilations during the step
-      "update_skipped": float(skipped),  # 1: no response to train on, params unchanged
+    "reward_mean": s.reward_mean,
+    # Over every response drawn: biased upward for pos/balance, which stop after
+    # successes. The first-round rate is the unbiased one, whichever the method.
+    "pass_rate": float(np.mean(s.pool_pass_rate[: cfg.rl.batch_prompts])),
+    "first_round_pass_rate": s.first_round_pass_rate,
+    "samples_drawn": s.rows_requested,
+    "active_prompts_per_round": list(s.active_per_round),
+    "zero_signal_frac": s.zero_signal_fraction,
+    "response_len_mean": float(np.mean(responses["lengths"])),
+    "tokens_per_s": draw.tokens / max(draw.time_sample_s, 1e-9),
+    "time_sample_s": draw.time_sample_s,
+    "time_verify_s": draw.time_verify_s,
+    "time_train_s": time_train,
+    "rows_computed": draw.rows_computed,
+    "rows_useful": draw.rows_useful,
+    "compiles": compiles.count,  # XLA compilations during the step
+    "update_skipped": float(skipped),  # 1: no response to train on, params unchanged
   }
   m.update(s.as_metrics())
-  m.update({k: tm[k] for k in ("loss", "entropy", "clip_frac", "grad_norm", "approx_kl",
-                               "learning_rate") if k in tm})
+  m.update(
+    {
+      k: tm[k]
+      for k in ("loss", "entropy", "clip_frac", "grad_norm", "approx_kl", "learning_rate")
+      if k in tm
+    }
+  )
   return state, est, m
 
 

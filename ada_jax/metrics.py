@@ -56,9 +56,15 @@ class MetricsWriter:
     show: keys shown in the progress bar's postfix.
   """
 
-  def __init__(self, workdir: str | os.PathLike, *, total_steps: int, start_step: int = 0,
-               primary: bool = True, show: Sequence[str] = ("pass_rate", "reward_mean",
-                                                            "samples_drawn", "loss")):
+  def __init__(
+    self,
+    workdir: str | os.PathLike,
+    *,
+    total_steps: int,
+    start_step: int = 0,
+    primary: bool = True,
+    show: Sequence[str] = ("pass_rate", "reward_mean", "samples_drawn", "loss"),
+  ):
     self.primary = primary
     self.show = tuple(show)
     self.path = pathlib.Path(workdir) / "metrics.jsonl"
@@ -72,8 +78,9 @@ class MetricsWriter:
       with open(self.path.with_name("metrics.orphaned.jsonl"), "a") as f:
         f.writelines(json.dumps(line) + "\n" for line in stale)
       tmp = self.path.with_suffix(".tmp")
-      tmp.write_text("".join(json.dumps(line) + "\n" for line in lines
-                             if line.get("step", 0) <= start_step))
+      tmp.write_text(
+        "".join(json.dumps(line) + "\n" for line in lines if line.get("step", 0) <= start_step)
+      )
       os.replace(tmp, self.path)
     from tensorboardX import SummaryWriter
     from tqdm.auto import tqdm
@@ -83,11 +90,14 @@ class MetricsWriter:
     # which a run restarted at step 0 writes again too.
     # The suffix keeps a restart within the same second from replacing the earlier file
     # (named by the second) and sorts the files in the order they were started.
-    self._tb = SummaryWriter(str(self.path.parent / "tensorboard"),
-                             purge_step=start_step + 1 if start_step else 0,
-                             filename_suffix=f".{time.time_ns()}")
-    self._bar = tqdm(total=total_steps, initial=start_step, desc="RL steps", unit="step",
-                     dynamic_ncols=True)
+    self._tb = SummaryWriter(
+      str(self.path.parent / "tensorboard"),
+      purge_step=start_step + 1 if start_step else 0,
+      filename_suffix=f".{time.time_ns()}",
+    )
+    self._bar = tqdm(
+      total=total_steps, initial=start_step, desc="RL steps", unit="step", dynamic_ncols=True
+    )
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float | int]:
     """Records one step. A list (e.g. per-round counts) is one JSONL field, and one
@@ -99,11 +109,26 @@ class MetricsWriter:
     record: dict[str, Any] = {"step": step}
     for k, v in metrics.items():
       v = v.tolist() if isinstance(v, np.ndarray) else v
-      record[k] = ([_scalar(x) for x in v] if isinstance(v, (list, tuple)) else
-                   v if isinstance(v, str) else _scalar(v))
+      record[k] = (
+        [_scalar(x) for x in v]
+        if isinstance(v, (list, tuple))
+        else v
+        if isinstance(v, str)
+        else _scalar(v)
+      )
     # TensorBoard first: a step with its JSONL line has its events on disk too.
-    self.add_scalars(step, {**scalars, **{f"{k}/{i}": x for k, v in record.items()
-                                          if isinstance(v, list) for i, x in enumerate(v, 1)}})
+    self.add_scalars(
+      step,
+      {
+        **scalars,
+        **{
+          f"{k}/{i}": x
+          for k, v in record.items()
+          if isinstance(v, list)
+          for i, x in enumerate(v, 1)
+        },
+      },
+    )
     with open(self.path, "a") as f:
       f.write(json.dumps(record) + "\n")
     self._bar.update(step - self._bar.n)
@@ -172,9 +197,16 @@ def console(message: str) -> None:
     tqdm.write(message, file=sys.stderr)
 
 
-def plot_curves(runs: Mapping[str, Iterable[Mapping[str, Any]]], keys: Sequence[str],
-                path: str | os.PathLike, *, x: str = "step", title: str = "",
-                units: Mapping[str, str] | None = None, smooth: int = 1) -> None:
+def plot_curves(
+  runs: Mapping[str, Iterable[Mapping[str, Any]]],
+  keys: Sequence[str],
+  path: str | os.PathLike,
+  *,
+  x: str = "step",
+  title: str = "",
+  units: Mapping[str, str] | None = None,
+  smooth: int = 1,
+) -> None:
   """One panel per metric key, one line per run; saved as PNG.
 
   Args:
@@ -201,7 +233,7 @@ def plot_curves(runs: Mapping[str, Iterable[Mapping[str, Any]]], keys: Sequence[
       xs, ys = map(np.asarray, zip(*pts, strict=True))
       if smooth > 1 and len(ys) >= smooth:
         ys = np.convolve(ys, np.ones(smooth) / smooth, mode="valid")
-        xs = xs[smooth - 1:]
+        xs = xs[smooth - 1 :]
       ax.plot(xs, ys, label=label)
     if x == "step":
       ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -223,8 +255,9 @@ def git_commit(path: str | os.PathLike | None = None) -> str:
 
   cwd = pathlib.Path(path or __file__).resolve()
   cwd = cwd if cwd.is_dir() else cwd.parent
-  git = lambda *args: subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
-                                     check=False)
+  git = lambda *args: subprocess.run(
+    ["git", *args], cwd=cwd, capture_output=True, text=True, check=False
+  )
   head = git("rev-parse", "HEAD")
   if head.returncode:
     return "unknown"

@@ -82,6 +82,7 @@ class PromptSet:
   def max_length(self) -> int:
     return max((len(t) for t in self.tokens), default=0)
 
+
 def build_prompts(
   examples: Iterable[Mapping[str, str]],
   tokenizer: Tokenizer,

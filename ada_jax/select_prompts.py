@@ -446,8 +446,9 @@ def run(
     ConfigError: the largest prompt bucket plus `max_new_tokens` exceed the model's
       positions (before anything compiles).
   """
-  config_lib.context_fits(model_config, config.prompt_buckets, config.max_new_tokens,
-                          "SelectConfig")
+  config_lib.context_fits(
+    model_config, config.prompt_buckets, config.max_new_tokens, "SelectConfig"
+  )
   out = pathlib.Path(out_dir)
   policy = benchmarks.sampler_policy(
     make_sampler(model_config, tokenizer, config, mesh), params, tokenizer

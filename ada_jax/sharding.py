@@ -121,8 +121,13 @@ def model_rules(config: ModelConfig, mesh: Mesh) -> dict[str, str | tuple[str, .
   return rules
 
 
-def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh, *,
-                    rules: Mapping[str, str | tuple[str, ...] | None] | None = None) -> P:
+def logical_to_spec(
+  axes: Sequence[str | None],
+  shape: Sequence[int],
+  mesh: Mesh,
+  *,
+  rules: Mapping[str, str | tuple[str, ...] | None] | None = None,
+) -> P:
   """`PartitionSpec` for an array with logical `axes`, by `RULES` (or `model_rules`).
 
   A dimension is replicated (None) when its mesh axes do not divide its size, when the
@@ -301,8 +306,12 @@ def kv_cache_shardings(
   keys = spec(("batch", "kv_heads", "head_dim", "length"), (batch, k, h, cache_len))
   values = spec(("batch", "kv_heads", "length", "head_dim"), (batch, k, cache_len, h))
   mask = spec(("batch", "length"), (batch, cache_len))
-  return model_lib.KVCache(k=(keys,) * config.num_layers, v=(values,) * config.num_layers,
-                           mask=mask, index=replicated(mesh))
+  return model_lib.KVCache(
+    k=(keys,) * config.num_layers,
+    v=(values,) * config.num_layers,
+    mask=mask,
+    index=replicated(mesh),
+  )
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None], mesh: Mesh) -> jax.Array:

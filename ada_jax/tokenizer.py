@@ -417,11 +417,13 @@ class Tokenizer:
     folder.mkdir(parents=True, exist_ok=True)
     self._tok.save(str(folder / TOKENIZER_FILE))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", **self.special_tokens}
-    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
-                                      encoding="utf-8")
+    (folder / CONFIG_FILE).write_text(
+      json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
     for name, template in self.chat_templates.items():
-      target = (folder / TEMPLATE_FILE if name == "default"
-                else folder / TEMPLATE_DIR / f"{name}.jinja")
+      target = (
+        folder / TEMPLATE_FILE if name == "default" else folder / TEMPLATE_DIR / f"{name}.jinja"
+      )
       target.parent.mkdir(exist_ok=True)
       target.write_text(template, encoding="utf-8")
     generation = {"eos_token_id": list(self.eos_ids), "pad_token_id": self.pad_id}

@@ -349,15 +349,24 @@ def loss_and_grads(
     if mesh is not None:
       params = sharding_lib.gather_embedding(params, mesh)
     logprobs, entropy = losses.token_logprobs(
-      model_config, params, mb.tokens, mb.positions, mb.attention_mask,
-      temperature=config.temperature, remat=config.remat
+      model_config,
+      params,
+      mb.tokens,
+      mb.positions,
+      mb.attention_mask,
+      temperature=config.temperature,
+      remat=config.remat,
     )
     ref = mb.ref_logprobs
     if need_ref:
       ref_p = ref_params if mesh is None else sharding_lib.gather_embedding(ref_params, mesh)
       ref, _ = losses.token_logprobs(
-        model_config, ref_p, mb.tokens, mb.positions, mb.attention_mask,
-        temperature=config.temperature
+        model_config,
+        ref_p,
+        mb.tokens,
+        mb.positions,
+        mb.attention_mask,
+        temperature=config.temperature,
       )
       ref = jax.lax.stop_gradient(ref)
     return losses.policy_loss(

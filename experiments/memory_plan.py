@@ -239,9 +239,7 @@ def largest_buffers(module: str, model_dtype: str, top: int = 12) -> dict:
     slot["xla_cpu_f32"] = (
       model_dtype == "bfloat16"
       and dtype == "f32"
-      and (
-        program_dtypes.get(op) == {"bf16"} or (not op and "convert" in name)
-      )
+      and (program_dtypes.get(op) == {"bf16"} or (not op and "convert" in name))
     )
     slot["values"] = [
       {"shape": f"{d}[{s}]", "op": op_of.get(n, n).replace("jit(train_step)/", "")}

@@ -4,7 +4,7 @@ import os
 
 # Must run before any `import jax`: XLA reads the flag once, at backend start-up.
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tests must never reach the network.

@@ -151,8 +151,12 @@ def test_resume_order(tmp_path):
   _assert_tree_equal(run.train.params, other_run.train.params)
   # A step that was never saved: the error names the field and lists the saved steps.
   with pytest.raises(FileNotFoundError, match=r"config\.ckpt\.init_from: .*holds steps \[9\]"):
-    checkpoint.resume(checkpoint.make_manager(tmp_path / "d"), target, start=start,
-                      init_from=str(tmp_path / "other" / "5"))
+    checkpoint.resume(
+      checkpoint.make_manager(tmp_path / "d"),
+      target,
+      start=start,
+      init_from=str(tmp_path / "other" / "5"),
+    )
   # 3. pretrained Hugging Face weights (the exported folder), on the target shardings.
   run, source = checkpoint.resume(
     checkpoint.make_manager(tmp_path / "b"), target, start=start, pretrained=str(hf)

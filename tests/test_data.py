@@ -196,8 +196,9 @@ def _tiny_gsm8k(folder, rows=3):
   for split in ("train", "test"):
     with open(folder / f"gsm8k_{split}.jsonl", "w") as f:
       for i in range(rows):
-        f.write(json.dumps({"question": f"{split} {i}: 2 + {i}?", "answer": f"... #### {2 + i}"})
-                + "\n")
+        f.write(
+          json.dumps({"question": f"{split} {i}: 2 + {i}?", "answer": f"... #### {2 + i}"}) + "\n"
+        )
   return folder
 
 

@@ -36,17 +36,22 @@ def test_markdown_table_lists_benchmarks_and_weighted_average():
 def test_a_report_never_replaces_one_of_other_weights_or_settings(tmp_path):
   settings = {"benchmarks": ("arith",), "k": 4}
   assert evaluate.report_name(tmp_path, "step_3", "checkpoint:/r/checkpoints:3", settings) == (
-    "step_3")
+    "step_3"
+  )
   (tmp_path / "step_3.json").write_text(
-    json.dumps({"model": "checkpoint:/r/checkpoints:3", "settings": settings}))
+    json.dumps({"model": "checkpoint:/r/checkpoints:3", "settings": settings})
+  )
   # The same evaluation (its numbers from the cache) keeps its name.
   assert evaluate.report_name(tmp_path, "step_3", "checkpoint:/r/checkpoints:3", settings) == (
-    "step_3")
+    "step_3"
+  )
   other = evaluate.report_name(tmp_path, "step_3", "checkpoint:/other/checkpoints:3", settings)
   assert other == "step_3.2"
   (tmp_path / "step_3.2.json").write_text(json.dumps({"model": "x", "settings": settings}))
-  assert evaluate.report_name(tmp_path, "step_3", "checkpoint:/r/checkpoints:3",
-                              {**settings, "k": 8}) == "step_3.3"
+  assert (
+    evaluate.report_name(tmp_path, "step_3", "checkpoint:/r/checkpoints:3", {**settings, "k": 8})
+    == "step_3.3"
+  )
 
 
 def test_loop_and_cli_share_the_cache_identity_of_a_step(tmp_path):
@@ -55,7 +60,8 @@ def test_loop_and_cli_share_the_cache_identity_of_a_step(tmp_path):
   work = tmp_path / "run"
   assert evaluate.run_model_tag(work, 7) == evaluate.checkpoint_tag(work / "checkpoints", 7)
   assert evaluate.checkpoint_tag(work / "checkpoints", 7) != evaluate.checkpoint_tag(
-    work / "checkpoints", 8)
+    work / "checkpoints", 8
+  )
 
 
 # --------------------------------------------------------------------------- CLI
@@ -198,8 +204,9 @@ def test_arith_from_orbax_checkpoint_equals_hf_folder(tmp_path):
   tokenizer), --checkpoint with it from `model.hf_dir`, and --hf_dir; all give the same
   numbers. --benchmarks, --k and --limit override the config's `eval` group."""
   folder = tmp_path / "hf"
-  arch = testing.save_arith_model(*testing.tiny_arith_model(seed=3), folder,
-                                  tmp_path / "work" / "checkpoints")
+  arch = testing.save_arith_model(
+    *testing.tiny_arith_model(seed=3), folder, tmp_path / "work" / "checkpoints"
+  )
   eval_fields = dict(
     k=2,  # --k=4 below
     max_new_tokens=12,

@@ -21,23 +21,31 @@ from ada_jax import sampler as sampler_lib
 from ada_jax.benchmarks import EvalConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.py")
-                 if p.name not in ("__init__.py", "common.py"))
+CONFIGS = sorted(
+  p for p in (ROOT / "configs").glob("*.py") if p.name not in ("__init__.py", "common.py")
+)
 # The architectures behind the Hub ids the shipped configs name (no network in tests).
-HUB_PRESETS = {"Qwen/Qwen2.5-Math-1.5B": "qwen2.5-math-1.5b",
-               "Qwen/Qwen2.5-Math-7B": "qwen2.5-math-7b",
-               "meta-llama/Llama-3.2-3B-Instruct": "llama-3.2-3b-instruct"}
+HUB_PRESETS = {
+  "Qwen/Qwen2.5-Math-1.5B": "qwen2.5-math-1.5b",
+  "Qwen/Qwen2.5-Math-7B": "qwen2.5-math-7b",
+  "meta-llama/Llama-3.2-3B-Instruct": "llama-3.2-3b-instruct",
+}
 
 
-@pytest.mark.parametrize("edit,match", [
+@pytest.mark.parametrize(
+  "edit,match",
+  [
     # The issue's example: 16-token prompt bucket + 60 new tokens > 64 positions.
-    (lambda c: c.sampler.__setitem__("max_new_tokens", 60),
-     r"config\.sampler\.prompt_buckets .*config\.sampler\.max_new_tokens \(60\) = 76 .*"
-     r"max_position_embeddings \(64\)"),
+    (
+      lambda c: c.sampler.__setitem__("max_new_tokens", 60),
+      r"config\.sampler\.prompt_buckets .*config\.sampler\.max_new_tokens \(60\) = 76 .*"
+      r"max_position_embeddings \(64\)",
+    ),
     (lambda c: c.sampler.__setitem__("prompt_buckets", (8, 60)), r"config\.sampler\.prompt"),
     (lambda c: c.eval.__setitem__("max_new_tokens", 49), r"config\.eval\.max_new_tokens"),
     (lambda c: c.sampler.__setitem__("top_k", 129), r"config\.sampler.*top_k"),
-])
+  ],
+)
 def test_bad_rollout_settings_fail_before_any_compile(tmp_path, edit, match):
   c = tiny_config()
   edit(c)
@@ -65,23 +73,47 @@ def _tiny_arith_model():
 
 def test_evaluation_checks_the_context_first(tmp_path):
   model, tokenizer = _tiny_arith_model()
-  config = EvalConfig(benchmarks=("arith",), k=1, max_new_tokens=60, prompt_buckets=(16,),
-                      max_prompt_tokens=16, arith_problems=4, verifier_workers=1)
+  config = EvalConfig(
+    benchmarks=("arith",),
+    k=1,
+    max_new_tokens=60,
+    prompt_buckets=(16,),
+    max_prompt_tokens=16,
+    arith_problems=4,
+    verifier_workers=1,
+  )
   with metrics_lib.CompileCounter() as compiles:
     with pytest.raises(config_lib.ConfigError, match=r"config\.eval\.max_new_tokens \(60\)"):
-      evaluate.run(config, tmp_path, params=None, model_config=model, tokenizer=tokenizer,
-                   model_tag="x", name="y", progress=False)
+      evaluate.run(
+        config,
+        tmp_path,
+        params=None,
+        model_config=model,
+        tokenizer=tokenizer,
+        model_tag="x",
+        name="y",
+        progress=False,
+      )
   assert compiles.count == 0 and not (tmp_path / "eval").exists()
 
 
 def test_prompt_selection_checks_the_context_first(tmp_path):
   model, tokenizer = _tiny_arith_model()
-  config = select_prompts.SelectConfig(k=2, max_new_tokens=60, prompt_buckets=(16,),
-                                       judge="exact", verifier_workers=1)
+  config = select_prompts.SelectConfig(
+    k=2, max_new_tokens=60, prompt_buckets=(16,), judge="exact", verifier_workers=1
+  )
   with metrics_lib.CompileCounter() as compiles:
     with pytest.raises(config_lib.ConfigError, match=r"SelectConfig\.max_new_tokens \(60\)"):
-      select_prompts.run(config, tmp_path / "out", params=None, model_config=model,
-                         tokenizer=tokenizer, prompt_set=None, model_tag="x", progress=False)
+      select_prompts.run(
+        config,
+        tmp_path / "out",
+        params=None,
+        model_config=model,
+        tokenizer=tokenizer,
+        prompt_set=None,
+        model_tag="x",
+        progress=False,
+      )
   assert compiles.count == 0 and not (tmp_path / "out").exists()
 
 
@@ -89,14 +121,16 @@ def test_prompt_selection_checks_the_context_first(tmp_path):
 def test_shipped_configs_fit_their_models(path):
   """Training and evaluation contexts fit (Qwen2.5-Math: 1,024 + 3,072 = 4,096)."""
   cfg = config_lib.parse(
-      config_flags.config_flags._LoadConfigModule(path.stem, str(path)).get_config())
+    config_flags.config_flags._LoadConfigModule(path.stem, str(path)).get_config()
+  )
   spec = cfg.model
   if spec.hf_dir:
     spec = config_lib.ModelSpec(preset=HUB_PRESETS[spec.hf_dir], dtype=spec.dtype)
   model = config_lib.model_config(spec)
   cfg.check_model(model)
-  config_lib.context_fits(model, cfg.eval.prompt_buckets, cfg.eval.max_new_tokens,
-                          "config.eval")  # also when the config names no benchmark
+  config_lib.context_fits(
+    model, cfg.eval.prompt_buckets, cfg.eval.max_new_tokens, "config.eval"
+  )  # also when the config names no benchmark
   if "qwen_math" in path.stem:
     assert max(cfg.sampler.prompt_buckets) == 1024 and cfg.sampler.max_new_tokens == 3072
 

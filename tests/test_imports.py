@@ -64,7 +64,7 @@ def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
     path.append(m)
     for t in sorted(edges[m]):
       if state.get(t) == 1:
-        return path[path.index(t):] + [t]
+        return path[path.index(t) :] + [t]
       if t not in state and (found := visit(t)):
         return found
     state[m] = 2
@@ -105,10 +105,11 @@ def test_the_walk_finds_a_planted_cycle(tmp_path, late):
   pkg.mkdir()
   (pkg / "__init__.py").write_text("")
   (pkg / "a.py").write_text("from ada_jax import b\n")
-  (pkg / "b.py").write_text("def f():\n  from ada_jax import a\n" if late else
-                            "import ada_jax.a\n")
+  (pkg / "b.py").write_text("def f():\n  from ada_jax import a\n" if late else "import ada_jax.a\n")
   top, hidden = _imports(pkg)
   both = {m: top[m] | hidden[m] for m in top}
-  assert _cycle(both) in (["ada_jax.a", "ada_jax.b", "ada_jax.a"],
-                          ["ada_jax.b", "ada_jax.a", "ada_jax.b"])
+  assert _cycle(both) in (
+    ["ada_jax.a", "ada_jax.b", "ada_jax.a"],
+    ["ada_jax.b", "ada_jax.a", "ada_jax.b"],
+  )
   assert (_cycle(top) is None) == late and (hidden["ada_jax.b"] == {"ada_jax.a"}) == late

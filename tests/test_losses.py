@@ -220,6 +220,7 @@ def test_blocked_logprobs_and_gradients_equal_unblocked(block_size, temperature)
     def f(p):
       lp, ent = fn(p)
       return jnp.sum(weights[0] * lp * mask) + jnp.sum(weights[1] * ent * mask)
+
     return f
 
   blocked = lambda p: losses.token_logprobs(

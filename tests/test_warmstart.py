@@ -137,7 +137,8 @@ def test_loss_decreases_and_is_deterministic(tok):
   assert f"stopped early, accuracy {windows[first]:.2f} >= target {target}" in stop_line
   assert "target" not in warmstart.describe(m, ws) and "40 of 40 steps" in warmstart.describe(m, ws)
   assert "target 0.99 not reached" in warmstart.describe(
-    m, dataclasses.replace(ws, target_accuracy=0.99))
+    m, dataclasses.replace(ws, target_accuracy=0.99)
+  )
 
 
 @pytest.mark.parametrize(
