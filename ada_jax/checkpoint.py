@@ -39,10 +39,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from ada_jax import weights
-from ada_jax.model import ModelConfig, Params
-from ada_jax.tokenizer import Tokenizer
-from ada_jax.train import TrainState
+from ada_jax.models import weights
+from ada_jax.models.decoder import ModelConfig, Params
+from ada_jax.models.tokenizer import Tokenizer
+from ada_jax.rl.train import TrainState
 
 EstState = dict[str, np.ndarray]
 _EST_FIELDS = {"keys": np.int64, "pos": np.float64, "tot": np.float64}

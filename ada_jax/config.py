@@ -18,15 +18,16 @@ import typing
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ada_jax import arith, weights
-from ada_jax.adaptive import AdaConfig
-from ada_jax.benchmarks import EvalConfig
 from ada_jax.checkpoint import CheckpointConfig
-from ada_jax.losses import LossConfig
-from ada_jax.model import PRESETS, ModelConfig
-from ada_jax.sampler import SamplingRule, check_context_length
-from ada_jax.train import OptimConfig, TrainConfig
-from ada_jax.warmstart import WarmStartConfig
+from ada_jax.data import arith
+from ada_jax.eval.benchmarks import EvalConfig
+from ada_jax.models import weights
+from ada_jax.models.decoder import PRESETS, ModelConfig
+from ada_jax.rl.adaptive import AdaConfig
+from ada_jax.rl.losses import LossConfig
+from ada_jax.rl.train import OptimConfig, TrainConfig
+from ada_jax.rl.warmstart import WarmStartConfig
+from ada_jax.rollout.sampler import SamplingRule, check_context_length
 
 
 class ConfigError(ValueError):

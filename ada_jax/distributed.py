@@ -41,7 +41,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
-from ada_jax import sharding as sharding_lib
+from ada_jax.models import sharding as sharding_lib
 
 MODES = ("auto", "on", "off")
 

@@ -13,10 +13,11 @@ import pathlib
 
 from absl import logging
 
-from ada_jax import arith, data, prompts
 from ada_jax import config as config_lib
 from ada_jax.config import ConfigError
-from ada_jax.tokenizer import Tokenizer
+from ada_jax.data import arith, prompts
+from ada_jax.data import sets as data
+from ada_jax.models.tokenizer import Tokenizer
 
 
 def load_tokenizer(spec: config_lib.TokenizerSpec, model_dir: pathlib.Path | None) -> Tokenizer:

@@ -27,27 +27,22 @@ import jax
 import numpy as np
 from absl import logging
 
-from ada_jax import (
-  adaptive,
-  benchmarks,
-  checkpoint,
-  distributed,
-  evaluate,
-  inputs,
-  prompts,
-  rollout,
-  sampler,
-  train,
-  weights,
-)
+from ada_jax import checkpoint, distributed, inputs
 from ada_jax import config as config_lib
 from ada_jax import metrics as metrics_lib
-from ada_jax import model as model_lib
-from ada_jax import sharding as sharding_lib
-from ada_jax import warmstart as warmstart_lib
 from ada_jax.config import ConfigError
-from ada_jax.tokenizer import Tokenizer
-from ada_jax.verifier import RewardPool, VerifierConfig
+from ada_jax.data import prompts
+from ada_jax.eval import benchmarks
+from ada_jax.eval import evaluation as evaluate
+from ada_jax.models import decoder as model_lib
+from ada_jax.models import sharding as sharding_lib
+from ada_jax.models import weights
+from ada_jax.models.tokenizer import Tokenizer
+from ada_jax.rewards.verifier import RewardPool, VerifierConfig
+from ada_jax.rl import adaptive, train
+from ada_jax.rl import warmstart as warmstart_lib
+from ada_jax.rollout import draw as rollout
+from ada_jax.rollout import sampler
 
 # Controller outputs that must be identical on every process (`distributed.assert_same`).
 _AGREED = (

@@ -13,8 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ada_jax import arith, checkpoint, losses, sharding, train, weights
-from ada_jax import model as model_lib
+from ada_jax import checkpoint
+from ada_jax.data import arith
+from ada_jax.models import decoder as model_lib
+from ada_jax.models import sharding, weights
+from ada_jax.rl import losses, train
 
 # transformers config kwargs of one tiny checkpoint per family; the Llama one uses the
 # llama3 rope scaling (factor 32, as Llama-3.2-3B) and tied embeddings.

@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ada_jax import model as model_lib
-from ada_jax import sampler as sampler_lib
-from ada_jax import weights
+from ada_jax.models import decoder as model_lib
+from ada_jax.models import weights
+from ada_jax.rollout import sampler as sampler_lib
 
 
 def _best_of(fn, repeats):

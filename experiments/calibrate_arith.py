@@ -41,9 +41,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ada_jax import arith, rewards, warmstart
-from ada_jax import model as model_lib
-from ada_jax import sampler as sampler_lib
+from ada_jax.data import arith
+from ada_jax.models import decoder as model_lib
+from ada_jax.rewards import grader as rewards
+from ada_jax.rl import warmstart
+from ada_jax.rollout import sampler as sampler_lib
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 BUCKETS = ("zero", "(0,0.25]", "(0.25,0.5)", "[0.5,0.75)", ">=0.75")

@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from ada_jax import metrics
-from ada_jax import simulate as sim
+from ada_jax.rl import simulate as sim
 
 
 def plot(rows: dict[str, sim.SimResult], p: np.ndarray, path: pathlib.Path) -> None:

@@ -33,6 +33,6 @@ def _offline(monkeypatch):
   imported the module): no test reaches the network, and a missing file fails at once."""
   import sys
 
-  data = sys.modules.get("ada_jax.data")
+  data = sys.modules.get("ada_jax.data.sets")
   if data is not None:
     monkeypatch.setattr(data, "reachable", lambda url, timeout_s=3.0: False)

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ada_jax import adaptive
-from ada_jax import advantages as adv_lib
-from ada_jax.adaptive import AdaConfig, run_step
+from ada_jax.rl import adaptive
+from ada_jax.rl import advantages as adv_lib
+from ada_jax.rl.adaptive import AdaConfig, run_step
 
 
 class Scripted:

@@ -102,7 +102,8 @@ def test_every_method_fills_its_sampler_chunks(path):
 
   import numpy as np
 
-  from ada_jax import adaptive, sampler
+  from ada_jax.rl import adaptive
+  from ada_jax.rollout import sampler
 
   for method in adaptive.METHODS:
     cfg = config_flags.config_flags._LoadConfigModule(path.stem, str(path)).get_config()

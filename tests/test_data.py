@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from ada_jax import data
+from ada_jax.data import sets as data
 
 # Row counts of ../shared/data/README.md (math_train: 5000 MATH test problems minus MATH500).
 README_ROWS = {

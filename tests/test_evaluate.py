@@ -10,8 +10,11 @@ import jax
 import pytest
 from absl import flags
 
-from ada_jax import evaluate, sampler, testing
-from ada_jax import model as model_lib
+from ada_jax import evaluate as evaluate_cli
+from ada_jax import testing
+from ada_jax.eval import evaluation as evaluate
+from ada_jax.models import decoder as model_lib
+from ada_jax.rollout import sampler
 
 # The config files below import `configs.common`, as experiment files run with `python -m`
 # from the repository root do.
@@ -70,9 +73,9 @@ def test_loop_and_cli_share_the_cache_identity_of_a_step(tmp_path):
 def _cli(argv):
   fv = flags.FlagValues()
   argv = ["evaluate", *argv]
-  evaluate.define_flags(fv, sys_argv=argv)
+  evaluate_cli.define_flags(fv, sys_argv=argv)
   fv(argv)
-  return evaluate.main([], fv)
+  return evaluate_cli.main([], fv)
 
 
 def _write_config(path, **groups):
@@ -113,7 +116,7 @@ LLAMA3_TEMPLATE = (
 
 @pytest.mark.slow
 def test_math500_tiny_llama_cli_writes_reports_and_resumes(shared_dir, tmp_path, monkeypatch):
-  from ada_jax import weights
+  from ada_jax.models import weights
 
   folder = tmp_path / "tiny-llama3"
   mc = model_lib.ModelConfig(

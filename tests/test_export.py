@@ -9,10 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ada_jax import arith, checkpoint, testing
-from ada_jax import model as model_lib
-from ada_jax import sampler as sampler_lib
-from ada_jax.tokenizer import Tokenizer
+from ada_jax import checkpoint, testing
+from ada_jax.data import arith
+from ada_jax.models import decoder as model_lib
+from ada_jax.models.tokenizer import Tokenizer
+from ada_jax.rollout import sampler as sampler_lib
 
 torch = pytest.importorskip("torch", reason="torch is the transformers backend")
 transformers = pytest.importorskip("transformers", reason="transformers is the oracle")

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from ada_jax import config as config_lib
-from ada_jax import evaluate, loop
+from ada_jax import loop
 from ada_jax import metrics as metrics_lib
+from ada_jax.eval import evaluation as evaluate
 from configs import tiny_arith_pos
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -267,7 +268,7 @@ def test_evaluate_cli_reuses_the_runs_results(reference_run, tmp_path):
 
 
 def test_offline_benchmarks_fail_before_any_compile_naming_eval_manual_dir(tmp_path, monkeypatch):
-  from ada_jax import data
+  from ada_jax.data import sets as data
 
   monkeypatch.setattr(data, "reachable", lambda url, timeout_s=3.0: False)
   monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "tfds"))

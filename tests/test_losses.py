@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ada_jax import losses, testing
-from ada_jax import model as model_lib
+from ada_jax import testing
+from ada_jax.models import decoder as model_lib
+from ada_jax.rl import losses
 
 CFG = losses.LossConfig()
 

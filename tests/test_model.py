@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ada_jax import model as model_lib
 from ada_jax import testing
+from ada_jax.models import decoder as model_lib
 
 TINY = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
 

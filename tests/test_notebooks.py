@@ -93,7 +93,8 @@ def test_llama_notebook_config_passes_the_library_checks(devices):
   import jax
 
   from ada_jax import config as config_lib
-  from ada_jax import sharding, train
+  from ada_jax.models import sharding
+  from ada_jax.rl import train
 
   cells = _code(_read("03_llama3b_tpu"))
   params = next(c for c in cells if "HF_DIR =" in c)

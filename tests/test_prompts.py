@@ -5,8 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from ada_jax import arith, data, prompts
-from ada_jax.tokenizer import Tokenizer, pad_left
+from ada_jax.data import arith, prompts
+from ada_jax.data import sets as data
+from ada_jax.models.tokenizer import Tokenizer, pad_left
 
 # --------------------------------------------------------------------------- prompts
 

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from ada_jax import losses, sharding, train
-from ada_jax import model as model_lib
-from ada_jax import sampler as sampler_lib
+from ada_jax.models import decoder as model_lib
+from ada_jax.models import sharding
+from ada_jax.rl import losses, train
+from ada_jax.rollout import sampler as sampler_lib
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [13], [20, 21, 22, 23, 24, 25, 26]]
 U_EDGES = (0.0, float(np.nextafter(np.float32(1), np.float32(0))))  # u = 0 and largest < 1

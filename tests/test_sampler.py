@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ada_jax import model as model_lib
-from ada_jax import sampler as sampler_lib
 from ada_jax import testing
+from ada_jax.models import decoder as model_lib
+from ada_jax.rollout import sampler as sampler_lib
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [13], [20, 21, 22, 23, 24, 25, 26]]
 

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from ada_jax import simulate as sim
-from ada_jax.adaptive import AdaConfig
+from ada_jax.rl import simulate as sim
+from ada_jax.rl.adaptive import AdaConfig
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import jinja2
 import numpy as np
 import pytest
 
-from ada_jax import tokenizer as tokenizer_lib
-from ada_jax.tokenizer import Tokenizer, pad_left
+from ada_jax.models import tokenizer as tokenizer_lib
+from ada_jax.models.tokenizer import Tokenizer, pad_left
 
 # A Llama-3-style template written for this test. It exercises what transformers' jinja
 # environment changes from jinja's defaults: trim_blocks/lstrip_blocks (indented block tags

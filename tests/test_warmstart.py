@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ada_jax import arith, warmstart
-from ada_jax import model as model_lib
+from ada_jax.data import arith
+from ada_jax.models import decoder as model_lib
+from ada_jax.rl import warmstart
 
 TASK = arith.ArithConfig(levels=(1,), ops=("+",))
 

@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ada_jax import model as model_lib
-from ada_jax import testing, weights
+from ada_jax import testing
+from ada_jax.models import decoder as model_lib
+from ada_jax.models import weights
 
 torch = pytest.importorskip("torch", reason="torch is the parity oracle (requirements-dev)")
 pytest.importorskip("transformers", reason="transformers is the parity oracle")

@@ -41,9 +41,12 @@ import numpy as np
 import tqdm
 from absl import logging
 
-from ada_jax import arith, data, prompts, rewards, sampler
-from ada_jax.model import ModelConfig, Params
-from ada_jax.tokenizer import Tokenizer
+from ada_jax.data import arith, prompts
+from ada_jax.data import sets as data
+from ada_jax.models.decoder import ModelConfig, Params
+from ada_jax.models.tokenizer import Tokenizer
+from ada_jax.rewards import grader as rewards
+from ada_jax.rollout import sampler
 
 PAPER_BENCHMARKS = ("math500", "minerva_math", "olympiadbench", "aime24", "amc23")
 # Benchmark name -> (default judge, default prompt style). The maths sets use the training

@@ -34,8 +34,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ada_jax import model as model_lib
-from ada_jax.model import ModelConfig, Params
+from ada_jax.models import decoder as model_lib
+from ada_jax.models.decoder import ModelConfig, Params
 
 AXES = ("data", "fsdp", "tensor")
 # Rows are split over every data-parallel axis: 'fsdp' shards parameters *and* rows.

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from ada_jax.adaptive import EST_PAPER, AdaConfig, StepResult, run_step
+from ada_jax.rl.adaptive import EST_PAPER, AdaConfig, StepResult, run_step
 
 __all__ = [
   "PASS_RATE_MIX",

@@ -27,10 +27,10 @@ import numpy as np
 from flax import struct
 from jax.sharding import NamedSharding
 
-from ada_jax import model as model_lib
-from ada_jax import sharding as sharding_lib
-from ada_jax.model import KVCache, ModelConfig, Params
-from ada_jax.tokenizer import pad_left
+from ada_jax.models import decoder as model_lib
+from ada_jax.models import sharding as sharding_lib
+from ada_jax.models.decoder import KVCache, ModelConfig, Params
+from ada_jax.models.tokenizer import pad_left
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,11 +32,11 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ada_jax import losses
-from ada_jax import model as model_lib
-from ada_jax import sharding as sharding_lib
-from ada_jax.losses import LossConfig
-from ada_jax.model import ModelConfig, Params
+from ada_jax.models import decoder as model_lib
+from ada_jax.models import sharding as sharding_lib
+from ada_jax.models.decoder import ModelConfig, Params
+from ada_jax.rl import losses
+from ada_jax.rl.losses import LossConfig
 
 
 @dataclasses.dataclass(frozen=True)

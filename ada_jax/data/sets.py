@@ -29,7 +29,7 @@ import tensorflow_datasets as tfds
 from absl import logging
 from etils import epath
 
-from ada_jax import rewards
+from ada_jax.rewards import grader as rewards
 
 FEATURES = ("prompt_id", "problem", "answer", "source")
 

@@ -23,8 +23,8 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from ada_jax import model as model_lib
-from ada_jax.model import ModelConfig, Params, RopeScaling
+from ada_jax.models import decoder as model_lib
+from ada_jax.models.decoder import ModelConfig, Params, RopeScaling
 
 _ARCHITECTURES = {
   "llama": "LlamaForCausalLM",

@@ -17,10 +17,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from ada_jax import adaptive, sampler, train
-from ada_jax import model as model_lib
-from ada_jax.prompts import PromptSet
-from ada_jax.tokenizer import Tokenizer, pad_left
+from ada_jax.data.prompts import PromptSet
+from ada_jax.models import decoder as model_lib
+from ada_jax.models.tokenizer import Tokenizer, pad_left
+from ada_jax.rl import adaptive, train
+from ada_jax.rollout import sampler
 
 
 @dataclasses.dataclass

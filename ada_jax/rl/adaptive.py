@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from ada_jax import advantages as adv_lib
-from ada_jax.advantages import (
+from ada_jax.rl import advantages as adv_lib
+from ada_jax.rl.advantages import (
   EST_SPLITS,
   EST_WEIGHTS,
   EstState,

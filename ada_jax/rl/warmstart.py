@@ -29,10 +29,10 @@ import numpy as np
 import optax
 import tqdm
 
-from ada_jax import arith
-from ada_jax import model as model_lib
-from ada_jax.model import ModelConfig, Params
-from ada_jax.tokenizer import Tokenizer, pad_left
+from ada_jax.data import arith
+from ada_jax.models import decoder as model_lib
+from ada_jax.models.decoder import ModelConfig, Params
+from ada_jax.models.tokenizer import Tokenizer, pad_left
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from ada_jax.tokenizer import Tokenizer
+from ada_jax.models.tokenizer import Tokenizer
 
 # --------------------------------------------------------------------------- prompts
 

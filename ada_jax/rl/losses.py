@@ -32,8 +32,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ada_jax import model as model_lib
-from ada_jax.model import ModelConfig, Params
+from ada_jax.models import decoder as model_lib
+from ada_jax.models.decoder import ModelConfig, Params
 
 
 @dataclasses.dataclass(frozen=True)
