@@ -129,8 +129,7 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
   inputs.check_eval_data(cfg)
   ppc = cfg.prompts_per_chunk
   if not cfg.sampler.prompts_per_chunk:  # derived: round up to the rows' mesh axes
-    dp = mesh.shape["data"] * mesh.shape["fsdp"]
-    ppc = min(-(-ppc // dp) * dp, cfg.sampler.chunk_rows)
+    ppc = sampler.fit_prompts_per_chunk(ppc, cfg.sampler.chunk_rows, mesh)
   try:
     smp = sampler.Sampler(
       model_cfg,
@@ -183,6 +182,11 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
     )
     return checkpoint.RunState(train=state, rng=root, est=None, host=host)
 
+  # Resume order (`checkpoint.resume`): 1. the latest checkpoint in this workdir (the
+  # whole run state: params, optimizer, root key, Est statistics, prompt position, host
+  # Generator); 2. `ckpt.init_from` (another run's params, fresh optimizer); 3. the
+  # pretrained weights of `model.hf_dir`; 4. `start(None)`: random init, then the warm
+  # start. 2-4 go through `start`, which also runs the held-out evaluation before RL.
   manager = checkpoint.make_manager(pathlib.Path(workdir) / "checkpoints", cfg.ckpt.manager)
   run_state, source = checkpoint.resume(
     manager,

@@ -451,9 +451,7 @@ def _sampler(
   mesh: jax.sharding.Mesh | None,
 ) -> sampler.Sampler:
   ppc = config.prompts_per_chunk or max(1, config.chunk_rows // rows_per_problem)
-  if mesh is not None:  # The sampler splits prompts over the data axes.
-    dp = mesh.shape["data"] * mesh.shape["fsdp"]
-    ppc = min(-(-ppc // dp) * dp, config.chunk_rows)
+  ppc = sampler.fit_prompts_per_chunk(ppc, config.chunk_rows, mesh)
   kw = dict(chunk_rows=config.chunk_rows, prompts_per_chunk=ppc, mesh=mesh, pad_id=pad_id)
   return sampler.Sampler(
     model_config,

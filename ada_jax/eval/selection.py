@@ -394,9 +394,7 @@ def make_sampler(
 ) -> sampler.Sampler:
   """The chunked sampler for K rows per prompt (the rows of a prompt share one prefill)."""
   ppc = config.prompts_per_chunk or max(1, config.chunk_rows // config.k)
-  if mesh is not None:  # Prompts of a chunk are split over the data axes.
-    dp = mesh.shape["data"] * mesh.shape["fsdp"]
-    ppc = min(-(-ppc // dp) * dp, config.chunk_rows)
+  ppc = sampler.fit_prompts_per_chunk(ppc, config.chunk_rows, mesh)
   rule = sampler.SamplingRule(config.temperature, config.top_k, config.top_p)
   fields = ("max_new_tokens", "chunk_rows", "prompt_buckets")
   kw = {f: getattr(config, f) for f in fields}

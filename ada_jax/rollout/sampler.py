@@ -350,6 +350,18 @@ def bucket_length(length: int, buckets: Sequence[int]) -> int:
   )
 
 
+def fit_prompts_per_chunk(
+  prompts_per_chunk: int, chunk_rows: int, mesh: jax.sharding.Mesh | None
+) -> int:
+  """`prompts_per_chunk` rounded up to a multiple of the mesh's row axes ('data' x
+  'fsdp', over which a chunk's prompts are split), at most `chunk_rows`; unchanged
+  without a mesh."""
+  if mesh is None:
+    return prompts_per_chunk
+  dp = mesh.shape["data"] * mesh.shape["fsdp"]
+  return min(-(-prompts_per_chunk // dp) * dp, chunk_rows)
+
+
 class Sampler:
   """Host driver around the jitted `generate`: packs rows into static chunks.
 
