@@ -147,6 +147,13 @@ class MetricsWriter:
       v = _scalar(v)
       if v is not None:
         self._tb.add_scalar(tensorboard_tag(k), v, step)
+    # tensorboardX hands events to a writer thread through a queue, and its flush() only
+    # flushes the file: wait until the thread has taken every queued event first.
+    queue = self._tb._get_file_writer().event_writer._event_queue
+    deadline = time.monotonic() + 10.0
+    while not queue.empty() and time.monotonic() < deadline:
+      time.sleep(0.001)
+    time.sleep(0.01)  # the last event taken is written under the writer's lock
     self._tb.flush()
 
   def log_text(self, message: str) -> None:
