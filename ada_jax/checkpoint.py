@@ -1,4 +1,5 @@
-"""Run state on disk: orbax checkpoints, resume order, preemption, final export (DESIGN.md §7).
+"""Run state on disk: orbax checkpoints, resume order, preemption, final export (docs/design.md
+"Run state").
 
 A checkpoint holds the whole run, so that a restarted run continues exactly where the
 saved one was (same next batches, same samples, same updates):
@@ -38,10 +39,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from ada_jax import weights
-from ada_jax.model import ModelConfig, Params
-from ada_jax.tokenizer import Tokenizer
-from ada_jax.train import TrainState
+from ada_jax.models import weights
+from ada_jax.models.decoder import ModelConfig, Params
+from ada_jax.models.tokenizer import Tokenizer
+from ada_jax.rl.train import TrainState
 
 EstState = dict[str, np.ndarray]
 _EST_FIELDS = {"keys": np.int64, "pos": np.float64, "tot": np.float64}
@@ -208,11 +209,13 @@ def params_step_dir(path: str | os.PathLike) -> pathlib.Path:
     FileNotFoundError: `path` holds no checkpoint; the message lists the steps saved next
       to it, or points at `path/checkpoints` when `path` is a run folder.
   """
+
   def saved_steps(folder: pathlib.Path) -> list[int]:
     if not folder.is_dir():
       return []
-    return sorted(int(p.name) for p in folder.iterdir()
-                  if p.name.isdigit() and (p / "params").is_dir())
+    return sorted(
+      int(p.name) for p in folder.iterdir() if p.name.isdigit() and (p / "params").is_dir()
+    )
 
   path = pathlib.Path(path).absolute()
   if (path / "params").is_dir():
@@ -250,7 +253,7 @@ def resume(
   init_from: str | None = None,
   pretrained: str | None = None,
 ) -> tuple[RunState, str]:
-  """Where a run's state comes from, in this order (DESIGN.md §7):
+  """Where a run's state comes from, in this order (docs/design.md "Run state"):
 
   1. the latest complete checkpoint in the run's own directory (a restart after
      preemption or a crash continues the same run);
@@ -302,8 +305,9 @@ def resume(
   return start(None), "scratch"
 
 
-def export_hf(config: ModelConfig, params: Params, path: str | os.PathLike,
-              tokenizer: Tokenizer | None = None) -> None:
+def export_hf(
+  config: ModelConfig, params: Params, path: str | os.PathLike, tokenizer: Tokenizer | None = None
+) -> None:
   """Writes the final policy as a Hugging Face folder (`weights.save_hf`) and, when given,
   the run's tokenizer with its chat template and a generation_config.json holding the run's
   stop ids (`Tokenizer.save`), so that transformers and inference servers load the folder
@@ -371,8 +375,11 @@ def stop_signals() -> Iterator[StopRequest]:
     if event.is_set():
       raise KeyboardInterrupt
     event.request(signum)
-    print("\nCtrl-C: stopping after this RL step with a checkpoint (Ctrl-C again to abort)",
-          file=sys.stderr, flush=True)
+    print(
+      "\nCtrl-C: stopping after this RL step with a checkpoint (Ctrl-C again to abort)",
+      file=sys.stderr,
+      flush=True,
+    )
 
   previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
   signal.signal(signal.SIGTERM, lambda signum, frame: event.request(signum))

@@ -1,7 +1,8 @@
 """The boundary between experiment configs (ml_collections) and the library (dataclasses).
 
 An experiment file's `get_config()` returns a ConfigDict with nested groups; `parse`
-turns it, once, into a `RunConfig` of small frozen dataclasses (STYLE.md §3). Every key
+turns it, once, into a `RunConfig` of small frozen dataclasses (docs/design.md "Architecture").
+Every key
 must be a field of its group's dataclass, every value passes that dataclass's own checks,
 and the cross-group rules (`RunConfig.check`) hold, all before anything is compiled; an
 error names the offending `config.group.field`.
@@ -17,15 +18,16 @@ import typing
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ada_jax import arith
-from ada_jax.adaptive import AdaConfig
-from ada_jax.benchmarks import EvalConfig
 from ada_jax.checkpoint import CheckpointConfig
-from ada_jax.losses import LossConfig
-from ada_jax.model import PRESETS, ModelConfig
-from ada_jax.sampler import SamplingRule, check_context_length
-from ada_jax.train import OptimConfig, TrainConfig
-from ada_jax.warmstart import WarmStartConfig
+from ada_jax.data import arith
+from ada_jax.eval.benchmarks import EvalConfig
+from ada_jax.models import weights
+from ada_jax.models.decoder import PRESETS, ModelConfig
+from ada_jax.rl.adaptive import AdaConfig
+from ada_jax.rl.losses import LossConfig
+from ada_jax.rl.train import OptimConfig, TrainConfig
+from ada_jax.rl.warmstart import WarmStartConfig
+from ada_jax.rollout.sampler import SamplingRule, check_context_length
 
 
 class ConfigError(ValueError):
@@ -65,8 +67,7 @@ def parse_flags(argv: list[str]) -> list[str]:
     # absl ends `--help` and a flag error (an unknown or missing flag, after its one-line
     # message) with exit code 1: asking for help is no failure, a bad flag is a usage error.
     if e.code == 1:
-      raise SystemExit(0 if any(a.split("=")[0] in _HELP_FLAGS for a in argv[1:]) else 2
-                       ) from None
+      raise SystemExit(0 if any(a.split("=")[0] in _HELP_FLAGS for a in argv[1:]) else 2) from None
     raise
   except OSError as e:  # the config file itself did not load
     _usage_exit(f"--config: {e}")
@@ -77,8 +78,7 @@ def parse_flags(argv: list[str]) -> list[str]:
     text = str(inner.args[0] if inner.args else inner)
     if "get_config" in text:  # the file loaded but is not an experiment config
       _usage_exit(f"--config: {text}")
-    overrides = [a.split("=")[0].removeprefix("--") for a in argv[1:]
-                 if a.startswith("--config.")]
+    overrides = [a.split("=")[0].removeprefix("--") for a in argv[1:] if a.startswith("--config.")]
     which = ", ".join(overrides) if len(overrides) == 1 else f"one of {', '.join(overrides)}"
     _usage_exit(f"the config has no field named by {which} ({text})")
 
@@ -126,7 +126,7 @@ class ModelSpec:
     preset: a `model.PRESETS` name; weights are random unless `hf_dir` or a checkpoint
       provides them.
     hf_dir: a Hugging Face folder (or Hub id): architecture from its config.json, weights
-      loaded at start (DESIGN.md §7 resume order, step 3).
+      loaded at start (docs/design.md "Run state" resume order, step 3).
     dtype: parameter and compute dtype ('float32' or 'bfloat16').
     overrides: `ModelConfig` fields replacing the preset's (e.g. tiny CPU shapes).
   """
@@ -150,9 +150,9 @@ class ModelSpec:
 @dataclasses.dataclass(frozen=True)
 class TokenizerSpec:
   """Attributes:
-    dir: folder with tokenizer.json (+ tokenizer_config.json / generation_config.json);
-      '' = the arithmetic task's built-in tokenizer.
-    eos_ids: stop token ids overriding the folder's; () = the folder's.
+  dir: folder with tokenizer.json (+ tokenizer_config.json / generation_config.json);
+    '' = the arithmetic task's built-in tokenizer.
+  eos_ids: stop token ids overriding the folder's; () = the folder's.
   """
 
   dir: str = ""
@@ -197,7 +197,7 @@ class DataSpec:
 
 @dataclasses.dataclass(frozen=True)
 class SamplerSpec:
-  """Rollouts (DESIGN.md §3). Attributes: temperature, top_k, top_p (the sampling rule);
+  """Rollouts (docs/design.md "Sampler"). Attributes: temperature, top_k, top_p (the sampling rule);
   max_new_tokens (response budget, tokens); chunk_rows (C, rows per launch);
   prompts_per_chunk (P, prefills per launch; 0 = derived so that chunks are full, see
   `RunConfig.prompts_per_chunk`); prompt_buckets (padded prompt lengths, one compile
@@ -223,12 +223,12 @@ class SamplerSpec:
 @dataclasses.dataclass(frozen=True)
 class RLSpec:
   """Attributes:
-    steps: RL steps to run.
-    batch_prompts: B, prompts per RL step.
-    judge: reward function (`rewards.JUDGES`: 'math' or 'exact').
-    verifier_workers: reward worker processes (0 = all cores); 'exact' runs in-process.
-    verifier_timeout_s: hard per-response timeout (seconds).
-    log_samples: print this many decoded responses every `eval.every_steps` steps.
+  steps: RL steps to run.
+  batch_prompts: B, prompts per RL step.
+  judge: reward function (`rewards.JUDGES`: 'math' or 'exact').
+  verifier_workers: reward worker processes (0 = all cores); 'exact' runs in-process.
+  verifier_timeout_s: hard per-response timeout (seconds).
+  log_samples: print this many decoded responses every `eval.every_steps` steps.
   """
 
   steps: int = 100
@@ -253,8 +253,9 @@ class CkptSpec:
 
   @property
   def manager(self) -> CheckpointConfig:
-    return CheckpointConfig(every_steps=self.every_steps, keep=self.keep,
-                            async_save=self.async_save)
+    return CheckpointConfig(
+      every_steps=self.every_steps, keep=self.keep, async_save=self.async_save
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,9 +299,12 @@ class RunConfig:
   @property
   def train_config(self) -> TrainConfig:
     # The sampler's temperature is the one source of the trainer's (PPO ratio consistency).
-    return TrainConfig(loss=self.loss, optim=self.optim,
-                       temperature=self.sampler.rule.logprob_temperature,
-                       **dataclasses.asdict(self.train))
+    return TrainConfig(
+      loss=self.loss,
+      optim=self.optim,
+      temperature=self.sampler.rule.logprob_temperature,
+      **dataclasses.asdict(self.train),
+    )
 
   @property
   def train_rows(self) -> int:
@@ -324,26 +328,28 @@ class RunConfig:
       raise ConfigError(f"config.rl.batch_prompts must be >= 1, got {self.rl.batch_prompts}")
     if self.train_rows % self.train.num_minibatches:
       raise ConfigError(
-          f"config.train.num_minibatches ({self.train.num_minibatches}) must divide the "
-          f"training batch ({self.train_rows} rows = rl.batch_prompts × responses per prompt)")
+        f"config.train.num_minibatches ({self.train.num_minibatches}) must divide the "
+        f"training batch ({self.train_rows} rows = rl.batch_prompts × responses per prompt)"
+      )
     rows = self.ada.min_rows_per_prompt
     if self.prompts_per_chunk * rows < self.sampler.chunk_rows:
       raise ConfigError(
-          f"config.sampler.prompts_per_chunk ({self.sampler.prompts_per_chunk}) × "
-          f"{rows} rows per prompt (ada.method {self.ada.method!r}) leaves sampler chunks of "
-          f"config.sampler.chunk_rows ({self.sampler.chunk_rows}) part empty: use at least "
-          f"{-(-self.sampler.chunk_rows // rows)}, or 0 to derive it")
+        f"config.sampler.prompts_per_chunk ({self.sampler.prompts_per_chunk}) × "
+        f"{rows} rows per prompt (ada.method {self.ada.method!r}) leaves sampler chunks of "
+        f"config.sampler.chunk_rows ({self.sampler.chunk_rows}) part empty: use at least "
+        f"{-(-self.sampler.chunk_rows // rows)}, or 0 to derive it"
+      )
     if self.warmstart is not None and (self.tokenizer.dir or self.model.hf_dir):
-      raise ConfigError("config.warmstart (the arithmetic warm start) needs the arithmetic "
-                       "tokenizer: leave tokenizer.dir and model.hf_dir empty")
-
+      raise ConfigError(
+        "config.warmstart (the arithmetic warm start) needs the arithmetic "
+        "tokenizer: leave tokenizer.dir and model.hf_dir empty"
+      )
 
   def check_model(self, model: ModelConfig) -> None:
     """Rules that need the architecture: the rollout (and, when benchmarks are set, the
     evaluation) prompt bucket plus response budget fit the model's positions. Call it
     before anything compiles. Raises ConfigError naming the fields."""
-    context_fits(model, self.sampler.prompt_buckets, self.sampler.max_new_tokens,
-                 "config.sampler")
+    context_fits(model, self.sampler.prompt_buckets, self.sampler.max_new_tokens, "config.sampler")
     if self.eval.benchmarks:
       context_fits(model, self.eval.prompt_buckets, self.eval.max_new_tokens, "config.eval")
 
@@ -381,8 +387,7 @@ def build(cls, group: Mapping[str, Any] | None, path: str):
   kwargs = {}
   for key, value in dict(group).items():
     if key not in fields:
-      raise ConfigError(f"config.{path}.{key}: unknown field; {cls.__name__} has "
-                       f"{sorted(fields)}")
+      raise ConfigError(f"config.{path}.{key}: unknown field; {cls.__name__} has {sorted(fields)}")
     sub = _dataclass_of(fields[key])
     if sub is not None and isinstance(value, Mapping):
       value = build(sub, value, f"{path}.{key}")
@@ -420,11 +425,10 @@ def model_config(spec: ModelSpec, hf_config: Mapping[str, Any] | None = None) ->
   if spec.preset:
     base = PRESETS[spec.preset]
   else:
-    from ada_jax import weights
-
     base = weights.config_from_hf(dict(hf_config or {}), source=f"{spec.hf_dir}/config.json")
   try:
-    return dataclasses.replace(base, dtype=spec.dtype, param_dtype=spec.dtype,
-                               **dict(spec.overrides))
+    return dataclasses.replace(
+      base, dtype=spec.dtype, param_dtype=spec.dtype, **dict(spec.overrides)
+    )
   except ValueError as e:
     raise ConfigError(f"config.model: {e}") from None

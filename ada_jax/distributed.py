@@ -1,4 +1,4 @@
-"""Multi-host runs on JAX's own multi-controller runtime (DESIGN.md §4).
+"""Multi-host runs on JAX's own multi-controller runtime (docs/design.md "Distribution").
 
 Every host runs one process with the same program: `initialize` connects the processes
 through `jax.distributed.initialize` (TPU VMs and Slurm / Open MPI clusters are detected by
@@ -41,7 +41,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
-from ada_jax import sharding as sharding_lib
+from ada_jax.models import sharding as sharding_lib
 
 MODES = ("auto", "on", "off")
 

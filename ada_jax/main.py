@@ -1,6 +1,7 @@
 """Entry point: `python -m ada_jax.main --config=configs/<experiment>.py --workdir=DIR`.
 
-Thin on purpose (STYLE.md §1): parse flags, join the multi-process run if there is one
+Thin on purpose (docs/design.md "Architecture"): parse flags, join the multi-process run if there
+is one
 (`ada_jax.distributed`, configured by environment variables), log the process/device
 facts, hand over to `ada_jax.loop.run`.
 
@@ -22,8 +23,9 @@ EXIT_FINISHED = 0
 EXIT_STOPPED = 75
 EXIT_USAGE = 2
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", None, "Experiment config file.", lock_config=True
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics.")
 
 
@@ -35,9 +37,14 @@ def main(argv):
   distributed.initialize(distributed.DistributedConfig.from_env())  # before any JAX use
   import jax
 
-  logging.warning("process %d/%d, %d local / %d global devices (%s)", jax.process_index(),
-                  jax.process_count(), jax.local_device_count(), jax.device_count(),
-                  jax.devices()[0].platform)
+  logging.warning(
+    "process %d/%d, %d local / %d global devices (%s)",
+    jax.process_index(),
+    jax.process_count(),
+    jax.local_device_count(),
+    jax.device_count(),
+    jax.devices()[0].platform,
+  )
   from ada_jax import loop
 
   with distributed.exit_on_failure(), config.exit_on_config_error():
@@ -51,16 +58,26 @@ def main(argv):
 def report(summary: dict, workdir: str) -> tuple[str, int]:
   """The closing lines on stdout and the exit code of a run with `loop.run`'s `summary`."""
   if "after_rl" not in summary:  # stopped early: say so, not "done"
-    return (f"stopped by {summary.get('stopped_by', 'a signal')} after RL step "
-            f"{summary['steps_done']} with a checkpoint; run the same command again to "
-            f"resume (exit code {EXIT_STOPPED}). Files: {workdir}"), EXIT_STOPPED
+    return (
+      f"stopped by {summary.get('stopped_by', 'a signal')} after RL step "
+      f"{summary['steps_done']} with a checkpoint; run the same command again to "
+      f"resume (exit code {EXIT_STOPPED}). Files: {workdir}"
+    ), EXIT_STOPPED
   before, after = summary.get("before_rl", {}), summary["after_rl"]
-  scores = "".join(f"\n  {k}: {before.get(k, float('nan')):.4f} -> {v:.4f}"
-                   for k, v in after.items() if "avg@" in k)
-  held_out = (f"; held-out before -> after RL:{scores}" if scores else
-              " (no held-out benchmarks: config.eval.benchmarks is empty)")
-  return (f"done: {summary['steps_done']} RL steps{held_out}\n"
-          f"  details: {workdir}/summary.json, metrics.jsonl, eval/, tensorboard/"), EXIT_FINISHED
+  scores = "".join(
+    f"\n  {k}: {before.get(k, float('nan')):.4f} -> {v:.4f}"
+    for k, v in after.items()
+    if "avg@" in k
+  )
+  held_out = (
+    f"; held-out before -> after RL:{scores}"
+    if scores
+    else " (no held-out benchmarks: config.eval.benchmarks is empty)"
+  )
+  return (
+    f"done: {summary['steps_done']} RL steps{held_out}\n"
+    f"  details: {workdir}/summary.json, metrics.jsonl, eval/, tensorboard/"
+  ), EXIT_FINISHED
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 
@@ -55,9 +56,15 @@ class MetricsWriter:
     show: keys shown in the progress bar's postfix.
   """
 
-  def __init__(self, workdir: str | os.PathLike, *, total_steps: int, start_step: int = 0,
-               primary: bool = True, show: Sequence[str] = ("pass_rate", "reward_mean",
-                                                            "samples_drawn", "loss")):
+  def __init__(
+    self,
+    workdir: str | os.PathLike,
+    *,
+    total_steps: int,
+    start_step: int = 0,
+    primary: bool = True,
+    show: Sequence[str] = ("pass_rate", "reward_mean", "samples_drawn", "loss"),
+  ):
     self.primary = primary
     self.show = tuple(show)
     self.path = pathlib.Path(workdir) / "metrics.jsonl"
@@ -71,8 +78,9 @@ class MetricsWriter:
       with open(self.path.with_name("metrics.orphaned.jsonl"), "a") as f:
         f.writelines(json.dumps(line) + "\n" for line in stale)
       tmp = self.path.with_suffix(".tmp")
-      tmp.write_text("".join(json.dumps(line) + "\n" for line in lines
-                             if line.get("step", 0) <= start_step))
+      tmp.write_text(
+        "".join(json.dumps(line) + "\n" for line in lines if line.get("step", 0) <= start_step)
+      )
       os.replace(tmp, self.path)
     from tensorboardX import SummaryWriter
     from tqdm.auto import tqdm
@@ -82,11 +90,14 @@ class MetricsWriter:
     # which a run restarted at step 0 writes again too.
     # The suffix keeps a restart within the same second from replacing the earlier file
     # (named by the second) and sorts the files in the order they were started.
-    self._tb = SummaryWriter(str(self.path.parent / "tensorboard"),
-                             purge_step=start_step + 1 if start_step else 0,
-                             filename_suffix=f".{time.time_ns()}")
-    self._bar = tqdm(total=total_steps, initial=start_step, desc="RL steps", unit="step",
-                     dynamic_ncols=True)
+    self._tb = SummaryWriter(
+      str(self.path.parent / "tensorboard"),
+      purge_step=start_step + 1 if start_step else 0,
+      filename_suffix=f".{time.time_ns()}",
+    )
+    self._bar = tqdm(
+      total=total_steps, initial=start_step, desc="RL steps", unit="step", dynamic_ncols=True
+    )
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float | int]:
     """Records one step. A list (e.g. per-round counts) is one JSONL field, and one
@@ -98,11 +109,26 @@ class MetricsWriter:
     record: dict[str, Any] = {"step": step}
     for k, v in metrics.items():
       v = v.tolist() if isinstance(v, np.ndarray) else v
-      record[k] = ([_scalar(x) for x in v] if isinstance(v, (list, tuple)) else
-                   v if isinstance(v, str) else _scalar(v))
+      record[k] = (
+        [_scalar(x) for x in v]
+        if isinstance(v, (list, tuple))
+        else v
+        if isinstance(v, str)
+        else _scalar(v)
+      )
     # TensorBoard first: a step with its JSONL line has its events on disk too.
-    self.add_scalars(step, {**scalars, **{f"{k}/{i}": x for k, v in record.items()
-                                          if isinstance(v, list) for i, x in enumerate(v, 1)}})
+    self.add_scalars(
+      step,
+      {
+        **scalars,
+        **{
+          f"{k}/{i}": x
+          for k, v in record.items()
+          if isinstance(v, list)
+          for i, x in enumerate(v, 1)
+        },
+      },
+    )
     with open(self.path, "a") as f:
       f.write(json.dumps(record) + "\n")
     self._bar.update(step - self._bar.n)
@@ -121,6 +147,13 @@ class MetricsWriter:
       v = _scalar(v)
       if v is not None:
         self._tb.add_scalar(tensorboard_tag(k), v, step)
+    # tensorboardX hands events to a writer thread through a queue, and its flush() only
+    # flushes the file: wait until the thread has taken every queued event first.
+    queue = self._tb._get_file_writer().event_writer._event_queue
+    deadline = time.monotonic() + 10.0
+    while not queue.empty() and time.monotonic() < deadline:
+      time.sleep(0.001)
+    time.sleep(0.01)  # the last event taken is written under the writer's lock
     self._tb.flush()
 
   def log_text(self, message: str) -> None:
@@ -132,6 +165,28 @@ class MetricsWriter:
     if self.primary:
       self._tb.close()
       self._bar.close()
+
+
+class CompileCounter:
+  """Counts XLA backend compilations while open (`with CompileCounter() as c: ...;
+  c.count`); the listener is registered on entry and removed on exit, so nothing is
+  counted outside the block and nothing stays registered after it."""
+
+  _EVENT = "/jax/core/compile/backend_compile_duration"
+
+  def __init__(self):
+    self.count = 0
+
+  def _listen(self, event: str, duration: float, **kwargs) -> None:
+    if event == self._EVENT:
+      self.count += 1
+
+  def __enter__(self) -> CompileCounter:
+    jax.monitoring.register_event_duration_secs_listener(self._listen)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    jax.monitoring.unregister_event_duration_listener(self._listen)
 
 
 def tensorboard_tag(name: str) -> str:
@@ -149,9 +204,16 @@ def console(message: str) -> None:
     tqdm.write(message, file=sys.stderr)
 
 
-def plot_curves(runs: Mapping[str, Iterable[Mapping[str, Any]]], keys: Sequence[str],
-                path: str | os.PathLike, *, x: str = "step", title: str = "",
-                units: Mapping[str, str] | None = None, smooth: int = 1) -> None:
+def plot_curves(
+  runs: Mapping[str, Iterable[Mapping[str, Any]]],
+  keys: Sequence[str],
+  path: str | os.PathLike,
+  *,
+  x: str = "step",
+  title: str = "",
+  units: Mapping[str, str] | None = None,
+  smooth: int = 1,
+) -> None:
   """One panel per metric key, one line per run; saved as PNG.
 
   Args:
@@ -178,7 +240,7 @@ def plot_curves(runs: Mapping[str, Iterable[Mapping[str, Any]]], keys: Sequence[
       xs, ys = map(np.asarray, zip(*pts, strict=True))
       if smooth > 1 and len(ys) >= smooth:
         ys = np.convolve(ys, np.ones(smooth) / smooth, mode="valid")
-        xs = xs[smooth - 1:]
+        xs = xs[smooth - 1 :]
       ax.plot(xs, ys, label=label)
     if x == "step":
       ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -200,8 +262,9 @@ def git_commit(path: str | os.PathLike | None = None) -> str:
 
   cwd = pathlib.Path(path or __file__).resolve()
   cwd = cwd if cwd.is_dir() else cwd.parent
-  git = lambda *args: subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
-                                     check=False)
+  git = lambda *args: subprocess.run(
+    ["git", *args], cwd=cwd, capture_output=True, text=True, check=False
+  )
   head = git("rev-parse", "HEAD")
   if head.returncode:
     return "unknown"

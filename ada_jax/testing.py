@@ -6,39 +6,73 @@ requirements), which are test oracles only.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ada_jax import model as model_lib
+from ada_jax import checkpoint
+from ada_jax.data import arith
+from ada_jax.models import decoder as model_lib
+from ada_jax.models import sharding, weights
+from ada_jax.rl import losses, train
 
 # transformers config kwargs of one tiny checkpoint per family; the Llama one uses the
 # llama3 rope scaling (factor 32, as Llama-3.2-3B) and tied embeddings.
 TINY_HF = {
-    "llama": dict(
-        model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-        max_position_embeddings=256, tie_word_embeddings=True,
-        rope_parameters=dict(rope_type="llama3", rope_theta=500_000.0, factor=32.0,
-                             low_freq_factor=1.0, high_freq_factor=4.0,
-                             original_max_position_embeddings=16)),
-    "qwen2": dict(
-        model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
-        max_position_embeddings=256, tie_word_embeddings=False,
-        rope_parameters=dict(rope_type="default", rope_theta=10_000.0)),
-    "qwen3": dict(
-        model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=True,
-        rope_parameters=dict(rope_type="default", rope_theta=1_000_000.0)),
+  "llama": dict(
+    model_type="llama",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+    rope_parameters=dict(
+      rope_type="llama3",
+      rope_theta=500_000.0,
+      factor=32.0,
+      low_freq_factor=1.0,
+      high_freq_factor=4.0,
+      original_max_position_embeddings=16,
+    ),
+  ),
+  "qwen2": dict(
+    model_type="qwen2",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    rope_parameters=dict(rope_type="default", rope_theta=10_000.0),
+  ),
+  "qwen3": dict(
+    model_type="qwen3",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+    rope_parameters=dict(rope_type="default", rope_theta=1_000_000.0),
+  ),
 }
 
 
-def save_tiny_hf(family: str, folder: str | pathlib.Path, seed: int = 0,
-                 init_std: float = 0.2):
+def save_tiny_hf(family: str, folder: str | pathlib.Path, seed: int = 0, init_std: float = 0.2):
   """Saves a random tiny `*ForCausalLM` of `family` with transformers; returns the model.
 
   `init_std` is larger than transformers' 0.02 so that logits are peaked enough for greedy
@@ -48,8 +82,9 @@ def save_tiny_hf(family: str, folder: str | pathlib.Path, seed: int = 0,
   import transformers
 
   kwargs = dict(TINY_HF[family])
-  config = transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs,
-                                             initializer_range=init_std)
+  config = transformers.AutoConfig.for_model(
+    kwargs.pop("model_type"), **kwargs, initializer_range=init_std
+  )
   torch.manual_seed(seed)
   hf_model = transformers.AutoModelForCausalLM.from_config(config).eval()
   with torch.no_grad():  # RMSNorm scales start at 1; perturb them so they are tested too.
@@ -92,8 +127,17 @@ def greedy_reference(config, params, tokens, mask, steps: int) -> np.ndarray:
   return np.asarray(buf[:, t:])
 
 
-def rl_batch(config, params, prompt_lengths, response_lengths, *, prompt_len: int,
-             response_len: int, noise: float = 0.3, seed: int = 0):
+def rl_batch(
+  config,
+  params,
+  prompt_lengths,
+  response_lengths,
+  *,
+  prompt_len: int,
+  response_len: int,
+  noise: float = 0.3,
+  seed: int = 0,
+):
   """A random RL training batch (`train.TrainBatch` of numpy arrays) for loss/train tests.
 
   Row i is a left-padded prompt of `prompt_lengths[i]` tokens in a `prompt_len` window,
@@ -101,8 +145,6 @@ def rl_batch(config, params, prompt_lengths, response_lengths, *, prompt_len: in
   log-probs are the model's own (under `params`) plus Gaussian `noise`, so ratios sit near
   1 and both clipped and unclipped tokens occur; advantages are standard normal.
   """
-  from ada_jax import losses, train
-
   rng = np.random.default_rng(seed)
   rows, total = len(prompt_lengths), prompt_len + response_len
   cols = np.arange(total)[None, :]
@@ -115,37 +157,48 @@ def rl_batch(config, params, prompt_lengths, response_lengths, *, prompt_len: in
   tokens = tokens.astype(np.int32)
   positions = np.asarray(model_lib.positions_from_mask(jnp.asarray(attention)))
   logprobs, _ = jax.jit(lambda t, q, m: losses.token_logprobs(config, params, t, q, m))(
-      tokens, positions, attention)
+    tokens, positions, attention
+  )
   old = np.asarray(logprobs) + noise * rng.standard_normal((rows, total))
   return train.TrainBatch(
-      tokens=tokens, positions=positions.astype(np.int32), attention_mask=attention,
-      loss_mask=response, advantages=rng.standard_normal(rows).astype(np.float32),
-      old_logprobs=np.where(response, old, 0.0).astype(np.float32))
+    tokens=tokens,
+    positions=positions.astype(np.int32),
+    attention_mask=attention,
+    loss_mask=response,
+    advantages=rng.standard_normal(rows).astype(np.float32),
+    old_logprobs=np.where(response, old, 0.0).astype(np.float32),
+  )
 
 
 def tiny_arith_model(seed: int = 0, **overrides):
   """A 1-layer d=32 Llama for the arithmetic tokenizer: (ModelConfig, random params)."""
-  from ada_jax import arith
-
-  config = model_lib.ModelConfig(**{
-      **dict(family="llama", vocab_size=arith.load_tokenizer().vocab_size, embed_dim=32,
-             mlp_dim=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16),
-      **overrides})
+  config = model_lib.ModelConfig(
+    **{
+      **dict(
+        family="llama",
+        vocab_size=arith.load_tokenizer().vocab_size,
+        embed_dim=32,
+        mlp_dim=64,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+      ),
+      **overrides,
+    }
+  )
   return config, model_lib.init_params(config, jax.random.key(seed))
 
 
-def save_arith_model(config, params, folder: pathlib.Path, checkpoint_dir: pathlib.Path,
-                     step: int = 3) -> dict:
+def save_arith_model(
+  config, params, folder: pathlib.Path, checkpoint_dir: pathlib.Path, step: int = 3
+) -> dict:
   """Writes one model both ways a user points the tools at it: a Hugging Face folder with
   the arithmetic tokenizer files, and an orbax run checkpoint `step` in `checkpoint_dir`.
 
   Returns:
     The `ModelConfig` fields as `model.overrides` of a 'tiny-llama' preset config group.
   """
-  import dataclasses
-
-  from ada_jax import arith, checkpoint, sharding, train, weights
-
   weights.save_hf(config, params, folder)
   for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
     (pathlib.Path(folder) / name).write_text((arith.TOKENIZER_DIR / name).read_text())
@@ -154,5 +207,8 @@ def save_arith_model(config, params, folder: pathlib.Path, checkpoint_dir: pathl
   manager = checkpoint.make_manager(checkpoint_dir)
   checkpoint.save(manager, step, checkpoint.RunState(train=state, rng=jax.random.key(0)))
   checkpoint.close(manager)
-  return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-          if f.name not in ("dtype", "param_dtype")}
+  return {
+    f.name: getattr(config, f.name)
+    for f in dataclasses.fields(config)
+    if f.name not in ("dtype", "param_dtype")
+  }

@@ -21,7 +21,6 @@ def shared_path(*parts: str) -> str:
   return str(path) if path.exists() else ""
 
 
-
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0  # root seed: params init, rollouts, data order, controller
@@ -122,8 +121,9 @@ def get_config() -> ml_collections.ConfigDict:
   return c
 
 
-def released_baseline(c: ml_collections.ConfigDict, method: str = "grpo"
-                      ) -> ml_collections.ConfigDict:
+def released_baseline(
+  c: ml_collections.ConfigDict, method: str = "grpo"
+) -> ml_collections.ConfigDict:
   """Turns a Reinforce-Ada config into the authors' GRPO / DAPO baseline (in place).
 
   The released GRPO and DAPO scripts run verl's defaults where the Reinforce-Ada script

@@ -1,6 +1,6 @@
 """Reinforce-Ada-balance variant of `tiny_arith_pos.py` (same model, data, budget of steps).
 
-  python -m ada_jax.main --config=configs/tiny_arith_balance.py --workdir=/tmp/ada_tiny_balance
+python -m ada_jax.main --config=configs/tiny_arith_balance.py --workdir=/tmp/ada_tiny_balance
 """
 
 import ml_collections

@@ -6,7 +6,7 @@ A 3-layer d=96 Llama-architecture model with the task's character tokenizer is
 warm-started by a short supervised stage on 1-3 digit additions that stops once 2-digit
 problems are solved 60% of the time (greedy), then RL-trained on 2-3 digit additions of the
 training split. That leaves about half of the RL prompts at pass rates
-strictly between 0 and 1 — where adaptive sampling matters (DESIGN.md §6;
+strictly between 0 and 1 — where adaptive sampling matters (docs/design.md "Data";
 experiments/calibrate_arith.py measured the mix). Held-out accuracy (Avg@4 on unseen
 problems of the same distribution) is measured before and after RL: workdir/summary.json.
 """
@@ -20,15 +20,26 @@ def get_config() -> ml_collections.ConfigDict:
   c = common.get_config()
   c.model.preset = "tiny-llama"
   c.model.dtype = "float32"
-  c.model.overrides = ml_collections.ConfigDict(dict(
+  c.model.overrides = ml_collections.ConfigDict(
+    dict(
       vocab_size=128,  # covers the 105-token arithmetic tokenizer
-      embed_dim=96, mlp_dim=384, num_layers=3, num_heads=4, num_kv_heads=4, head_dim=24,
-      tie_embeddings=False, rope_scaling=None, rope_theta=10_000.0,
-      max_position_embeddings=64))
+      embed_dim=96,
+      mlp_dim=384,
+      num_layers=3,
+      num_heads=4,
+      num_kv_heads=4,
+      head_dim=24,
+      tie_embeddings=False,
+      rope_scaling=None,
+      rope_theta=10_000.0,
+      max_position_embeddings=64,
+    )
+  )
 
   c.data.source = "arith"
-  c.data.arith = ml_collections.ConfigDict(dict(
-      levels=(2, 3), level_weights=(), ops=("+",), heldout_fraction=0.1))
+  c.data.arith = ml_collections.ConfigDict(
+    dict(levels=(2, 3), level_weights=(), ops=("+",), heldout_fraction=0.1)
+  )
   c.data.arith_prompts = 20_000  # training prompts per epoch
   c.data.max_prompt_tokens = 16
 
@@ -50,10 +61,18 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.num_minibatches = 1  # one update per RL step (the calibrated setting)
   c.ckpt.export_hf = False
 
-  c.warmstart = ml_collections.ConfigDict(dict(
-      steps=1200, batch_size=64, learning_rate=3e-3, target_accuracy=0.6, target_level=2,
-      task=ml_collections.ConfigDict(dict(levels=(1, 2, 3), level_weights=(1.0, 3.0, 2.0),
-                                          ops=("+",)))))
+  c.warmstart = ml_collections.ConfigDict(
+    dict(
+      steps=1200,
+      batch_size=64,
+      learning_rate=3e-3,
+      target_accuracy=0.6,
+      target_level=2,
+      task=ml_collections.ConfigDict(
+        dict(levels=(1, 2, 3), level_weights=(1.0, 3.0, 2.0), ops=("+",))
+      ),
+    )
+  )
 
   c.eval.benchmarks = ("arith",)
   c.eval.k = 4

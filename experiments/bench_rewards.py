@@ -20,7 +20,9 @@ import time
 
 import numpy as np
 
-from ada_jax import metrics, rewards, verifier
+from ada_jax import metrics
+from ada_jax.rewards import grader as rewards
+from ada_jax.rewards import verifier
 
 GROUP = 8  # Responses per prompt, as in a Reinforce-Ada round.
 _FRAC = re.compile(r"^\\frac\{(\d+)\}\{(\d+)\}$")

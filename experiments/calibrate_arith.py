@@ -5,7 +5,7 @@
 For each candidate setting (model size; supervised warm-start steps, learning rate, batch,
 level mix and operators, early-stop target), the script warm-starts a fresh model
 (`ada_jax.warmstart`), then per difficulty level samples k responses at temperature 1.0
-for `--prompts` training-split prompts with `ada_jax.sampler.Sampler`, scores them with
+for `--prompts` training-split prompts with `ada_jax.rollout.sampler.Sampler`, scores them with
 the RL reward (last `\\boxed{}`, exact match after normalisation: `rewards.JUDGES['exact']`)
 and records each prompt's pass rate. It also measures greedy accuracy on held-out
 (test-split) problems of each level.
@@ -13,7 +13,7 @@ and records each prompt's pass rate. It also measures greedy accuracy on held-ou
 A candidate's RL prompt mixes are scored from the per-level measurements (a mix with level
 weights w has bucket fraction Σ_L w_L · fraction_L), so one sampling pass rates every mix.
 Buckets: pass rate 0, (0, 0.25], (0.25, 0.5), [0.5, 0.75), ≥ 0.75, and `mid`, the share
-strictly inside (0, 0.5), where Reinforce-Ada differs from GRPO (DESIGN.md §6).
+strictly inside (0, 0.5), where Reinforce-Ada differs from GRPO (docs/design.md "Data").
 
 `--rl_check_steps N` then runs N steps of a deliberately plain RL proxy from the warm
 start (on-policy REINFORCE, group-mean baseline, one Adam update per step, no clipping or
@@ -41,9 +41,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ada_jax import arith, rewards, warmstart
-from ada_jax import model as model_lib
-from ada_jax import sampler as sampler_lib
+from ada_jax.data import arith
+from ada_jax.models import decoder as model_lib
+from ada_jax.rewards import grader as rewards
+from ada_jax.rl import warmstart
+from ada_jax.rollout import sampler as sampler_lib
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 BUCKETS = ("zero", "(0,0.25]", "(0.25,0.5)", "[0.5,0.75)", ">=0.75")

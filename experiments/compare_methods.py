@@ -85,13 +85,13 @@ def _ada_optim() -> dict[str, object]:
 
 # label -> (config file, overrides); everything else is the file's.
 METHODS: dict[str, tuple[str, dict[str, object]]] = {
-    "GRPO n=4": (BASELINE, {}),
-    "GRPO n=4, Ada optim": (BASELINE, _ada_optim()),
-    "GRPO n=8": (BASELINE, {"ada.n": 8}),
-    "DAPO n=4": (BASELINE, {"ada.method": "dapo"}),
-    "Ada-pos": (ADA, {"ada.method": "pos"}),
-    "Ada-balance": (ADA, {"ada.method": "balance"}),
-    "Est K=8": (ADA, {"ada.method": "est", "ada.est_budget_per_prompt": 8.0}),
+  "GRPO n=4": (BASELINE, {}),
+  "GRPO n=4, Ada optim": (BASELINE, _ada_optim()),
+  "GRPO n=8": (BASELINE, {"ada.n": 8}),
+  "DAPO n=4": (BASELINE, {"ada.method": "dapo"}),
+  "Ada-pos": (ADA, {"ada.method": "pos"}),
+  "Ada-balance": (ADA, {"ada.method": "balance"}),
+  "Est K=8": (ADA, {"ada.method": "est", "ada.est_budget_per_prompt": 8.0}),
 }
 LAST = 10  # steps averaged for the "final" training pass rate
 
@@ -109,8 +109,9 @@ def full_config(config: str, overrides: dict[str, object]) -> dict:
   """The parsed `RunConfig` of `config` with `overrides`, as a JSON-ready dict (checks the
   overrides before anything runs: a bad one raises `ConfigError` naming it)."""
   c = _config(config)
-  c.update_from_flattened_dict({k: str(v) if isinstance(v, pathlib.Path) else v
-                                for k, v in overrides.items()})
+  c.update_from_flattened_dict(
+    {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in overrides.items()}
+  )
   parsed = config_lib.parse(c)
   out = json.loads(json.dumps(dataclasses.asdict(parsed), default=str))
   out["derived"] = {"train_rows": parsed.train_rows, "prompts_per_chunk": parsed.prompts_per_chunk}
@@ -126,8 +127,13 @@ def run(workdir: pathlib.Path, config: str, overrides: dict[str, object]) -> flo
   workdir.mkdir(parents=True, exist_ok=True)
   start = time.perf_counter()
   with open(workdir / "log.txt", "a") as log:
-    proc = subprocess.run(command(workdir, config, overrides), cwd=REPO, stdout=log,
-                          stderr=subprocess.STDOUT, check=False)
+    proc = subprocess.run(
+      command(workdir, config, overrides),
+      cwd=REPO,
+      stdout=log,
+      stderr=subprocess.STDOUT,
+      check=False,
+    )
   if proc.returncode:
     tail = (workdir / "log.txt").read_text()[-2000:]
     raise RuntimeError(f"run {workdir} failed (exit {proc.returncode}):\n{tail}")
@@ -144,7 +150,8 @@ def summarize(runs: dict[str, list[pathlib.Path]]) -> dict:
       summary = json.loads((d / "summary.json").read_text())
       drawn = np.cumsum([m["samples_drawn"] for m in lines])
       steady = lines[1:] or lines  # step 1 compiles
-      per_seed.append({
+      per_seed.append(
+        {
           "run": d.name,
           "step": [m["step"] for m in lines],
           "pass_rate": [m[PASS_RATE] for m in lines],
@@ -159,29 +166,40 @@ def summarize(runs: dict[str, list[pathlib.Path]]) -> dict:
           "samples_per_step": float(np.mean([m["samples_drawn"] for m in lines])),
           "rows_computed_per_step": float(np.mean([m["rows_computed"] for m in lines])),
           "zero_signal": float(np.mean([m["zero_signal_frac"] for m in lines])),
-          **{f"{k}_s": float(np.median([m[f"time_{k}_s"] for m in steady]))
-             for k in ("sample", "verify", "train")},
-          "step_s": float(np.median([sum(m[f"time_{k}_s"] for k in ("sample", "verify",
-                                                                      "train"))
-                                     for m in steady])),
-      })
+          **{
+            f"{k}_s": float(np.median([m[f"time_{k}_s"] for m in steady]))
+            for k in ("sample", "verify", "train")
+          },
+          "step_s": float(
+            np.median(
+              [sum(m[f"time_{k}_s"] for k in ("sample", "verify", "train")) for m in steady]
+            )
+          ),
+        }
+      )
 
     def stat(key, per_seed=per_seed):
       values = np.array([s[key] for s in per_seed], float)
-      return {"mean": float(values.mean()), "std": float(values.std(ddof=1)) if len(values) > 1
-              else 0.0, "min": float(values.min()), "max": float(values.max()),
-              "seeds": values.tolist()}
+      return {
+        "mean": float(values.mean()),
+        "std": float(values.std(ddof=1)) if len(values) > 1 else 0.0,
+        "min": float(values.min()),
+        "max": float(values.max()),
+        "seeds": values.tolist(),
+      }
 
-    out[label] = {"final_pass_rate": stat("final_pass_rate"),
-                  "first_pass_rate": stat("first_pass_rate"),
-                  "final_pool_pass_rate": stat("final_pool_pass_rate"),
-                  "heldout_before": stat("heldout_before"),
-                  "heldout_after": stat("heldout_after"),
-                  "samples_per_step": stat("samples_per_step"),
-                  "rows_computed_per_step": stat("rows_computed_per_step"),
-                  "zero_signal": stat("zero_signal"),
-                  **{f"{k}_s": stat(f"{k}_s") for k in ("sample", "verify", "train", "step")},
-                  "runs": per_seed}
+    out[label] = {
+      "final_pass_rate": stat("final_pass_rate"),
+      "first_pass_rate": stat("first_pass_rate"),
+      "final_pool_pass_rate": stat("final_pool_pass_rate"),
+      "heldout_before": stat("heldout_before"),
+      "heldout_after": stat("heldout_after"),
+      "samples_per_step": stat("samples_per_step"),
+      "rows_computed_per_step": stat("rows_computed_per_step"),
+      "zero_signal": stat("zero_signal"),
+      **{f"{k}_s": stat(f"{k}_s") for k in ("sample", "verify", "train", "step")},
+      "runs": per_seed,
+    }
   if REFERENCE in out:
     ref = out[REFERENCE]["step_s"]["mean"]
     for r in out.values():
@@ -193,25 +211,30 @@ def table(results: dict, seeds: int, steps: int) -> str:
   """The Markdown summary table."""
   sd = lambda s, scale=1.0, fmt=".3f": f" ± {scale * s['std']:{fmt}}" if seeds > 1 else ""
   rows = [
-      f"| method | train pass rate, first {LAST} steps | last {LAST} steps"
-      f"{' (mean ± sd)' if seeds > 1 else ''} | held-out Avg@4 after RL | samples / step"
-      " | sampler rows / step | zero-signal fraction | s / step (sample + verify + train)"
-      f" | step cost vs {REFERENCE} |",
-      "|---|---|---|---|---|---|---|---|---|"]
+    f"| method | train pass rate, first {LAST} steps | last {LAST} steps"
+    f"{' (mean ± sd)' if seeds > 1 else ''} | held-out Avg@4 after RL | samples / step"
+    " | sampler rows / step | zero-signal fraction | s / step (sample + verify + train)"
+    f" | step cost vs {REFERENCE} |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ]
   for label, r in results.items():
     f, h = r["final_pass_rate"], r["heldout_after"]
     secs = " + ".join(f"{r[f'{k}_s']['mean']:.2f}" for k in ("sample", "verify", "train"))
     ratio = r.get("step_cost_vs_grpo_n4")
-    rows.append(f"| {label} | {r['first_pass_rate']['mean']:.3f} | **{f['mean']:.3f}**{sd(f)}"
-                f" | {100 * h['mean']:.1f}%{sd(h, 100, '.1f')}"
-                f" | {r['samples_per_step']['mean']:.0f}"
-                f" | {r['rows_computed_per_step']['mean']:.0f}"
-                f" | {r['zero_signal']['mean']:.3f} | {secs}"
-                f" | {'' if ratio is None else f'{ratio:.2f}×'} |")
+    rows.append(
+      f"| {label} | {r['first_pass_rate']['mean']:.3f} | **{f['mean']:.3f}**{sd(f)}"
+      f" | {100 * h['mean']:.1f}%{sd(h, 100, '.1f')}"
+      f" | {r['samples_per_step']['mean']:.0f}"
+      f" | {r['rows_computed_per_step']['mean']:.0f}"
+      f" | {r['zero_signal']['mean']:.3f} | {secs}"
+      f" | {'' if ratio is None else f'{ratio:.2f}×'} |"
+    )
   before = next(iter(results.values()))["heldout_before"]["mean"]
-  rows.append(f"\nHeld-out Avg@4 of the shared warm start before RL: {100 * before:.1f}%. "
-              f"{seeds} seed(s), {steps} RL steps, B = 64 prompts per step. Train pass rate: "
-              f"`{PASS_RATE}` (unbiased for every method).")
+  rows.append(
+    f"\nHeld-out Avg@4 of the shared warm start before RL: {100 * before:.1f}%. "
+    f"{seeds} seed(s), {steps} RL steps, B = 64 prompts per step. Train pass rate: "
+    f"`{PASS_RATE}` (unbiased for every method)."
+  )
   return "\n".join(rows)
 
 
@@ -229,16 +252,22 @@ def plot(results: dict, path: pathlib.Path, steps: int) -> None:
     runs = results[label]["runs"]
     n = min(len(r[y_key]) for r in runs)
     ys = np.array([np.convolve(r[y_key][:n], np.ones(smooth) / smooth, "valid") for r in runs])
-    xs = np.mean([r[x_key][smooth - 1:n] for r in runs], axis=0)
+    xs = np.mean([r[x_key][smooth - 1 : n] for r in runs], axis=0)
     ax.plot(xs, ys.mean(0), color=colors[label], label=label)
     if len(runs) > 1:
       ax.fill_between(xs, ys.min(0), ys.max(0), color=colors[label], alpha=0.15)
 
-  panels = [(axes[0, 0], "step", "pass_rate", "RL step", "training pass rate (first round)"),
-            (axes[0, 1], "samples_drawn_total", "pass_rate", "responses sampled (cumulative)",
-             "training pass rate (first round)"),
-            (axes[0, 2], "step", "zero_signal_frac", "RL step",
-             "fraction of prompts with zero advantage")]
+  panels = [
+    (axes[0, 0], "step", "pass_rate", "RL step", "training pass rate (first round)"),
+    (
+      axes[0, 1],
+      "samples_drawn_total",
+      "pass_rate",
+      "responses sampled (cumulative)",
+      "training pass rate (first round)",
+    ),
+    (axes[0, 2], "step", "zero_signal_frac", "RL step", "fraction of prompts with zero advantage"),
+  ]
   for ax, x_key, y_key, xlabel, ylabel in panels:
     for label in results:
       band(ax, label, x_key, y_key)
@@ -295,16 +324,25 @@ def main() -> None:
   parser.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2")
   parser.add_argument("--steps", type=int, default=None, help="RL steps (default 100)")
   parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-  parser.add_argument("--train_prompts", type=int, default=1280,
-                      help="training problems (B=64 → a new epoch every 20 steps)")
+  parser.add_argument(
+    "--train_prompts",
+    type=int,
+    default=1280,
+    help="training problems (B=64 → a new epoch every 20 steps)",
+  )
   parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
   parser.add_argument("--workdir", default="/tmp/ada_compare_methods")
   parser.add_argument("--out", default=None, help="output path without extension")
-  parser.add_argument("--readme", action="store_true",
-                      help="also replace the table between this output's markers in "
-                      "experiments/README.md")
-  parser.add_argument("--from_json", default=None,
-                      help="run nothing: rewrite the .md/.png (and --readme) from this JSON")
+  parser.add_argument(
+    "--readme",
+    action="store_true",
+    help="also replace the table between this output's markers in experiments/README.md",
+  )
+  parser.add_argument(
+    "--from_json",
+    default=None,
+    help="run nothing: rewrite the .md/.png (and --readme) from this JSON",
+  )
   args = parser.parse_args()
   if args.from_json:
     path = pathlib.Path(args.from_json)
@@ -316,12 +354,22 @@ def main() -> None:
   commit = metrics_lib.git_commit(REPO)
   # Runs of other code never mix in: each commit gets its own folder of runs.
   root = pathlib.Path(args.workdir) / f"{commit[:12]}_steps{steps}_prompts{args.train_prompts}"
-  common = {"rl.steps": steps, "data.arith_prompts": args.train_prompts,
-            "ckpt.every_steps": 10, "eval.every_steps": 0, "eval.arith_problems": 512}
+  common = {
+    "rl.steps": steps,
+    "data.arith_prompts": args.train_prompts,
+    "ckpt.every_steps": 10,
+    "eval.every_steps": 0,
+    "eval.arith_problems": 512,
+  }
   warm = root / "warm_start"
-  specs = {(label, s): (METHODS[label][0], {**common, **METHODS[label][1], "seed": s,
-                                            "ckpt.init_from": warm / "checkpoints" / "0"})
-           for label in args.methods for s in seeds}
+  specs = {
+    (label, s): (
+      METHODS[label][0],
+      {**common, **METHODS[label][1], "seed": s, "ckpt.init_from": warm / "checkpoints" / "0"},
+    )
+    for label in args.methods
+    for s in seeds
+  }
   configs = {key: full_config(*spec) for key, spec in specs.items()}  # fail before running
 
   start = time.perf_counter()
@@ -337,28 +385,48 @@ def main() -> None:
 
   results = summarize({label: [jobs[label, s] for s in seeds] for label in args.methods})
   for label, r in results.items():
-    r["config_file"], r["overrides"] = METHODS[label][0], {
-        k: str(v) for k, v in METHODS[label][1].items()}
+    r["config_file"], r["overrides"] = (
+      METHODS[label][0],
+      {k: str(v) for k, v in METHODS[label][1].items()},
+    )
     for seed_run, s in zip(r["runs"], seeds, strict=True):
       seed_run["config"] = configs[label, s]
       seed_run["command"] = " ".join(command(jobs[label, s], *specs[label, s])[1:])
   cmd = " ".join(["python experiments/compare_methods.py", *sys.argv[1:]])
-  report = {"command": cmd, "git_commit": commit, "seeds": seeds, "steps": steps,
-            "train_prompts": args.train_prompts, "jobs": args.jobs, "cpus": os.cpu_count(),
-            "wall_s": round(wall, 1), "pass_rate_metric": PASS_RATE, "methods": results}
+  report = {
+    "command": cmd,
+    "git_commit": commit,
+    "seeds": seeds,
+    "steps": steps,
+    "train_prompts": args.train_prompts,
+    "jobs": args.jobs,
+    "cpus": os.cpu_count(),
+    "wall_s": round(wall, 1),
+    "pass_rate_metric": PASS_RATE,
+    "methods": results,
+  }
   out.parent.mkdir(parents=True, exist_ok=True)
   out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
   write_outputs(report, out, args.readme)
-  print(json.dumps({"wall_s": round(wall, 1), "json": str(out.with_suffix(".json")),
-                    "png": str(out.with_suffix(".png"))}))
+  print(
+    json.dumps(
+      {
+        "wall_s": round(wall, 1),
+        "json": str(out.with_suffix(".json")),
+        "png": str(out.with_suffix(".png")),
+      }
+    )
+  )
 
 
 def write_outputs(report: dict, out: pathlib.Path, readme: bool) -> None:
   """Writes <out>.md and <out>.png from a results JSON; with `readme`, also the table
   between the `<!-- <out name>:begin -->` / `:end -->` markers of experiments/README.md."""
   md = table(report["methods"], len(report["seeds"]), report["steps"])
-  text = (f"`{report['command']}` ({report['wall_s'] / 60:.1f} min on {report['cpus']} cores,"
-          f" commit {report['git_commit']})\n\n{md}\n")
+  text = (
+    f"`{report['command']}` ({report['wall_s'] / 60:.1f} min on {report['cpus']} cores,"
+    f" commit {report['git_commit']})\n\n{md}\n"
+  )
   out.with_suffix(".md").write_text(text)
   plot(report["methods"], out.with_suffix(".png"), report["steps"])
   print(md)
@@ -370,7 +438,7 @@ def write_outputs(report: dict, out: pathlib.Path, readme: bool) -> None:
       raise SystemExit(f"--readme: {path} lacks the markers {begin.strip()} ... {end}")
     head, rest = doc.split(begin, 1)
     image = f"\n![{out.name}]({os.path.relpath(out.with_suffix('.png').absolute(), path.parent)})\n"
-    path.write_text(head + begin + text + image + rest[rest.index(end):])
+    path.write_text(head + begin + text + image + rest[rest.index(end) :])
 
 
 if __name__ == "__main__":

@@ -105,10 +105,10 @@ import numpy as np  # noqa: E402
 
 from ada_jax import config as config_lib  # noqa: E402
 from ada_jax import metrics as metrics_lib  # noqa: E402
-from ada_jax import model as model_lib  # noqa: E402
-from ada_jax import sampler as sampler_lib  # noqa: E402
-from ada_jax import sharding as sharding_lib  # noqa: E402
 from ada_jax import train  # noqa: E402
+from ada_jax.models import decoder as model_lib  # noqa: E402
+from ada_jax.models import sharding as sharding_lib  # noqa: E402
+from ada_jax.rollout import sampler as sampler_lib  # noqa: E402
 
 GIB = 2**30
 HBM_GIB = {"tpu_v4": 32, "tpu_v5e": 16, "tpu_v5p": 95, "h100": 80}
@@ -239,9 +239,7 @@ def largest_buffers(module: str, model_dtype: str, top: int = 12) -> dict:
     slot["xla_cpu_f32"] = (
       model_dtype == "bfloat16"
       and dtype == "f32"
-      and (
-        program_dtypes.get(op) == {"bf16"} or (not op and "convert" in name)
-      )
+      and (program_dtypes.get(op) == {"bf16"} or (not op and "convert" in name))
     )
     slot["values"] = [
       {"shape": f"{d}[{s}]", "op": op_of.get(n, n).replace("jit(train_step)/", "")}

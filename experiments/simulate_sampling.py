@@ -1,9 +1,9 @@
 """Sampling cost vs learning signal of GRPO, DAPO and Reinforce-Ada, with Bernoulli prompts.
 
-A thin CLI over `ada_jax.simulate` (see its docstring for the model and the closed forms):
+A thin CLI over `ada_jax.rl.simulate` (see its docstring for the model and the closed forms):
 every prompt has a fixed pass rate p drawn from a mix of Beta shapes with many hard
 prompts, a response is correct with probability p, and each method of
-`simulate.method_table` runs through the real controller (`ada_jax.adaptive.run_step`)
+`simulate.method_table` runs through the real controller (`ada_jax.rl.adaptive.run_step`)
 over several epochs of the same prompts (Est needs its statistics from earlier epochs;
 the first epoch is a warm-up and is not scored). For each method we report samples drawn
 per prompt and the fraction of prompts whose training group carries a learning signal (a
@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from ada_jax import metrics
-from ada_jax import simulate as sim
+from ada_jax.rl import simulate as sim
 
 
 def plot(rows: dict[str, sim.SimResult], p: np.ndarray, path: pathlib.Path) -> None:
@@ -54,24 +54,45 @@ def main() -> None:
   parser.add_argument("--n", type=int, default=4)
   parser.add_argument("--samples_per_round", type=int, default=8)
   parser.add_argument("--max_rounds", type=int, default=4)
-  parser.add_argument("--est_budgets", type=float, nargs="+", default=[4.0, 8.0],
-                      help="K of the released-Est rows (the paper compares K = 8 with GRPO n = 8)")
-  parser.add_argument("--est_paper_budgets", type=float, nargs="+", default=[8.0],
-                      help="K of the paper-hybrid Est rows")
+  parser.add_argument(
+    "--est_budgets",
+    type=float,
+    nargs="+",
+    default=[4.0, 8.0],
+    help="K of the released-Est rows (the paper compares K = 8 with GRPO n = 8)",
+  )
+  parser.add_argument(
+    "--est_paper_budgets",
+    type=float,
+    nargs="+",
+    default=[8.0],
+    help="K of the paper-hybrid Est rows",
+  )
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--tolerance", type=float, default=0.01,
-                      help="largest |simulated - closed form| GRPO signal fraction accepted")
+  parser.add_argument(
+    "--tolerance",
+    type=float,
+    default=0.01,
+    help="largest |simulated - closed form| GRPO signal fraction accepted",
+  )
   args = parser.parse_args()
   if not 0 <= args.warmup_epochs < args.epochs:
     parser.error("need 0 <= --warmup_epochs < --epochs")
 
   t0 = time.time()
   p = sim.sample_pass_rates(np.random.default_rng(args.seed), args.num_prompts)
-  configs = sim.method_table(args.n, args.samples_per_round, args.max_rounds, args.est_budgets,
-                             args.est_paper_budgets)
+  configs = sim.method_table(
+    args.n, args.samples_per_round, args.max_rounds, args.est_budgets, args.est_paper_budgets
+  )
   results = {
-    name: sim.simulate(cfg, p, batch=args.batch, epochs=args.epochs,
-                       warmup_epochs=args.warmup_epochs, seed=args.seed + 10 * i)
+    name: sim.simulate(
+      cfg,
+      p,
+      batch=args.batch,
+      epochs=args.epochs,
+      warmup_epochs=args.warmup_epochs,
+      seed=args.seed + 10 * i,
+    )
     for i, (name, cfg) in enumerate(configs.items())
   }
   checks = sim.closed_form_checks(results, p, args.samples_per_round, args.max_rounds)
@@ -128,11 +149,9 @@ def main() -> None:
   (out / "simulate_sampling.json").write_text(json.dumps(result, indent=2) + "\n")
   plot(results, p, out / "simulate_sampling.png")
   print(json.dumps(result, indent=2))
-  bad = {k: v for k, v in checks.items()
-         if k.startswith("grpo") and v["abs_err"] > args.tolerance}
+  bad = {k: v for k, v in checks.items() if k.startswith("grpo") and v["abs_err"] > args.tolerance}
   if bad:
-    raise SystemExit(f"GRPO simulation disagrees with the closed form by > "
-                     f"{args.tolerance}: {bad}")
+    raise SystemExit(f"GRPO simulation disagrees with the closed form by > {args.tolerance}: {bad}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ import os
 
 # Must run before any `import jax`: XLA reads the flag once, at backend start-up.
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tests must never reach the network.
@@ -33,6 +33,6 @@ def _offline(monkeypatch):
   imported the module): no test reaches the network, and a missing file fails at once."""
   import sys
 
-  data = sys.modules.get("ada_jax.data")
+  data = sys.modules.get("ada_jax.data.sets")
   if data is not None:
     monkeypatch.setattr(data, "reachable", lambda url, timeout_s=3.0: False)

@@ -1,6 +1,6 @@
 """Tests for the Reinforce-Ada sampling controller (ada_jax.adaptive, ada_jax.advantages).
 
-Hand-worked cases from DESIGN.md §2 with scripted reward streams, then hypothesis
+Hand-worked cases from docs/design.md "Algorithm" with scripted reward streams, then hypothesis
 property tests on random reward streams.
 """
 
@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ada_jax import adaptive
-from ada_jax import advantages as adv_lib
-from ada_jax.adaptive import AdaConfig, run_step
+from ada_jax.rl import adaptive
+from ada_jax.rl import advantages as adv_lib
+from ada_jax.rl.adaptive import AdaConfig, run_step
 
 
 class Scripted:
@@ -355,8 +355,9 @@ def test_est_released_defaults_and_single_sample_advantage():
   assert cfg.train_rows(64) == 512 == AdaConfig(method="grpo", n=8).train_rows(64)
   # p̂ = 41/57 (easy) vs 1/17 (unseen): weights 1.39 and 17, budget 16: 1 each, then
   # 14 * [0.076, 0.924] = [1.06, 12.94] -> [2, 13], the leftover to the 0.94 -> [2, 14].
-  state = adaptive.update_est_state(adaptive.init_est_state(), adaptive.prompt_keys(["e"]),
-                                    np.array([40.0]), np.array([40.0]), 1.0)
+  state = adaptive.update_est_state(
+    adaptive.init_est_state(), adaptive.prompt_keys(["e"]), np.array([40.0]), np.array([40.0]), 1.0
+  )
   res, _ = run_step(cfg, ["e", "new"], Scripted([[1] * 2, [0] * 14]), _rng(), est_state=state)
   np.testing.assert_array_equal(res.stats.pool_size, [2, 14])
   # Budget 3 over 3 prompts: one sample each; a lone sample's advantage is its reward.

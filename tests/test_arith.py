@@ -8,8 +8,9 @@ import jinja2
 import numpy as np
 import pytest
 
-from ada_jax import arith, rewards
-from ada_jax.tokenizer import Tokenizer
+from ada_jax.data import arith
+from ada_jax.models.tokenizer import Tokenizer
+from ada_jax.rewards import grader as rewards
 
 PROBLEM = re.compile(r"(\d+)([-+*])(\d+)=")
 

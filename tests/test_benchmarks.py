@@ -8,9 +8,12 @@ import jax
 import numpy as np
 import pytest
 
-from ada_jax import arith, benchmarks, prompts, rewards, testing
 from ada_jax import config as config_lib
-from ada_jax.benchmarks import Benchmark, EvalConfig
+from ada_jax import testing
+from ada_jax.data import arith, prompts
+from ada_jax.eval import benchmarks
+from ada_jax.eval.benchmarks import Benchmark, EvalConfig
+from ada_jax.rewards import grader as rewards
 
 
 def _exact_scorer(responses, references):

@@ -14,8 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ada_jax import checkpoint, sharding, train, weights
-from ada_jax import model as model_lib
+from ada_jax import checkpoint
+from ada_jax.models import decoder as model_lib
+from ada_jax.models import sharding, weights
+from ada_jax.rl import train
 
 CONFIG = model_lib.preset("tiny-llama")
 TRAIN = train.TrainConfig()
@@ -151,8 +153,12 @@ def test_resume_order(tmp_path):
   _assert_tree_equal(run.train.params, other_run.train.params)
   # A step that was never saved: the error names the field and lists the saved steps.
   with pytest.raises(FileNotFoundError, match=r"config\.ckpt\.init_from: .*holds steps \[9\]"):
-    checkpoint.resume(checkpoint.make_manager(tmp_path / "d"), target, start=start,
-                      init_from=str(tmp_path / "other" / "5"))
+    checkpoint.resume(
+      checkpoint.make_manager(tmp_path / "d"),
+      target,
+      start=start,
+      init_from=str(tmp_path / "other" / "5"),
+    )
   # 3. pretrained Hugging Face weights (the exported folder), on the target shardings.
   run, source = checkpoint.resume(
     checkpoint.make_manager(tmp_path / "b"), target, start=start, pretrained=str(hf)
@@ -188,7 +194,10 @@ def test_bad_config_names_the_field():
 _WORKER = textwrap.dedent("""
   import sys, time
   import jax
-  from ada_jax import checkpoint, model, sharding, train
+  from ada_jax import checkpoint
+  from ada_jax.models import decoder as model
+  from ada_jax.models import sharding
+  from ada_jax.rl import train
   config = model.preset("tiny-llama")
   mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
   base = model.init_params(config, jax.random.key(0))

@@ -22,8 +22,16 @@ def _env():
 
 
 def _run(args, cwd, timeout=600, **kw):
-  return subprocess.run([sys.executable, *args], cwd=cwd, env=_env(), capture_output=True,
-                        text=True, timeout=timeout, check=False, **kw)
+  return subprocess.run(
+    [sys.executable, *args],
+    cwd=cwd,
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    check=False,
+    **kw,
+  )
 
 
 @pytest.mark.parametrize("module", ["ada_jax.main", "ada_jax.evaluate"])
@@ -35,19 +43,26 @@ def test_help_exits_0(module, tmp_path):
 
 @pytest.mark.parametrize("module", ["ada_jax.main", "ada_jax.evaluate"])
 def test_missing_config_is_named_as_typed(module, tmp_path):
-  proc = _run(["-m", module, "--config=configs/no_such.py", f"--workdir={tmp_path / 'w'}",
-               "--checkpoint=1"], cwd=tmp_path)
+  proc = _run(
+    ["-m", module, "--config=configs/no_such.py", f"--workdir={tmp_path / 'w'}", "--checkpoint=1"],
+    cwd=tmp_path,
+  )
   assert proc.returncode == 2
-  assert proc.stderr.strip().splitlines()[-1].startswith(
-      "ada_jax: --config=configs/no_such.py: no such file")
+  assert (
+    proc.stderr.strip()
+    .splitlines()[-1]
+    .startswith("ada_jax: --config=configs/no_such.py: no such file")
+  )
   assert "Traceback" not in proc.stderr and "config_config" not in proc.stderr
 
 
 # `python -m ada_jax.main` with the network probe answering "offline" (the tests never reach
 # the network): TFDS's download would retry for minutes.
-OFFLINE_MAIN = ("import runpy, sys; from ada_jax import data; "
-                "data.reachable = lambda url, timeout_s=3.0: False; "
-                "runpy.run_module('ada_jax.main', run_name='__main__', alter_sys=True)")
+OFFLINE_MAIN = (
+  "import runpy, sys; from ada_jax import data; "
+  "data.reachable = lambda url, timeout_s=3.0: False; "
+  "runpy.run_module('ada_jax.main', run_name='__main__', alter_sys=True)"
+)
 
 
 def test_gsm8k_config_offline_without_files_fails_in_seconds_with_one_line(tmp_path):
@@ -55,10 +70,22 @@ def test_gsm8k_config_offline_without_files_fails_in_seconds_with_one_line(tmp_p
   env_tfds = str(tmp_path / "tfds")
   start = time.perf_counter()
   proc = subprocess.run(
-      [sys.executable, "-c", OFFLINE_MAIN, f"--config={ROOT / 'configs' / 'gsm8k_tiny_pos.py'}",
-       f"--workdir={workdir}", "--config.data.manual_dir=", "--config.tokenizer.dir="],
-      cwd=tmp_path, env={**_env(), "TFDS_DATA_DIR": env_tfds}, capture_output=True, text=True,
-      timeout=300, check=False)
+    [
+      sys.executable,
+      "-c",
+      OFFLINE_MAIN,
+      f"--config={ROOT / 'configs' / 'gsm8k_tiny_pos.py'}",
+      f"--workdir={workdir}",
+      "--config.data.manual_dir=",
+      "--config.tokenizer.dir=",
+    ],
+    cwd=tmp_path,
+    env={**_env(), "TFDS_DATA_DIR": env_tfds},
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
   wall = time.perf_counter() - start
   assert proc.returncode == 2, proc.stderr[-3000:]
   last = proc.stderr.strip().splitlines()[-1]
@@ -70,23 +97,49 @@ def test_gsm8k_config_offline_without_files_fails_in_seconds_with_one_line(tmp_p
 
 
 def _main(tmp_path, workdir, steps, *overrides, popen=False):
-  args = ["-m", "ada_jax.main", f"--config={_write_config(tmp_path, steps)}",
-          f"--workdir={workdir}", *overrides]
+  args = [
+    "-m",
+    "ada_jax.main",
+    f"--config={_write_config(tmp_path, steps)}",
+    f"--workdir={workdir}",
+    *overrides,
+  ]
   if popen:
-    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+      [sys.executable, *args],
+      cwd=ROOT,
+      env=_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
   return _run(args, cwd=ROOT)
 
 
-@pytest.mark.parametrize("summary,code,text", [
-    ({"steps_done": 3, "after_rl": {}}, 0,
-     "done: 3 RL steps (no held-out benchmarks: config.eval.benchmarks is empty)\n"),
-    ({"steps_done": 3, "before_rl": {"eval/arith/avg@4": 0.28, "eval/arith/pass@4": 0.5},
-      "after_rl": {"eval/arith/avg@4": 0.435, "eval/arith/pass@4": 0.75}}, 0,
-     "done: 3 RL steps; held-out before -> after RL:\n  eval/arith/avg@4: 0.2800 -> 0.4350\n"),
-    ({"steps_done": 8, "stopped_by": "SIGINT"}, 75,
-     "stopped by SIGINT after RL step 8 with a checkpoint; run the same command again"),
-])
+@pytest.mark.parametrize(
+  "summary,code,text",
+  [
+    (
+      {"steps_done": 3, "after_rl": {}},
+      0,
+      "done: 3 RL steps (no held-out benchmarks: config.eval.benchmarks is empty)\n",
+    ),
+    (
+      {
+        "steps_done": 3,
+        "before_rl": {"eval/arith/avg@4": 0.28, "eval/arith/pass@4": 0.5},
+        "after_rl": {"eval/arith/avg@4": 0.435, "eval/arith/pass@4": 0.75},
+      },
+      0,
+      "done: 3 RL steps; held-out before -> after RL:\n  eval/arith/avg@4: 0.2800 -> 0.4350\n",
+    ),
+    (
+      {"steps_done": 8, "stopped_by": "SIGINT"},
+      75,
+      "stopped by SIGINT after RL step 8 with a checkpoint; run the same command again",
+    ),
+  ],
+)
 def test_closing_lines_and_exit_codes(summary, code, text):
   from ada_jax import main
 
@@ -128,7 +181,8 @@ def test_ctrl_c_stops_with_checkpoint_exit_75_and_the_rerun_resumes(tmp_path):
   assert f"resuming from step {last} " in resumed.stderr
   assert f"held-out at RL step {last + 1}: arith/avg@2 " in resumed.stderr
   assert f"done: {last + 1} RL steps; held-out before -> after RL:\n  eval/arith/avg@2: " in (
-      resumed.stdout)
+    resumed.stdout
+  )
   tb = _tensorboard(workdir)
   assert tb["loss"] == list(range(1, last + 2))
   assert tb["eval/arith/avg_at_2"] == [0, last + 1]
@@ -140,8 +194,11 @@ def test_kill9_and_resume_leave_each_tensorboard_step_once(tmp_path):
   shows steps 1-6 once each. Without benchmarks the closing line says so (no empty
   held-out line); the warm start's line and main's log level (no INFO lines)."""
   workdir = tmp_path / "run"
-  flags_ = ["--config.ckpt.every_steps=3", "--config.eval.benchmarks=()",
-            "--config.warmstart.steps=8"]
+  flags_ = [
+    "--config.ckpt.every_steps=3",
+    "--config.eval.benchmarks=()",
+    "--config.warmstart.steps=8",
+  ]
   proc = _main(tmp_path, workdir, 6, *flags_, popen=True)
   deadline = time.time() + 600
   while len(_metrics(workdir)) < 4 and proc.poll() is None and time.time() < deadline:

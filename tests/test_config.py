@@ -8,8 +8,11 @@ from ml_collections import config_flags
 from ada_jax import config as config_lib
 from configs import common, tiny_arith_pos
 
-CONFIGS = sorted(p for p in (pathlib.Path(__file__).resolve().parents[1] / "configs").glob("*.py")
-                 if p.name not in ("__init__.py", "common.py"))
+CONFIGS = sorted(
+  p
+  for p in (pathlib.Path(__file__).resolve().parents[1] / "configs").glob("*.py")
+  if p.name not in ("__init__.py", "common.py")
+)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
@@ -29,12 +32,15 @@ def test_paper_hyper_parameters_are_the_defaults():
   assert run.sampler.max_new_tokens == 2048 and run.data.max_prompt_tokens == 1024
 
 
-@pytest.mark.parametrize("group,key,value,match", [
+@pytest.mark.parametrize(
+  "group,key,value,match",
+  [
     ("sampler", "temprature", 1.0, r"config\.sampler\.temprature: unknown field"),
     ("ada", "samples_per_round", 0, r"config\.ada"),
     ("optim", "learning_rate", -1.0, r"config\.optim.*learning_rate"),
     ("model", "preset", "gpt-9", r"model\.preset"),
-])
+  ],
+)
 def test_bad_field_is_named(group, key, value, match):
   cfg = tiny_arith_pos.get_config().to_dict()
   cfg[group][key] = value
@@ -51,14 +57,21 @@ def test_unknown_group_and_indivisible_minibatches():
     config_lib.parse(cfg)
 
 
-@pytest.mark.parametrize("config_name,override,message", [
+@pytest.mark.parametrize(
+  "config_name,override,message",
+  [
     ("tiny_arith_pos.py", "--config.ada.method=reinforce", "ada_jax: config.ada"),
-    ("tiny_arith_pos.py", "--config.rl.batchsize=3",
-     "ada_jax: the config has no field named by config.rl.batchsize"),
+    (
+      "tiny_arith_pos.py",
+      "--config.rl.batchsize=3",
+      "ada_jax: the config has no field named by config.rl.batchsize",
+    ),
     ("no_such_config.py", "--config.rl.steps=3", "ada_jax: --config="),
-])
+  ],
+)
 def test_command_line_bad_config_is_one_line_exit_2_from_any_directory(
-    tmp_path, config_name, override, message):
+  tmp_path, config_name, override, message
+):
   """`python -m ada_jax.main` from outside the checkout: the config file still loads, and a
   bad value, an unknown field or a missing file ends the run with exit code 2 and one line
   naming it, no traceback, and no workdir created."""
@@ -68,8 +81,13 @@ def test_command_line_bad_config_is_one_line_exit_2_from_any_directory(
   config = pathlib.Path(__file__).resolve().parents[1] / "configs" / config_name
   workdir = tmp_path / "run"
   proc = subprocess.run(
-      [sys.executable, "-m", "ada_jax.main", f"--config={config}", f"--workdir={workdir}",
-       override], cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+    [sys.executable, "-m", "ada_jax.main", f"--config={config}", f"--workdir={workdir}", override],
+    cwd=tmp_path,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
   assert proc.returncode == 2, proc.stderr[-2000:]
   assert "Traceback" not in proc.stderr
   assert proc.stderr.strip().splitlines()[-1].startswith(message)
@@ -84,7 +102,8 @@ def test_every_method_fills_its_sampler_chunks(path):
 
   import numpy as np
 
-  from ada_jax import adaptive, sampler
+  from ada_jax.rl import adaptive
+  from ada_jax.rollout import sampler
 
   for method in adaptive.METHODS:
     cfg = config_flags.config_flags._LoadConfigModule(path.stem, str(path)).get_config()
@@ -93,13 +112,15 @@ def test_every_method_fills_its_sampler_chunks(path):
     b, ada = run.rl.batch_prompts, run.ada
     if method == "est":  # a skewed split: many prompts at the minimum, a few with many
       w = np.random.default_rng(0).pareto(1.0, b) + 1e-3
-      counts = adaptive.allocate_budget(w, ada.train_rows(b), ada.est_n_min, ada.est_n_max,
-                                        ada.est_split)
+      counts = adaptive.allocate_budget(
+        w, ada.train_rows(b), ada.est_n_min, ada.est_n_max, ada.est_split
+      )
     else:
       counts = np.full(b, ada.min_rows_per_prompt)
     assert counts.min() == ada.min_rows_per_prompt or method == "est"
-    packer = types.SimpleNamespace(chunk_rows=run.sampler.chunk_rows,
-                                   prompts_per_chunk=run.prompts_per_chunk)
+    packer = types.SimpleNamespace(
+      chunk_rows=run.sampler.chunk_rows, prompts_per_chunk=run.prompts_per_chunk
+    )
     chunks = sampler.Sampler._pack(packer, np.repeat(np.arange(b), counts))
     sizes = [len(rows) for rows, _ in chunks]
     assert all(s == run.sampler.chunk_rows for s in sizes[:-1]), (method, sizes)

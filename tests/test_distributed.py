@@ -17,7 +17,8 @@ import jax
 import numpy as np
 import pytest
 
-from ada_jax import distributed, sharding
+from ada_jax import distributed
+from ada_jax.models import sharding
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

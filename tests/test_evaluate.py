@@ -10,8 +10,11 @@ import jax
 import pytest
 from absl import flags
 
-from ada_jax import evaluate, sampler, testing
-from ada_jax import model as model_lib
+from ada_jax import evaluate as evaluate_cli
+from ada_jax import testing
+from ada_jax.eval import evaluation as evaluate
+from ada_jax.models import decoder as model_lib
+from ada_jax.rollout import sampler
 
 # The config files below import `configs.common`, as experiment files run with `python -m`
 # from the repository root do.
@@ -36,17 +39,22 @@ def test_markdown_table_lists_benchmarks_and_weighted_average():
 def test_a_report_never_replaces_one_of_other_weights_or_settings(tmp_path):
   settings = {"benchmarks": ("arith",), "k": 4}
   assert evaluate.report_name(tmp_path, "step_3", "checkpoint:/r/checkpoints:3", settings) == (
-    "step_3")
+    "step_3"
+  )
   (tmp_path / "step_3.json").write_text(
-    json.dumps({"model": "checkpoint:/r/checkpoints:3", "settings": settings}))
+    json.dumps({"model": "checkpoint:/r/checkpoints:3", "settings": settings})
+  )
   # The same evaluation (its numbers from the cache) keeps its name.
   assert evaluate.report_name(tmp_path, "step_3", "checkpoint:/r/checkpoints:3", settings) == (
-    "step_3")
+    "step_3"
+  )
   other = evaluate.report_name(tmp_path, "step_3", "checkpoint:/other/checkpoints:3", settings)
   assert other == "step_3.2"
   (tmp_path / "step_3.2.json").write_text(json.dumps({"model": "x", "settings": settings}))
-  assert evaluate.report_name(tmp_path, "step_3", "checkpoint:/r/checkpoints:3",
-                              {**settings, "k": 8}) == "step_3.3"
+  assert (
+    evaluate.report_name(tmp_path, "step_3", "checkpoint:/r/checkpoints:3", {**settings, "k": 8})
+    == "step_3.3"
+  )
 
 
 def test_loop_and_cli_share_the_cache_identity_of_a_step(tmp_path):
@@ -55,7 +63,8 @@ def test_loop_and_cli_share_the_cache_identity_of_a_step(tmp_path):
   work = tmp_path / "run"
   assert evaluate.run_model_tag(work, 7) == evaluate.checkpoint_tag(work / "checkpoints", 7)
   assert evaluate.checkpoint_tag(work / "checkpoints", 7) != evaluate.checkpoint_tag(
-    work / "checkpoints", 8)
+    work / "checkpoints", 8
+  )
 
 
 # --------------------------------------------------------------------------- CLI
@@ -64,9 +73,9 @@ def test_loop_and_cli_share_the_cache_identity_of_a_step(tmp_path):
 def _cli(argv):
   fv = flags.FlagValues()
   argv = ["evaluate", *argv]
-  evaluate.define_flags(fv, sys_argv=argv)
+  evaluate_cli.define_flags(fv, sys_argv=argv)
   fv(argv)
-  return evaluate.main([], fv)
+  return evaluate_cli.main([], fv)
 
 
 def _write_config(path, **groups):
@@ -107,7 +116,7 @@ LLAMA3_TEMPLATE = (
 
 @pytest.mark.slow
 def test_math500_tiny_llama_cli_writes_reports_and_resumes(shared_dir, tmp_path, monkeypatch):
-  from ada_jax import weights
+  from ada_jax.models import weights
 
   folder = tmp_path / "tiny-llama3"
   mc = model_lib.ModelConfig(
@@ -198,8 +207,9 @@ def test_arith_from_orbax_checkpoint_equals_hf_folder(tmp_path):
   tokenizer), --checkpoint with it from `model.hf_dir`, and --hf_dir; all give the same
   numbers. --benchmarks, --k and --limit override the config's `eval` group."""
   folder = tmp_path / "hf"
-  arch = testing.save_arith_model(*testing.tiny_arith_model(seed=3), folder,
-                                  tmp_path / "work" / "checkpoints")
+  arch = testing.save_arith_model(
+    *testing.tiny_arith_model(seed=3), folder, tmp_path / "work" / "checkpoints"
+  )
   eval_fields = dict(
     k=2,  # --k=4 below
     max_new_tokens=12,

@@ -9,10 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ada_jax import arith, checkpoint, testing
-from ada_jax import model as model_lib
-from ada_jax import sampler as sampler_lib
-from ada_jax.tokenizer import Tokenizer
+from ada_jax import checkpoint, testing
+from ada_jax.data import arith
+from ada_jax.models import decoder as model_lib
+from ada_jax.models.tokenizer import Tokenizer
+from ada_jax.rollout import sampler as sampler_lib
 
 torch = pytest.importorskip("torch", reason="torch is the transformers backend")
 transformers = pytest.importorskip("transformers", reason="transformers is the oracle")
@@ -27,22 +28,34 @@ def exported(tmp_path_factory):
   config, params = testing.tiny_arith_model(seed=0)
   base = arith.load_tokenizer()
   prompt = base.encode(base.apply_chat_template(MESSAGES))
-  smp = sampler_lib.Sampler(config, rule=sampler_lib.SamplingRule(temperature=0.0),
-                            max_new_tokens=8, stop_ids=[-1], chunk_rows=1,
-                            prompts_per_chunk=1, prompt_buckets=(64,))
+  smp = sampler_lib.Sampler(
+    config,
+    rule=sampler_lib.SamplingRule(temperature=0.0),
+    max_new_tokens=8,
+    stop_ids=[-1],
+    chunk_rows=1,
+    prompts_per_chunk=1,
+    prompt_buckets=(64,),
+  )
   free = smp.generate(params, [prompt], [0], jax.random.key(0))[0]["tokens"][0]
   j = int(np.argmax(free == free[2]))  # first occurrence of the third token
   stop = int(free[j])
   tokenizer = Tokenizer.from_dir(arith.TOKENIZER_DIR, eos_ids=[stop])  # as config.tokenizer
   folder = tmp_path_factory.mktemp("hf_final")
   checkpoint.export_hf(config, params, folder, tokenizer=tokenizer)
-  return folder, config, params, tokenizer, prompt, free[:j + 1]
+  return folder, config, params, tokenizer, prompt, free[: j + 1]
 
 
 def test_export_holds_tokenizer_template_and_stop_ids(exported):
   folder, _, _, tokenizer, _, _ = exported
-  for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-               "chat_template.jinja", "generation_config.json"):
+  for name in (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+  ):
     assert (folder / name).is_file(), name
   gen = json.loads((folder / "generation_config.json").read_text())
   assert gen["eos_token_id"] == list(tokenizer.eos_ids)
@@ -70,12 +83,14 @@ def test_transformers_model_generates_and_stops_like_ours(exported):
   ids = torch.tensor([prompt], dtype=torch.long)
   with torch.no_grad():
     theirs = model(ids).logits.numpy()[0]
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
-                         do_sample=False)
+    out = model.generate(
+      ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False
+    )
   tokens = jnp.asarray([prompt], jnp.int32)
-  ours = np.asarray(model_lib.logits(config, params, tokens,
-                                     model_lib.positions_from_mask(jnp.ones_like(tokens))))[0]
+  ours = np.asarray(
+    model_lib.logits(config, params, tokens, model_lib.positions_from_mask(jnp.ones_like(tokens)))
+  )[0]
   np.testing.assert_allclose(theirs, ours, atol=1e-4)
   # Stops right after the run's stop id, where our sampler would have stopped.
-  np.testing.assert_array_equal(out[0, len(prompt):].numpy(), expected)
+  np.testing.assert_array_equal(out[0, len(prompt) :].numpy(), expected)
   assert len(expected) < 8

@@ -13,37 +13,49 @@ import pytest
 from ml_collections import config_flags
 from test_loop import tiny_config
 
-from ada_jax import arith, evaluate, loop, select_prompts
 from ada_jax import config as config_lib
-from ada_jax import model as model_lib
-from ada_jax import sampler as sampler_lib
-from ada_jax.benchmarks import EvalConfig
+from ada_jax import loop
+from ada_jax import metrics as metrics_lib
+from ada_jax.data import arith
+from ada_jax.eval import evaluation as evaluate
+from ada_jax.eval import selection as select_prompts
+from ada_jax.eval.benchmarks import EvalConfig
+from ada_jax.models import decoder as model_lib
+from ada_jax.rollout import sampler as sampler_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.py")
-                 if p.name not in ("__init__.py", "common.py"))
+CONFIGS = sorted(
+  p for p in (ROOT / "configs").glob("*.py") if p.name not in ("__init__.py", "common.py")
+)
 # The architectures behind the Hub ids the shipped configs name (no network in tests).
-HUB_PRESETS = {"Qwen/Qwen2.5-Math-1.5B": "qwen2.5-math-1.5b",
-               "Qwen/Qwen2.5-Math-7B": "qwen2.5-math-7b",
-               "meta-llama/Llama-3.2-3B-Instruct": "llama-3.2-3b-instruct"}
+HUB_PRESETS = {
+  "Qwen/Qwen2.5-Math-1.5B": "qwen2.5-math-1.5b",
+  "Qwen/Qwen2.5-Math-7B": "qwen2.5-math-7b",
+  "meta-llama/Llama-3.2-3B-Instruct": "llama-3.2-3b-instruct",
+}
 
 
-@pytest.mark.parametrize("edit,match", [
+@pytest.mark.parametrize(
+  "edit,match",
+  [
     # The issue's example: 16-token prompt bucket + 60 new tokens > 64 positions.
-    (lambda c: c.sampler.__setitem__("max_new_tokens", 60),
-     r"config\.sampler\.prompt_buckets .*config\.sampler\.max_new_tokens \(60\) = 76 .*"
-     r"max_position_embeddings \(64\)"),
+    (
+      lambda c: c.sampler.__setitem__("max_new_tokens", 60),
+      r"config\.sampler\.prompt_buckets .*config\.sampler\.max_new_tokens \(60\) = 76 .*"
+      r"max_position_embeddings \(64\)",
+    ),
     (lambda c: c.sampler.__setitem__("prompt_buckets", (8, 60)), r"config\.sampler\.prompt"),
     (lambda c: c.eval.__setitem__("max_new_tokens", 49), r"config\.eval\.max_new_tokens"),
     (lambda c: c.sampler.__setitem__("top_k", 129), r"config\.sampler.*top_k"),
-])
+  ],
+)
 def test_bad_rollout_settings_fail_before_any_compile(tmp_path, edit, match):
   c = tiny_config()
   edit(c)
-  before = loop._COMPILES[0]
-  with pytest.raises(config_lib.ConfigError, match=match):
-    loop.run(c, str(tmp_path / "run"))
-  assert loop._COMPILES[0] == before
+  with metrics_lib.CompileCounter() as compiles:
+    with pytest.raises(config_lib.ConfigError, match=match):
+      loop.run(c, str(tmp_path / "run"))
+  assert compiles.count == 0
   assert not (tmp_path / "run").exists()
 
 
@@ -64,38 +76,64 @@ def _tiny_arith_model():
 
 def test_evaluation_checks_the_context_first(tmp_path):
   model, tokenizer = _tiny_arith_model()
-  config = EvalConfig(benchmarks=("arith",), k=1, max_new_tokens=60, prompt_buckets=(16,),
-                      max_prompt_tokens=16, arith_problems=4, verifier_workers=1)
-  before = loop._COMPILES[0]
-  with pytest.raises(config_lib.ConfigError, match=r"config\.eval\.max_new_tokens \(60\)"):
-    evaluate.run(config, tmp_path, params=None, model_config=model, tokenizer=tokenizer,
-                 model_tag="x", name="y", progress=False)
-  assert loop._COMPILES[0] == before and not (tmp_path / "eval").exists()
+  config = EvalConfig(
+    benchmarks=("arith",),
+    k=1,
+    max_new_tokens=60,
+    prompt_buckets=(16,),
+    max_prompt_tokens=16,
+    arith_problems=4,
+    verifier_workers=1,
+  )
+  with metrics_lib.CompileCounter() as compiles:
+    with pytest.raises(config_lib.ConfigError, match=r"config\.eval\.max_new_tokens \(60\)"):
+      evaluate.run(
+        config,
+        tmp_path,
+        params=None,
+        model_config=model,
+        tokenizer=tokenizer,
+        model_tag="x",
+        name="y",
+        progress=False,
+      )
+  assert compiles.count == 0 and not (tmp_path / "eval").exists()
 
 
 def test_prompt_selection_checks_the_context_first(tmp_path):
   model, tokenizer = _tiny_arith_model()
-  config = select_prompts.SelectConfig(k=2, max_new_tokens=60, prompt_buckets=(16,),
-                                       judge="exact", verifier_workers=1)
-  before = loop._COMPILES[0]
-  with pytest.raises(config_lib.ConfigError, match=r"SelectConfig\.max_new_tokens \(60\)"):
-    select_prompts.run(config, tmp_path / "out", params=None, model_config=model,
-                       tokenizer=tokenizer, prompt_set=None, model_tag="x", progress=False)
-  assert loop._COMPILES[0] == before and not (tmp_path / "out").exists()
+  config = select_prompts.SelectConfig(
+    k=2, max_new_tokens=60, prompt_buckets=(16,), judge="exact", verifier_workers=1
+  )
+  with metrics_lib.CompileCounter() as compiles:
+    with pytest.raises(config_lib.ConfigError, match=r"SelectConfig\.max_new_tokens \(60\)"):
+      select_prompts.run(
+        config,
+        tmp_path / "out",
+        params=None,
+        model_config=model,
+        tokenizer=tokenizer,
+        prompt_set=None,
+        model_tag="x",
+        progress=False,
+      )
+  assert compiles.count == 0 and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_shipped_configs_fit_their_models(path):
   """Training and evaluation contexts fit (Qwen2.5-Math: 1,024 + 3,072 = 4,096)."""
   cfg = config_lib.parse(
-      config_flags.config_flags._LoadConfigModule(path.stem, str(path)).get_config())
+    config_flags.config_flags._LoadConfigModule(path.stem, str(path)).get_config()
+  )
   spec = cfg.model
   if spec.hf_dir:
     spec = config_lib.ModelSpec(preset=HUB_PRESETS[spec.hf_dir], dtype=spec.dtype)
   model = config_lib.model_config(spec)
   cfg.check_model(model)
-  config_lib.context_fits(model, cfg.eval.prompt_buckets, cfg.eval.max_new_tokens,
-                          "config.eval")  # also when the config names no benchmark
+  config_lib.context_fits(
+    model, cfg.eval.prompt_buckets, cfg.eval.max_new_tokens, "config.eval"
+  )  # also when the config names no benchmark
   if "qwen_math" in path.stem:
     assert max(cfg.sampler.prompt_buckets) == 1024 and cfg.sampler.max_new_tokens == 3072
 
@@ -109,6 +147,7 @@ def _no_signal_config(steps):
   c.warmstart = None
   c.ada.method = "dapo"
   c.ada.dapo_max_extra_passes = 1
+  c.sampler.prompts_per_chunk = 0  # derived: dapo draws 4 rows a prompt, 8 would half-fill
   c.eval.benchmarks = ()
   c.ckpt.every_steps = 1
   c.ckpt.keep = 10

@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 from ada_jax import config as config_lib
-from ada_jax import evaluate, loop
+from ada_jax import loop
+from ada_jax import metrics as metrics_lib
+from ada_jax.eval import evaluation as evaluate
 from configs import tiny_arith_pos
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -24,8 +26,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def tiny_config(steps: int = 4) -> ml_collections.ConfigDict:
   """tiny_arith_pos shrunk to seconds: 2-layer d=32 model, 8 prompts, short warm start."""
   c = tiny_arith_pos.get_config()
-  c.model.overrides.update(embed_dim=32, mlp_dim=64, num_layers=2, num_heads=2, num_kv_heads=1,
-                           head_dim=16)
+  c.model.overrides.update(
+    embed_dim=32, mlp_dim=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16
+  )
   c.rl.steps = steps
   c.rl.batch_prompts = 8
   c.data.arith_prompts = 256
@@ -54,17 +57,28 @@ def get_config():
 
 def _write_config(tmp_path, steps):
   path = tmp_path / f"cfg_{steps}.py"
-  path.write_text(textwrap.dedent(CONFIG_FILE.format(root=str(ROOT), tests=str(ROOT / "tests"),
-                                                     steps=steps)))
+  path.write_text(
+    textwrap.dedent(CONFIG_FILE.format(root=str(ROOT), tests=str(ROOT / "tests"), steps=steps))
+  )
   return path
 
 
 def _launch(tmp_path, workdir, steps):
   env = dict(os.environ)
   return subprocess.Popen(
-      [sys.executable, "-m", "ada_jax.main", f"--config={_write_config(tmp_path, steps)}",
-       f"--workdir={workdir}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT, text=True)
+    [
+      sys.executable,
+      "-m",
+      "ada_jax.main",
+      f"--config={_write_config(tmp_path, steps)}",
+      f"--workdir={workdir}",
+    ],
+    cwd=ROOT,
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
 
 
 def _metrics(workdir):
@@ -77,8 +91,15 @@ def _steps_saved(workdir):
   return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.exists() else []
 
 
-DETERMINISTIC = ("loss", "pass_rate", "reward_mean", "samples_drawn", "zero_signal_frac",
-                 "response_len_mean", "grad_norm")
+DETERMINISTIC = (
+  "loss",
+  "pass_rate",
+  "reward_mean",
+  "samples_drawn",
+  "zero_signal_frac",
+  "response_len_mean",
+  "grad_norm",
+)
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +113,24 @@ def test_run_writes_metrics_checkpoints_summary(reference_run):
   workdir, summary = reference_run
   lines = _metrics(workdir)
   assert [m["step"] for m in lines] == [1, 2, 3, 4]
-  for key in ("reward_mean", "pass_rate", "samples_drawn", "active_prompts_per_round",
-              "zero_signal_frac", "response_len_mean", "loss", "entropy", "clip_frac",
-              "grad_norm", "tokens_per_s", "time_sample_s", "time_verify_s", "time_train_s",
-              "rows_computed", "rows_useful"):
+  for key in (
+    "reward_mean",
+    "pass_rate",
+    "samples_drawn",
+    "active_prompts_per_round",
+    "zero_signal_frac",
+    "response_len_mean",
+    "loss",
+    "entropy",
+    "clip_frac",
+    "grad_norm",
+    "tokens_per_s",
+    "time_sample_s",
+    "time_verify_s",
+    "time_train_s",
+    "rows_computed",
+    "rows_useful",
+  ):
     assert key in lines[-1], key
   # pos: M = 8 per active prompt and round, at most 2 rounds.
   assert all(8 * 8 <= m["samples_drawn"] <= 2 * 8 * 8 for m in lines)
@@ -104,8 +139,12 @@ def test_run_writes_metrics_checkpoints_summary(reference_run):
   assert "eval/arith/avg@2" in summary["before_rl"] and "eval/arith/avg@2" in summary["after_rl"]
   assert "stopped_by" not in summary
   # One name per figure: the controller's statistics the loop logs are not repeated.
-  assert not {"ada/reward_mean", "ada/zero_signal_fraction", "ada/rows_requested",
-              "ada/active_r1"} & set(lines[0])
+  assert not {
+    "ada/reward_mean",
+    "ada/zero_signal_fraction",
+    "ada/rows_requested",
+    "ada/active_r1",
+  } & set(lines[0])
   assert lines[0]["ada/rows_selected"] == 8 * 4  # B prompts × n kept
   assert json.loads((workdir / "summary.json").read_text())["steps_done"] == 4
   assert list((workdir / "tensorboard").iterdir())
@@ -156,23 +195,31 @@ def test_sigterm_saves_and_exits_75(tmp_path):
   assert json.loads((workdir / "summary.json").read_text())["stopped_by"] == "SIGTERM"
 
 
-@pytest.mark.parametrize("edit,match", [
+@pytest.mark.parametrize(
+  "edit,match",
+  [
     (lambda c: c.rl.__setitem__("batchsize", 3), "config.rl.batchsize"),
     (lambda c: c.rl.__setitem__("batch_prompts", 3), "data×fsdp|data-parallel|divisible"),
     (lambda c: c.model.overrides.__setitem__("vocab_size", 64), "vocab_size"),
-    (lambda c: (c.model.__setitem__("preset", ""),
-                c.model.__setitem__("hf_dir", "/nonexistent/model")), "hf_dir"),
+    (
+      lambda c: (
+        c.model.__setitem__("preset", ""),
+        c.model.__setitem__("hf_dir", "/nonexistent/model"),
+      ),
+      "hf_dir",
+    ),
     (lambda c: (c.ada.__setitem__("method", "balance"), c.ada.__setitem__("n", 3)), "n"),
     (lambda c: c.ada.__setitem__("method", "reinforce"), "method"),
-])
+  ],
+)
 def test_bad_config_fails_before_any_compile(tmp_path, edit, match):
   c = tiny_config()
   c.unlock() if hasattr(c, "unlock") else None
   edit(c)
-  before = loop._COMPILES[0]
-  with pytest.raises(config_lib.ConfigError, match=match):
-    loop.run(c, str(tmp_path / "run"))
-  assert loop._COMPILES[0] == before
+  with metrics_lib.CompileCounter() as compiles:
+    with pytest.raises(config_lib.ConfigError, match=match):
+      loop.run(c, str(tmp_path / "run"))
+  assert compiles.count == 0
   assert not (tmp_path / "run").exists()  # nothing written for a config that cannot run
 
 
@@ -187,32 +234,52 @@ def test_evaluate_cli_reuses_the_runs_results(reference_run, tmp_path):
   own = json.loads((eval_dir / "step_4.json").read_text())
   env = dict(os.environ, PYTHONPATH=str(ROOT))
   proc = subprocess.run(
-      [sys.executable, "-m", "ada_jax.evaluate", f"--config={_write_config(tmp_path, 4)}",
-       f"--workdir={workdir}", "--checkpoint=4", "--json"], cwd=ROOT, env=env,
-      capture_output=True, text=True, timeout=600, check=False)
+    [
+      sys.executable,
+      "-m",
+      "ada_jax.evaluate",
+      f"--config={_write_config(tmp_path, 4)}",
+      f"--workdir={workdir}",
+      "--checkpoint=4",
+      "--json",
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   report = json.loads(proc.stdout)
   assert report["results"] == own["results"] and report["model"] == own["model"]
   assert report["name"] == "step_4"
   assert (eval_dir / "cache.jsonl").read_text() == cache  # every result from the cache
   assert sorted(p.name for p in eval_dir.iterdir()) == [
-      "cache.jsonl", "step_0.json", "step_0.md", "step_4.json", "step_4.md"]
+    "cache.jsonl",
+    "step_0.json",
+    "step_0.md",
+    "step_4.json",
+    "step_4.md",
+  ]
   assert not [line for line in proc.stderr.splitlines() if line.startswith("I1")]
   text = evaluate.report_text(report, workdir)
   assert "| arith | 16 |" in text and text.endswith(f"{eval_dir}/step_4.{{json,md}}")
 
 
 def test_offline_benchmarks_fail_before_any_compile_naming_eval_manual_dir(tmp_path, monkeypatch):
-  from ada_jax import data
+  from ada_jax.data import sets as data
 
   monkeypatch.setattr(data, "reachable", lambda url, timeout_s=3.0: False)
   monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "tfds"))
   c = tiny_config()
   c.eval.benchmarks = ("arith", "aime24")
   c.eval.manual_dir = ""
-  before = loop._COMPILES[0]
-  with pytest.raises(config_lib.ConfigError,
-                     match=r"config\.eval\.benchmarks \(aime24\): aime24: aime24_test\.jsonl not in"
-                           r".*unreachable.*set config\.eval\.manual_dir"):
-    loop.run(c, str(tmp_path / "run"))
-  assert loop._COMPILES[0] == before and not (tmp_path / "run").exists()
+  with metrics_lib.CompileCounter() as compiles:
+    with pytest.raises(
+      config_lib.ConfigError,
+      match=r"config\.eval\.benchmarks \(aime24\): aime24: aime24_test\.jsonl not in"
+      r".*unreachable.*set config\.eval\.manual_dir",
+    ):
+      loop.run(c, str(tmp_path / "run"))
+  assert compiles.count == 0 and not (tmp_path / "run").exists()

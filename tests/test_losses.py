@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ada_jax import losses, testing
-from ada_jax import model as model_lib
+from ada_jax import testing
+from ada_jax.models import decoder as model_lib
+from ada_jax.rl import losses
 
 CFG = losses.LossConfig()
 
@@ -220,6 +221,7 @@ def test_blocked_logprobs_and_gradients_equal_unblocked(block_size, temperature)
     def f(p):
       lp, ent = fn(p)
       return jnp.sum(weights[0] * lp * mask) + jnp.sum(weights[1] * ent * mask)
+
     return f
 
   blocked = lambda p: losses.token_logprobs(

@@ -10,8 +10,9 @@ from ada_jax import metrics
 def test_jsonl_tensorboard_and_resume(tmp_path):
   w = metrics.MetricsWriter(tmp_path, total_steps=5)
   for step in range(1, 5):
-    w.write(step, {"loss": np.float32(step), "per_round": [8, 4], "nan": float("nan"),
-                   "method": "pos"})
+    w.write(
+      step, {"loss": np.float32(step), "per_round": [8, 4], "nan": float("nan"), "method": "pos"}
+    )
   w.close()
   lines = metrics.read_jsonl(tmp_path / "metrics.jsonl")
   assert [x["step"] for x in lines] == [1, 2, 3, 4]
@@ -34,10 +35,13 @@ def test_non_primary_writes_nothing(tmp_path):
 
 
 def test_plot_curves(tmp_path):
-  runs = {"pos": [{"step": s, "pass_rate": s / 10} for s in range(1, 11)],
-          "grpo": [{"step": s, "pass_rate": s / 20} for s in range(1, 11)]}
-  metrics.plot_curves(runs, ["pass_rate"], tmp_path / "c.png", smooth=3,
-                      units={"pass_rate": "fraction"})
+  runs = {
+    "pos": [{"step": s, "pass_rate": s / 10} for s in range(1, 11)],
+    "grpo": [{"step": s, "pass_rate": s / 20} for s in range(1, 11)],
+  }
+  metrics.plot_curves(
+    runs, ["pass_rate"], tmp_path / "c.png", smooth=3, units={"pass_rate": "fraction"}
+  )
   assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ada_jax import model as model_lib
 from ada_jax import testing
+from ada_jax.models import decoder as model_lib
 
 TINY = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
 
@@ -27,8 +27,11 @@ def test_incremental_decode_matches_full_forward(name, chunk):
     config, params, tokens[:, :prefix], pos[:, :prefix], mask[:, :prefix], cache_len=12
   )
   real = np.asarray(mask[:, prefix - 1])  # rows whose prefill ends on a real token
-  np.testing.assert_allclose(np.asarray(out)[real], np.asarray(full[:, prefix - 1])[real],
-                             atol=1e-4 * max(1.0, float(jnp.abs(full).max())))
+  np.testing.assert_allclose(
+    np.asarray(out)[real],
+    np.asarray(full[:, prefix - 1])[real],
+    atol=1e-4 * max(1.0, float(jnp.abs(full).max())),
+  )
   outs = [full[:, :prefix]]
   decode = jax.jit(lambda *a: model_lib.decode(config, params, *a))
   for t in range(prefix, 10, chunk):

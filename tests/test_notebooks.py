@@ -19,8 +19,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COLAB = ROOT / "colab"
 NOTEBOOKS = ("01_quickstart", "02_adaptive_sampling", "03_llama3b_tpu")
-BADGE = ("https://colab.research.google.com/github/ada-jax/ada_jax/blob/main/colab/"
-         "{}.ipynb")
+BADGE = "https://colab.research.google.com/github/ada-jax/ada_jax/blob/main/colab/{}.ipynb"
 LIBRARIES = ("ada_jax", "configs")
 MAGIC = re.compile(r"^(\s*)[%!].*$", re.MULTILINE)
 
@@ -76,8 +75,11 @@ def test_cells_parse_and_library_names_exist(name):
           if isinstance(value, types.ModuleType):
             modules[alias.asname or alias.name] = value
     for node in ast.walk(tree):
-      if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-          and node.value.id in modules):
+      if (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in modules
+      ):
         module = modules[node.value.id]
         assert hasattr(module, node.attr), f"{module.__name__} has no {node.attr}"
         checked += 1
@@ -91,7 +93,8 @@ def test_llama_notebook_config_passes_the_library_checks(devices):
   import jax
 
   from ada_jax import config as config_lib
-  from ada_jax import sharding, train
+  from ada_jax.models import sharding
+  from ada_jax.rl import train
 
   cells = _code(_read("03_llama3b_tpu"))
   params = next(c for c in cells if "HF_DIR =" in c)
@@ -105,8 +108,9 @@ def test_llama_notebook_config_passes_the_library_checks(devices):
     sys.path.remove(str(ROOT))
   cfg = config_lib.parse(namespace["config"])
   assert cfg.rl.steps == namespace["STEPS"] and cfg.eval.benchmarks == ()
-  mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor,
-                            devices=jax.devices()[:devices])
+  mesh = sharding.make_mesh(
+    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=jax.devices()[:devices]
+  )
   train.check_batch_layout(cfg.train_rows, cfg.train_config, mesh)
   rows = mesh.shape["data"] * mesh.shape["fsdp"]
   assert cfg.sampler.chunk_rows % rows == 0 and cfg.prompts_per_chunk % rows == 0
@@ -122,15 +126,15 @@ def _execute(name: str, monkeypatch, **env) -> nbformat.NotebookNode:
   for key, value in env.items():
     monkeypatch.setenv(key, value)
   nb = _read(name)
-  client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=300,
-                                   resources={"metadata": {"path": str(COLAB)}})
+  client = nbclient.NotebookClient(
+    nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(COLAB)}}
+  )
   client.execute()  # raises CellExecutionError on the first failing cell
   return nb
 
 
 def _outputs(nb, kind: str) -> list:
-  return [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
-          if o.output_type == kind]
+  return [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == kind]
 
 
 def _text(nb) -> str:
@@ -164,8 +168,11 @@ def test_adaptive_sampling_runs(monkeypatch):
   assert [int(n) for n, _, _ in checks] == [4, 8, 16, 32]
   for _, simulated, exact in checks:
     assert abs(float(simulated) - float(exact)) < 4 * 0.5 / scored**0.5
-  pos = re.search(r"ada_pos: simulated samples/prompt ([\d.]+), signal ([\d.]+); "
-                  r"closed form ([\d.]+), ([\d.]+)", text)
+  pos = re.search(
+    r"ada_pos: simulated samples/prompt ([\d.]+), signal ([\d.]+); "
+    r"closed form ([\d.]+), ([\d.]+)",
+    text,
+  )
   assert float(pos.group(1)) == pytest.approx(float(pos.group(3)), rel=0.05)
   assert re.search(r"exit rule \(k_pos, k_neg\) = \(2, 2\)", text)
   figures = [o for o in _outputs(nb, "display_data") if "image/png" in o.data]

@@ -5,8 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from ada_jax import arith, data, prompts
-from ada_jax.tokenizer import Tokenizer
+from ada_jax.data import arith, prompts
+from ada_jax.data import sets as data
+from ada_jax.models.tokenizer import Tokenizer, pad_left
 
 # --------------------------------------------------------------------------- prompts
 
@@ -49,14 +50,13 @@ def test_prompt_batch_left_padded():
   tok = arith.load_tokenizer()
   examples = arith.examples(arith.ArithConfig(), "test", 16, seed=0)
   pset = prompts.build_prompts(examples, tok, style="raw", max_prompt_tokens=24)
-  batch = pset.batch([3, 0, 7], pad_id=tok.pad_id, buckets=(16, 32))
-  assert batch.tokens.shape == (3, 16) and batch.tokens.dtype == np.int32
-  assert batch.prompt_ids == (pset.prompt_ids[3], pset.prompt_ids[0], pset.prompt_ids[7])
-  assert batch.answers == (examples[3]["answer"], examples[0]["answer"], examples[7]["answer"])
+  ids, mask = pad_left([pset.tokens[i] for i in (3, 0, 7)], tok.pad_id, buckets=(16, 32))
+  assert ids.shape == (3, 16) and ids.dtype == np.int32
+  assert pset.answers[3] == examples[3]["answer"] and pset.answers[7] == examples[7]["answer"]
   for row, i in enumerate([3, 0, 7]):
     n = len(pset.tokens[i])
-    np.testing.assert_array_equal(batch.tokens[row, 16 - n :], pset.tokens[i])
-    assert batch.mask[row].sum() == n and batch.mask[row, -1]
+    np.testing.assert_array_equal(ids[row, 16 - n :], pset.tokens[i])
+    assert mask[row].sum() == n and mask[row, -1]
 
 
 def test_build_prompts_real_math500(shared_dir, tmp_path):

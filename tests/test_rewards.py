@@ -11,7 +11,7 @@ import hypothesis
 import hypothesis.strategies as st
 import pytest
 
-from ada_jax import rewards
+from ada_jax.rewards import grader as rewards
 
 # ----------------------------------------------------------------------- extraction
 

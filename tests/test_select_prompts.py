@@ -12,8 +12,11 @@ import numpy as np
 import pytest
 from absl import flags
 
-from ada_jax import benchmarks, prompts, select_prompts
-from ada_jax.select_prompts import FilterRule, SelectConfig
+from ada_jax import select_prompts as select_cli
+from ada_jax.data import prompts
+from ada_jax.eval import benchmarks
+from ada_jax.eval import selection as select_prompts
+from ada_jax.eval.selection import FilterRule, SelectConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # The config files import `configs.common`.
@@ -194,9 +197,9 @@ def test_resumes_from_the_cache_and_is_deterministic_for_a_seed(tmp_path):
 def _cli(argv):
   fv = flags.FlagValues()
   argv = ["select_prompts", *argv]
-  select_prompts.define_flags(fv, sys_argv=argv)
+  select_cli.define_flags(fv, sys_argv=argv)
   fv(argv)
-  return select_prompts.main([], fv)
+  return select_cli.main([], fv)
 
 
 @pytest.mark.slow
@@ -204,7 +207,9 @@ def test_cli_on_tiny_arith_and_the_selected_set_trains(tmp_path, monkeypatch):
   """configs/tiny_arith_balance.py with a short warm start: select with K=8, rerun (all
   cached, no second warm start), then RL-train from the same base params on a selected set
   loaded through `data.source='jsonl'`."""
-  from ada_jax import loop, sampler, warmstart
+  from ada_jax import loop
+  from ada_jax.rl import warmstart
+  from ada_jax.rollout import sampler
   from configs import tiny_arith_balance
 
   work = tmp_path / "select_work"
@@ -253,7 +258,7 @@ def test_cli_on_tiny_arith_and_the_selected_set_trains(tmp_path, monkeypatch):
   c.data.jsonl_paths = (str(out / "mixed.jsonl"),)
   c.data.prompt_style = "raw"  # The arithmetic task's bare prompts, as selection saw them.
   c.data.data_dir = str(tmp_path / "tfds")
-  # User JSONL sets are decontaminated against MATH500 (loop.load_prompts' default): an
+  # User JSONL sets are decontaminated against MATH500 (inputs.load_prompts' default): an
   # empty copy of it keeps this test offline.
   manual = tmp_path / "manual"
   manual.mkdir()
@@ -278,8 +283,11 @@ def test_cli_model_from_hf_folder_or_checkpoint_gives_the_same_rows(tmp_path):
   random tiny model; --limit, --k and --seed are honoured; the sets are empty but written."""
   import dataclasses
 
-  from ada_jax import arith, checkpoint, sharding, train, weights
-  from ada_jax import model as model_lib
+  from ada_jax import checkpoint
+  from ada_jax.data import arith
+  from ada_jax.models import decoder as model_lib
+  from ada_jax.models import sharding, weights
+  from ada_jax.rl import train
 
   tok = arith.load_tokenizer()
   mc = model_lib.ModelConfig(

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from ada_jax import model as model_lib
-from ada_jax import sharding
+from ada_jax.models import decoder as model_lib
+from ada_jax.models import sharding
 
 
 def test_eight_fake_devices():

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from ada_jax import simulate as sim
-from ada_jax.adaptive import AdaConfig
+from ada_jax.rl import simulate as sim
+from ada_jax.rl.adaptive import AdaConfig
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +82,9 @@ def test_trace_step_pools_and_global_advantages():
     assert result.stats.pool_size[i] == pool.size
     kept = result.prompt_index == i
     # Global normalization: the baseline is the mean of the WHOLE pool.
-    np.testing.assert_allclose(result.advantages[kept], result.rewards[kept] - pool.mean(),
-                               atol=1e-6)
+    np.testing.assert_allclose(
+      result.advantages[kept], result.rewards[kept] - pool.mean(), atol=1e-6
+    )
   # Uniform pools (p = 0 or 1) ran all rounds' worth of samples and give zero advantages.
   assert result.stats.pool_size[1] == 12
   assert not np.any(result.advantages[result.prompt_index == 2])
@@ -95,8 +96,10 @@ def test_trace_step_pools_and_global_advantages():
     (lambda r: sim.simulate(AdaConfig(method="grpo"), r, batch=0), "batch"),
     (lambda r: sim.simulate(AdaConfig(method="grpo"), r, batch=65), "batch"),
     (lambda r: sim.simulate(AdaConfig(method="grpo"), r, batch=8, epochs=0), "epochs"),
-    (lambda r: sim.simulate(AdaConfig(method="grpo"), r, batch=8, epochs=2, warmup_epochs=2),
-     "warmup_epochs"),
+    (
+      lambda r: sim.simulate(AdaConfig(method="grpo"), r, batch=8, epochs=2, warmup_epochs=2),
+      "warmup_epochs",
+    ),
     (lambda r: sim.simulate(AdaConfig(method="grpo"), r * 2, batch=8), "pass_rates"),
     (lambda r: sim.simulate(AdaConfig(method="grpo"), r[:0], batch=8), "pass_rates"),
     (lambda r: sim.grpo_signal(r, 0), "n"),

@@ -7,8 +7,8 @@ import jinja2
 import numpy as np
 import pytest
 
-from ada_jax import tokenizer as tokenizer_lib
-from ada_jax.tokenizer import Tokenizer, pad_left
+from ada_jax.models import tokenizer as tokenizer_lib
+from ada_jax.models.tokenizer import Tokenizer, pad_left
 
 # A Llama-3-style template written for this test. It exercises what transformers' jinja
 # environment changes from jinja's defaults: trim_blocks/lstrip_blocks (indented block tags
@@ -189,9 +189,9 @@ def test_raise_exception_in_template(tok, oracle):
     oracle.apply_chat_template(bad, tokenize=False)
 
 
-def test_encode_batch_left_pads(tok):
+def test_pad_left_of_encoded_texts(tok):
   texts = ["a", "Hello world, how are you?", ""]
-  ids, mask = tok.encode_batch(texts, pad_to_multiple=8)
+  ids, mask = pad_left(tok.encode_many(texts), tok.pad_id, pad_to_multiple=8)
   assert ids.dtype == np.int32 and mask.dtype == bool and ids.shape == (3, 8)
   lengths = [len(tok.encode(t)) for t in texts]
   np.testing.assert_array_equal(mask.sum(1), lengths)
@@ -199,14 +199,14 @@ def test_encode_batch_left_pads(tok):
     assert not mask[row, : 8 - n].any() and mask[row, 8 - n :].all()
     assert list(ids[row, 8 - n :]) == tok.encode(texts[row])
     assert (ids[row, : 8 - n] == tok.pad_id).all()
-  ids, _ = tok.encode_batch(texts, length=12)
+  ids, _ = pad_left(tok.encode_many(texts), tok.pad_id, length=12)
   assert ids.shape == (3, 12)
-  ids, _ = tok.encode_batch(texts, buckets=(4, 16, 64))
+  ids, _ = pad_left(tok.encode_many(texts), tok.pad_id, buckets=(4, 16, 64))
   assert ids.shape == (3, 16)
   with pytest.raises(ValueError, match="sequence 1 has"):
-    tok.encode_batch(texts, length=3)
+    pad_left(tok.encode_many(texts), tok.pad_id, length=3)
   with pytest.raises(ValueError, match="largest bucket"):
-    tok.encode_batch(texts, buckets=(2, 4))
+    pad_left(tok.encode_many(texts), tok.pad_id, buckets=(2, 4))
 
 
 def test_pad_left_literal():

@@ -5,8 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ada_jax import losses, sharding, testing, train
-from ada_jax import model as model_lib
+from ada_jax import testing
+from ada_jax.models import decoder as model_lib
+from ada_jax.models import sharding
+from ada_jax.rl import losses, train
 
 CONFIG = model_lib.preset("tiny-llama")
 PARAMS = model_lib.init_params(CONFIG, jax.random.key(0))

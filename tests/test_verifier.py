@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from test_rewards import EQUIVALENCE
 
-from ada_jax import rewards, verifier
+from ada_jax.rewards import grader as rewards
+from ada_jax.rewards import verifier
 
 TIMEOUT_S = 2.0
 

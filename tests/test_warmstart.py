@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ada_jax import arith, warmstart
-from ada_jax import model as model_lib
+from ada_jax.data import arith
+from ada_jax.models import decoder as model_lib
+from ada_jax.rl import warmstart
 
 TASK = arith.ArithConfig(levels=(1,), ops=("+",))
 
@@ -137,7 +138,8 @@ def test_loss_decreases_and_is_deterministic(tok):
   assert f"stopped early, accuracy {windows[first]:.2f} >= target {target}" in stop_line
   assert "target" not in warmstart.describe(m, ws) and "40 of 40 steps" in warmstart.describe(m, ws)
   assert "target 0.99 not reached" in warmstart.describe(
-    m, dataclasses.replace(ws, target_accuracy=0.99))
+    m, dataclasses.replace(ws, target_accuracy=0.99)
+  )
 
 
 @pytest.mark.parametrize(

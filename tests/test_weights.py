@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ada_jax import model as model_lib
-from ada_jax import testing, weights
+from ada_jax import testing
+from ada_jax.models import decoder as model_lib
+from ada_jax.models import weights
 
 torch = pytest.importorskip("torch", reason="torch is the parity oracle (requirements-dev)")
 pytest.importorskip("transformers", reason="transformers is the parity oracle")
@@ -29,9 +30,11 @@ def checkpoint(request, tmp_path_factory):
 def _hf_logits(hf_model, tokens, mask):
   pos = np.maximum(np.cumsum(mask, -1) - 1, 0)
   with torch.no_grad():
-    return hf_model(input_ids=torch.tensor(tokens, dtype=torch.long),
-                    attention_mask=torch.tensor(mask, dtype=torch.long),
-                    position_ids=torch.tensor(pos, dtype=torch.long)).logits.numpy()
+    return hf_model(
+      input_ids=torch.tensor(tokens, dtype=torch.long),
+      attention_mask=torch.tensor(mask, dtype=torch.long),
+      position_ids=torch.tensor(pos, dtype=torch.long),
+    ).logits.numpy()
 
 
 def _our_logits(config, params, tokens, mask):
@@ -59,10 +62,14 @@ def test_greedy_continuation_matches_transformers(checkpoint):
   hf_model.generation_config.eos_token_id = None
   hf_model.generation_config.pad_token_id = 0
   with torch.no_grad():
-    ref = hf_model.generate(torch.tensor(tokens, dtype=torch.long),
-                            attention_mask=torch.tensor(mask, dtype=torch.long),
-                            max_new_tokens=32, min_new_tokens=32, do_sample=False)
-  np.testing.assert_array_equal(ours, ref[:, tokens.shape[1]:].numpy())
+    ref = hf_model.generate(
+      torch.tensor(tokens, dtype=torch.long),
+      attention_mask=torch.tensor(mask, dtype=torch.long),
+      max_new_tokens=32,
+      min_new_tokens=32,
+      do_sample=False,
+    )
+  np.testing.assert_array_equal(ours, ref[:, tokens.shape[1] :].numpy())
 
 
 def test_save_hf_round_trips_through_transformers(checkpoint, tmp_path):
@@ -163,8 +170,10 @@ def test_missing_tensor_is_named(saved):
 
 
 def test_unexpected_tensor_is_named(saved):
-  _rewrite_tensors(saved, lambda t: t.__setitem__("model.layers.7.mlp.up_proj.weight",
-                                                  np.zeros((2, 2), np.float32)))
+  _rewrite_tensors(
+    saved,
+    lambda t: t.__setitem__("model.layers.7.mlp.up_proj.weight", np.zeros((2, 2), np.float32)),
+  )
   with pytest.raises(weights.CheckpointError, match="layers.7"):
     weights.load_hf(saved)
 

@@ -3,7 +3,7 @@
 Pure numpy helpers used by the sampling controller (`ada_jax.adaptive`):
 
 * `select_group`: the "half-then-fill" choice of the n training responses out of a
-  prompt's pool (Reinforce-Ada-Seq, DESIGN.md §2).
+  prompt's pool (Reinforce-Ada-Seq, docs/design.md "Algorithm").
 * `group_advantages`: A_i = r_i - mean, with the mean taken over the prompt's WHOLE pool
   ("global normalization", paper §3) or over the kept group only (GRPO's local
   statistics), an optional division by the standard deviation (+eps), and an optional
@@ -51,7 +51,7 @@ def select_group(
   Takes kp = min(floor(n/2), P) positives and kn = min(n - kp, N) negatives; if
   kp + kn < n the rest is filled from whichever class still has unused responses,
   positives first. The kept group is therefore mixed whenever the pool is mixed (n >= 2)
-  and has min(n, pool size) members. Reference: DESIGN.md §2 (Reinforce-Ada-Seq
+  and has min(n, pool size) members. Reference: docs/design.md "Algorithm" (Reinforce-Ada-Seq
   selection); the released code keeps the earliest responses of each class.
 
   Args:

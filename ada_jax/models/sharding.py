@@ -3,7 +3,7 @@
 Every array in the system names its dimensions with logical axes: parameters carry them in
 `model.logical_axes` ('vocab', 'embed', 'heads', 'kv_heads', 'head_dim', 'mlp'),
 activations and batches use 'batch' and 'length'. `RULES` maps each logical name to mesh
-axes of a `Mesh` with axes ('data', 'fsdp', 'tensor') (DESIGN.md §4):
+axes of a `Mesh` with axes ('data', 'fsdp', 'tensor') (docs/design.md "Distribution"):
 
 * rows of batches, activations and KV caches are split over ('data', 'fsdp');
 * parameters are split over 'fsdp' along their model width (ZeRO-3 style, gathered by
@@ -34,8 +34,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ada_jax import model as model_lib
-from ada_jax.model import ModelConfig, Params
+from ada_jax.models import decoder as model_lib
+from ada_jax.models.decoder import ModelConfig, Params
 
 AXES = ("data", "fsdp", "tensor")
 # Rows are split over every data-parallel axis: 'fsdp' shards parameters *and* rows.
@@ -121,8 +121,13 @@ def model_rules(config: ModelConfig, mesh: Mesh) -> dict[str, str | tuple[str, .
   return rules
 
 
-def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh, *,
-                    rules: Mapping[str, str | tuple[str, ...] | None] | None = None) -> P:
+def logical_to_spec(
+  axes: Sequence[str | None],
+  shape: Sequence[int],
+  mesh: Mesh,
+  *,
+  rules: Mapping[str, str | tuple[str, ...] | None] | None = None,
+) -> P:
   """`PartitionSpec` for an array with logical `axes`, by `RULES` (or `model_rules`).
 
   A dimension is replicated (None) when its mesh axes do not divide its size, when the
@@ -176,6 +181,20 @@ def param_shardings(config: ModelConfig, mesh: Mesh) -> Params:
   return jax.tree.map(
     lambda s: NamedSharding(mesh, s), param_specs(config, mesh), is_leaf=lambda x: isinstance(x, P)
   )
+
+
+def abstract(shapes: Any, shardings: Any) -> Any:
+  """A restore target: `jax.ShapeDtypeStruct`s of `shapes` (any tree of arrays or structs)
+  carrying the matching `shardings` leaf."""
+  return jax.tree.map(
+    lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
+  )
+
+
+def abstract_params(config: ModelConfig, mesh: Mesh) -> Params:
+  """The parameter tree as `jax.ShapeDtypeStruct`s with their shardings, allocating
+  nothing: the target for `checkpoint.restore_params`."""
+  return abstract(model_lib.param_shapes(config), param_shardings(config, mesh))
 
 
 def place_params(params: Params, shardings: Params) -> Params:
@@ -287,8 +306,12 @@ def kv_cache_shardings(
   keys = spec(("batch", "kv_heads", "head_dim", "length"), (batch, k, h, cache_len))
   values = spec(("batch", "kv_heads", "length", "head_dim"), (batch, k, cache_len, h))
   mask = spec(("batch", "length"), (batch, cache_len))
-  return model_lib.KVCache(k=(keys,) * config.num_layers, v=(values,) * config.num_layers,
-                           mask=mask, index=replicated(mesh))
+  return model_lib.KVCache(
+    k=(keys,) * config.num_layers,
+    v=(values,) * config.num_layers,
+    mask=mask,
+    index=replicated(mesh),
+  )
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None], mesh: Mesh) -> jax.Array:

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from ada_jax.adaptive import EST_PAPER, AdaConfig, StepResult, run_step
+from ada_jax.rl.adaptive import EST_PAPER, AdaConfig, StepResult, run_step
 
 __all__ = [
   "PASS_RATE_MIX",
@@ -80,8 +80,7 @@ def _check_pass_rates(pass_rates: Any, name: str = "pass_rates") -> np.ndarray:
   return p
 
 
-def sample_pass_rates(rng: np.random.Generator, size: int, mix: Mix = PASS_RATE_MIX
-                      ) -> np.ndarray:
+def sample_pass_rates(rng: np.random.Generator, size: int, mix: Mix = PASS_RATE_MIX) -> np.ndarray:
   """Draws pass rates from a mixture of Beta distributions.
 
   Args:
@@ -120,8 +119,9 @@ def grpo_signal(pass_rates: np.ndarray, n: int) -> float:
   return float(np.mean(1.0 - p**n - (1.0 - p) ** n))
 
 
-def pos_closed_form(pass_rates: np.ndarray, samples_per_round: int, max_rounds: int
-                    ) -> tuple[float, float]:
+def pos_closed_form(
+  pass_rates: np.ndarray, samples_per_round: int, max_rounds: int
+) -> tuple[float, float]:
   """Expected (samples per prompt, signal fraction) of Reinforce-Ada-pos with k_pos = 1.
 
   Args:
@@ -156,9 +156,13 @@ def grpo_n_for_signal(pass_rates: np.ndarray, target: float, n_max: int = 256) -
   return None
 
 
-def method_table(n: int = 4, samples_per_round: int = 8, max_rounds: int = 4,
-                 est_budgets: Sequence[float] = (4.0, 8.0),
-                 est_paper_budgets: Sequence[float] = (8.0,)) -> dict[str, AdaConfig]:
+def method_table(
+  n: int = 4,
+  samples_per_round: int = 8,
+  max_rounds: int = 4,
+  est_budgets: Sequence[float] = (4.0, 8.0),
+  est_paper_budgets: Sequence[float] = (8.0,),
+) -> dict[str, AdaConfig]:
   """The controller configurations compared in the paper's sampling-cost argument.
 
   Rows: `grpo_n{4,8,16,32}` (uniform sampling), `dapo_n4` (DAPO dynamic sampling, at most
@@ -189,13 +193,13 @@ def method_table(n: int = 4, samples_per_round: int = 8, max_rounds: int = 4,
   for k in est_budgets:
     out[f"ada_est_k{k:g}"] = AdaConfig(method="est", est_budget_per_prompt=k)
   for k in est_paper_budgets:
-    out[f"ada_est_paper_k{k:g}"] = AdaConfig(method="est", est_budget_per_prompt=k,
-                                             **EST_PAPER)
+    out[f"ada_est_paper_k{k:g}"] = AdaConfig(method="est", est_budget_per_prompt=k, **EST_PAPER)
   return out
 
 
-def _bernoulli_draw(rates: list[float], rng: np.random.Generator
-                    ) -> Callable[[np.ndarray], tuple[np.ndarray, list[None]]]:
+def _bernoulli_draw(
+  rates: list[float], rng: np.random.Generator
+) -> Callable[[np.ndarray], tuple[np.ndarray, list[None]]]:
   """`run_step`'s draw: float32[N] 0/1 rewards, reward i ~ Bernoulli(rates[rows[i]])."""
 
   def draw(rows: np.ndarray):
@@ -246,8 +250,16 @@ class SimResult:
     return dataclasses.asdict(self)
 
 
-def simulate(cfg: AdaConfig, pass_rates: np.ndarray, *, batch: int, epochs: int = 4,
-             warmup_epochs: int = 1, seed: int = 0, mix: Mix = PASS_RATE_MIX) -> SimResult:
+def simulate(
+  cfg: AdaConfig,
+  pass_rates: np.ndarray,
+  *,
+  batch: int,
+  epochs: int = 4,
+  warmup_epochs: int = 1,
+  seed: int = 0,
+  mix: Mix = PASS_RATE_MIX,
+) -> SimResult:
   """Runs the controller `cfg` on Bernoulli prompts for several epochs; totals its cost.
 
   Each epoch visits the prompts in a fresh random order, B = `batch` prompts per step (a
@@ -296,8 +308,14 @@ def simulate(cfg: AdaConfig, pass_rates: np.ndarray, *, batch: int, epochs: int 
         rates.extend(sample_pass_rates(extra_rng, k, mix))
         return [f"extra{len(rates) - k + i}" for i in range(k)]
 
-      res, est_state = run_step(cfg, [f"p{i}" for i in ids], _bernoulli_draw(rates, rng), rng,
-                                est_state, more_prompts=more_prompts)
+      res, est_state = run_step(
+        cfg,
+        [f"p{i}" for i in ids],
+        _bernoulli_draw(rates, rng),
+        rng,
+        est_state,
+        more_prompts=more_prompts,
+      )
       if epoch < warmup_epochs:
         continue
       s = res.stats
@@ -335,8 +353,9 @@ def _standard_error(x: np.ndarray) -> float:
   return float(np.std(x, ddof=1) / np.sqrt(x.size)) if x.size > 1 else float("nan")
 
 
-def trace_step(cfg: AdaConfig, pass_rates: Sequence[float], seed: int = 0
-               ) -> tuple[StepResult, list[np.ndarray]]:
+def trace_step(
+  cfg: AdaConfig, pass_rates: Sequence[float], seed: int = 0
+) -> tuple[StepResult, list[np.ndarray]]:
   """One controller step on Bernoulli prompts, keeping every round's rewards.
 
   For worked examples: which prompts were sampled in which round, what they scored, which
@@ -375,8 +394,9 @@ def trace_step(cfg: AdaConfig, pass_rates: Sequence[float], seed: int = 0
   return result, rounds
 
 
-def closed_form_checks(rows: Mapping[str, SimResult], pass_rates: np.ndarray,
-                       samples_per_round: int, max_rounds: int) -> dict[str, dict[str, Any]]:
+def closed_form_checks(
+  rows: Mapping[str, SimResult], pass_rates: np.ndarray, samples_per_round: int, max_rounds: int
+) -> dict[str, dict[str, Any]]:
   """Simulated vs closed-form figures for the `grpo_n*` and `ada_pos` rows present.
 
   Returns:
@@ -387,7 +407,7 @@ def closed_form_checks(rows: Mapping[str, SimResult], pass_rates: np.ndarray,
   checks: dict[str, dict[str, Any]] = {}
   for name, row in rows.items():
     if name.startswith("grpo_n"):
-      sim, exact = row.signal_fraction, grpo_signal(pass_rates, int(name[len("grpo_n"):]))
+      sim, exact = row.signal_fraction, grpo_signal(pass_rates, int(name[len("grpo_n") :]))
       checks[name] = {"simulated": sim, "closed_form": exact, "abs_err": abs(sim - exact)}
   if "ada_pos" in rows:
     row = rows["ada_pos"]
@@ -417,8 +437,9 @@ def markdown_table(rows: Mapping[str, SimResult], pass_rates: np.ndarray) -> lis
   return lines
 
 
-def plot_cost_vs_signal(rows: Mapping[str, SimResult], pass_rates: np.ndarray, ax=None,
-                        n_max: int = 48):
+def plot_cost_vs_signal(
+  rows: Mapping[str, SimResult], pass_rates: np.ndarray, ax=None, n_max: int = 48
+):
   """Plots signal fraction vs samples per prompt: the GRPO closed-form curve for n = 2 ..
   n_max and one marker per row (circles GRPO, squares Reinforce-Ada, triangles DAPO).
 
@@ -442,7 +463,8 @@ def plot_cost_vs_signal(rows: Mapping[str, SimResult], pass_rates: np.ndarray, a
     ax.plot(*xy, marker, ms=7, label=name)
     # Est labels go right of their points: they share x with GRPO's n = 4 and 8 markers.
     offset, align = {"ada_est": ((7, -9), "left"), "ada": ((5, 6), "left")}.get(
-        next((k for k in ("ada_est", "ada") if name.startswith(k)), ""), ((5, -10), "left"))
+      next((k for k in ("ada_est", "ada") if name.startswith(k)), ""), ((5, -10), "left")
+    )
     ax.annotate(name, xy, textcoords="offset points", xytext=offset, fontsize=7, ha=align)
   ax.set_xlabel("samples drawn per prompt")
   ax.set_ylabel("fraction of prompts with learning signal")

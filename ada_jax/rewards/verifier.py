@@ -23,7 +23,7 @@ from multiprocessing import connection as mp_connection
 
 import numpy as np
 
-from ada_jax.rewards import ERROR, JUDGES, MAX_ANSWER_CHARS, NO_BOX, TIMEOUT
+from ada_jax.rewards.grader import ERROR, JUDGES, MAX_ANSWER_CHARS, NO_BOX, TIMEOUT
 
 
 class _SoftTimeout(BaseException):
@@ -212,7 +212,7 @@ class RewardPool:
     if config.start_method == "forkserver":
       # Forked from a server that already imported these, a replacement worker starts in
       # milliseconds (no effect if this process started the forkserver before).
-      self._ctx.set_forkserver_preload(["numpy", "math_verify", "ada_jax.verifier"])
+      self._ctx.set_forkserver_preload(["numpy", "math_verify", "ada_jax.rewards.verifier"])
     self._slots: list[_Slot] = []
     self._next_task = 0
     self.stats = VerifyStats()

@@ -1,7 +1,8 @@
 """Avg@k evaluation on the maths benchmarks (and the arithmetic task): the core that the
 training loop calls and that `ada_jax.evaluate` (reports, CLI) wraps.
 
-Reinforce-Ada (arXiv 2510.04996; DESIGN.md §9) reports Avg@32: k = 32 responses per
+Reinforce-Ada (arXiv 2510.04996; docs/design.md "Reference figures") reports Avg@32: k = 32
+responses per
 problem at temperature 1.0, top-p 1.0, up to 4096 new tokens, in the training prompt format;
 the score of a benchmark is the mean reward over all k·P samples, and the headline number is
 the average over MATH500, Minerva Math, OlympiadBench and the AIME-like sets weighted by
@@ -10,7 +11,8 @@ their problem counts. Also reported: pass@j with the unbiased estimator of Chen 
 (optionally) greedy accuracy.
 
 Generation uses the training sampler (`ada_jax.sampler.Sampler`): the k rows of a problem are
-adjacent, so they share one prefill; rewards come from the same verifier pool (DESIGN.md §2).
+adjacent, so they share one prefill; rewards come from the same verifier pool (docs/design.md
+"Algorithm").
 Problems are processed in fixed batches; each finished batch is appended to a per-problem
 results cache (JSONL, keyed by benchmark, prompt id, model and settings), so an interrupted
 evaluation continues where it stopped. Batch b of a benchmark always samples with the key
@@ -39,9 +41,12 @@ import numpy as np
 import tqdm
 from absl import logging
 
-from ada_jax import arith, data, prompts, rewards, sampler
-from ada_jax.model import ModelConfig, Params
-from ada_jax.tokenizer import Tokenizer
+from ada_jax.data import arith, prompts
+from ada_jax.data import sets as data
+from ada_jax.models.decoder import ModelConfig, Params
+from ada_jax.models.tokenizer import Tokenizer
+from ada_jax.rewards import grader as rewards
+from ada_jax.rollout import sampler
 
 PAPER_BENCHMARKS = ("math500", "minerva_math", "olympiadbench", "aime24", "amc23")
 # Benchmark name -> (default judge, default prompt style). The maths sets use the training
@@ -74,7 +79,7 @@ class EvalConfig:
       the maths sets, 'raw' for arith).
     judge: reward function (`rewards.JUDGES`); '' = the benchmark's default ('math' for the
       maths sets, 'exact' for arith).
-    max_prompt_tokens: longer prompts are dropped and counted (DESIGN.md §2: 1024).
+    max_prompt_tokens: longer prompts are dropped and counted (docs/design.md "Algorithm": 1024).
     limit: evaluate only the first `limit` problems of each benchmark; 0 = all.
     seed: seed of the sampling key (`run`); `evaluate` takes the key as an argument.
     chunk_rows: rows per sampler launch (C).
@@ -126,8 +131,13 @@ class EvalConfig:
     if isinstance(self.benchmarks, str):  # 'math500,aime24', e.g. from a command line.
       names = [b.strip() for b in self.benchmarks.split(",")]
       object.__setattr__(self, "benchmarks", [b for b in names if b])
-    for name in ("benchmarks", "pass_at", "prompt_buckets", "arith_levels",
-                 "arith_ops"):  # Hashable.
+    for name in (
+      "benchmarks",
+      "pass_at",
+      "prompt_buckets",
+      "arith_levels",
+      "arith_ops",
+    ):  # Hashable.
       object.__setattr__(self, name, tuple(getattr(self, name)))
 
     def need(ok: bool, field: str, what: str):
@@ -441,9 +451,7 @@ def _sampler(
   mesh: jax.sharding.Mesh | None,
 ) -> sampler.Sampler:
   ppc = config.prompts_per_chunk or max(1, config.chunk_rows // rows_per_problem)
-  if mesh is not None:  # The sampler splits prompts over the data axes.
-    dp = mesh.shape["data"] * mesh.shape["fsdp"]
-    ppc = min(-(-ppc // dp) * dp, config.chunk_rows)
+  ppc = sampler.fit_prompts_per_chunk(ppc, config.chunk_rows, mesh)
   kw = dict(chunk_rows=config.chunk_rows, prompts_per_chunk=ppc, mesh=mesh, pad_id=pad_id)
   return sampler.Sampler(
     model_config,

@@ -8,7 +8,8 @@ same environment transformers uses (sandboxed, `trim_blocks`, `lstrip_blocks`,
 special-token strings as variables), so a prompt renders to the same text, hence the same
 ids, as `PreTrainedTokenizerFast.apply_chat_template` (checked in tests/test_tokenizer.py).
 
-Batches are left-padded (DESIGN.md §1: prompts end where generation starts) int32 arrays
+Batches are left-padded (docs/design.md "One RL step": prompts end where generation starts) int32
+arrays
 with a bool mask.
 """
 
@@ -193,7 +194,8 @@ def pad_left(
     pad_id: id written into padding positions (masked out; any valid id works).
     length: fixed padded length.
     pad_to_multiple: round the longest length up to a multiple of this.
-    buckets: allowed lengths; the smallest that fits is used (static shapes, DESIGN.md §3).
+    buckets: allowed lengths; the smallest that fits is used (static shapes, docs/design.md
+      "Sampler").
 
   Returns:
     (ids int32[B, L], mask bool[B, L]); mask is True on real tokens, which sit at the right
@@ -415,11 +417,13 @@ class Tokenizer:
     folder.mkdir(parents=True, exist_ok=True)
     self._tok.save(str(folder / TOKENIZER_FILE))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", **self.special_tokens}
-    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
-                                      encoding="utf-8")
+    (folder / CONFIG_FILE).write_text(
+      json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
     for name, template in self.chat_templates.items():
-      target = (folder / TEMPLATE_FILE if name == "default"
-                else folder / TEMPLATE_DIR / f"{name}.jinja")
+      target = (
+        folder / TEMPLATE_FILE if name == "default" else folder / TEMPLATE_DIR / f"{name}.jinja"
+      )
       target.parent.mkdir(exist_ok=True)
       target.write_text(template, encoding="utf-8")
     generation = {"eos_token_id": list(self.eos_ids), "pad_token_id": self.pad_id}
@@ -452,31 +456,6 @@ class Tokenizer:
     encs = self._tok.encode_batch(list(texts), add_special_tokens=False)
     prefix = [self.bos_id] if add_bos and self.bos_id is not None else []
     return [prefix + e.ids for e in encs]
-
-  def encode_batch(
-    self,
-    texts: Sequence[str],
-    *,
-    length: int | None = None,
-    pad_to_multiple: int | None = None,
-    buckets: Sequence[int] | None = None,
-    add_bos: bool = False,
-  ) -> tuple[np.ndarray, np.ndarray]:
-    """Encodes and left-pads texts; see `pad_left` for how the length L is chosen.
-
-    Returns:
-      (ids int32[B, L], mask bool[B, L]), padding on the left.
-
-    Raises:
-      ValueError: a text has more tokens than `length` or the largest bucket.
-    """
-    return pad_left(
-      self.encode_many(texts, add_bos=add_bos),
-      self.pad_id,
-      length=length,
-      pad_to_multiple=pad_to_multiple,
-      buckets=buckets,
-    )
 
   def decode(self, ids: Sequence[int] | np.ndarray, *, skip_special_tokens: bool = True) -> str:
     """Text of `ids` (int sequence or 1-D array); no stopping at EOS, the caller trims."""

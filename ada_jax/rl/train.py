@@ -1,4 +1,5 @@
-"""Policy update: train state, AdamW, and the sharded policy-gradient step (DESIGN.md §2, §4).
+"""Policy update: train state, AdamW, and the sharded policy-gradient step (docs/design.md
+"Algorithm", "Distribution").
 
 `train_step` is a pure function doing ONE optimizer update on one mini-batch: the
 mini-batch is cut into micro-batches whose gradients are accumulated by `lax.scan` inside
@@ -31,18 +32,18 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ada_jax import losses
-from ada_jax import model as model_lib
-from ada_jax import sharding as sharding_lib
-from ada_jax.losses import LossConfig
-from ada_jax.model import ModelConfig, Params
+from ada_jax.models import decoder as model_lib
+from ada_jax.models import sharding as sharding_lib
+from ada_jax.models.decoder import ModelConfig, Params
+from ada_jax.rl import losses
+from ada_jax.rl.losses import LossConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
   """AdamW with linear warm-up then a constant rate, after global-norm clipping.
 
-  Defaults: DESIGN.md §2 (the released code's verl settings).
+  Defaults: docs/design.md "Algorithm" (the released code's verl settings).
 
   Attributes:
     learning_rate: peak learning rate.
@@ -216,9 +217,7 @@ def abstract_state(
   """`TrainState` of `jax.ShapeDtypeStruct`s carrying their shardings (a restore target)."""
   shardings = state_shardings(model_config, config, mesh, with_ref=with_ref)
   shapes = jax.eval_shape(lambda: _init_unplaced(model_config, config, with_ref))
-  return jax.tree.map(
-    lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
-  )
+  return sharding_lib.abstract(shapes, shardings)
 
 
 def _init_unplaced(model_config, config, with_ref):
@@ -350,15 +349,24 @@ def loss_and_grads(
     if mesh is not None:
       params = sharding_lib.gather_embedding(params, mesh)
     logprobs, entropy = losses.token_logprobs(
-      model_config, params, mb.tokens, mb.positions, mb.attention_mask,
-      temperature=config.temperature, remat=config.remat
+      model_config,
+      params,
+      mb.tokens,
+      mb.positions,
+      mb.attention_mask,
+      temperature=config.temperature,
+      remat=config.remat,
     )
     ref = mb.ref_logprobs
     if need_ref:
       ref_p = ref_params if mesh is None else sharding_lib.gather_embedding(ref_params, mesh)
       ref, _ = losses.token_logprobs(
-        model_config, ref_p, mb.tokens, mb.positions, mb.attention_mask,
-        temperature=config.temperature
+        model_config,
+        ref_p,
+        mb.tokens,
+        mb.positions,
+        mb.attention_mask,
+        temperature=config.temperature,
       )
       ref = jax.lax.stop_gradient(ref)
     return losses.policy_loss(

@@ -1,6 +1,6 @@
 """Maths data sets: TFDS builders, JSONL readers, data-set specs.
 
-DESIGN.md §6. One TFDS builder, `AdaMath` (registered as `ada_math`, a name TFDS's own
+docs/design.md "Data". One TFDS builder, `AdaMath` (registered as `ada_math`, a name TFDS's own
 catalogue does not use), with one config per data set: `gsm8k` (train/test), `math_train`
 (the 4,500 MATH test problems outside MATH500, plus any JSONL files the user adds),
 `math500`, `minerva_math`, `olympiadbench`, `aime24`, `amc23` (test). Offline they read the
@@ -29,7 +29,7 @@ import tensorflow_datasets as tfds
 from absl import logging
 from etils import epath
 
-from ada_jax import rewards
+from ada_jax.rewards import grader as rewards
 
 FEATURES = ("prompt_id", "problem", "answer", "source")
 
@@ -230,8 +230,10 @@ def user_jsonl_spec(
     digest.update(f"{p}|{stat.st_size}|{stat.st_mtime_ns}|".encode())
     resolved.append(p)
   # The MATH500 filter changes the rows, so it is part of the cache key too.
-  digest.update(f"{problem_field}|{answer_field}|{answer_format}|{split}|"
-                f"exclude_math500={exclude_math500}".encode())
+  digest.update(
+    f"{problem_field}|{answer_field}|{answer_format}|{split}|"
+    f"exclude_math500={exclude_math500}".encode()
+  )
   sources = tuple(
     JsonlSource(
       split,
@@ -254,16 +256,6 @@ def user_jsonl_spec(
 
 def _escape(text: str) -> str:
   return text.replace("{", "{{").replace("}", "}}")
-
-
-def with_extra_training_files(base: MathSetSpec, extra: MathSetSpec) -> MathSetSpec:
-  """`base` (e.g. `SETS['math_train']`) plus the files of a `user_jsonl_spec`."""
-  return MathSetSpec(
-    f"{base.name}_plus_{extra.name}",
-    base.sources + extra.sources,
-    exclude=tuple(dict.fromkeys(base.exclude + extra.exclude)),
-    description=f"{base.description} Plus {extra.description}",
-  )
 
 
 # --------------------------------------------------------------------------- reading
@@ -412,7 +404,7 @@ class AdaMath(tfds.core.GeneratorBasedBuilder):
 
   def _info(self) -> tfds.core.DatasetInfo:
     # Built directly: `dataset_info_from_configs` looks for metadata files next to this
-    # module (DESIGN.md §6).
+    # module (docs/design.md "Data").
     return tfds.core.DatasetInfo(
       builder=self,
       description=self.builder_config.description,
@@ -515,8 +507,9 @@ def _check_files(spec: MathSetSpec, manual_dir: str | pathlib.Path | None) -> No
   for url in dict.fromkeys(src.url for src in missing):
     if not reachable(url):
       host = urllib.parse.urlsplit(url).hostname
-      raise ConnectionError(f"{spec.name}: {names} not in {where}, and {host} is unreachable "
-                            "(offline?)")
+      raise ConnectionError(
+        f"{spec.name}: {names} not in {where}, and {host} is unreachable (offline?)"
+      )
 
 
 def _prepared(b: AdaMath) -> bool:
@@ -560,9 +553,14 @@ def builder(
     spec = b.builder_config.spec
     _check_files(spec, manual_dir)
     missing = [src.file for src in missing_files(spec, manual_dir)]
-    logging.info("preparing %s/%s in %s: reading %s%s", b.name, spec.name, data_dir,
-                 manual_dir or "no manual directory",
-                 f", downloading {', '.join(missing)}" if missing else "")
+    logging.info(
+      "preparing %s/%s in %s: reading %s%s",
+      b.name,
+      spec.name,
+      data_dir,
+      manual_dir or "no manual directory",
+      f", downloading {', '.join(missing)}" if missing else "",
+    )
   b.download_and_prepare(
     download_config=tfds.download.DownloadConfig(manual_dir=manual_dir and str(manual_dir))
   )
@@ -585,36 +583,3 @@ def load_examples(
   source = builder(spec, data_dir=data_dir, manual_dir=manual_dir).as_data_source(split)
   examples = [decode(source[i]) for i in range(len(source))]
   return examples
-
-
-def hf_examples(
-  repo_id: str,
-  *,
-  split: str = "train",
-  data_dir: str | pathlib.Path,
-  problem_field: str = "problem",
-  answer_field: str = "gt",
-  answer_format: str = "plain",
-) -> list[dict[str, str]]:
-  """A Hugging Face prompt set through TFDS's `huggingface:` namespace (needs network and
-  the `datasets` package). Defaults fit the paper's sets (`problem`, `gt`), e.g.
-  `RLHFlow/reinforce_ada_hard_prompt`.
-
-  Returns:
-    Example dicts with the `FEATURES` keys; ids are `<repo_id>/<split>/<row>`.
-  """
-  name = "huggingface:" + repo_id.replace("/", "__").lower()
-  source = tfds.data_source(name, split=split, data_dir=str(data_dir))
-  fmt = ANSWER_FORMATS[answer_format]
-  out = []
-  for i in range(len(source)):
-    row = decode(source[i])
-    out.append(
-      {
-        "prompt_id": f"{repo_id}/{split}/{i}",
-        "problem": row[problem_field],
-        "answer": fmt(row[answer_field]),
-        "source": repo_id,
-      }
-    )
-  return out

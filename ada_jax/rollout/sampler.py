@@ -5,7 +5,7 @@ rows' cache from its prompt (rows of one prompt share one prefill), then decodes
 `lax.while_loop` over a preallocated KV cache until every row has emitted a stop token or
 the token budget is spent. Rows with `row_mask=False` are done from step 0: they never
 hold the loop open and their outputs are zero/masked. That is how the adaptive controller
-retires prompts without changing shapes (DESIGN.md §3).
+retires prompts without changing shapes (docs/design.md "Sampler").
 
 `Sampler` is the host-side driver: it packs any number of rows into chunks of C (at most
 P distinct prompts each), left-pads prompts to a fixed bucket length, launches only chunks
@@ -27,9 +27,10 @@ import numpy as np
 from flax import struct
 from jax.sharding import NamedSharding
 
-from ada_jax import model as model_lib
-from ada_jax import sharding as sharding_lib
-from ada_jax.model import KVCache, ModelConfig, Params
+from ada_jax.models import decoder as model_lib
+from ada_jax.models import sharding as sharding_lib
+from ada_jax.models.decoder import KVCache, ModelConfig, Params
+from ada_jax.models.tokenizer import pad_left
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +79,10 @@ class SamplingRule:
   def check_vocab(self, vocab_size: int) -> None:
     """Raises ValueError naming `top_k` when it exceeds `vocab_size` (tokens)."""
     if self.top_k > vocab_size:
-      raise ValueError(f"SamplingRule.top_k ({self.top_k}) exceeds the model's vocabulary "
-                       f"({vocab_size} tokens); use top_k <= {vocab_size}, or 0 to keep all")
+      raise ValueError(
+        f"SamplingRule.top_k ({self.top_k}) exceeds the model's vocabulary "
+        f"({vocab_size} tokens); use top_k <= {vocab_size}, or 0 to keep all"
+      )
 
   def tempered(self, logits: jax.Array) -> jax.Array:
     """`float32[C, V]` logits divided by the temperature (unchanged when greedy)."""
@@ -96,8 +99,9 @@ class SamplingRule:
       sorted_probs = jnp.take_along_axis(jax.nn.softmax(logits, -1), order, -1)
       # Keep a token when the mass strictly before it is below top_p (the top token always).
       keep_sorted = jnp.cumsum(sorted_probs, -1) - sorted_probs < self.top_p
-      keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(
-          keep_sorted)
+      keep = (
+        jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+      )
       logits = jnp.where(keep, logits, -jnp.inf)
     return logits
 
@@ -186,10 +190,20 @@ def _constrain(x, sharding):
   return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
-def generate(config: ModelConfig, params: Params, prompt_tokens: jax.Array,
-             prompt_mask: jax.Array, row_prompt: jax.Array, row_mask: jax.Array,
-             rng: jax.Array, *, rule: SamplingRule, max_new_tokens: int,
-             stop_ids: tuple[int, ...], mesh: jax.sharding.Mesh | None = None) -> Rollout:
+def generate(
+  config: ModelConfig,
+  params: Params,
+  prompt_tokens: jax.Array,
+  prompt_mask: jax.Array,
+  row_prompt: jax.Array,
+  row_mask: jax.Array,
+  rng: jax.Array,
+  *,
+  rule: SamplingRule,
+  max_new_tokens: int,
+  stop_ids: tuple[int, ...],
+  mesh: jax.sharding.Mesh | None = None,
+) -> Rollout:
   """Generates one chunk of C rows (pure; jit with `rule`, `max_new_tokens`, `stop_ids` and
   `mesh` static).
 
@@ -213,24 +227,40 @@ def generate(config: ModelConfig, params: Params, prompt_tokens: jax.Array,
   prompt_tokens, prompt_mask = jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask)
   c, lp = row_prompt.shape[0], prompt_tokens.shape[1]
   positions = model_lib.positions_from_mask(prompt_mask)
-  last_logits, cache = model_lib.prefill(config, params, prompt_tokens, positions, prompt_mask,
-                                         cache_len=lp + max_new_tokens)
+  last_logits, cache = model_lib.prefill(
+    config, params, prompt_tokens, positions, prompt_mask, cache_len=lp + max_new_tokens
+  )
   cache = model_lib.gather_cache_rows(cache, row_prompt)
   if mesh is not None:  # every sharding from the rule table (`sharding.model_rules`)
     shardings = sharding_lib.kv_cache_shardings(config, mesh, c, lp + max_new_tokens)
-    cache = cache.replace(k=tuple(map(_constrain, cache.k, shardings.k)),
-                          v=tuple(map(_constrain, cache.v, shardings.v)),
-                          mask=_constrain(cache.mask, shardings.mask))
-  out_sharding = None if mesh is None else NamedSharding(
-      mesh, sharding_lib.logical_to_spec(("batch", "length"), (c, max_new_tokens), mesh))
+    cache = cache.replace(
+      k=tuple(map(_constrain, cache.k, shardings.k)),
+      v=tuple(map(_constrain, cache.v, shardings.v)),
+      mask=_constrain(cache.mask, shardings.mask),
+    )
+  out_sharding = (
+    None
+    if mesh is None
+    else NamedSharding(
+      mesh, sharding_lib.logical_to_spec(("batch", "length"), (c, max_new_tokens), mesh)
+    )
+  )
   stop = jnp.asarray(stop_ids, jnp.int32)
   zeros = lambda dtype: _constrain(jnp.zeros((c, max_new_tokens), dtype), out_sharding)
   state = _DecodeState(
-      i=jnp.zeros((), jnp.int32), logits=last_logits[row_prompt],
-      done=~row_mask, positions=prompt_mask.sum(-1).astype(jnp.int32)[row_prompt], rng=rng,
-      out=Rollout(tokens=zeros(jnp.int32), logprobs=zeros(jnp.float32), mask=zeros(bool),
-                  lengths=jnp.zeros((c,), jnp.int32)),
-      cache=cache)
+    i=jnp.zeros((), jnp.int32),
+    logits=last_logits[row_prompt],
+    done=~row_mask,
+    positions=prompt_mask.sum(-1).astype(jnp.int32)[row_prompt],
+    rng=rng,
+    out=Rollout(
+      tokens=zeros(jnp.int32),
+      logprobs=zeros(jnp.float32),
+      mask=zeros(bool),
+      lengths=jnp.zeros((c,), jnp.int32),
+    ),
+    cache=cache,
+  )
 
   def cond(s: _DecodeState):
     return (s.i < max_new_tokens) & ~jnp.all(s.done)
@@ -240,16 +270,26 @@ def generate(config: ModelConfig, params: Params, prompt_tokens: jax.Array,
     live = ~s.done
     token = jnp.where(live, token, 0)
     out = Rollout(
-        tokens=s.out.tokens.at[:, s.i].set(token),
-        logprobs=s.out.logprobs.at[:, s.i].set(jnp.where(live, logprob, 0.0)),
-        mask=s.out.mask.at[:, s.i].set(live), lengths=s.out.lengths + live)
+      tokens=s.out.tokens.at[:, s.i].set(token),
+      logprobs=s.out.logprobs.at[:, s.i].set(jnp.where(live, logprob, 0.0)),
+      mask=s.out.mask.at[:, s.i].set(live),
+      lengths=s.out.lengths + live,
+    )
     done = s.done | jnp.isin(token, stop)
     # Finished rows still flow through the step (static shapes) but their token is marked
     # as padding, so no live row ever attends to it.
-    logits, cache = model_lib.decode(config, params, token[:, None], s.positions[:, None],
-                                     s.cache, attention_mask=live[:, None])
-    return _DecodeState(i=s.i + 1, logits=logits[:, 0], done=done, positions=s.positions + 1,
-                        rng=s.rng, out=out, cache=cache)
+    logits, cache = model_lib.decode(
+      config, params, token[:, None], s.positions[:, None], s.cache, attention_mask=live[:, None]
+    )
+    return _DecodeState(
+      i=s.i + 1,
+      logits=logits[:, 0],
+      done=done,
+      positions=s.positions + 1,
+      rng=s.rng,
+      out=out,
+      cache=cache,
+    )
 
   return jax.lax.while_loop(cond, body, state).out
 
@@ -270,8 +310,9 @@ class SampleStats:
   wall_s: float = 0.0
 
 
-def check_context_length(config: ModelConfig, prompt_buckets: Sequence[int],
-                         max_new_tokens: int, *, prefix: str = "") -> None:
+def check_context_length(
+  config: ModelConfig, prompt_buckets: Sequence[int], max_new_tokens: int, *, prefix: str = ""
+) -> None:
   """Raises unless the longest padded prompt plus the response budget fits the model.
 
   A row holds at most max(prompt_buckets) prompt tokens then `max_new_tokens` response
@@ -292,9 +333,10 @@ def check_context_length(config: ModelConfig, prompt_buckets: Sequence[int],
   limit = config.max_position_embeddings
   if total > limit:
     raise ValueError(
-        f"{prefix}prompt_buckets (largest {longest}) + {prefix}max_new_tokens "
-        f"({max_new_tokens}) = {total} tokens exceed the model's max_position_embeddings "
-        f"({limit}); lower them so that their sum is at most {limit}")
+      f"{prefix}prompt_buckets (largest {longest}) + {prefix}max_new_tokens "
+      f"({max_new_tokens}) = {total} tokens exceed the model's max_position_embeddings "
+      f"({limit}); lower them so that their sum is at most {limit}"
+    )
 
 
 def bucket_length(length: int, buckets: Sequence[int]) -> int:
@@ -302,8 +344,22 @@ def bucket_length(length: int, buckets: Sequence[int]) -> int:
   for b in sorted(buckets):
     if length <= b:
       return b
-  raise ValueError(f"prompt of {length} tokens exceeds the largest prompt bucket "
-                   f"({max(buckets)}); raise sampler.prompt_buckets or drop long prompts")
+  raise ValueError(
+    f"prompt of {length} tokens exceeds the largest prompt bucket "
+    f"({max(buckets)}); raise sampler.prompt_buckets or drop long prompts"
+  )
+
+
+def fit_prompts_per_chunk(
+  prompts_per_chunk: int, chunk_rows: int, mesh: jax.sharding.Mesh | None
+) -> int:
+  """`prompts_per_chunk` rounded up to a multiple of the mesh's row axes ('data' x
+  'fsdp', over which a chunk's prompts are split), at most `chunk_rows`; unchanged
+  without a mesh."""
+  if mesh is None:
+    return prompts_per_chunk
+  dp = mesh.shape["data"] * mesh.shape["fsdp"]
+  return min(-(-prompts_per_chunk // dp) * dp, chunk_rows)
 
 
 class Sampler:
@@ -328,24 +384,34 @@ class Sampler:
     compiles: number of times `generate` was traced (one per new static shape).
   """
 
-  def __init__(self, config: ModelConfig, *, rule: SamplingRule = SamplingRule(),
-               max_new_tokens: int, stop_ids: Sequence[int], chunk_rows: int = 64,
-               prompts_per_chunk: int = 8, prompt_buckets: Sequence[int] = (64, 128, 256,
-                                                                            512, 1024),
-               pad_id: int = 0, mesh: jax.sharding.Mesh | None = None):
+  def __init__(
+    self,
+    config: ModelConfig,
+    *,
+    rule: SamplingRule = SamplingRule(),
+    max_new_tokens: int,
+    stop_ids: Sequence[int],
+    chunk_rows: int = 64,
+    prompts_per_chunk: int = 8,
+    prompt_buckets: Sequence[int] = (64, 128, 256, 512, 1024),
+    pad_id: int = 0,
+    mesh: jax.sharding.Mesh | None = None,
+  ):
     if max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     rule.check_vocab(config.vocab_size)
     check_context_length(config, prompt_buckets, max_new_tokens)
     if not 1 <= prompts_per_chunk <= chunk_rows:
-      raise ValueError(f"prompts_per_chunk ({prompts_per_chunk}) must be in [1, chunk_rows="
-                       f"{chunk_rows}]")
+      raise ValueError(
+        f"prompts_per_chunk ({prompts_per_chunk}) must be in [1, chunk_rows={chunk_rows}]"
+      )
     if mesh is not None:
       rows_axes = mesh.shape["data"] * mesh.shape["fsdp"]
       for name, value in (("chunk_rows", chunk_rows), ("prompts_per_chunk", prompts_per_chunk)):
         if value % rows_axes:
-          raise ValueError(f"{name} ({value}) must be a multiple of the mesh's data×fsdp "
-                           f"size ({rows_axes})")
+          raise ValueError(
+            f"{name} ({value}) must be a multiple of the mesh's data×fsdp size ({rows_axes})"
+          )
     self.config, self.rule, self.max_new_tokens = config, rule, max_new_tokens
     self.stop_ids = tuple(int(t) for t in stop_ids)
     self.chunk_rows, self.prompts_per_chunk = chunk_rows, prompts_per_chunk
@@ -354,21 +420,24 @@ class Sampler:
 
     def counted(*args):
       self.compiles += 1  # runs at trace time only
-      return generate(config, *args, rule=rule, max_new_tokens=max_new_tokens,
-                      stop_ids=self.stop_ids, mesh=mesh)
+      return generate(
+        config, *args, rule=rule, max_new_tokens=max_new_tokens, stop_ids=self.stop_ids, mesh=mesh
+      )
 
     # Replicated outputs: every process of a multi-host run can read the whole chunk (the
     # controller on every host needs every response), at the cost of one small all-gather.
-    self._generate = jax.jit(counted, out_shardings=None if mesh is None else
-                             sharding_lib.replicated(mesh))
+    self._generate = jax.jit(
+      counted, out_shardings=None if mesh is None else sharding_lib.replicated(mesh)
+    )
 
   def _pack(self, row_prompt: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
     """Splits rows (in order) into chunks of <= C rows and <= P distinct prompts.
     Returns per chunk (row indices, their prompt ids)."""
     chunks, rows, prompts = [], [], set()
     for r, p in enumerate(row_prompt):
-      if len(rows) == self.chunk_rows or (p not in prompts and
-                                          len(prompts) == self.prompts_per_chunk):
+      if len(rows) == self.chunk_rows or (
+        p not in prompts and len(prompts) == self.prompts_per_chunk
+      ):
         chunks.append(np.asarray(rows))
         rows, prompts = [], set()
       rows.append(r)
@@ -377,9 +446,13 @@ class Sampler:
       chunks.append(np.asarray(rows))
     return [(c, row_prompt[c]) for c in chunks]
 
-  def generate(self, params: Params, prompts: Sequence[Sequence[int]],
-               row_prompt: Sequence[int] | np.ndarray, rng: jax.Array
-               ) -> tuple[dict[str, np.ndarray], SampleStats]:
+  def generate(
+    self,
+    params: Params,
+    prompts: Sequence[Sequence[int]],
+    row_prompt: Sequence[int] | np.ndarray,
+    rng: jax.Array,
+  ) -> tuple[dict[str, np.ndarray], SampleStats]:
     """Samples one response per row.
 
     Args:
@@ -405,24 +478,26 @@ class Sampler:
       if len(p) == 0:
         raise ValueError(f"prompt {i} is empty")
     r, lr = len(row_prompt), self.max_new_tokens
-    out = {"tokens": np.zeros((r, lr), np.int32), "logprobs": np.zeros((r, lr), np.float32),
-           "mask": np.zeros((r, lr), bool), "lengths": np.zeros((r,), np.int32)}
+    out = {
+      "tokens": np.zeros((r, lr), np.int32),
+      "logprobs": np.zeros((r, lr), np.float32),
+      "mask": np.zeros((r, lr), bool),
+      "lengths": np.zeros((r,), np.int32),
+    }
     stats = SampleStats(rows_useful=r)
     pending = []
     for j, (rows, prompt_ids) in enumerate(self._pack(row_prompt)):
       uniq, local = np.unique(prompt_ids, return_inverse=True)
       lp = bucket_length(max(len(prompts[p]) for p in uniq), self.prompt_buckets)
-      tokens = np.full((self.prompts_per_chunk, lp), self.pad_id, np.int32)
-      mask = np.zeros((self.prompts_per_chunk, lp), bool)
-      for k, p in enumerate(uniq):
-        ids = prompts[p]
-        tokens[k, lp - len(ids):] = ids
-        mask[k, lp - len(ids):] = True
+      # Unused prompt slots of the chunk are all padding (empty sequences).
+      chunk = [prompts[p] for p in uniq] + [[]] * (self.prompts_per_chunk - len(uniq))
+      tokens, mask = pad_left(chunk, self.pad_id, length=lp)
       row_local = np.zeros((self.chunk_rows,), np.int32)
-      row_local[:len(rows)] = local
+      row_local[: len(rows)] = local
       row_mask = np.arange(self.chunk_rows) < len(rows)
-      result = self._generate(params, *self._place(tokens, mask, row_local, row_mask),
-                              jax.random.fold_in(rng, j))
+      result = self._generate(
+        params, *self._place(tokens, mask, row_local, row_mask), jax.random.fold_in(rng, j)
+      )
       pending.append((rows, result))  # launch every chunk before fetching any (async)
       stats.rows_computed += self.chunk_rows
       stats.chunks += 1

@@ -23,11 +23,14 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from ada_jax import model as model_lib
-from ada_jax.model import ModelConfig, Params, RopeScaling
+from ada_jax.models import decoder as model_lib
+from ada_jax.models.decoder import ModelConfig, Params, RopeScaling
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {
+  "llama": "LlamaForCausalLM",
+  "qwen2": "Qwen2ForCausalLM",
+  "qwen3": "Qwen3ForCausalLM",
+}
 # Buffers some exporters write that are derived, not learned.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
@@ -39,8 +42,9 @@ class CheckpointError(ValueError):
 # ----------------------------------------------------------------------------- config
 
 
-def config_from_hf(hf: dict[str, Any], *, source: str = "config.json",
-                   dtype: str = "float32") -> ModelConfig:
+def config_from_hf(
+  hf: dict[str, Any], *, source: str = "config.json", dtype: str = "float32"
+) -> ModelConfig:
   """Reads a transformers `config.json` dict (v4 `rope_scaling` or v5 `rope_parameters`).
 
   Args:
@@ -51,6 +55,7 @@ def config_from_hf(hf: dict[str, Any], *, source: str = "config.json",
   Raises:
     CheckpointError: unsupported `model_type`, a missing field, or an unsupported rope type.
   """
+
   def field(name, default=...):
     if name in hf and hf[name] is not None:
       return hf[name]
@@ -60,8 +65,9 @@ def config_from_hf(hf: dict[str, Any], *, source: str = "config.json",
 
   family = field("model_type")
   if family not in _ARCHITECTURES:
-    raise CheckpointError(f"{source}: model_type {family!r} is not supported "
-                          f"(supported: {sorted(_ARCHITECTURES)})")
+    raise CheckpointError(
+      f"{source}: model_type {family!r} is not supported (supported: {sorted(_ARCHITECTURES)})"
+    )
   rope = dict(hf.get("rope_parameters") or {})
   if hf.get("rope_scaling"):
     rope.update(hf["rope_scaling"])
@@ -70,16 +76,19 @@ def config_from_hf(hf: dict[str, Any], *, source: str = "config.json",
   if rope_type == "llama3":
     try:
       scaling = RopeScaling(
-          factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
-          high_freq_factor=float(rope["high_freq_factor"]),
-          original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+        factor=float(rope["factor"]),
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+      )
     except KeyError as e:
       raise CheckpointError(f"{source}: llama3 rope scaling lacks field {e.args[0]!r}") from None
   elif rope_type == "default":
     scaling = None
   else:
-    raise CheckpointError(f"{source}: rope_type {rope_type!r} is not supported "
-                          "(supported: default, llama3)")
+    raise CheckpointError(
+      f"{source}: rope_type {rope_type!r} is not supported (supported: default, llama3)"
+    )
   heads = int(field("num_attention_heads"))
   hidden = int(field("hidden_size"))
   for flag in ("attention_bias", "mlp_bias"):
@@ -87,15 +96,24 @@ def config_from_hf(hf: dict[str, Any], *, source: str = "config.json",
       raise CheckpointError(f"{source}: {flag}=true is not supported for {family}")
   try:
     return ModelConfig(
-        family=family, vocab_size=int(field("vocab_size")), embed_dim=hidden,
-        mlp_dim=int(field("intermediate_size")), num_layers=int(field("num_hidden_layers")),
-        num_heads=heads, num_kv_heads=int(field("num_key_value_heads", heads)),
-        head_dim=int(field("head_dim", hidden // heads)), rope_theta=rope_theta,
-        rope_scaling=scaling, rms_norm_eps=float(field("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(field("tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
-        max_position_embeddings=int(field("max_position_embeddings", 131_072)),
-        dtype=dtype, param_dtype=dtype)
+      family=family,
+      vocab_size=int(field("vocab_size")),
+      embed_dim=hidden,
+      mlp_dim=int(field("intermediate_size")),
+      num_layers=int(field("num_hidden_layers")),
+      num_heads=heads,
+      num_kv_heads=int(field("num_key_value_heads", heads)),
+      head_dim=int(field("head_dim", hidden // heads)),
+      rope_theta=rope_theta,
+      rope_scaling=scaling,
+      rms_norm_eps=float(field("rms_norm_eps", 1e-6)),
+      tie_embeddings=bool(field("tie_word_embeddings", False)),
+      qkv_bias=family == "qwen2",
+      qk_norm=family == "qwen3",
+      max_position_embeddings=int(field("max_position_embeddings", 131_072)),
+      dtype=dtype,
+      param_dtype=dtype,
+    )
   except ValueError as e:
     raise CheckpointError(f"{source}: {e}") from None
 
@@ -105,33 +123,44 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
   rope: dict[str, Any] = {"rope_theta": config.rope_theta, "rope_type": "default"}
   if config.rope_scaling is not None:
     s = config.rope_scaling
-    rope.update(rope_type="llama3", factor=s.factor, low_freq_factor=s.low_freq_factor,
-                high_freq_factor=s.high_freq_factor,
-                original_max_position_embeddings=s.original_max_position_embeddings)
+    rope.update(
+      rope_type="llama3",
+      factor=s.factor,
+      low_freq_factor=s.low_freq_factor,
+      high_freq_factor=s.high_freq_factor,
+      original_max_position_embeddings=s.original_max_position_embeddings,
+    )
   return {
-      "architectures": [_ARCHITECTURES[config.family]], "model_type": config.family,
-      "vocab_size": config.vocab_size, "hidden_size": config.embed_dim,
-      "intermediate_size": config.mlp_dim, "num_hidden_layers": config.num_layers,
-      "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
-      "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps,
-      "rope_theta": config.rope_theta, "rope_parameters": rope,
-      "rope_scaling": rope if config.rope_scaling is not None else None,
-      "tie_word_embeddings": config.tie_embeddings,
-      "max_position_embeddings": config.max_position_embeddings,
-      "attention_bias": config.qkv_bias if config.family == "llama" else False,
-      "hidden_act": "silu", "dtype": config.param_dtype,
+    "architectures": [_ARCHITECTURES[config.family]],
+    "model_type": config.family,
+    "vocab_size": config.vocab_size,
+    "hidden_size": config.embed_dim,
+    "intermediate_size": config.mlp_dim,
+    "num_hidden_layers": config.num_layers,
+    "num_attention_heads": config.num_heads,
+    "num_key_value_heads": config.num_kv_heads,
+    "head_dim": config.head_dim,
+    "rms_norm_eps": config.rms_norm_eps,
+    "rope_theta": config.rope_theta,
+    "rope_parameters": rope,
+    "rope_scaling": rope if config.rope_scaling is not None else None,
+    "tie_word_embeddings": config.tie_embeddings,
+    "max_position_embeddings": config.max_position_embeddings,
+    "attention_bias": config.qkv_bias if config.family == "llama" else False,
+    "hidden_act": "silu",
+    "dtype": config.param_dtype,
   }
 
 
 # ----------------------------------------------------------------------------- name table
 
 
-def _tensor_table(config: ModelConfig) -> dict[str, tuple[tuple[str, ...], tuple[int, ...],
-                                                        Callable, Callable]]:
+def _tensor_table(
+  config: ModelConfig,
+) -> dict[str, tuple[tuple[str, ...], tuple[int, ...], Callable, Callable]]:
   """HF tensor name -> (our param path, HF shape, hf_to_ours, ours_to_hf)."""
   c = config
-  d, f, n, k, h, v = (c.embed_dim, c.mlp_dim, c.num_heads, c.num_kv_heads, c.head_dim,
-                      c.vocab_size)
+  d, f, n, k, h, v = (c.embed_dim, c.mlp_dim, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size)
   same = lambda x: x
   t = lambda x: x.T
 
@@ -142,34 +171,46 @@ def _tensor_table(config: ModelConfig) -> dict[str, tuple[tuple[str, ...], tuple
     return (lambda x: x.reshape(heads, h), lambda x: x.reshape(heads * h))
 
   table = {
-      "model.embed_tokens.weight": (("embed",), (v, d), same, same),
-      "model.norm.weight": (("final_norm", "scale"), (d,), same, same),
+    "model.embed_tokens.weight": (("embed",), (v, d), same, same),
+    "model.norm.weight": (("final_norm", "scale"), (d,), same, same),
   }
   if not c.tie_embeddings:
     table["lm_head.weight"] = (("lm_head",), (v, d), same, same)
   for i in range(c.num_layers):
     hf, ours = f"model.layers.{i}.", f"layer_{i}"
-    table.update({
+    table.update(
+      {
         hf + "input_layernorm.weight": ((ours, "attn_norm", "scale"), (d,), same, same),
         hf + "post_attention_layernorm.weight": ((ours, "mlp_norm", "scale"), (d,), same, same),
         hf + "self_attn.q_proj.weight": ((ours, "attn", "q"), (n * h, d), *proj_in(n)),
         hf + "self_attn.k_proj.weight": ((ours, "attn", "k"), (k * h, d), *proj_in(k)),
         hf + "self_attn.v_proj.weight": ((ours, "attn", "v"), (k * h, d), *proj_in(k)),
         hf + "self_attn.o_proj.weight": (
-            (ours, "attn", "o"), (d, n * h),
-            lambda x: x.T.reshape(n, h, d), lambda x: x.reshape(n * h, d).T),
+          (ours, "attn", "o"),
+          (d, n * h),
+          lambda x: x.T.reshape(n, h, d),
+          lambda x: x.reshape(n * h, d).T,
+        ),
         hf + "mlp.gate_proj.weight": ((ours, "mlp", "gate"), (f, d), t, t),
         hf + "mlp.up_proj.weight": ((ours, "mlp", "up"), (f, d), t, t),
         hf + "mlp.down_proj.weight": ((ours, "mlp", "down"), (d, f), t, t),
-    })
+      }
+    )
     if c.qkv_bias:
       for name, heads in (("q", n), ("k", k), ("v", k)):
         table[hf + f"self_attn.{name}_proj.bias"] = (
-            (ours, "attn", f"{name}_bias"), (heads * h,), *bias(heads))
+          (ours, "attn", f"{name}_bias"),
+          (heads * h,),
+          *bias(heads),
+        )
     if c.qk_norm:
       for name in ("q", "k"):
         table[hf + f"self_attn.{name}_norm.weight"] = (
-            (ours, "attn", f"{name}_norm", "scale"), (h,), same, same)
+          (ours, "attn", f"{name}_norm", "scale"),
+          (h,),
+          same,
+          same,
+        )
   return table
 
 
@@ -201,15 +242,17 @@ def resolve(path: str | os.PathLike) -> pathlib.Path:
   try:
     import huggingface_hub
 
-    return pathlib.Path(huggingface_hub.snapshot_download(
-        repo_id, allow_patterns=["*.json", "*.safetensors"]))
+    return pathlib.Path(
+      huggingface_hub.snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors"])
+    )
   except Exception as e:  # offline, gated, or unknown repo: one clear message for all.
     raise CheckpointError(
-        f"{repo_id}: not a local folder and it could not be downloaded from the Hugging Face "
-        f"Hub ({type(e).__name__}: {e}). On a machine with network access run "
-        f"`huggingface-cli download {repo_id} --local-dir DIR` (gated models need "
-        f"`huggingface-cli login` first), copy DIR here, and point the config's "
-        f"model.hf_dir at it.") from None
+      f"{repo_id}: not a local folder and it could not be downloaded from the Hugging Face "
+      f"Hub ({type(e).__name__}: {e}). On a machine with network access run "
+      f"`huggingface-cli download {repo_id} --local-dir DIR` (gated models need "
+      f"`huggingface-cli login` first), copy DIR here, and point the config's "
+      f"model.hf_dir at it."
+    ) from None
 
 
 def _safetensors_files(folder: pathlib.Path) -> list[pathlib.Path]:
@@ -230,8 +273,9 @@ def _safetensors_files(folder: pathlib.Path) -> list[pathlib.Path]:
   return files
 
 
-def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, shardings: Params | None = None
-            ) -> tuple[ModelConfig, Params]:
+def load_hf(
+  path: str | os.PathLike, *, dtype=jnp.float32, shardings: Params | None = None
+) -> tuple[ModelConfig, Params]:
   """Loads a Hugging Face Llama/Qwen2/Qwen3 checkpoint, one tensor at a time.
 
   Args:
@@ -267,13 +311,17 @@ def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, shardings: Params | N
         if _IGNORED.match(name) or (name == "lm_head.weight" and config.tie_embeddings):
           continue
         if name not in table:
-          raise CheckpointError(f"{file.name}: unexpected tensor {name!r} for a "
-                                f"{config.family} model with {config.num_layers} layers")
+          raise CheckpointError(
+            f"{file.name}: unexpected tensor {name!r} for a "
+            f"{config.family} model with {config.num_layers} layers"
+          )
         our_path, hf_shape, to_ours, _ = table[name]
         array = f.get_tensor(name)
         if tuple(array.shape) != hf_shape:
-          raise CheckpointError(f"{file.name}: tensor {name!r} has shape {tuple(array.shape)}, "
-                                f"config.json implies {hf_shape}")
+          raise CheckpointError(
+            f"{file.name}: tensor {name!r} has shape {tuple(array.shape)}, "
+            f"config.json implies {hf_shape}"
+          )
         value = np.asarray(to_ours(array)).astype(dtype)
         target = _get(shardings, our_path) if shardings is not None else None
         _set(params, our_path, jax.device_put(value, target))
@@ -285,8 +333,9 @@ def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, shardings: Params | N
   return config, params
 
 
-def save_hf(config: ModelConfig, params: Params, path: str | os.PathLike, *,
-            max_shard_bytes: int = 4 << 30) -> None:
+def save_hf(
+  config: ModelConfig, params: Params, path: str | os.PathLike, *, max_shard_bytes: int = 4 << 30
+) -> None:
   """Writes `params` as a Hugging Face folder (config.json + safetensors [+ index]).
 
   Tensors are gathered to the host one at a time. Shards hold at most `max_shard_bytes`
@@ -307,8 +356,10 @@ def save_hf(config: ModelConfig, params: Params, path: str | os.PathLike, *,
     except (KeyError, TypeError):
       raise CheckpointError(f"params lack {'/'.join(our_path)} (for {name})") from None
     if tuple(value.shape) != _get(expected, our_path):
-      raise CheckpointError(f"params {'/'.join(our_path)} has shape {tuple(value.shape)}, "
-                            f"expected {_get(expected, our_path)}")
+      raise CheckpointError(
+        f"params {'/'.join(our_path)} has shape {tuple(value.shape)}, "
+        f"expected {_get(expected, our_path)}"
+      )
     array = np.ascontiguousarray(to_hf(np.asarray(jax.device_get(value))))
     assert array.shape == hf_shape, (name, array.shape, hf_shape)
     if sizes[-1] and sizes[-1] + array.nbytes > max_shard_bytes:
@@ -316,13 +367,17 @@ def save_hf(config: ModelConfig, params: Params, path: str | os.PathLike, *,
       sizes.append(0)
     shards[-1][name] = array
     sizes[-1] += array.nbytes
-  names = (["model.safetensors"] if len(shards) == 1 else
-           [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+  names = (
+    ["model.safetensors"]
+    if len(shards) == 1
+    else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+  )
   weight_map = {}
   for name, shard in zip(names, shards, strict=True):
     save_file(shard, str(folder / name), metadata={"format": "pt"})
     weight_map.update(dict.fromkeys(shard, name))
   if len(shards) > 1:
-    (folder / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, indent=2))
+    (folder / "model.safetensors.index.json").write_text(
+      json.dumps({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, indent=2)
+    )
   (folder / "config.json").write_text(json.dumps(config_to_hf(config), indent=2))

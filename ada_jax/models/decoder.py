@@ -19,156 +19,25 @@ RoPE (with the `llama3` frequency scaling), softmax in fp32, logits in fp32.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
+
+from ada_jax.models.architecture import PRESETS as PRESETS
+from ada_jax.models.architecture import ModelConfig
+from ada_jax.models.architecture import RopeScaling as RopeScaling
+from ada_jax.models.architecture import preset as preset
 
 Params = dict[str, Any]
 
 # A large finite negative instead of -inf: a fully masked query row (a left-padding
 # position) then gets a uniform softmax instead of NaNs that would poison gradients.
 _MASK_VALUE = -1e30
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-  """`llama3` RoPE frequency scaling (Llama 3.1/3.2 `rope_scaling` in config.json)."""
-
-  factor: float = 8.0
-  low_freq_factor: float = 1.0
-  high_freq_factor: float = 4.0
-  original_max_position_embeddings: int = 8192
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-  """Architecture of one decoder (hashable: it is a static argument under jit).
-
-  Attributes:
-    family: 'llama', 'qwen2' or 'qwen3' (the Hugging Face `model_type`).
-    vocab_size: V.
-    embed_dim: D, the residual width (`hidden_size`).
-    mlp_dim: F, the SwiGLU hidden width (`intermediate_size`).
-    num_layers: L.
-    num_heads: N query heads.
-    num_kv_heads: K key/value heads; N must be a multiple of K (grouped-query attention).
-    head_dim: H.
-    rope_theta: RoPE base frequency.
-    rope_scaling: `llama3` scaling, or None for plain RoPE.
-    rms_norm_eps: epsilon inside every RMSNorm.
-    tie_embeddings: output projection is the transposed input embedding.
-    qkv_bias: q/k/v projections have a bias (Qwen2/2.5).
-    qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
-    max_position_embeddings: longest position the checkpoint was trained for.
-    dtype: compute dtype of activations and the KV cache ('float32' or 'bfloat16').
-    param_dtype: storage dtype of the parameters.
-  """
-
-  family: str
-  vocab_size: int
-  embed_dim: int
-  mlp_dim: int
-  num_layers: int
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int
-  rope_theta: float = 500_000.0
-  rope_scaling: RopeScaling | None = None
-  rms_norm_eps: float = 1e-5
-  tie_embeddings: bool = False
-  qkv_bias: bool = False
-  qk_norm: bool = False
-  max_position_embeddings: int = 131_072
-  dtype: str = "float32"
-  param_dtype: str = "float32"
-
-  def __post_init__(self):
-    if self.family not in ("llama", "qwen2", "qwen3"):
-      raise ValueError(f"ModelConfig.family: {self.family!r} is not one of llama, qwen2, qwen3")
-    for name in ("vocab_size", "embed_dim", "mlp_dim", "num_layers", "num_heads",
-                 "num_kv_heads", "head_dim"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value < 1:
-        raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
-    if self.num_heads % self.num_kv_heads:
-      raise ValueError(
-          f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
-          f"num_kv_heads ({self.num_kv_heads})")
-    for name in ("dtype", "param_dtype"):
-      if getattr(self, name) not in ("float32", "bfloat16"):
-        raise ValueError(f"ModelConfig.{name} must be 'float32' or 'bfloat16', "
-                         f"got {getattr(self, name)!r}")
-
-  @property
-  def compute_dtype(self) -> jnp.dtype:
-    return jnp.dtype(self.dtype)
-
-  @property
-  def weight_dtype(self) -> jnp.dtype:
-    return jnp.dtype(self.param_dtype)
-
-  def replace(self, **changes) -> ModelConfig:
-    return dataclasses.replace(self, **changes)
-
-
-_LLAMA32_ROPE = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                            original_max_position_embeddings=8192)
-_LLAMA31_ROPE = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                            original_max_position_embeddings=8192)
-
-# Published architectures (config.json of each Hugging Face checkpoint).
-PRESETS: dict[str, ModelConfig] = {
-    "llama-3.2-3b": ModelConfig(
-        family="llama", vocab_size=128_256, embed_dim=3072, mlp_dim=8192, num_layers=28,
-        num_heads=24, num_kv_heads=8, head_dim=128, rope_theta=500_000.0,
-        rope_scaling=_LLAMA32_ROPE, rms_norm_eps=1e-5, tie_embeddings=True),
-    "llama-3.1-8b": ModelConfig(
-        family="llama", vocab_size=128_256, embed_dim=4096, mlp_dim=14_336, num_layers=32,
-        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500_000.0,
-        rope_scaling=_LLAMA31_ROPE, rms_norm_eps=1e-5, tie_embeddings=False),
-    "qwen2.5-math-1.5b": ModelConfig(
-        family="qwen2", vocab_size=151_936, embed_dim=1536, mlp_dim=8960, num_layers=28,
-        num_heads=12, num_kv_heads=2, head_dim=128, rope_theta=10_000.0, rms_norm_eps=1e-6,
-        tie_embeddings=True, qkv_bias=True, max_position_embeddings=4096),
-    "qwen2.5-math-7b": ModelConfig(
-        family="qwen2", vocab_size=152_064, embed_dim=3584, mlp_dim=18_944, num_layers=28,
-        num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=10_000.0, rms_norm_eps=1e-6,
-        tie_embeddings=False, qkv_bias=True, max_position_embeddings=4096),
-    "qwen3-4b": ModelConfig(
-        family="qwen3", vocab_size=151_936, embed_dim=2560, mlp_dim=9728, num_layers=36,
-        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6, tie_embeddings=True, qk_norm=True, max_position_embeddings=40_960),
-    # Tiny shapes for tests and CPU runs; one per family so each code path is exercised.
-    "tiny-llama": ModelConfig(
-        family="llama", vocab_size=512, embed_dim=64, mlp_dim=128, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=16, rope_theta=500_000.0,
-        rope_scaling=RopeScaling(factor=32.0, original_max_position_embeddings=64),
-        tie_embeddings=True),
-    "tiny-qwen2": ModelConfig(
-        family="qwen2", vocab_size=512, embed_dim=64, mlp_dim=128, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=16, rope_theta=10_000.0, rms_norm_eps=1e-6, qkv_bias=True),
-    "tiny-qwen3": ModelConfig(
-        family="qwen3", vocab_size=512, embed_dim=64, mlp_dim=128, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=32, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-        tie_embeddings=True, qk_norm=True),
-}
-PRESETS["llama-3.2-3b-instruct"] = PRESETS["llama-3.2-3b"]
-
-
-def preset(name: str, **overrides) -> ModelConfig:
-  """Returns the named preset with optional field overrides (e.g. `dtype='bfloat16'`).
-
-  Raises:
-    ValueError: unknown preset name.
-  """
-  if name not in PRESETS:
-    raise ValueError(f"model preset {name!r} unknown; choose one of {sorted(PRESETS)}")
-  return dataclasses.replace(PRESETS[name], **overrides)
 
 
 # ----------------------------------------------------------------------------- KV cache
@@ -181,7 +50,8 @@ class KVCache:
   Rows are independent; all rows write the same slot at a step (left-padded prompts make
   that line up), while each row carries its own RoPE positions. The layout puts the
   kv-head axis before the slot axis: on XLA CPU that ran decode attention 3.5–9× faster
-  than [B, S, K, H] (DESIGN.md §3). Keys keep the slot axis last, so that a decode step's
+  than [B, S, K, H] (docs/design.md "Sampler"). Keys keep the slot axis last, so that a decode
+  step's
   query-key products reduce over the head dim with the slots contiguous (attention 1.5×
   faster on XLA CPU than [B, K, S, H] keys). Only this class, `Attention` and `_attend`
   know the layout.
@@ -210,15 +80,20 @@ def init_cache(config: ModelConfig, batch: int, cache_len: int, dtype=None) -> K
   k_shape = (batch, config.num_kv_heads, config.head_dim, cache_len)
   v_shape = (batch, config.num_kv_heads, cache_len, config.head_dim)
   zeros = lambda shape: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
-  return KVCache(k=zeros(k_shape), v=zeros(v_shape), mask=jnp.zeros((batch, cache_len), bool),
-                 index=jnp.zeros((), jnp.int32))
+  return KVCache(
+    k=zeros(k_shape),
+    v=zeros(v_shape),
+    mask=jnp.zeros((batch, cache_len), bool),
+    index=jnp.zeros((), jnp.int32),
+  )
 
 
 def gather_cache_rows(cache: KVCache, rows: jax.Array) -> KVCache:
   """Cache rows `rows` (int32[C], indices into B), e.g. one shared prompt prefill per row."""
   take = lambda x: jnp.take(x, rows, axis=0)
-  return cache.replace(k=tuple(map(take, cache.k)), v=tuple(map(take, cache.v)),
-                       mask=take(cache.mask))
+  return cache.replace(
+    k=tuple(map(take, cache.k)), v=tuple(map(take, cache.v)), mask=take(cache.mask)
+  )
 
 
 # ----------------------------------------------------------------------------- RoPE
@@ -316,8 +191,10 @@ class Attention(nnx.Module):
     # kv-head axis keeps its tensor-parallel shards aligned.
     b, t, _ = x.shape
     nk, g, h = c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim
-    qkv = jnp.concatenate([self.q.value.reshape(-1, nk, g, h), self.k.value[:, :, None],
-                           self.v.value[:, :, None]], axis=2).astype(dt)
+    qkv = jnp.concatenate(
+      [self.q.value.reshape(-1, nk, g, h), self.k.value[:, :, None], self.v.value[:, :, None]],
+      axis=2,
+    ).astype(dt)
     qkv = jnp.einsum("btd,dkgh->btkgh", x, qkv)
     q = qkv[:, :, :, :g].reshape(b, t, nk * g, h)
     k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]
@@ -412,18 +289,36 @@ class Transformer(nnx.Module):
 
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
     pd = config.weight_dtype
-    self.embed = _param(rngs, (config.vocab_size, config.embed_dim), ("vocab", "embed"), pd,
-                        1.0 / math.sqrt(config.embed_dim))
+    self.embed = _param(
+      rngs,
+      (config.vocab_size, config.embed_dim),
+      ("vocab", "embed"),
+      pd,
+      1.0 / math.sqrt(config.embed_dim),
+    )
     for i in range(config.num_layers):
       setattr(self, f"layer_{i}", Block(config, rngs))
     self.final_norm = RMSNorm(config.embed_dim, config.rms_norm_eps, "embed", pd)
     if not config.tie_embeddings:
-      self.lm_head = _param(rngs, (config.vocab_size, config.embed_dim), ("vocab", "embed"), pd,
-                            1.0 / math.sqrt(config.embed_dim))
+      self.lm_head = _param(
+        rngs,
+        (config.vocab_size, config.embed_dim),
+        ("vocab", "embed"),
+        pd,
+        1.0 / math.sqrt(config.embed_dim),
+      )
     self.config = config
 
-  def __call__(self, tokens, positions, kv_valid=None, cache: KVCache | None = None,
-               remat: bool = False, last_only: bool = False, head: bool = True):
+  def __call__(
+    self,
+    tokens,
+    positions,
+    kv_valid=None,
+    cache: KVCache | None = None,
+    remat: bool = False,
+    last_only: bool = False,
+    head: bool = True,
+  ):
     """Returns (logits `float32[B, T, V]` (`[B, 1, V]` if last_only), per-layer (k, v)
     `[B, K, S, H]`). With `head=False` the first output is the final-normed hidden state
     `[B, T, D]` (compute dtype) instead of the logits."""
@@ -474,8 +369,9 @@ class Transformer(nnx.Module):
 def unembed(config: ModelConfig, table: jax.Array, x: jax.Array) -> jax.Array:
   """Logits `float32[..., V]` of hidden states `x` `[..., D]` under the output projection
   `table` `[V, D]` (matmul in the compute dtype, accumulated in float32)."""
-  return jnp.einsum("...d,vd->...v", x, table.astype(config.compute_dtype),
-                    preferred_element_type=jnp.float32)
+  return jnp.einsum(
+    "...d,vd->...v", x, table.astype(config.compute_dtype), preferred_element_type=jnp.float32
+  )
 
 
 # ----------------------------------------------------------------------------- pure API
@@ -520,14 +416,33 @@ def logical_axes(config: ModelConfig) -> Params:
   return nnx.to_pure_dict(nnx.state(abstract), lambda v: tuple(v.get_metadata()["axes"]))
 
 
-def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
+def check_vocab(config: ModelConfig, tokenizer_vocab_size: int) -> None:
+  """Raises ValueError naming `ModelConfig.vocab_size` when the tokenizer has ids the
+  embedding table has no row for (a smaller tokenizer is fine: padded vocabularies)."""
+  if tokenizer_vocab_size > config.vocab_size:
+    raise ValueError(
+      f"ModelConfig.vocab_size ({config.vocab_size}) is smaller than the tokenizer's "
+      f"({tokenizer_vocab_size})"
+    )
+
+
+def positions_from_mask(attention_mask: jax.Array | np.ndarray) -> jax.Array | np.ndarray:
   """Per-row positions `int32[B, T]` of a left-padded batch: 0 at each row's first real
-  token, counting up; padding positions are 0 (they are masked anyway)."""
-  return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
+  token, counting up; padding positions are 0 (they are masked anyway). A numpy mask gives
+  a numpy result (host-side batches: nothing is compiled)."""
+  xp = np if isinstance(attention_mask, np.ndarray) else jnp
+  return xp.maximum(xp.cumsum(attention_mask.astype(xp.int32), axis=-1) - 1, 0)
 
 
-def logits(config: ModelConfig, params: Params, tokens: jax.Array, positions: jax.Array,
-           attention_mask: jax.Array | None = None, *, remat: bool = False) -> jax.Array:
+def logits(
+  config: ModelConfig,
+  params: Params,
+  tokens: jax.Array,
+  positions: jax.Array,
+  attention_mask: jax.Array | None = None,
+  *,
+  remat: bool = False,
+) -> jax.Array:
   """Full causal forward without a cache.
 
   Args:
@@ -547,9 +462,15 @@ def logits(config: ModelConfig, params: Params, tokens: jax.Array, positions: ja
   return out
 
 
-def hidden_states(config: ModelConfig, params: Params, tokens: jax.Array,
-                  positions: jax.Array, attention_mask: jax.Array | None = None, *,
-                  remat: bool = False) -> tuple[jax.Array, jax.Array]:
+def hidden_states(
+  config: ModelConfig,
+  params: Params,
+  tokens: jax.Array,
+  positions: jax.Array,
+  attention_mask: jax.Array | None = None,
+  *,
+  remat: bool = False,
+) -> tuple[jax.Array, jax.Array]:
   """Full causal forward without a cache, stopping before the output projection.
 
   `logits(...)` equals `unembed(config, table, hidden)`; callers that need only some
@@ -570,8 +491,14 @@ def hidden_states(config: ModelConfig, params: Params, tokens: jax.Array,
   return hidden, module.output_embedding()
 
 
-def prefill(config: ModelConfig, params: Params, tokens: jax.Array, positions: jax.Array,
-            attention_mask: jax.Array, cache_len: int) -> tuple[jax.Array, KVCache]:
+def prefill(
+  config: ModelConfig,
+  params: Params,
+  tokens: jax.Array,
+  positions: jax.Array,
+  attention_mask: jax.Array,
+  cache_len: int,
+) -> tuple[jax.Array, KVCache]:
   """Full forward over prompts that also returns a KV cache holding them.
 
   Attention runs over the T prompt tokens only (not the empty slots), then keys and values
@@ -592,17 +519,24 @@ def prefill(config: ModelConfig, params: Params, tokens: jax.Array, positions: j
   if cache_len < t:
     raise ValueError(f"cache_len ({cache_len}) is shorter than the prompt length ({t})")
   out, kvs = _module(config, params)(tokens, positions, attention_mask, last_only=True)
-  pad = lambda x, axis: jnp.pad(x, [(0, cache_len - t) if a == axis else (0, 0)
-                                    for a in range(4)])
-  cache = KVCache(k=tuple(pad(k, 3) for k, _ in kvs), v=tuple(pad(v, 2) for _, v in kvs),
-                  mask=jnp.pad(attention_mask, ((0, 0), (0, cache_len - t))),
-                  index=jnp.asarray(t, jnp.int32))
+  pad = lambda x, axis: jnp.pad(x, [(0, cache_len - t) if a == axis else (0, 0) for a in range(4)])
+  cache = KVCache(
+    k=tuple(pad(k, 3) for k, _ in kvs),
+    v=tuple(pad(v, 2) for _, v in kvs),
+    mask=jnp.pad(attention_mask, ((0, 0), (0, cache_len - t))),
+    index=jnp.asarray(t, jnp.int32),
+  )
   return out[:, 0], cache
 
 
-def decode(config: ModelConfig, params: Params, tokens: jax.Array, positions: jax.Array,
-           cache: KVCache, attention_mask: jax.Array | None = None
-           ) -> tuple[jax.Array, KVCache]:
+def decode(
+  config: ModelConfig,
+  params: Params,
+  tokens: jax.Array,
+  positions: jax.Array,
+  cache: KVCache,
+  attention_mask: jax.Array | None = None,
+) -> tuple[jax.Array, KVCache]:
   """Incremental forward: writes `tokens` at slots `[index, index + T)` and attends over the
   cache.
 
@@ -619,6 +553,10 @@ def decode(config: ModelConfig, params: Params, tokens: jax.Array, positions: ja
     attention_mask = jnp.ones(tokens.shape, bool)
   mask = jax.lax.dynamic_update_slice(cache.mask, attention_mask, (0, cache.index))
   out, kvs = _module(config, params)(tokens, positions, mask, cache)
-  new = KVCache(k=tuple(k for k, _ in kvs), v=tuple(v for _, v in kvs), mask=mask,
-                index=cache.index + tokens.shape[1])
+  new = KVCache(
+    k=tuple(k for k, _ in kvs),
+    v=tuple(v for _, v in kvs),
+    mask=mask,
+    index=cache.index + tokens.shape[1],
+  )
   return out, new

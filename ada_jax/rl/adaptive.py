@@ -3,7 +3,7 @@
 Host-side numpy only. Given a `draw` callable (the real sampler + verifier, or a
 Bernoulli simulator), `run_step` decides which prompts get how many responses, in how
 many rounds, which responses are kept for training and their advantages. Methods, chosen
-by `AdaConfig.method` (DESIGN.md §2):
+by `AdaConfig.method` (docs/design.md "Algorithm"):
 
 * ``grpo``: n responses per prompt in one pass, local group statistics.
 * ``dapo``: n per prompt; groups with uniform rewards are dropped and further prompts
@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from ada_jax import advantages as adv_lib
-from ada_jax.advantages import (
+from ada_jax.rl import advantages as adv_lib
+from ada_jax.rl.advantages import (
   EST_SPLITS,
   EST_WEIGHTS,
   EstState,
@@ -503,8 +503,9 @@ def _run_est(config, prompt_ids, draw, rng, est_state, more_prompts):
   keys = prompt_keys(prompt_ids)
   p_hat = est_pass_rates(state, keys, config.est_alpha, config.est_beta)
   weights = EST_WEIGHTS[config.est_weight](p_hat)
-  counts = allocate_budget(weights, config.train_rows(b), config.est_n_min, config.est_n_max,
-                           config.est_split)
+  counts = allocate_budget(
+    weights, config.train_rows(b), config.est_n_min, config.est_n_max, config.est_split
+  )
   pools = _Pools(b)
   pools.draw_round(draw, np.repeat(np.arange(b), counts))
   kept = {p: np.arange(len(pools.rewards[p])) for p in range(b)}  # Train on all samples.

@@ -1,4 +1,4 @@
-"""Supervised warm start: teacher-forced training on arithmetic before RL (DESIGN.md §6).
+"""Supervised warm start: teacher-forced training on arithmetic before RL (docs/design.md "Data").
 
 RL from a random tiny model learns nothing (every group is all-wrong, so every advantage is
 zero). A short supervised phase on `ada_jax.arith` problems, in exactly the format the RL
@@ -29,10 +29,10 @@ import numpy as np
 import optax
 import tqdm
 
-from ada_jax import arith
-from ada_jax import model as model_lib
-from ada_jax.model import ModelConfig, Params
-from ada_jax.tokenizer import Tokenizer
+from ada_jax.data import arith
+from ada_jax.models import decoder as model_lib
+from ada_jax.models.decoder import ModelConfig, Params
+from ada_jax.models.tokenizer import Tokenizer, pad_left
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,20 +160,21 @@ def encode_examples(
     responses.append(arith.response_ids(tokenizer, ex["answer"]))
   lp = max(map(len, prompts)) if prompt_len is None else prompt_len
   lr = max(map(len, responses)) if response_len is None else response_len
-  b = len(examples)
-  tokens = np.full((b, lp + lr), tokenizer.pad_id, np.int32)
-  attention = np.zeros((b, lp + lr), bool)
-  loss_mask = np.zeros((b, lp + lr), bool)
   for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
     if len(p) > lp or len(r) > lr:
       raise ValueError(
         f"examples[{i}] ({examples[i]['problem']!r}): prompt of {len(p)} / response of "
         f"{len(r)} tokens exceeds prompt_len={lp} / response_len={lr}"
       )
-    tokens[i, lp - len(p) : lp] = p
+  prompt_ids, prompt_mask = pad_left(prompts, tokenizer.pad_id, length=lp)
+  tokens = np.full((len(examples), lp + lr), tokenizer.pad_id, np.int32)
+  loss_mask = np.zeros((len(examples), lp + lr), bool)
+  tokens[:, :lp] = prompt_ids
+  for i, r in enumerate(responses):
     tokens[i, lp : lp + len(r)] = r
-    attention[i, lp - len(p) : lp + len(r)] = True
     loss_mask[i, lp : lp + len(r)] = True
+  attention = loss_mask.copy()
+  attention[:, :lp] = prompt_mask
   return {"tokens": tokens, "attention_mask": attention, "loss_mask": loss_mask}
 
 
@@ -337,11 +338,7 @@ def warm_start(
   c = config
   task_config, steps, batch_size, seed = c.task, c.steps, c.batch_size, c.seed
   target_accuracy, target_level, check_every = c.target_accuracy, c.target_level, c.check_every
-  if tokenizer.vocab_size > model_config.vocab_size:
-    raise ValueError(
-      f"ModelConfig.vocab_size ({model_config.vocab_size}) is smaller than the tokenizer's "
-      f"({tokenizer.vocab_size})"
-    )
+  model_lib.check_vocab(model_config, tokenizer.vocab_size)
   start = time.perf_counter()
   lp, lr = _length_bounds(task_config, tokenizer)
   examples = arith.examples(task_config, "train", steps * batch_size, seed=seed)

@@ -1,6 +1,7 @@
 """Prompt construction and a seeded, resumable prompt iterator.
 
-DESIGN.md §6. Prompts follow the authors' released code (DESIGN.md §2): system "Please
+docs/design.md "Data". Prompts follow the authors' released code (docs/design.md "Algorithm"):
+system "Please
 reason step by step, and put your final answer within \\boxed{}." and the problem followed
 by " Let's think step by step and output the final answer within \\boxed{}.", through the
 tokenizer's chat template; base models without one get a plain template, the arithmetic
@@ -12,13 +13,13 @@ Examples come from `ada_jax.data` (or `ada_jax.arith`): dicts with `prompt_id`, 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 from absl import logging
 
-from ada_jax.tokenizer import Tokenizer, pad_left
+from ada_jax.models.tokenizer import Tokenizer
 
 # --------------------------------------------------------------------------- prompts
 
@@ -58,25 +59,6 @@ PROMPT_STYLES: dict[str, Callable[[str, Tokenizer], tuple[str, bool]]] = {
 
 
 @dataclasses.dataclass(frozen=True)
-class PromptBatch:
-  """B prompts, left-padded.
-
-  Attributes:
-    tokens: int32[B, L] prompt ids, padding on the left.
-    mask: bool[B, L], True on prompt tokens.
-    indices: int64[B] positions in the `PromptSet`.
-    prompt_ids: B stable prompt ids.
-    answers: B reference answers.
-  """
-
-  tokens: np.ndarray
-  mask: np.ndarray
-  indices: np.ndarray
-  prompt_ids: tuple[str, ...]
-  answers: tuple[str, ...]
-
-
-@dataclasses.dataclass(frozen=True)
 class PromptSet:
   """Tokenized prompts of a data set (only those within the length limit).
 
@@ -100,28 +82,6 @@ class PromptSet:
   def max_length(self) -> int:
     return max((len(t) for t in self.tokens), default=0)
 
-  def batch(
-    self,
-    indices: Sequence[int] | np.ndarray,
-    *,
-    pad_id: int,
-    length: int | None = None,
-    pad_to_multiple: int | None = None,
-    buckets: Sequence[int] | None = None,
-  ) -> PromptBatch:
-    """The prompts at `indices`, left-padded (length chosen as in `tokenizer.pad_left`)."""
-    idx = np.asarray(indices, dtype=np.int64)
-    ids, mask = pad_left(
-      [self.tokens[i] for i in idx],
-      pad_id,
-      length=length,
-      pad_to_multiple=pad_to_multiple,
-      buckets=buckets,
-    )
-    return PromptBatch(
-      ids, mask, idx, tuple(self.prompt_ids[i] for i in idx), tuple(self.answers[i] for i in idx)
-    )
-
 
 def build_prompts(
   examples: Iterable[Mapping[str, str]],
@@ -136,8 +96,9 @@ def build_prompts(
     examples: dicts with at least `prompt_id`, `problem`, `answer` (and optional `source`).
     tokenizer: the model's tokenizer.
     style: key of `PROMPT_STYLES`: 'chat' (system + suffix through the chat template,
-      DESIGN.md §2), 'chat_no_system', 'plain' (base models), 'raw' (the problem as is).
-    max_prompt_tokens: longest prompt kept (DESIGN.md §2: 1024).
+      docs/design.md "Algorithm"), 'chat_no_system', 'plain' (base models), 'raw' (the problem as
+      is).
+    max_prompt_tokens: longest prompt kept (docs/design.md "Algorithm": 1024).
 
   Returns:
     The `PromptSet`, in input order.
@@ -194,8 +155,9 @@ class PromptIterator:
   order when `shuffle=False`); with `drop_remainder` the last N mod B prompts of an epoch
   are skipped so that a batch never holds a prompt twice, otherwise batches run on into the
   next epoch. The order depends only on (seed, N, B, shuffle), so every process of a
-  multi-host run draws the same batches (DESIGN.md §4), and `state()` — three ints — is
-  all a checkpoint needs (DESIGN.md §7).
+  multi-host run draws the same batches (docs/design.md "Distribution"), and `state()` — three ints
+  — is
+  all a checkpoint needs (docs/design.md "Run state").
   """
 
   def __init__(

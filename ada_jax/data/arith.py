@@ -1,6 +1,6 @@
 """Procedural arithmetic task and its small tokenizer: the CPU-sized RL job.
 
-DESIGN.md §6: a tiny model must be able to learn it on a laptop, with a difficulty mix
+docs/design.md "Data": a tiny model must be able to learn it on a laptop, with a difficulty mix
 that puts many prompts at small but non-zero pass rates. A problem is `a<op>b=` with
 op in {+, -, *}; its level is the digit count of BOTH operands (level 1: 0–9, level d > 1:
 10^(d-1) .. 10^d - 1). Subtraction puts the larger operand first, so answers are never
@@ -13,7 +13,7 @@ of its text falls below `heldout_fraction`, and each split only keeps its own pr
 The tokenizer is a real tokenizer.json (character-level WordLevel model from the
 `tokenizers` library, with `\\boxed{` as one token, BOS/EOS/PAD/UNK and chat-turn tokens,
 a one-line chat template), written deterministically by `write_tokenizer` and shipped in
-`ada_jax/assets/arith_tokenizer/`, so it loads through the normal `Tokenizer.from_dir`.
+`ada_jax/data/assets/arith_tokenizer/`, so it loads through the normal `Tokenizer.from_dir`.
 Regenerate with `python -m ada_jax.arith`.
 """
 
@@ -30,7 +30,7 @@ import numpy as np
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
-from ada_jax.tokenizer import Tokenizer
+from ada_jax.models.tokenizer import Tokenizer
 
 TOKENIZER_DIR = pathlib.Path(__file__).resolve().parent / "assets" / "arith_tokenizer"
 

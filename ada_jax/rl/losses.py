@@ -1,4 +1,4 @@
-"""Token-level clipped policy-gradient loss (DESIGN.md §2 "Loss"), as pure functions.
+"""Token-level clipped policy-gradient loss (docs/design.md "Algorithm" "Loss"), as pure functions.
 
 The objective is the one of the authors' released code (a verl fork), i.e. PPO's clipped
 surrogate applied per token with DAPO's asymmetric "clip-higher" range and verl's dual
@@ -32,13 +32,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ada_jax import model as model_lib
-from ada_jax.model import ModelConfig, Params
+from ada_jax.models import decoder as model_lib
+from ada_jax.models.decoder import ModelConfig, Params
 
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-  """Hyper-parameters of `policy_loss` (defaults: DESIGN.md §2, the released code).
+  """Hyper-parameters of `policy_loss` (defaults: docs/design.md "Algorithm", the released code).
 
   Attributes:
     clip_low: ε_low, the ratio's lower clip is 1 − clip_low.

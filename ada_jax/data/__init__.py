@@ -1,0 +1,1 @@
+"""Maths prompt sets, prompt building and iteration, the arithmetic task."""

@@ -1,0 +1,1 @@
+"""Held-out benchmarks, the evaluation runner, base-policy prompt selection."""

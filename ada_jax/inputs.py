@@ -1,0 +1,125 @@
+"""What a run reads before anything compiles: its tokenizer, its training prompts, and a
+check that its evaluation data can be read.
+
+Shared by the training loop (`loop`), the evaluation command (`evaluate`) and prompt
+selection (`select_prompts`), so that all three tokenize exactly alike. Every failure is
+a `config.ConfigError` naming the config field to change.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+from absl import logging
+
+from ada_jax import config as config_lib
+from ada_jax.config import ConfigError
+from ada_jax.data import arith, prompts
+from ada_jax.data import sets as data
+from ada_jax.models.tokenizer import Tokenizer
+
+
+def load_tokenizer(spec: config_lib.TokenizerSpec, model_dir: pathlib.Path | None) -> Tokenizer:
+  """The run's tokenizer: `tokenizer.dir`, else the model's folder, else the arithmetic
+  task's built-in one.
+
+  Raises:
+    ConfigError: the folder has no readable tokenizer, naming `config.tokenizer.dir` or
+      `config.model.hf_dir`.
+  """
+  folder = spec.dir or model_dir
+  if not folder:
+    return arith.load_tokenizer()
+  try:
+    return Tokenizer.from_dir(folder, eos_ids=spec.eos_ids or None)
+  except (OSError, ValueError) as e:
+    field = "config.tokenizer.dir" if spec.dir else "config.model.hf_dir (its tokenizer)"
+    raise ConfigError(f"{field}: {e}") from None
+
+
+def load_prompts(cfg: config_lib.RunConfig, tokenizer: Tokenizer) -> prompts.PromptSet:
+  """The training prompts of `cfg.data`, tokenized (too-long ones dropped and counted)."""
+  d = cfg.data
+  if d.source == "arith":
+    examples = arith.examples(d.arith, "train", d.arith_prompts, seed=cfg.seed)
+    style = "raw"
+  else:
+    if d.source == "jsonl":
+      try:
+        spec = data.user_jsonl_spec(
+          "user",
+          d.jsonl_paths,
+          problem_field=d.problem_field,
+          answer_field=d.answer_field,
+          answer_format=d.answer_format,
+          exclude_math500=d.exclude_math500,
+        )
+      except (OSError, ValueError) as e:
+        raise ConfigError(f"config.data: {e}") from None
+    elif d.source in data.SETS:
+      spec = d.source
+    else:
+      raise ConfigError(
+        f"config.data.source {d.source!r}: use 'arith', 'jsonl' or one of {sorted(data.SETS)}"
+      )
+    data_dir = (
+      d.data_dir
+      or os.environ.get("TFDS_DATA_DIR")
+      or str(pathlib.Path.home() / "tensorflow_datasets")
+    )
+    try:
+      examples = data.load_examples(
+        spec, d.split, data_dir=data_dir, manual_dir=d.manual_dir or None
+      )
+    except (OSError, ValueError) as e:  # a bad file (named, with its line) or no network
+      raise ConfigError(
+        f"config.data: {' '.join(str(e).split())}{_offline_hint(e, 'config.data.manual_dir')}"
+      ) from None
+    style = d.prompt_style
+  ps = prompts.build_prompts(
+    examples, tokenizer, style=style, max_prompt_tokens=d.max_prompt_tokens
+  )
+  if ps.num_dropped:
+    logging.warning(
+      "%d training prompts over %d tokens dropped", ps.num_dropped, d.max_prompt_tokens
+    )
+  if len(ps) < cfg.rl.batch_prompts:
+    raise ConfigError(
+      f"config.rl.batch_prompts ({cfg.rl.batch_prompts}) exceeds the "
+      f"{len(ps)} usable training prompts"
+    )
+  return ps
+
+
+def _offline_hint(error: Exception, field: str) -> str:
+  if not isinstance(error, ConnectionError):
+    return ""
+  return (
+    f"; set {field} to a folder with these JSONL files (a folder shared/data beside "
+    "the checkout is the configs' default when present)"
+  )
+
+
+def check_eval_data(cfg: config_lib.RunConfig) -> None:
+  """Fails before any compile when a maths benchmark of `cfg.eval` can neither be read
+  from `eval.manual_dir` nor downloaded (`data.check_available`).
+
+  Raises:
+    ConfigError: naming `config.eval.manual_dir` (offline) or `config.eval.benchmarks`.
+  """
+  e = cfg.eval
+  data_dir = (
+    e.data_dir
+    or os.environ.get("TFDS_DATA_DIR")
+    or str(pathlib.Path.home() / "tensorflow_datasets")
+  )
+  for name in e.benchmarks:
+    if name not in data.SETS:
+      continue  # 'arith' is generated, unknown names fail in `benchmarks.load_examples`
+    try:
+      data.check_available(name, data_dir=data_dir, manual_dir=e.manual_dir or None)
+    except OSError as err:
+      raise ConfigError(
+        f"config.eval.benchmarks ({name}): {err}{_offline_hint(err, 'config.eval.manual_dir')}"
+      ) from None

@@ -1,0 +1,1 @@
+"""The decoder, its weights and sharding, and tokenizers."""

@@ -1,0 +1,1 @@
+"""The answer grader and the verifier process pool that runs it."""

@@ -1,0 +1,1 @@
+"""The RL algorithm: sampling controller, advantages, loss, train step, warm start."""

@@ -1,0 +1,1 @@
+"""Generation: the chunked sampler and the RL step's draw callable and batch."""

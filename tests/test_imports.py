@@ -1,0 +1,115 @@
+"""The package's imports only go down: no cycle, and no `ada_jax` import tucked inside a
+function to dodge one (docs/design.md "Architecture"). Read from the source with `ast`,
+nothing imported."""
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "ada_jax"
+# The command-line entry may import late on purpose: logging is quieted and the
+# multi-process runtime joined before JAX (and so the library) is first imported.
+LATE_IMPORTS_ALLOWED = {"ada_jax.main"}
+
+
+def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
+  parts = path.relative_to(root.parent).with_suffix("").parts
+  return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules(root: pathlib.Path = PACKAGE) -> dict[str, pathlib.Path]:
+  return {_module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+
+
+def _targets(node: ast.AST, module: str, known: set[str]) -> list[str]:
+  """The package modules an import statement loads (`from ada_jax import x` names module
+  `ada_jax.x` when that is a module, else `ada_jax` itself)."""
+  if isinstance(node, ast.Import):
+    names = [a.name for a in node.names]
+  else:
+    base = node.module or ""
+    if node.level:  # relative: resolve against the importing module's package
+      pkg = module.split(".")[: -node.level] if not module.endswith("__init__") else []
+      base = ".".join([*pkg, base] if base else pkg)
+    names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+  return [n for n in names if n in known]
+
+
+def _imports(root: pathlib.Path = PACKAGE) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+  """(module-level edges, function-level edges) between the package's modules."""
+  known = set(_modules(root))
+  top: dict[str, set[str]] = {m: set() for m in known}
+  late: dict[str, set[str]] = {m: set() for m in known}
+  for module, path in _modules(root).items():
+    tree = ast.parse(path.read_text(), str(path))
+    inside = set()
+    for fn in ast.walk(tree):
+      if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+        inside.update(id(n) for n in ast.walk(fn) if n is not fn)
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Import | ast.ImportFrom):
+        edges = late if id(node) in inside else top
+        edges[module].update(t for t in _targets(node, module, known) if t != module)
+  return top, late
+
+
+def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
+  """One cycle of the graph as a list of modules, or None (depth-first search)."""
+  state: dict[str, int] = {}  # 1: on the current path, 2: done
+  path: list[str] = []
+
+  def visit(m):
+    state[m] = 1
+    path.append(m)
+    for t in sorted(edges[m]):
+      if state.get(t) == 1:
+        return path[path.index(t) :] + [t]
+      if t not in state and (found := visit(t)):
+        return found
+    state[m] = 2
+    path.pop()
+    return None
+
+  for m in sorted(edges):
+    if m not in state and (found := visit(m)):
+      return found
+  return None
+
+
+def test_module_imports_have_no_cycle():
+  known = set(_modules())
+  top, _ = _imports()
+  assert len(known) > 20 and sum(map(len, top.values())) > 40  # the walk sees the package
+  cycle = _cycle(top)
+  assert cycle is None, " -> ".join(cycle)
+
+
+def test_no_function_level_import_hides_a_cycle():
+  """Every import inside a function is one that could sit at the top of its module: with
+  them added, the graph still has no cycle; and only the entry module has any."""
+  known = set(_modules())
+  top, late = _imports()
+  both = {m: top[m] | late[m] for m in known}
+  cycle = _cycle(both)
+  assert cycle is None, "a function-level import closes " + " -> ".join(cycle)
+  hidden = {m: sorted(t) for m, t in late.items() if t and m not in LATE_IMPORTS_ALLOWED}
+  assert not hidden, f"move these imports to the top of their modules: {hidden}"
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_the_walk_finds_a_planted_cycle(tmp_path, late):
+  """The checks have teeth: in a two-module package `a` imports `b` at the top, and `b`
+  imports `a` at the top (a cycle) or inside a function (a hidden one)."""
+  pkg = tmp_path / "ada_jax"
+  pkg.mkdir()
+  (pkg / "__init__.py").write_text("")
+  (pkg / "a.py").write_text("from ada_jax import b\n")
+  (pkg / "b.py").write_text("def f():\n  from ada_jax import a\n" if late else "import ada_jax.a\n")
+  top, hidden = _imports(pkg)
+  both = {m: top[m] | hidden[m] for m in top}
+  assert _cycle(both) in (
+    ["ada_jax.a", "ada_jax.b", "ada_jax.a"],
+    ["ada_jax.b", "ada_jax.a", "ada_jax.b"],
+  )
+  assert (_cycle(top) is None) == late and (hidden["ada_jax.b"] == {"ada_jax.a"}) == late
