@@ -105,9 +105,9 @@ import numpy as np  # noqa: E402
 
 from ada_jax import config as config_lib  # noqa: E402
 from ada_jax import metrics as metrics_lib  # noqa: E402
-from ada_jax import train  # noqa: E402
 from ada_jax.models import decoder as model_lib  # noqa: E402
 from ada_jax.models import sharding as sharding_lib  # noqa: E402
+from ada_jax.rl import train  # noqa: E402
 from ada_jax.rollout import sampler as sampler_lib  # noqa: E402
 
 GIB = 2**30
