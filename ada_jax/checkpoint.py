@@ -50,18 +50,25 @@ _EST_FIELDS = {"keys": np.int64, "pos": np.float64, "tot": np.float64}
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-  """When and how many checkpoints are written.
+  """When and how many checkpoints are written, and where a run's params come from and go
+  (the run config's `ckpt` group).
 
   Attributes:
     every_steps: save every this many RL steps (the loop also saves at the end and on
       SIGTERM); 0 = only those.
     keep: how many of the latest checkpoints to keep on disk.
     async_save: write in a background thread (the device-to-host copy still blocks).
+    init_from: another run's checkpoint folder (or one step of it) whose params start this
+      run (`params_step_dir`); '' = none.
+    export_hf: write the final policy as a Hugging Face folder `workdir/hf_final`
+      (`export_hf`).
   """
 
   every_steps: int = 10
   keep: int = 3
   async_save: bool = False
+  init_from: str = ""
+  export_hf: bool = False
 
   def __post_init__(self):
     if self.every_steps < 0:
@@ -243,6 +250,13 @@ def restore_params(path: str | os.PathLike, target: Params) -> Params:
   """
   with ocp.StandardCheckpointer() as checkpointer:
     return checkpointer.restore(params_step_dir(path) / "params", target)
+
+
+def save_params(folder: str | os.PathLike, params: Params) -> None:
+  """Writes `params` as `folder/params`, the layout `restore_params(folder, ...)` reads
+  (and `ckpt.init_from` accepts)."""
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(pathlib.Path(folder).absolute() / "params", params)
 
 
 def resume(

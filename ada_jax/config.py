@@ -19,10 +19,12 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ada_jax.checkpoint import CheckpointConfig
-from ada_jax.data import arith
+from ada_jax.data.prompts import DataConfig
 from ada_jax.eval.benchmarks import EvalConfig
-from ada_jax.models import weights
-from ada_jax.models.decoder import PRESETS, ModelConfig
+from ada_jax.models.decoder import ModelConfig
+from ada_jax.models.sharding import MeshConfig
+from ada_jax.models.tokenizer import TokenizerConfig
+from ada_jax.models.weights import ModelSpec
 from ada_jax.rl.adaptive import AdaConfig
 from ada_jax.rl.losses import LossConfig
 from ada_jax.rl.train import OptimConfig, TrainConfig
@@ -119,83 +121,6 @@ def make_configs_importable() -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelSpec:
-  """Which model. Exactly one of `preset` / `hf_dir` names the architecture.
-
-  Attributes:
-    preset: a `model.PRESETS` name; weights are random unless `hf_dir` or a checkpoint
-      provides them.
-    hf_dir: a Hugging Face folder (or Hub id): architecture from its config.json, weights
-      loaded at start (docs/design.md "Run state" resume order, step 3).
-    dtype: parameter and compute dtype ('float32' or 'bfloat16').
-    overrides: `ModelConfig` fields replacing the preset's (e.g. tiny CPU shapes).
-  """
-
-  preset: str = ""
-  hf_dir: str = ""
-  dtype: str = "float32"
-  overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-
-  def __post_init__(self):
-    if bool(self.preset) == bool(self.hf_dir):
-      raise ConfigError("set exactly one of model.preset and model.hf_dir")
-    if self.preset and self.preset not in PRESETS:
-      raise ConfigError(f"model.preset {self.preset!r} unknown; choose one of {sorted(PRESETS)}")
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    for key in self.overrides:
-      if key not in known:
-        raise ConfigError(f"model.overrides.{key}: not a ModelConfig field")
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenizerSpec:
-  """Attributes:
-  dir: folder with tokenizer.json (+ tokenizer_config.json / generation_config.json);
-    '' = the arithmetic task's built-in tokenizer.
-  eos_ids: stop token ids overriding the folder's; () = the folder's.
-  """
-
-  dir: str = ""
-  eos_ids: tuple[int, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class DataSpec:
-  """Training prompts.
-
-  Attributes:
-    source: 'arith' (procedural task), a `data.SETS` name (e.g. 'gsm8k', 'math_train'), or
-      'jsonl' (the user's files in `jsonl_paths`).
-    split: split of a `data.SETS` source.
-    manual_dir: folder with the maths JSONL files (offline TFDS preparation).
-    data_dir: TFDS data directory; '' = TFDS's default.
-    jsonl_paths: the user's JSONL files (source 'jsonl').
-    problem_field, answer_field: field names in those files.
-    answer_format: 'plain', 'boxed' or 'gsm8k' (how the answer field holds the answer).
-    exclude_math500: drop MATH500 problems from the user's files (needs
-      math500_test.jsonl in `manual_dir`, or network).
-    prompt_style: `prompts` style ('chat', 'chat_no_system', 'plain', 'raw').
-    max_prompt_tokens: longer prompts are dropped and counted.
-    arith: the arithmetic task's problem distribution (source 'arith').
-    arith_prompts: number of arithmetic training prompts drawn (an epoch).
-  """
-
-  source: str = "arith"
-  split: str = "train"
-  manual_dir: str = ""
-  data_dir: str = ""
-  jsonl_paths: tuple[str, ...] = ()
-  problem_field: str = "problem"
-  answer_field: str = "answer"
-  answer_format: str = "plain"
-  exclude_math500: bool = True
-  prompt_style: str = "chat"
-  max_prompt_tokens: int = 1024
-  arith: arith.ArithConfig = arith.ArithConfig()
-  arith_prompts: int = 20_000
-
-
-@dataclasses.dataclass(frozen=True)
 class SamplerSpec:
   """Rollouts (docs/design.md "Sampler"). Attributes: temperature, top_k, top_p (the sampling rule);
   max_new_tokens (response budget, tokens); chunk_rows (C, rows per launch);
@@ -221,14 +146,16 @@ class SamplerSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class RLSpec:
-  """Attributes:
-  steps: RL steps to run.
-  batch_prompts: B, prompts per RL step.
-  judge: reward function (`rewards.JUDGES`: 'math' or 'exact').
-  verifier_workers: reward worker processes (0 = all cores); 'exact' runs in-process.
-  verifier_timeout_s: hard per-response timeout (seconds).
-  log_samples: print this many decoded responses every `eval.every_steps` steps.
+class RLConfig:
+  """The run's own group (`rl`).
+
+  Attributes:
+    steps: RL steps to run.
+    batch_prompts: B, prompts per RL step.
+    judge: reward function (`rewards.JUDGES`: 'math' or 'exact').
+    verifier_workers: reward worker processes (0 = all cores); 'exact' runs in-process.
+    verifier_timeout_s: hard per-response timeout (seconds).
+    log_samples: print this many decoded responses every `eval.every_steps` steps.
   """
 
   steps: int = 100
@@ -239,72 +166,48 @@ class RLSpec:
   log_samples: int = 0
 
 
-@dataclasses.dataclass(frozen=True)
-class CkptSpec:
-  """Attributes: every_steps, keep, async_save (see `checkpoint.CheckpointConfig`);
-  init_from (another run's checkpoint folder to take params from); export_hf (write the
-  final policy as a Hugging Face folder `workdir/hf_final`)."""
-
-  every_steps: int = 10
-  keep: int = 3
-  async_save: bool = False
-  init_from: str = ""
-  export_hf: bool = False
-
-  @property
-  def manager(self) -> CheckpointConfig:
-    return CheckpointConfig(
-      every_steps=self.every_steps, keep=self.keep, async_save=self.async_save
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshSpec:
-  """Mesh axis sizes ('data', 'fsdp', 'tensor'); one may be -1 (all remaining devices)."""
-
-  data: int = -1
-  fsdp: int = 1
-  tensor: int = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainSpec:
-  """Attributes: num_minibatches (k updates per RL step), micro_batch_size (rows per
-  gradient-accumulation step, 0 = whole mini-batch), remat (per-block rematerialisation)."""
-
-  num_minibatches: int = 4
-  micro_batch_size: int = 0
-  remat: bool = False
+# Fields of a module's config that the run fills from another group (one source each):
+# the trainer's loss, optimizer and log-prob temperature.
+_FILLED = {
+  "train": {
+    "loss": "config.loss",
+    "optim": "config.optim",
+    "temperature": "config.sampler.temperature",
+  }
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-  """A whole experiment, checked. Groups mirror the config file's."""
+  """A whole experiment, checked. Groups mirror the config file's; each is the frozen
+  config dataclass of the module that uses it (`train.loss`, `train.optim` and
+  `train.temperature` are filled from the `loss`, `optim` and `sampler` groups)."""
 
   seed: int = 0
   model: ModelSpec = ModelSpec(preset="tiny-llama")
-  tokenizer: TokenizerSpec = TokenizerSpec()
-  data: DataSpec = DataSpec()
+  tokenizer: TokenizerConfig = TokenizerConfig()
+  data: DataConfig = DataConfig()
   sampler: SamplerSpec = SamplerSpec()
   ada: AdaConfig = AdaConfig()
-  rl: RLSpec = RLSpec()
+  rl: RLConfig = RLConfig()
   loss: LossConfig = LossConfig()
   optim: OptimConfig = OptimConfig()
-  train: TrainSpec = TrainSpec()
-  ckpt: CkptSpec = CkptSpec()
+  train: TrainConfig = TrainConfig()
+  ckpt: CheckpointConfig = CheckpointConfig()
   warmstart: WarmStartConfig | None = None
   eval: EvalConfig = EvalConfig(benchmarks=(), k=4)
-  mesh: MeshSpec = MeshSpec()
+  mesh: MeshConfig = MeshConfig()
 
-  @property
-  def train_config(self) -> TrainConfig:
-    # The sampler's temperature is the one source of the trainer's (PPO ratio consistency).
-    return TrainConfig(
+  def __post_init__(self):
+    # `train` is the trainer's whole config: its loss and optimizer are the run's `loss`
+    # and `optim` groups, its temperature the sampler's (PPO ratio consistency).
+    train = dataclasses.replace(
+      self.train,
       loss=self.loss,
       optim=self.optim,
       temperature=self.sampler.rule.logprob_temperature,
-      **dataclasses.asdict(self.train),
     )
+    object.__setattr__(self, "train", train)
 
   @property
   def train_rows(self) -> int:
@@ -413,22 +316,11 @@ def parse(config: Mapping[str, Any]) -> RunConfig:
   for key, value in plain.items():
     if key not in fields:
       raise ConfigError(f"config.{key}: unknown group; known: {sorted(fields)}")
+    for name, source in _FILLED.get(key, {}).items():
+      if isinstance(value, Mapping) and name in value:
+        raise ConfigError(f"config.{key}.{name}: set by {source}, not here")
     sub = _dataclass_of(fields[key])
     kwargs[key] = build(sub, value, key) if sub is not None else value
   run = RunConfig(**kwargs)
   run.check()
   return run
-
-
-def model_config(spec: ModelSpec, hf_config: Mapping[str, Any] | None = None) -> ModelConfig:
-  """The architecture: a preset with overrides, or a Hugging Face config.json dict."""
-  if spec.preset:
-    base = PRESETS[spec.preset]
-  else:
-    base = weights.config_from_hf(dict(hf_config or {}), source=f"{spec.hf_dir}/config.json")
-  try:
-    return dataclasses.replace(
-      base, dtype=spec.dtype, param_dtype=spec.dtype, **dict(spec.overrides)
-    )
-  except ValueError as e:
-    raise ConfigError(f"config.model: {e}") from None

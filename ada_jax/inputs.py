@@ -1,5 +1,5 @@
-"""What a run reads before anything compiles: its tokenizer, its training prompts, and a
-check that its evaluation data can be read.
+"""What a run reads before anything compiles: its model's architecture and tokenizer, its
+training prompts, and a check that its evaluation data can be read.
 
 Shared by the training loop (`loop`), the evaluation command (`evaluate`) and prompt
 selection (`select_prompts`), so that all three tokenize exactly alike. Every failure is
@@ -8,6 +8,7 @@ a `config.ConfigError` naming the config field to change.
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 
@@ -17,10 +18,14 @@ from ada_jax import config as config_lib
 from ada_jax.config import ConfigError
 from ada_jax.data import arith, prompts
 from ada_jax.data import sets as data
-from ada_jax.models.tokenizer import Tokenizer
+from ada_jax.models import decoder as model_lib
+from ada_jax.models import weights
+from ada_jax.models.decoder import ModelConfig
+from ada_jax.models.tokenizer import Tokenizer, TokenizerConfig
+from ada_jax.models.weights import ModelSpec
 
 
-def load_tokenizer(spec: config_lib.TokenizerSpec, model_dir: pathlib.Path | None) -> Tokenizer:
+def load_tokenizer(spec: TokenizerConfig, model_dir: pathlib.Path | None) -> Tokenizer:
   """The run's tokenizer: `tokenizer.dir`, else the model's folder, else the arithmetic
   task's built-in one.
 
@@ -36,6 +41,34 @@ def load_tokenizer(spec: config_lib.TokenizerSpec, model_dir: pathlib.Path | Non
   except (OSError, ValueError) as e:
     field = "config.tokenizer.dir" if spec.dir else "config.model.hf_dir (its tokenizer)"
     raise ConfigError(f"{field}: {e}") from None
+
+
+def load_model_files(
+  model: ModelSpec, tokenizer: TokenizerConfig, *, hf_field: str = "config.model.hf_dir"
+) -> tuple[pathlib.Path | None, ModelConfig, Tokenizer]:
+  """The model's Hugging Face folder (None for a preset; a Hub id is downloaded here, once,
+  when online), its architecture and the run's tokenizer, checked against each other
+  before any weights are read.
+
+  Raises:
+    ConfigError: an unreadable folder (naming `hf_field`), an unreadable tokenizer, an
+      architecture `ModelConfig` rejects, or a tokenizer larger than the model's
+      vocabulary (naming `config.model`).
+  """
+  model_dir = hf_config = None
+  if model.hf_dir:
+    try:
+      model_dir = weights.resolve(model.hf_dir).absolute()
+      hf_config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+      raise ConfigError(f"{hf_field}: {e}") from None
+  tok = load_tokenizer(tokenizer, model_dir)
+  try:
+    model_config = model.model_config(hf_config)
+    model_lib.check_vocab(model_config, tok.vocab_size)
+  except ValueError as e:
+    raise ConfigError(f"config.model: {e}") from None
+  return model_dir, model_config, tok
 
 
 def load_prompts(cfg: config_lib.RunConfig, tokenizer: Tokenizer) -> prompts.PromptSet:

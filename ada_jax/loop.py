@@ -36,7 +36,6 @@ from ada_jax.eval import benchmarks
 from ada_jax.eval import evaluation as evaluate
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding as sharding_lib
-from ada_jax.models import weights
 from ada_jax.models.tokenizer import Tokenizer
 from ada_jax.rewards.verifier import RewardPool, VerifierConfig
 from ada_jax.rl import adaptive, train
@@ -100,25 +99,13 @@ def run(config, workdir: str) -> dict[str, Any]:
 def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
   """`run` on a parsed config."""
   workdir = str(pathlib.Path(workdir).absolute())
-  model_dir = hf_config = None
-  if cfg.model.hf_dir:
-    try:  # a Hub id is downloaded here, once, when online
-      model_dir = weights.resolve(cfg.model.hf_dir)
-      hf_config = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError) as e:
-      raise ConfigError(f"config.model.hf_dir: {e}") from None
-  tokenizer = inputs.load_tokenizer(cfg.tokenizer, model_dir)
-  model_cfg = config_lib.model_config(cfg.model, hf_config)
-  try:
-    model_lib.check_vocab(model_cfg, tokenizer.vocab_size)
-  except ValueError as e:
-    raise ConfigError(f"config.model: {e}") from None
+  model_dir, model_cfg, tokenizer = inputs.load_model_files(cfg.model, cfg.tokenizer)
   cfg.check_model(model_cfg)
   try:
     mesh = sharding_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
   except ValueError as e:
     raise ConfigError(f"config.mesh: {e}") from None
-  train_cfg = cfg.train_config
+  train_cfg = cfg.train
   try:
     train.check_batch_layout(cfg.train_rows, train_cfg, mesh)
   except ValueError as e:
@@ -187,7 +174,7 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
   # Generator); 2. `ckpt.init_from` (another run's params, fresh optimizer); 3. the
   # pretrained weights of `model.hf_dir`; 4. `start(None)`: random init, then the warm
   # start. 2-4 go through `start`, which also runs the held-out evaluation before RL.
-  manager = checkpoint.make_manager(pathlib.Path(workdir) / "checkpoints", cfg.ckpt.manager)
+  manager = checkpoint.make_manager(pathlib.Path(workdir) / "checkpoints", cfg.ckpt)
   run_state, source = checkpoint.resume(
     manager,
     target,
@@ -356,9 +343,7 @@ def rl_step(
         buckets=cfg.sampler.prompt_buckets,
       )
       batch = distributed.local_rows(batch, ctx.mesh, cfg.train.num_minibatches)
-      state, tm = train.update_policy(
-        ctx.step_fn, state, batch, config=cfg.train_config, mesh=ctx.mesh
-      )
+      state, tm = train.update_policy(ctx.step_fn, state, batch, config=cfg.train, mesh=ctx.mesh)
     time_train = time.perf_counter() - start
   s = result.stats
   m = {

@@ -16,7 +16,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from ada_jax import config as config_lib
-from ada_jax.eval.selection import SelectConfig, load_policy, parse_rules, run, training_prompts
+from ada_jax.eval.policy import load_model
+from ada_jax.eval.selection import SelectConfig, parse_rules, run, training_prompts
 from ada_jax.models import sharding
 
 
@@ -67,8 +68,13 @@ def main(argv: Sequence[str], flag_values=None) -> dict[str, Any]:
     ckpt = pathlib.Path(fv.checkpoint_dir or pathlib.Path(fv.workdir) / "checkpoints")
     ckpt = ckpt.absolute() / str(fv.checkpoint)
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-  base = load_policy(
-    cfg, mesh, out, hf_dir=fv.hf_dir, checkpoint_path=ckpt, tokenizer_dir=fv.tokenizer_dir
+  base = load_model(
+    cfg,
+    mesh,
+    hf_dir=fv.hf_dir or None,
+    checkpoint_path=ckpt,
+    tokenizer_dir=fv.tokenizer_dir,
+    init_dir=out,
   )
   ps = training_prompts(cfg, base.tokenizer, fv.limit)
   info = {"init_from": base.init_from, "prompts_dropped_over_max_tokens": ps.num_dropped}

@@ -268,7 +268,7 @@ def plan_train(cfg, model_cfg, mesh) -> dict:
   rows = cfg.train_rows // cfg.train.num_minibatches
   micro = cfg.train.micro_batch_size or rows
   micro_used = _round_up(micro, dp)
-  train_cfg = dataclasses.replace(cfg.train_config, micro_batch_size=micro_used)
+  train_cfg = dataclasses.replace(cfg.train, micro_batch_size=micro_used)
   train.check_batch_layout(cfg.train_rows, train_cfg, mesh)
   length = max(cfg.sampler.prompt_buckets) + cfg.sampler.max_new_tokens
   state = train.abstract_state(model_cfg, train_cfg, mesh)

@@ -1,5 +1,6 @@
 """Every experiment config loads and parses; the parser names bad fields."""
 
+import dataclasses
 import pathlib
 
 import pytest
@@ -55,6 +56,34 @@ def test_unknown_group_and_indivisible_minibatches():
   cfg["train"]["num_minibatches"] = 3
   with pytest.raises(ValueError, match=r"config\.train\.num_minibatches"):
     config_lib.parse(cfg)
+
+
+def test_groups_are_the_modules_own_configs_and_train_is_filled_once():
+  """Each group parses into the frozen config of the module that uses it; the trainer's
+  loss, optimizer and temperature come from the `loss`, `optim` and `sampler` groups only
+  (a second place to set them is refused, naming the one to use)."""
+  from ada_jax.checkpoint import CheckpointConfig
+  from ada_jax.models.tokenizer import TokenizerConfig
+  from ada_jax.rl.train import TrainConfig
+
+  cfg = tiny_arith_pos.get_config().to_dict()
+  cfg["loss"]["clip_high"] = 0.31
+  cfg["optim"]["learning_rate"] = 3e-5
+  cfg["sampler"]["temperature"] = 0.7
+  cfg["ckpt"].update(init_from="/x", export_hf=True)
+  run = config_lib.parse(cfg)
+  assert isinstance(run.train, TrainConfig) and isinstance(run.ckpt, CheckpointConfig)
+  assert isinstance(run.tokenizer, TokenizerConfig)
+  assert run.train.loss is run.loss and run.train.loss.clip_high == 0.31
+  assert run.train.optim.learning_rate == 3e-5 and run.train.temperature == 0.7
+  assert (run.ckpt.init_from, run.ckpt.export_hf) == ("/x", True)
+  replaced = dataclasses.replace(run, loss=dataclasses.replace(run.loss, clip_high=0.5))
+  assert replaced.train.loss.clip_high == 0.5  # refilled, never stale
+  for field, source in [("loss", "config.loss"), ("temperature", "config.sampler.temperature")]:
+    bad = tiny_arith_pos.get_config().to_dict()
+    bad["train"][field] = {} if field == "loss" else 0.5
+    with pytest.raises(config_lib.ConfigError, match=rf"config\.train\.{field}: set by {source}"):
+      config_lib.parse(bad)
 
 
 @pytest.mark.parametrize(

@@ -111,7 +111,7 @@ def test_llama_notebook_config_passes_the_library_checks(devices):
   mesh = sharding.make_mesh(
     cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=jax.devices()[:devices]
   )
-  train.check_batch_layout(cfg.train_rows, cfg.train_config, mesh)
+  train.check_batch_layout(cfg.train_rows, cfg.train, mesh)
   rows = mesh.shape["data"] * mesh.shape["fsdp"]
   assert cfg.sampler.chunk_rows % rows == 0 and cfg.prompts_per_chunk % rows == 0
 

@@ -19,7 +19,45 @@ from typing import Any
 import numpy as np
 from absl import logging
 
+from ada_jax.data.arith import ArithConfig
 from ada_jax.models.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Training prompts (the run config's `data` group; read by `inputs.load_prompts`).
+
+  Attributes:
+    source: 'arith' (procedural task), a `data.sets.SETS` name (e.g. 'gsm8k',
+      'math_train'), or 'jsonl' (the user's files in `jsonl_paths`).
+    split: split of a `SETS` source.
+    manual_dir: folder with the maths JSONL files (offline TFDS preparation).
+    data_dir: TFDS data directory; '' = TFDS's default.
+    jsonl_paths: the user's JSONL files (source 'jsonl').
+    problem_field, answer_field: field names in those files.
+    answer_format: 'plain', 'boxed' or 'gsm8k' (how the answer field holds the answer).
+    exclude_math500: drop MATH500 problems from the user's files (needs
+      math500_test.jsonl in `manual_dir`, or network).
+    prompt_style: a `PROMPT_STYLES` name ('chat', 'chat_no_system', 'plain', 'raw').
+    max_prompt_tokens: longer prompts are dropped and counted.
+    arith: the arithmetic task's problem distribution (source 'arith').
+    arith_prompts: number of arithmetic training prompts drawn (an epoch).
+  """
+
+  source: str = "arith"
+  split: str = "train"
+  manual_dir: str = ""
+  data_dir: str = ""
+  jsonl_paths: tuple[str, ...] = ()
+  problem_field: str = "problem"
+  answer_field: str = "answer"
+  answer_format: str = "plain"
+  exclude_math500: bool = True
+  prompt_style: str = "chat"
+  max_prompt_tokens: int = 1024
+  arith: ArithConfig = ArithConfig()
+  arith_prompts: int = 20_000
+
 
 # --------------------------------------------------------------------------- prompts
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import pathlib
@@ -36,13 +35,9 @@ from typing import Any
 import jax
 from absl import logging
 
-from ada_jax import checkpoint as checkpoint_lib
 from ada_jax import config as config_lib
-from ada_jax import inputs
 from ada_jax.eval import benchmarks as benchmarks_lib
 from ada_jax.eval.benchmarks import EvalConfig
-from ada_jax.models import decoder as model_lib
-from ada_jax.models import sharding, weights
 from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.models.tokenizer import Tokenizer
 from ada_jax.rewards.verifier import RewardPool, VerifierConfig
@@ -178,103 +173,6 @@ def run(
 
 
 # --------------------------------------------------------------------------- CLI
-
-
-def _files_tag(folder: pathlib.Path) -> str:
-  # Path alone would reuse stale cache entries after the folder's weights are replaced.
-  stats = [
-    (p.name, p.stat().st_size, p.stat().st_mtime_ns)
-    for p in sorted(folder.glob("*"))
-    if p.suffix in (".json", ".safetensors")
-  ]
-  return hashlib.sha256(repr(stats).encode()).hexdigest()[:12]
-
-
-def _resolve(path: str, what: str) -> tuple[pathlib.Path, dict[str, Any]]:
-  """A Hugging Face folder (or Hub id) and its config.json; ValueError naming `what`."""
-  try:
-    folder = weights.resolve(path).absolute()
-    return folder, json.loads((folder / "config.json").read_text())
-  except (OSError, ValueError) as e:
-    raise ValueError(f"{what}: {e}") from None
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadedModel:
-  """A model loaded by `load_model`.
-
-  Attributes:
-    params: the weights, placed on the mesh; None when nothing names weights (the caller
-      initialises them).
-    model_config: the architecture.
-    tokenizer: `inputs.load_tokenizer`'s, checked against `model_config.vocab_size`.
-    tag: identity of the weights in results caches: 'hf:<folder>:<files hash>',
-      'checkpoint:<absolute path>', or '' when params is None.
-  """
-
-  params: Params | None
-  model_config: ModelConfig
-  tokenizer: Tokenizer
-  tag: str
-
-
-def load_model(
-  cfg: config_lib.RunConfig,
-  mesh: jax.sharding.Mesh,
-  *,
-  hf_dir: str | None = None,
-  checkpoint_path: str | os.PathLike | None = None,
-  tokenizer_dir: str | None = None,
-) -> LoadedModel:
-  """The model named by `hf_dir`, `checkpoint_path` or the config, placed on `mesh`.
-
-  Weights: `hf_dir`'s safetensors; else the orbax checkpoint at `checkpoint_path`; else
-  `cfg.model.hf_dir`'s safetensors; else none (params None). Architecture: `hf_dir`'s
-  config.json (in `cfg.model.dtype`); else `cfg.model` (with `cfg.model.hf_dir`'s
-  config.json if set), exactly as the run that wrote a checkpoint built it. Tokenizer:
-  `tokenizer_dir`, else `cfg.tokenizer.dir`, else the model's folder, else the arithmetic
-  task's. The tokenizer is checked before any weights are read.
-
-  Args:
-    cfg: the experiment (`model`, `tokenizer` groups).
-    mesh: parameter placement (`sharding.param_shardings`).
-    hf_dir: a Hugging Face folder or Hub id.
-    checkpoint_path: an orbax checkpoint: a run's checkpoint folder (its latest step) or
-      one step's folder.
-    tokenizer_dir: overrides `cfg.tokenizer.dir`.
-
-  Raises:
-    ValueError: both hf_dir and checkpoint_path, an unreadable model folder (named as
-      '--hf_dir' or 'config.model.hf_dir'), or a tokenizer larger than the model's
-      vocabulary.
-    FileNotFoundError: a checkpoint path without a checkpoint.
-  """
-
-  if hf_dir is not None and checkpoint_path is not None:
-    raise ValueError("give at most one of --hf_dir and --checkpoint")
-  model_dir = hf_config = None
-  spec = cfg.model
-  if hf_dir is not None:
-    model_dir, hf_config = _resolve(hf_dir, "--hf_dir")
-    spec = config_lib.ModelSpec(hf_dir=str(model_dir), dtype=cfg.model.dtype)
-  elif cfg.model.hf_dir:
-    model_dir, hf_config = _resolve(cfg.model.hf_dir, "config.model.hf_dir")
-  model_config = config_lib.model_config(spec, hf_config)
-  tokenizer_spec = cfg.tokenizer
-  if tokenizer_dir:
-    tokenizer_spec = dataclasses.replace(tokenizer_spec, dir=tokenizer_dir)
-  tokenizer = inputs.load_tokenizer(tokenizer_spec, model_dir)
-  model_lib.check_vocab(model_config, tokenizer.vocab_size)
-  shardings = sharding.param_shardings(model_config, mesh)
-  params, tag = None, ""
-  if checkpoint_path is not None:
-    path = pathlib.Path(checkpoint_path).absolute()
-    target = sharding.abstract_params(model_config, mesh)
-    params, tag = checkpoint_lib.restore_params(path, target), f"checkpoint:{path}"
-  elif model_dir is not None:
-    _, params = weights.load_hf(model_dir, dtype=model_config.param_dtype, shardings=shardings)
-    tag = f"hf:{model_dir}:{_files_tag(model_dir)}"
-  return LoadedModel(params, model_config, tokenizer, tag)
 
 
 def report_text(

@@ -35,7 +35,6 @@ followed by the config's warm start.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import pathlib
@@ -48,17 +47,13 @@ import jax
 import numpy as np
 from absl import logging
 
-from ada_jax import checkpoint, inputs
 from ada_jax import config as config_lib
+from ada_jax import inputs
 from ada_jax.data import prompts as prompts_lib
 from ada_jax.eval import benchmarks
-from ada_jax.eval import evaluation as evaluate
-from ada_jax.models import decoder as model_lib
-from ada_jax.models import sharding
 from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.models.tokenizer import Tokenizer
 from ada_jax.rewards.verifier import RewardPool, VerifierConfig
-from ada_jax.rl import warmstart as warmstart_lib
 from ada_jax.rollout import sampler
 
 _NAME = "train_prompts"  # benchmark name of the prompt set in the results cache
@@ -470,88 +465,6 @@ def run(
     summary = write_outputs(rows, config, out, info)
     logging.info("prompt selection:\n%s", (out / "pass_rates.md").read_text())
   return {**summary, "rows": rows}
-
-
-@dataclasses.dataclass(frozen=True)
-class BasePolicy:
-  """A loaded model. init_from: a checkpoint folder that `ckpt.init_from` accepts for
-  training from these params, or '' (a Hugging Face model: use `model.hf_dir`)."""
-
-  params: Params
-  model_config: ModelConfig
-  tokenizer: Tokenizer
-  tag: str
-  init_from: str = ""
-
-
-def load_policy(
-  cfg: config_lib.RunConfig,
-  mesh: jax.sharding.Mesh,
-  out_dir: str | os.PathLike,
-  *,
-  hf_dir: str | None = None,
-  checkpoint_path: str | os.PathLike | None = None,
-  tokenizer_dir: str | None = None,
-  progress: bool = True,
-) -> BasePolicy:
-  """The model to measure (see module docstring for the order), placed on `mesh`.
-
-  A checkpoint or Hugging Face model is `evaluate.load_model`'s; only the fallback (random
-  init + warm start) is built here.
-
-  Args:
-    cfg: the experiment.
-    mesh: parameter placement (`sharding.param_shardings`).
-    out_dir: where a base policy built here (init + warm start) is saved, and found again
-      on a rerun, as `base_params_<tag>/params`.
-    hf_dir: a Hugging Face folder or Hub id.
-    checkpoint_path: an orbax checkpoint (a run's checkpoint folder or one step's folder),
-      read with the architecture of `cfg.model`.
-    tokenizer_dir: overrides `cfg.tokenizer.dir`.
-    progress: warm-start progress bar.
-
-  Raises:
-    ValueError: both hf_dir and checkpoint_path, an unreadable model folder, or a tokenizer
-      larger than the model's vocabulary.
-    FileNotFoundError: a checkpoint path without a checkpoint.
-  """
-  if not hf_dir and not checkpoint_path:  # Resume order step 2 (checkpoint.resume).
-    checkpoint_path = cfg.ckpt.init_from
-  model = evaluate.load_model(
-    cfg,
-    mesh,
-    hf_dir=hf_dir or None,
-    checkpoint_path=checkpoint_path or None,
-    tokenizer_dir=tokenizer_dir,
-  )
-  model_config, tokenizer = model.model_config, model.tokenizer
-  if model.params is not None:  # Step 2: another run's params; step 3: pretrained weights.
-    init_from = str(pathlib.Path(checkpoint_path).absolute()) if checkpoint_path else ""
-    return BasePolicy(model.params, model_config, tokenizer, model.tag, init_from)
-  # Step 4: the loop's own start, random init (its init key) then the config's warm start;
-  # saved so that a rerun skips the warm start and training can start from these params.
-  recipe = [dataclasses.asdict(cfg.model), cfg.warmstart and dataclasses.asdict(cfg.warmstart)]
-  digest = hashlib.sha256(json.dumps([*recipe, cfg.seed], default=str).encode()).hexdigest()
-  folder = pathlib.Path(out_dir).absolute() / f"base_params_{digest[:12]}"
-  shardings = sharding.param_shardings(model_config, mesh)
-  if (folder / "params").is_dir():
-    params = checkpoint.restore_params(folder, sharding.abstract_params(model_config, mesh))
-  else:
-    init_key = jax.random.split(jax.random.key(cfg.seed), 3)[0]  # As loop.train_run splits.
-    params = model_lib.init_params(model_config, init_key)
-    if cfg.warmstart is None:
-      logging.warning("no checkpoint, hf_dir or warm start: measuring a RANDOM model")
-    else:
-      params, _ = warmstart_lib.warm_start(
-        model_config, params, tokenizer, cfg.warmstart, progress=progress
-      )
-    params = jax.device_put(params, shardings)
-    import orbax.checkpoint as ocp
-
-    with ocp.StandardCheckpointer() as ckptr:
-      ckptr.save(folder / "params", params)
-  tag = f"init:{digest[:16]}"
-  return BasePolicy(params, model_config, tokenizer, tag, str(folder))
 
 
 def training_prompts(

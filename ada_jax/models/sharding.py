@@ -25,6 +25,7 @@ cache) and XLA propagates them through the model, which carries no annotations o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -54,6 +55,16 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
   "head_dim": None,
   "mlp": "tensor",
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Mesh axis sizes (the run config's `mesh` group), as `make_mesh` takes them: one may
+  be -1 (all remaining devices)."""
+
+  data: int = -1
+  fsdp: int = 1
+  tensor: int = 1
 
 
 def make_mesh(

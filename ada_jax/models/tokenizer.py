@@ -15,6 +15,7 @@ with a bool mask.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import json
@@ -37,6 +38,21 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 # `chat_template` field of tokenizer_config.json (as transformers loads them).
 TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_DIR = "additional_chat_templates"
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerConfig:
+  """Which tokenizer a run uses (the run config's `tokenizer` group).
+
+  Attributes:
+    dir: folder with tokenizer.json (+ tokenizer_config.json / generation_config.json);
+      '' = the model's folder, else the arithmetic task's built-in tokenizer.
+    eos_ids: stop token ids overriding the folder's; () = the folder's.
+  """
+
+  dir: str = ""
+  eos_ids: tuple[int, ...] = ()
+
 
 _SPECIAL_TOKEN_FIELDS = tuple(
   f"{k}_token" for k in ("bos", "eos", "unk", "sep", "pad", "cls", "mask")

@@ -10,11 +10,12 @@ field is checked; nothing loads partially.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -24,7 +25,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from ada_jax.models import decoder as model_lib
-from ada_jax.models.decoder import ModelConfig, Params, RopeScaling
+from ada_jax.models.decoder import PRESETS, ModelConfig, Params, RopeScaling
 
 _ARCHITECTURES = {
   "llama": "LlamaForCausalLM",
@@ -40,6 +41,56 @@ class CheckpointError(ValueError):
 
 
 # ----------------------------------------------------------------------------- config
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """Which model a run uses (the run config's `model` group). Exactly one of `preset` /
+  `hf_dir` names the architecture.
+
+  Attributes:
+    preset: a `decoder.PRESETS` name; weights are random unless `hf_dir` or a checkpoint
+      provides them.
+    hf_dir: a Hugging Face folder (or Hub id): architecture from its config.json, weights
+      loaded at start (docs/design.md "One RL step", set-up).
+    dtype: parameter and compute dtype ('float32' or 'bfloat16').
+    overrides: `ModelConfig` fields replacing the preset's (e.g. tiny CPU shapes).
+
+  Raises:
+    ValueError: both or neither of `preset` / `hf_dir`, an unknown preset, or an override
+      that is no `ModelConfig` field (each named).
+  """
+
+  preset: str = ""
+  hf_dir: str = ""
+  dtype: str = "float32"
+  overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    if bool(self.preset) == bool(self.hf_dir):
+      raise ValueError("set exactly one of model.preset and model.hf_dir")
+    if self.preset and self.preset not in PRESETS:
+      raise ValueError(f"model.preset {self.preset!r} unknown; choose one of {sorted(PRESETS)}")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    for key in self.overrides:
+      if key not in known:
+        raise ValueError(f"model.overrides.{key}: not a ModelConfig field")
+
+  def model_config(self, hf_config: Mapping[str, Any] | None = None) -> ModelConfig:
+    """The architecture: the preset with `overrides`, or `hf_config` (the `hf_dir`'s
+    config.json as a dict), in `dtype`.
+
+    Raises:
+      CheckpointError: `hf_config` is not a supported architecture.
+      ValueError: an override or dtype `ModelConfig` rejects.
+    """
+    if self.preset:
+      base = PRESETS[self.preset]
+    else:
+      base = config_from_hf(dict(hf_config or {}), source=f"{self.hf_dir}/config.json")
+    return dataclasses.replace(
+      base, dtype=self.dtype, param_dtype=self.dtype, **dict(self.overrides)
+    )
 
 
 def config_from_hf(

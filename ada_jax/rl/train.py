@@ -85,7 +85,7 @@ class TrainConfig:
     remat: rematerialise each transformer block in the backward pass.
     temperature: T at which log-probs and entropy are recomputed, softmax(logits / T); it
       must be the sampler's (`sampler.SamplingRule.logprob_temperature`, which
-      `config.RunConfig.train_config` passes), else the PPO ratio is off from the start.
+      `config.RunConfig` fills in), else the PPO ratio is off from the start.
   """
 
   loss: LossConfig = LossConfig()
