@@ -16,7 +16,7 @@ from absl import logging
 
 from ada_jax import config as config_lib
 from ada_jax.config import ConfigError
-from ada_jax.data import arith, prompts
+from ada_jax.data import arith, prompts, sources
 from ada_jax.data import sets as data
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import weights
@@ -80,7 +80,7 @@ def load_prompts(cfg: config_lib.RunConfig, tokenizer: Tokenizer) -> prompts.Pro
   else:
     if d.source == "jsonl":
       try:
-        spec = data.user_jsonl_spec(
+        spec = sources.user_jsonl_spec(
           "user",
           d.jsonl_paths,
           problem_field=d.problem_field,
@@ -90,11 +90,11 @@ def load_prompts(cfg: config_lib.RunConfig, tokenizer: Tokenizer) -> prompts.Pro
         )
       except (OSError, ValueError) as e:
         raise ConfigError(f"config.data: {e}") from None
-    elif d.source in data.SETS:
+    elif d.source in sources.SETS:
       spec = d.source
     else:
       raise ConfigError(
-        f"config.data.source {d.source!r}: use 'arith', 'jsonl' or one of {sorted(data.SETS)}"
+        f"config.data.source {d.source!r}: use 'arith', 'jsonl' or one of {sorted(sources.SETS)}"
       )
     data_dir = (
       d.data_dir
@@ -148,7 +148,7 @@ def check_eval_data(cfg: config_lib.RunConfig) -> None:
     or str(pathlib.Path.home() / "tensorflow_datasets")
   )
   for name in e.benchmarks:
-    if name not in data.SETS:
+    if name not in sources.SETS:
       continue  # 'arith' is generated, unknown names fail in `benchmarks.load_examples`
     try:
       data.check_available(name, data_dir=data_dir, manual_dir=e.manual_dir or None)

@@ -34,6 +34,7 @@ from ada_jax.config import ConfigError
 from ada_jax.data import prompts
 from ada_jax.eval import benchmarks
 from ada_jax.eval import evaluation as evaluate
+from ada_jax.eval import sampling as eval_sampling
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.tokenizer import Tokenizer
@@ -56,9 +57,10 @@ _AGREED = (
 )
 
 
-def _heldout_eval(cfg, workdir, tokenizer, params, model_cfg, step) -> dict[str, float]:
+def _heldout_eval(cfg, workdir, tokenizer, params, model_cfg, step, samplers) -> dict[str, float]:
   """`cfg.eval` benchmarks of the current policy (report in workdir/eval/step_<step>.*),
-  with a progress bar and a closing line on the console."""
+  with a progress bar and a closing line on the console; `samplers` are the run's
+  `eval.sampling.EvalSamplers`, built once so that only the first evaluation compiles."""
   if not cfg.eval.benchmarks:
     return {}
   primary = jax.process_index() == 0
@@ -71,6 +73,7 @@ def _heldout_eval(cfg, workdir, tokenizer, params, model_cfg, step) -> dict[str,
     params=params,
     model_config=model_cfg,
     tokenizer=tokenizer,
+    samplers=samplers,
     model_tag=evaluate.run_model_tag(workdir, step),
     name=f"step_{step}",
     progress=primary,
@@ -114,6 +117,9 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
     ) from None
   ps = inputs.load_prompts(cfg, tokenizer)
   inputs.check_eval_data(cfg)
+  eval_samplers = None
+  if cfg.eval.benchmarks:  # built once: periodic evaluations reuse their compiles
+    eval_samplers = eval_sampling.EvalSamplers.make(model_cfg, tokenizer, cfg.eval)
   ppc = cfg.prompts_per_chunk
   if not cfg.sampler.prompts_per_chunk:  # derived: round up to the rows' mesh axes
     ppc = sampler.fit_prompts_per_chunk(ppc, cfg.sampler.chunk_rows, mesh)
@@ -158,7 +164,7 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
           "steps_run": int(ws["steps_run"]),
           "reached_target": bool(ws["reached_target"]),
         }
-    host["before_rl"] = _heldout_eval(cfg, workdir, tokenizer, params, model_cfg, 0)
+    host["before_rl"] = _heldout_eval(cfg, workdir, tokenizer, params, model_cfg, 0, eval_samplers)
     state = train.init_train_state(
       model_cfg, train_cfg, params, mesh, ref_params=params if with_ref else None
     )
@@ -218,7 +224,9 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
     for step in range(first + 1, cfg.rl.steps + 1):
       state, est, m = rl_step(ctx, step, state, est, jax.random.fold_in(rollout_key, step))
       if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < cfg.rl.steps:
-        m.update(_heldout_eval(cfg, workdir, tokenizer, state.params, model_cfg, step))
+        m.update(
+          _heldout_eval(cfg, workdir, tokenizer, state.params, model_cfg, step, eval_samplers)
+        )
       writer.write(step, m)
       host.update(
         step=step, iterator=_jsonable(iterator.state()), np_rng=checkpoint.generator_state(np_rng)
@@ -256,7 +264,9 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
       "params": distributed.local_fingerprint(state.params),
     }
   if step == cfg.rl.steps and stopped_by is None:  # stopped: the rerun evaluates
-    summary["after_rl"] = _heldout_eval(cfg, workdir, tokenizer, state.params, model_cfg, step)
+    summary["after_rl"] = _heldout_eval(
+      cfg, workdir, tokenizer, state.params, model_cfg, step, eval_samplers
+    )
     writer.add_scalars(step, summary["after_rl"])
     if cfg.ckpt.export_hf:
       params = distributed.host_copy(state.params)  # collective: every process takes part

@@ -107,6 +107,7 @@ from ada_jax import config as config_lib  # noqa: E402
 from ada_jax import metrics as metrics_lib  # noqa: E402
 from ada_jax.models import decoder as model_lib  # noqa: E402
 from ada_jax.models import sharding as sharding_lib  # noqa: E402
+from ada_jax.models import weights  # noqa: E402
 from ada_jax.rl import train  # noqa: E402
 from ada_jax.rollout import sampler as sampler_lib  # noqa: E402
 
@@ -143,9 +144,9 @@ def model_of(cfg: config_lib.RunConfig) -> model_lib.ModelConfig:
     raise ValueError(
       f"config.model.hf_dir {cfg.model.hf_dir!r}: no preset known for it; add it to PRESET_OF_HF"
     )
-  return config_lib.model_config(
-    config_lib.ModelSpec(preset=name, dtype=cfg.model.dtype, overrides=cfg.model.overrides)
-  )
+  return weights.ModelSpec(
+    preset=name, dtype=cfg.model.dtype, overrides=cfg.model.overrides
+  ).model_config()
 
 
 def per_device_bytes(tree) -> int:

@@ -2,6 +2,7 @@
 of known accuracy, the problem-weighted average, the resumable results cache and the checks
 of `EvalConfig` (also as the `eval` group of an experiment config)."""
 
+import dataclasses
 import math
 
 import jax
@@ -12,6 +13,7 @@ from ada_jax import config as config_lib
 from ada_jax import testing
 from ada_jax.data import arith, prompts
 from ada_jax.eval import benchmarks
+from ada_jax.eval import sampling as eval_sampling
 from ada_jax.eval.benchmarks import Benchmark, EvalConfig
 from ada_jax.rewards import grader as rewards
 
@@ -198,11 +200,17 @@ def test_evaluate_hook_on_a_tiny_model_reuses_its_sampler():
   )
   benches = benchmarks.load_benchmarks(config, tok)
   assert [(b.name, b.judge, len(b.prompts)) for b in benches] == [("arith", "exact", 8)]
-  args = (params, mc, tok, benches, config, jax.random.key(1), {"exact": _exact_scorer})
-  first = benchmarks.evaluate(*args)
-  hits = benchmarks._sampler.cache_info().hits
-  assert benchmarks.evaluate(*args) == first
-  assert benchmarks._sampler.cache_info().hits == hits + 1
+  samplers = eval_sampling.EvalSamplers.make(mc, tok, config)
+  assert samplers.greedy is None  # config.greedy is off: no second sampler
+  args = (params, samplers, tok, benches, config, jax.random.key(1), {"exact": _exact_scorer})
+  first = eval_sampling.evaluate(*args)
+  assert samplers.sampled.compiles == 1
+  assert eval_sampling.evaluate(*args) == first
+  assert samplers.sampled.compiles == 1  # the second call reused the compiled sampler
+  with pytest.raises(ValueError, match="samplers.greedy is None"):
+    eval_sampling.evaluate(
+      params, samplers, tok, benches, dataclasses.replace(config, greedy=True), *args[5:]
+    )
   assert set(first) == {"arith", "average"} and first["arith"]["num_problems"] == 8
   assert 1 <= first["arith"]["response_tokens"] <= 8
 

@@ -6,6 +6,7 @@ import shutil
 import pytest
 
 from ada_jax.data import sets as data
+from ada_jax.data import sources
 
 # Row counts of ../shared/data/README.md (math_train: 5000 MATH test problems minus MATH500).
 README_ROWS = {
@@ -47,7 +48,7 @@ def test_builders_prepare_with_readme_row_counts(loaded, manual_dir, data_dir):
   for (name, split), examples in loaded.items():
     assert len(examples) == README_ROWS[name, split], (name, split)
     for ex in examples:
-      assert set(ex) == set(data.FEATURES)
+      assert set(ex) == set(sources.FEATURES)
       assert all(isinstance(v, str) and v for v in ex.values()), ex
     ids = [ex["prompt_id"] for ex in examples]
     assert len(set(ids)) == len(ids)
@@ -131,7 +132,7 @@ def test_user_jsonl_dataset(tmp_path, manual_dir, data_dir):
     {"q": "Simplify $\\frac{4}{6}$.", "sol": "\\boxed{\\frac{2}{3}}"},
   ]
   user.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-  spec = data.user_jsonl_spec(
+  spec = sources.user_jsonl_spec(
     "mine", [user], problem_field="q", answer_field="sol", answer_format="boxed"
   )
   examples = data.load_examples(spec, "train", data_dir=data_dir, manual_dir=manual_dir)
@@ -145,18 +146,18 @@ def test_user_jsonl_dataset(tmp_path, manual_dir, data_dir):
     },
   ]
   # Wrong field name: file, line and field in the message.
-  bad = data.user_jsonl_spec("bad", [user], problem_field="question")
+  bad = sources.user_jsonl_spec("bad", [user], problem_field="question")
   with pytest.raises(ValueError, match=r"mine\.jsonl:1: field 'question'"):
     data.load_examples(bad, "train", data_dir=data_dir, manual_dir=manual_dir)
   with pytest.raises(FileNotFoundError, match="no such JSONL"):
-    data.user_jsonl_spec("x", [tmp_path / "absent.jsonl"])
+    sources.user_jsonl_spec("x", [tmp_path / "absent.jsonl"])
 
 
 def test_manual_dir_without_file_and_no_url(tmp_path):
   empty = tmp_path / "manual"
   empty.mkdir()
   (empty / "other.txt").write_text("x")
-  spec = data.MathSetSpec("nourl", (data.JsonlSource("test", "nourl.jsonl"),))
+  spec = sources.MathSetSpec("nourl", (sources.JsonlSource("test", "nourl.jsonl"),))
   with pytest.raises(FileNotFoundError, match="nourl.jsonl: not in the manual directory"):
     data.builder(spec, data_dir=tmp_path / "tfds", manual_dir=empty)
 
@@ -174,17 +175,19 @@ def test_invalid_utf8_and_non_object_lines(tmp_path):
   path = tmp_path / "bad.jsonl"
   path.write_bytes(b'{"problem": "a", "answer": "1"}\n\n{"problem": "\xff\xfe"}\n')
   with pytest.raises(ValueError, match=r"bad\.jsonl:3: not UTF-8"):
-    list(data.read_jsonl(path))
+    list(sources.read_jsonl(path))
   path.write_text('{"problem": "a"}\n[1, 2]\n')
   with pytest.raises(ValueError, match=r"bad\.jsonl:2: expected a JSON object"):
-    list(data.read_jsonl(path))
+    list(sources.read_jsonl(path))
 
 
 def test_user_set_cache_name_changes_with_the_math500_filter(tmp_path):
   """The filter changes the rows, so a set prepared without it is never read back with it."""
   user = tmp_path / "mine.jsonl"
   user.write_text('{"problem": "1+1", "answer": "2"}\n')
-  names = {data.user_jsonl_spec("u", [user], exclude_math500=flag).name for flag in (True, False)}
+  names = {
+    sources.user_jsonl_spec("u", [user], exclude_math500=flag).name for flag in (True, False)
+  }
   assert len(names) == 2
 
 

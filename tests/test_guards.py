@@ -21,6 +21,7 @@ from ada_jax.eval import evaluation as evaluate
 from ada_jax.eval import selection as select_prompts
 from ada_jax.eval.benchmarks import EvalConfig
 from ada_jax.models import decoder as model_lib
+from ada_jax.models import weights
 from ada_jax.rollout import sampler as sampler_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -102,11 +103,13 @@ def test_evaluation_checks_the_context_first(tmp_path):
 
 def test_prompt_selection_checks_the_context_first(tmp_path):
   model, tokenizer = _tiny_arith_model()
-  config = select_prompts.SelectConfig(
+  config = select_prompts.SelectConfig.of(
     k=2, max_new_tokens=60, prompt_buckets=(16,), judge="exact", verifier_workers=1
   )
   with metrics_lib.CompileCounter() as compiles:
-    with pytest.raises(config_lib.ConfigError, match=r"SelectConfig\.max_new_tokens \(60\)"):
+    with pytest.raises(
+      config_lib.ConfigError, match=r"SelectConfig\.sampling\.max_new_tokens \(60\)"
+    ):
       select_prompts.run(
         config,
         tmp_path / "out",
@@ -128,8 +131,8 @@ def test_shipped_configs_fit_their_models(path):
   )
   spec = cfg.model
   if spec.hf_dir:
-    spec = config_lib.ModelSpec(preset=HUB_PRESETS[spec.hf_dir], dtype=spec.dtype)
-  model = config_lib.model_config(spec)
+    spec = weights.ModelSpec(preset=HUB_PRESETS[spec.hf_dir], dtype=spec.dtype)
+  model = spec.model_config()
   cfg.check_model(model)
   config_lib.context_fits(
     model, cfg.eval.prompt_buckets, cfg.eval.max_new_tokens, "config.eval"

@@ -12,6 +12,7 @@ import hypothesis.strategies as st
 import pytest
 
 from ada_jax.rewards import grader as rewards
+from ada_jax.rewards import numbers
 
 # ----------------------------------------------------------------------- extraction
 
@@ -327,7 +328,7 @@ def _significant(value: decimal.Decimal, digits: int, sci: bool) -> str:
   q=st.integers(1, 10**5),
   prime=st.sampled_from([3, 7, 11, 13, 17, 19, 23]),
   shift=st.integers(-20, 20),
-  digits=st.integers(rewards.MIN_DECIMAL_DIGITS, 10),
+  digits=st.integers(numbers.MIN_DECIMAL_DIGITS, 10),
   sci=st.booleans(),
   pick=st.randoms(use_true_random=False),
 )
@@ -345,7 +346,7 @@ def test_decimal_response_to_exact_reference(p, q, prime, shift, digits, sci, pi
   wrong = _change_digit(mantissa, pick, first) + ("\\times" + tail if tail else "")
   assert _judge(wrong, reference) == 0.0
   # Fewer significant digits do not approximate an exact value (module docstring's rule).
-  short = _significant(exact, rewards.MIN_DECIMAL_DIGITS - 1, sci)
+  short = _significant(exact, numbers.MIN_DECIMAL_DIGITS - 1, sci)
   assert _judge(short, reference) == 0.0
 
 

@@ -42,9 +42,9 @@ def test_parse_rules_and_bad_rules_are_named():
   with pytest.raises(ValueError, match="rule name 'a/b'"):
     FilterRule("a/b", 0.5)
   with pytest.raises(ValueError, match=r"rule 'a': min_correct=5 > k=4"):
-    SelectConfig(k=4, rules="a:1.0:5")
+    SelectConfig.of(rules="a:1.0:5", k=4)
   with pytest.raises(ValueError, match=r"eval\.k=0"):
-    SelectConfig(k=0, rules=())
+    SelectConfig.of(rules=(), k=0)
 
 
 def test_rule_thresholds_are_inclusive():
@@ -96,7 +96,7 @@ def _known_counts_policy(calls: list):
 
 
 def test_stub_policy_with_known_pass_rates_yields_exactly_the_expected_sets(tmp_path):
-  config = SelectConfig(k=K, problems_per_batch=5, judge="exact")
+  config = SelectConfig.of(k=K, problems_per_batch=5, judge="exact")
   assert [r.name for r in config.rules] == ["hard", "easy"]  # The paper's two sets.
   ps = _prompt_set(len(COUNTS))
   calls = []
@@ -159,7 +159,7 @@ def _random_policy(calls: list):
 
 
 def test_resumes_from_the_cache_and_is_deterministic_for_a_seed(tmp_path):
-  config = SelectConfig(k=8, problems_per_batch=4, judge="exact")
+  config = SelectConfig.of(k=8, problems_per_batch=4, judge="exact")
   ps = _prompt_set(10)
   cache = benchmarks.ResultCache(tmp_path / "cache.jsonl")
   calls = []
@@ -184,7 +184,7 @@ def test_resumes_from_the_cache_and_is_deterministic_for_a_seed(tmp_path):
   assert [r["pass_count"] for r in other_seed] != [r["pass_count"] for r in fresh]
 
   calls.clear()  # A different batch layout changes the keys: the cache is not reused.
-  bigger = SelectConfig(k=8, problems_per_batch=5, judge="exact")
+  bigger = SelectConfig.of(k=8, problems_per_batch=5, judge="exact")
   select_prompts.pass_rates(
     policy, _exact, ps, bigger, jax.random.key(5), cache=reloaded, model_tag="stub"
   )

@@ -7,7 +7,7 @@ import jinja2
 import numpy as np
 import pytest
 
-from ada_jax.models import tokenizer as tokenizer_lib
+from ada_jax.models import chat_template as chat_template_lib
 from ada_jax.models.tokenizer import Tokenizer, pad_left
 
 # A Llama-3-style template written for this test. It exercises what transformers' jinja
@@ -262,7 +262,7 @@ def test_named_templates_and_template_file(tmp_path, llama3_dir):
   assert Tokenizer.from_dir(folder).apply_chat_template(msg) == "Dx"
   assert Tokenizer.from_dir(folder, chat_template="tool_use").apply_chat_template(msg) == "Tx"
   # chat_template.jinja overrides the config field, as in transformers.
-  (folder / tokenizer_lib.TEMPLATE_FILE).write_text("J{{ messages[0]['content'] }}")
+  (folder / chat_template_lib.TEMPLATE_FILE).write_text("J{{ messages[0]['content'] }}")
   assert Tokenizer.from_dir(folder).apply_chat_template(msg) == "Jx"
 
 

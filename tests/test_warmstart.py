@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ada_jax import metrics as metrics_lib
 from ada_jax.data import arith
 from ada_jax.models import decoder as model_lib
 from ada_jax.rl import warmstart
@@ -105,14 +106,17 @@ def test_loss_decreases_and_is_deterministic(tok):
   ws = warmstart.WarmStartConfig(
     steps=40, batch_size=32, learning_rate=1e-2, seed=3, warmup_steps=5, task=TASK
   )
-  run = lambda c: warmstart.warm_start(config, params, tok, c, progress=False)
+  sft = warmstart.SftStep.make(config, ws)  # built once: the runs below share its compile
+  run = lambda c: warmstart.warm_start(config, params, tok, c, progress=False, step=sft)
   new, m = run(ws)
   assert m["loss"].shape == (40,) and m["examples"] == 40 * 32
   assert m["loss"][-5:].mean() < 0.6 * m["loss"][:5].mean()
   assert m["token_accuracy"][-5:].mean() > m["token_accuracy"][:5].mean()
   # The caller's params are untouched (donation works on a copy).
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(params))
-  again, m2 = run(ws)
+  with metrics_lib.CompileCounter() as compiles:
+    again, m2 = run(ws)
+  assert compiles.count == 0
   np.testing.assert_array_equal(m["loss"], m2["loss"])
   for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(again), strict=True):
     np.testing.assert_array_equal(a, b)
@@ -131,6 +135,8 @@ def test_loss_decreases_and_is_deterministic(tok):
   assert m4["steps_run"] == 5 * (first + 1) and m["steps_run"] == 40
   assert set(m4["level_accuracy"]) == {1} and m4["level_accuracy"][1].shape == (first + 1,)
   np.testing.assert_array_equal(m4["loss"], m["loss"][: m4["steps_run"]])
+  with pytest.raises(ValueError, match="another model or WarmStartConfig"):
+    run(dataclasses.replace(ws, learning_rate=2e-2))  # another optimizer: not this step
   # The line the training loop prints: where it stopped, the accuracy and the target.
   assert m4["accuracy"] == pytest.approx(windows[first])
   stop_line = warmstart.describe(m4, dataclasses.replace(ws, target_accuracy=target))

@@ -10,24 +10,23 @@ their problem counts. Also reported: pass@j with the unbiased estimator of Chen 
 "Evaluating Large Language Models Trained on Code", eq. 1), 1 - C(n-c, j) / C(n, j), and
 (optionally) greedy accuracy.
 
-Generation uses the training sampler (`ada_jax.sampler.Sampler`): the k rows of a problem are
-adjacent, so they share one prefill; rewards come from the same verifier pool (docs/design.md
-"Algorithm").
+Generation uses the training sampler (`rollout.sampler.Sampler`, built in `eval.sampling`):
+the k rows of a problem are adjacent, so they share one prefill; rewards come from the same
+verifier pool (docs/design.md "Algorithm").
 Problems are processed in fixed batches; each finished batch is appended to a per-problem
 results cache (JSONL, keyed by benchmark, prompt id, model and settings), so an interrupted
 evaluation continues where it stopped. Batch b of a benchmark always samples with the key
 `fold_in(fold_in(rng, benchmark), b)`, so a resumed evaluation gives the same numbers as an
 uninterrupted one.
 
-Entry points: `load_benchmarks` (tokenized sets), `evaluate` (the trainer's periodic hook:
-a model; no file I/O unless given a cache), `evaluate_policy` (any policy, e.g. a stub),
-`flat_metrics` (for the metrics writer).
+Entry points: `load_benchmarks` (tokenized sets), `evaluate_policy` (any policy, e.g. a
+stub), `flat_metrics` (for the metrics writer); `eval.sampling.evaluate` runs a model (the
+trainer's periodic hook) through `evaluate_policy`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import math
@@ -43,7 +42,6 @@ from absl import logging
 
 from ada_jax.data import arith, prompts
 from ada_jax.data import sets as data
-from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.models.tokenizer import Tokenizer
 from ada_jax.rewards import grader as rewards
 from ada_jax.rollout import sampler
@@ -437,91 +435,6 @@ def evaluate_policy(
   if results:
     results["average"] = weighted_average(results)
   return results
-
-
-# Cached so that the trainer's periodic evaluation compiles once per run, not once per call.
-@functools.lru_cache(maxsize=8)
-def _sampler(
-  model_config: ModelConfig,
-  rule: sampler.SamplingRule,
-  config: EvalConfig,
-  rows_per_problem: int,
-  stop_ids: tuple[int, ...],
-  pad_id: int,
-  mesh: jax.sharding.Mesh | None,
-) -> sampler.Sampler:
-  ppc = config.prompts_per_chunk or max(1, config.chunk_rows // rows_per_problem)
-  ppc = sampler.fit_prompts_per_chunk(ppc, config.chunk_rows, mesh)
-  kw = dict(chunk_rows=config.chunk_rows, prompts_per_chunk=ppc, mesh=mesh, pad_id=pad_id)
-  return sampler.Sampler(
-    model_config,
-    rule=rule,
-    max_new_tokens=config.max_new_tokens,
-    stop_ids=stop_ids,
-    prompt_buckets=config.prompt_buckets,
-    **kw,
-  )
-
-
-def sampler_policy(sampler_: sampler.Sampler, params: Params, tokenizer: Tokenizer) -> Policy:
-  """A `Policy` generating with `sampler_` and decoding each response up to its length
-  (the stop token included, dropped by the decoder as a special token)."""
-
-  def policy(prompt_tokens, row_prompt, rng):
-    out, _ = sampler_.generate(params, prompt_tokens, row_prompt, rng)
-    rows = [t[:n] for t, n in zip(out["tokens"], out["lengths"], strict=True)]
-    return tokenizer.decode_many(rows), out["lengths"]
-
-  return policy
-
-
-def evaluate(
-  params: Params,
-  model_config: ModelConfig,
-  tokenizer: Tokenizer,
-  benchmarks: Sequence[Benchmark],
-  config: EvalConfig,
-  rng: jax.Array,
-  scorers: Mapping[str, Scorer],
-  *,
-  mesh: jax.sharding.Mesh | None = None,
-  cache: ResultCache | None = None,
-  model_tag: str = "",
-  progress: bool = False,
-) -> dict[str, dict[str, float]]:
-  """Avg@k (and pass@j, greedy) of a model; the training loop's periodic-eval hook.
-
-  No file I/O unless a cache is given. Samplers are built once per (model, settings) and
-  reused by later calls, so periodic evaluation compiles only on its first call.
-
-  Args:
-    params: the policy's parameters (placed as `mesh` expects, if given).
-    model_config: its architecture.
-    tokenizer: stop ids, pad id and decoding.
-    benchmarks: from `load_benchmarks`.
-    config: settings.
-    rng: PRNG key (e.g. `fold_in(eval_key, step)`).
-    scorers: judge name -> reward function (`RewardPool.score` of a pool of that judge).
-    mesh: sampler mesh (rows over the data axes), or None for one device.
-    cache, model_tag, progress: see `run_benchmark`.
-
-  Returns:
-    `{benchmark: metrics, ..., 'average': weighted metrics}`; `flat_metrics` flattens it.
-
-  Example (the loop's hook; benchmarks and the pool are made once per run):
-    benches = load_benchmarks(eval_config, tokenizer)
-    metrics = flat_metrics(evaluate(params, model_config, tokenizer, benches, eval_config,
-                                    jax.random.fold_in(eval_key, step), {"exact": pool.score}))
-  """
-  rule = sampler.SamplingRule(config.temperature, config.top_k, config.top_p)
-  ids = (tokenizer.eos_ids, tokenizer.pad_id, mesh)
-  policy = sampler_policy(_sampler(model_config, rule, config, config.k, *ids), params, tokenizer)
-  greedy = None
-  if config.greedy:
-    greedy_rule = sampler.SamplingRule(temperature=0.0)
-    greedy = sampler_policy(_sampler(model_config, greedy_rule, config, 1, *ids), params, tokenizer)
-  kw = dict(cache=cache, model_tag=model_tag, progress=progress)
-  return evaluate_policy(policy, benchmarks, config, rng, scorers, greedy_policy=greedy, **kw)
 
 
 # --------------------------------------------------------------------------- data

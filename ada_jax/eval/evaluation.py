@@ -37,6 +37,7 @@ from absl import logging
 
 from ada_jax import config as config_lib
 from ada_jax.eval import benchmarks as benchmarks_lib
+from ada_jax.eval import sampling as eval_sampling
 from ada_jax.eval.benchmarks import EvalConfig
 from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.models.tokenizer import Tokenizer
@@ -107,6 +108,7 @@ def run(
   model_tag: str,
   name: str,
   mesh: jax.sharding.Mesh | None = None,
+  samplers: eval_sampling.EvalSamplers | None = None,
   progress: bool = True,
 ) -> dict[str, Any]:
   """Evaluates a model on `config.benchmarks` with verifier pools and the results cache,
@@ -123,6 +125,8 @@ def run(
     name: file name stem of the reports, e.g. 'step_1000' or 'hf_Llama-3.2-3B-Instruct';
       `report_name` adds '.2', '.3', ... where a report of other weights or settings has it.
     mesh: sampler mesh or None.
+    samplers: the run's `EvalSamplers` (built once, so repeated calls do not recompile);
+      None = built here for this call on `mesh`.
     progress: tqdm bars.
 
   Returns:
@@ -150,10 +154,11 @@ def run(
     # (every process launches the same sampler calls), even without a shared file system.
     suffix = f".p{jax.process_index()}" if jax.process_count() > 1 else ""
     cache = benchmarks_lib.ResultCache(out_dir / f"cache{suffix}.jsonl")
-    model = (params, model_config, tokenizer)
-    kw = dict(mesh=mesh, cache=cache, model_tag=model_tag, progress=progress)
-    results = benchmarks_lib.evaluate(
-      *model, benchmarks, config, jax.random.key(config.seed), scorers, **kw
+    if samplers is None:
+      samplers = eval_sampling.EvalSamplers.make(model_config, tokenizer, config, mesh)
+    kw = dict(cache=cache, model_tag=model_tag, progress=progress)
+    results = eval_sampling.evaluate(
+      params, samplers, tokenizer, benchmarks, config, jax.random.key(config.seed), scorers, **kw
     )
   settings = dataclasses.asdict(config)
   name = report_name(out_dir, name, model_tag, settings)

@@ -51,10 +51,10 @@ from ada_jax import config as config_lib
 from ada_jax import inputs
 from ada_jax.data import prompts as prompts_lib
 from ada_jax.eval import benchmarks
+from ada_jax.eval import sampling as eval_sampling
 from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.models.tokenizer import Tokenizer
 from ada_jax.rewards.verifier import RewardPool, VerifierConfig
-from ada_jax.rollout import sampler
 
 _NAME = "train_prompts"  # benchmark name of the prompt set in the results cache
 _RESERVED = ("pass_rates", "cache", "summary")  # output file stems a rule may not take
@@ -122,70 +122,56 @@ def parse_rules(text: str | Sequence[str]) -> tuple[FilterRule, ...]:
 # --------------------------------------------------------------------------- settings
 
 
+# K-sampling defaults (paper: K = 16 at temperature 1.0); the rest is `EvalConfig`'s.
+K_SAMPLING = benchmarks.EvalConfig(benchmarks=(), k=16, max_new_tokens=2048, judge="math")
+
+
 @dataclasses.dataclass(frozen=True)
 class SelectConfig:
   """How the pass rates are measured and which sets are written.
 
   Attributes:
-    k: responses per prompt (K; paper: 16).
-    temperature, top_p, top_k: the sampling rule (paper: 1.0, 1.0, off).
-    max_new_tokens: response budget (tokens); the CLI takes the config's `sampler` value.
-    chunk_rows: rows per sampler launch (C).
-    prompts_per_chunk: prefills per launch; 0 = chunk_rows // k (rows of a prompt share one).
-    prompt_buckets: padded prompt lengths (one compile each).
-    problems_per_batch: prompts per sampler call; the unit of the cache and progress bar.
-    judge: reward function (`rewards.JUDGES`); a response is correct iff reward > 0.5.
-    verifier_workers: reward worker processes (0 = all cores).
-    verifier_timeout_s: hard per-response verifier timeout (seconds).
-    seed: seed of the sampling key.
+    sampling: the K-samples pass, in the evaluation's terms (`benchmarks.EvalConfig`): `k`
+      responses per prompt (K), the sampling rule, `max_new_tokens`, chunking and prompt
+      buckets, `problems_per_batch` (the unit of the cache and progress bar), the `judge`
+      (a response is correct iff reward > 0.5), verifier workers and timeout, `seed`;
+      `benchmarks` is unused (the prompts are the training set's).
     rules: the filtered sets to write.
+
+  Raises:
+    ValueError: duplicate rule names, or a rule needing more correct responses than k.
   """
 
-  k: int = 16
-  temperature: float = 1.0
-  top_p: float = 1.0
-  top_k: int = 0
-  max_new_tokens: int = 2048
-  chunk_rows: int = 64
-  prompts_per_chunk: int = 0
-  prompt_buckets: tuple[int, ...] = (128, 256, 512, 1024)
-  problems_per_batch: int = 64
-  judge: str = "math"
-  verifier_workers: int = 0
-  verifier_timeout_s: float = 5.0
-  seed: int = 0
+  sampling: benchmarks.EvalConfig = K_SAMPLING
   rules: tuple[FilterRule, ...] = PAPER_RULES
 
   def __post_init__(self):
     if isinstance(self.rules, str):
       object.__setattr__(self, "rules", parse_rules(self.rules))
     object.__setattr__(self, "rules", tuple(self.rules))
-    object.__setattr__(self, "prompt_buckets", tuple(self.prompt_buckets))
     names = [r.name for r in self.rules]
     if len(set(names)) != len(names):
       raise ValueError(f"SelectConfig.rules: duplicate names in {names}")
     for r in self.rules:
       if r.min_correct > self.k:
         raise ValueError(f"rule {r.name!r}: min_correct={r.min_correct} > k={self.k}")
-    self.eval_config  # noqa: B018  (EvalConfig checks the shared fields, naming them)
 
   @property
-  def eval_config(self) -> benchmarks.EvalConfig:
-    """The settings in the form `benchmarks.run_benchmark` takes."""
-    return benchmarks.EvalConfig(
-      benchmarks=(),
-      **{f: getattr(self, f) for f in ("k", "temperature", "top_p", "top_k", "max_new_tokens")},
-      **{f: getattr(self, f) for f in ("chunk_rows", "prompts_per_chunk", "prompt_buckets")},
-      **{f: getattr(self, f) for f in ("problems_per_batch", "judge", "verifier_workers")},
-      verifier_timeout_s=self.verifier_timeout_s,
-      max_prompt_tokens=max(self.prompt_buckets, default=1),
-      seed=self.seed,
-    )
+  def k(self) -> int:
+    return self.sampling.k
+
+  @classmethod
+  def of(cls, rules: Any = PAPER_RULES, **sampling: Any) -> SelectConfig:
+    """`K_SAMPLING` with `sampling`'s fields replaced (`EvalConfig` checks and names
+    them); `max_prompt_tokens` follows the largest prompt bucket unless given."""
+    if "prompt_buckets" in sampling:
+      sampling.setdefault("max_prompt_tokens", max(sampling["prompt_buckets"], default=1))
+    return cls(dataclasses.replace(K_SAMPLING, **sampling), rules)
 
   @classmethod
   def from_run_config(cls, cfg: config_lib.RunConfig, **overrides: Any) -> SelectConfig:
     """The experiment's rollout settings (`sampler`, `rl` groups) with K-sampling defaults;
-    `overrides` (None values ignored) replace fields."""
+    `overrides` (`rules` or `EvalConfig` fields; None values ignored) replace fields."""
     s = cfg.sampler
     base = dict(
       max_new_tokens=s.max_new_tokens,
@@ -197,7 +183,7 @@ class SelectConfig:
       seed=cfg.seed,
     )
     base.update({k: v for k, v in overrides.items() if v is not None})
-    return cls(**base)
+    return cls.of(**base)
 
 
 # --------------------------------------------------------------------------- pass rates
@@ -217,7 +203,7 @@ def pass_rates(
   """K responses per prompt, scored: one row per prompt, in `prompt_set` order.
 
   Args:
-    policy: generates the responses (`benchmarks.sampler_policy`, or a stub).
+    policy: generates the responses (`eval_sampling.sampler_policy`, or a stub).
     score: reward function (`RewardPool.score`).
     prompt_set: the prompts (unique `prompt_ids`).
     config: K, batch size, sampling rule, judge.
@@ -238,11 +224,12 @@ def pass_rates(
   if cache is not None and model_tag:
     # The sampler's keys depend on how prompts are cut into batches and chunks, so a cache
     # entry is reused only under the same layout (a resumed run then equals a fresh one).
-    layout = (config.problems_per_batch, config.chunk_rows, config.prompts_per_chunk)
+    c = config.sampling
+    layout = (c.problems_per_batch, c.chunk_rows, c.prompts_per_chunk)
     model_tag = f"{model_tag}|layout={layout}"
-  bench = benchmarks.Benchmark(_NAME, prompt_set, config.judge)
+  bench = benchmarks.Benchmark(_NAME, prompt_set, config.sampling.judge)
   kw = dict(cache=cache, model_tag=model_tag, progress=progress)
-  records = benchmarks.run_benchmark(bench, policy, score, config.eval_config, rng, **kw)
+  records = benchmarks.run_benchmark(bench, policy, score, config.sampling, rng, **kw)
   rows = []
   for i, r in enumerate(records):
     count = int(np.sum(np.asarray(r["rewards"]) > 0.5))
@@ -381,29 +368,6 @@ def write_outputs(
 # --------------------------------------------------------------------------- model-level run
 
 
-def make_sampler(
-  model_config: ModelConfig,
-  tokenizer: Tokenizer,
-  config: SelectConfig,
-  mesh: jax.sharding.Mesh | None = None,
-) -> sampler.Sampler:
-  """The chunked sampler for K rows per prompt (the rows of a prompt share one prefill)."""
-  ppc = config.prompts_per_chunk or max(1, config.chunk_rows // config.k)
-  ppc = sampler.fit_prompts_per_chunk(ppc, config.chunk_rows, mesh)
-  rule = sampler.SamplingRule(config.temperature, config.top_k, config.top_p)
-  fields = ("max_new_tokens", "chunk_rows", "prompt_buckets")
-  kw = {f: getattr(config, f) for f in fields}
-  return sampler.Sampler(
-    model_config,
-    rule=rule,
-    stop_ids=tokenizer.eos_ids,
-    pad_id=tokenizer.pad_id,
-    prompts_per_chunk=ppc,
-    mesh=mesh,
-    **kw,
-  )
-
-
 def run(
   config: SelectConfig,
   out_dir: str | os.PathLike,
@@ -443,22 +407,21 @@ def run(
     ConfigError: the largest prompt bucket plus `max_new_tokens` exceed the model's
       positions (before anything compiles).
   """
-  config_lib.context_fits(
-    model_config, config.prompt_buckets, config.max_new_tokens, "SelectConfig"
-  )
+  c = config.sampling
+  config_lib.context_fits(model_config, c.prompt_buckets, c.max_new_tokens, "SelectConfig.sampling")
   out = pathlib.Path(out_dir)
-  policy = benchmarks.sampler_policy(
-    make_sampler(model_config, tokenizer, config, mesh), params, tokenizer
+  policy = eval_sampling.sampler_policy(
+    eval_sampling.make_sampler(model_config, tokenizer, c, mesh=mesh), params, tokenizer
   )
   verifier = VerifierConfig(
-    judge=config.judge, num_workers=config.verifier_workers, timeout_s=config.verifier_timeout_s
+    judge=c.judge, num_workers=c.verifier_workers, timeout_s=c.verifier_timeout_s
   )
   suffix = f".p{jax.process_index()}" if jax.process_count() > 1 else ""
   cache = benchmarks.ResultCache(out / f"cache{suffix}.jsonl")
   start = time.perf_counter()
   kw = dict(cache=cache, model_tag=model_tag, progress=progress)
   with RewardPool(verifier) as pool:
-    rows = pass_rates(policy, pool.score, prompt_set, config, jax.random.key(config.seed), **kw)
+    rows = pass_rates(policy, pool.score, prompt_set, config, jax.random.key(c.seed), **kw)
   summary = {}
   if jax.process_index() == 0:
     info = {"model": model_tag, **dict(info or {}), "wall_s": round(time.perf_counter() - start, 2)}

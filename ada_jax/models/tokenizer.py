@@ -16,28 +16,20 @@ with a bool mask.
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import functools
 import json
 import math
 import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
 import numpy as np
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from ada_jax.models import chat_template
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
-# Newer transformers saves templates as separate files, which take precedence over the
-# `chat_template` field of tokenizer_config.json (as transformers loads them).
-TEMPLATE_FILE = "chat_template.jinja"
-TEMPLATE_DIR = "additional_chat_templates"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,61 +49,6 @@ class TokenizerConfig:
 _SPECIAL_TOKEN_FIELDS = tuple(
   f"{k}_token" for k in ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
 )
-
-
-# --------------------------------------------------------------------------- jinja
-
-
-class _GenerationTag(jinja2.ext.Extension):
-  """Accepts `{% generation %}...{% endgeneration %}` and renders its body unchanged.
-
-  transformers uses the tag to track assistant spans; without the extension such templates
-  would not even parse.
-  """
-
-  tags = {"generation"}
-
-  def parse(self, parser):
-    lineno = next(parser.stream).lineno
-    body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-    return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-  def _render(self, caller):
-    return caller()
-
-
-def _raise_exception(message):
-  raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-  # jinja's own `tojson` HTML-escapes '<', '>', '&' and "'", which would put escapes into
-  # tool schemas and change the prompt; transformers replaces it with plain json.dumps.
-  return json.dumps(
-    x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-  )
-
-
-def _strftime_now(fmt):
-  return datetime.datetime.now().strftime(fmt)
-
-
-@functools.cache
-def _jinja_env() -> ImmutableSandboxedEnvironment:
-  # Templates come from checkpoint folders, i.e. untrusted code: sandboxed, immutable
-  # (no list.append), as in transformers. `dict`, `range`, `namespace` are jinja defaults.
-  env = ImmutableSandboxedEnvironment(
-    trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-  )
-  env.filters["tojson"] = _tojson
-  env.globals["raise_exception"] = _raise_exception
-  env.globals["strftime_now"] = _strftime_now
-  return env
-
-
-@functools.lru_cache(maxsize=32)
-def _compile(template: str) -> jinja2.Template:
-  return _jinja_env().from_string(template)
 
 
 # --------------------------------------------------------------------------- files
@@ -153,40 +90,6 @@ def _int_list(value: Any, path: pathlib.Path, field: str) -> list[int]:
       f"{path}: field {field!r} must be a non-negative int or a list of them, got {value!r}"
     )
   return list(values)
-
-
-def _read_templates(folder: pathlib.Path, config: dict | None) -> dict[str, str]:
-  """Named chat templates of a folder ('default' for the unnamed one); empty when none."""
-  templates: dict[str, str] = {}
-  config_path = folder / CONFIG_FILE
-  raw = (config or {}).get("chat_template")
-  if isinstance(raw, str):
-    templates["default"] = raw
-  elif isinstance(raw, list):
-    for i, entry in enumerate(raw):
-      if not (
-        isinstance(entry, Mapping)
-        and isinstance(entry.get("name"), str)
-        and isinstance(entry.get("template"), str)
-      ):
-        raise ValueError(
-          f"{config_path}: field 'chat_template'[{i}] must be an object with "
-          f"string 'name' and 'template', got {entry!r}"
-        )
-      templates[entry["name"]] = entry["template"]
-  elif raw is not None:
-    raise ValueError(
-      f"{config_path}: field 'chat_template' must be a string or a list of "
-      f"{{name, template}} objects, got {type(raw).__name__}"
-    )
-  # Template files override the config field, as transformers' from_pretrained does.
-  files = {}
-  if (folder / TEMPLATE_FILE).exists():
-    files["default"] = (folder / TEMPLATE_FILE).read_text(encoding="utf-8")
-  if (folder / TEMPLATE_DIR).is_dir():
-    for f in sorted((folder / TEMPLATE_DIR).glob("*.jinja")):
-      files[f.name.removesuffix(".jinja")] = f.read_text(encoding="utf-8")
-  return files or templates
 
 
 # --------------------------------------------------------------------------- padding
@@ -382,7 +285,7 @@ class Tokenizer:
       eos_ids=stops,
       pad_id=pad_id,
       special_tokens=special,
-      chat_templates=_read_templates(folder, config),
+      chat_templates=chat_template.read_templates(folder, config, folder / CONFIG_FILE),
       chat_template=chat_template,
     )
 
@@ -438,7 +341,9 @@ class Tokenizer:
     )
     for name, template in self.chat_templates.items():
       target = (
-        folder / TEMPLATE_FILE if name == "default" else folder / TEMPLATE_DIR / f"{name}.jinja"
+        folder / chat_template.TEMPLATE_FILE
+        if name == "default"
+        else folder / chat_template.TEMPLATE_DIR / f"{name}.jinja"
       )
       target.parent.mkdir(exist_ok=True)
       target.write_text(template, encoding="utf-8")
@@ -516,7 +421,7 @@ class Tokenizer:
     if self._template is None:
       raise ValueError(
         f"no chat template: the tokenizer folder has no {CONFIG_FILE} field "
-        f"'chat_template' and no {TEMPLATE_FILE}; pass chat_template= to from_dir"
+        f"'chat_template' and no {chat_template.TEMPLATE_FILE}; pass chat_template= to from_dir"
       )
     chat = []
     for i, m in enumerate(messages):
@@ -524,7 +429,7 @@ class Tokenizer:
         raise ValueError(f"messages[{i}] must be a mapping with 'role' and 'content', got {m!r}")
       chat.append({k: v for k, v in m.items() if v is not None})
     variables = {**self.special_tokens, **template_kwargs}
-    return _compile(self._template).render(
+    return chat_template.compile_template(self._template).render(
       messages=chat,
       tools=None,
       documents=None,

@@ -28,7 +28,7 @@ one do:
     when it is within half a unit of the reference's last written digit (trailing zeros
     count: `1.60` asks for 1.595..1.605), i.e. when it rounds to the reference;
   * a decimal RESPONSE to an exact reference (0.333333 for 1/3, 1.41421 for √2) scores 1
-    when it states at least `MIN_DECIMAL_DIGITS` (6) significant digits and is the
+    when it states at least `numbers.MIN_DECIMAL_DIGITS` (6) significant digits and is the
     reference rounded to its own last written digit (within half a unit of it); fewer
     digits (0.333, 1.414) score 0 unless the decimal is exactly the reference. The same
     relative rule is used for decimals inside larger expressions (`2.5\\pi`).
@@ -43,7 +43,6 @@ under a hard timeout. `reference_answer` extracts the reference of a data-set ro
 """
 
 import ast
-import contextvars
 import decimal
 import functools
 import math
@@ -51,6 +50,8 @@ import re
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping
+
+from ada_jax.rewards import numbers
 
 # --------------------------------------------------------------------------- extraction
 
@@ -195,113 +196,6 @@ def _is_prose(answer: str) -> bool:
   return _WORD_RUN.search(_LATEX_CMD.sub(" ", normalized)) is not None
 
 
-# ------------------------------------------------------------------------------- numbers
-
-MIN_DECIMAL_DIGITS = 6  # Significant digits a decimal response needs to approximate a value.
-_EXACT_DIGITS = 40  # Significant digits to which exact irrational values must agree.
-# Decimals, and the integer mantissa of E-notation ("3" of "3e8").
-_DECIMAL_LITERAL = re.compile(r"(?<![\w.])(?:\d+\.\d+|\.\d+|\d+(?=[eE][-+]?\d))")
-# Written decimals of (reference, prediction), by value: (exponent of the last written
-# digit, significant digits). sympy Floats forget trailing zeros; "1.60" keeps them here.
-_WRITTEN: contextvars.ContextVar[tuple[dict, dict]] = contextvars.ContextVar(
-  "_WRITTEN", default=({}, {})
-)
-
-
-def _written_decimals(answer: str) -> dict[decimal.Decimal, tuple[int, int]]:
-  out = {}
-  for m in _DECIMAL_LITERAL.finditer(answer):
-    d = decimal.Decimal(m.group())
-    if d:
-      t = d.as_tuple()
-      key = d.normalize()
-      if key not in out or t.exponent < out[key][0]:
-        out[key] = (t.exponent, len(t.digits))
-  return out
-
-
-def _at_written_value(expr, written: dict, min_digits: int):
-  """`expr` with each Float replaced by the rational it is written as, and the relative
-  half-unit of the most precise Float stating at least `min_digits` digits (0 if none)."""
-  import sympy
-
-  floats = expr.atoms(sympy.Float)
-  if not floats:
-    return expr, 0
-  exact, rel = {}, sympy.Integer(0)
-  for f in floats:
-    d = decimal.Decimal(str(abs(f))).normalize()
-    t = d.as_tuple()
-    exponent, digits = written.get(d, (t.exponent, len(t.digits)))
-    value = sympy.Rational(*d.as_integer_ratio())
-    exact[f] = value if f >= 0 else -value
-    if d and digits >= min_digits:  # The most precise decimal sets the precision.
-      half_unit = sympy.Rational(10) ** exponent / (2 * value)
-      rel = half_unit if rel == 0 else min(rel, half_unit)
-  return expr.xreplace(exact), rel
-
-
-def _numbers_equal(gold, pred) -> bool:
-  """Our numeric rule (module docstring): exact values exactly, decimals to their written
-  precision. `gold`, `pred`: sympy expressions; False when their difference is symbolic (the
-  caller then tries symbolic equality)."""
-  import sympy
-
-  written_gold, written_pred = _WRITTEN.get()
-  g, rel_g = _at_written_value(gold, written_gold, 1)
-  p, rel_p = _at_written_value(pred, written_pred, MIN_DECIMAL_DIGITS)
-  diff = g - p
-  if diff == 0:
-    return True
-  if not diff.is_number:
-    return False
-  if g.free_symbols or p.free_symbols:  # Constant offset between symbolic sides: unequal.
-    return False
-  tol = max(abs(g) * rel_g, abs(p) * rel_p)
-  if tol == 0:
-    if diff.is_Rational or all(part.is_Rational for part in diff.as_real_imag()):
-      return False
-    size = sympy.Max(abs(g), abs(p)).evalf(_EXACT_DIGITS + 20)
-    return bool(abs(diff).evalf(_EXACT_DIGITS + 20) <= size * sympy.Rational(10) ** -_EXACT_DIGITS)
-  return bool(abs(diff).evalf(30) <= tol.evalf(30))
-
-
-_MV_NUMERIC_EQ = None
-
-
-def _numeric_eq(a, b, float_rounding: int, numeric_precision: int) -> bool:
-  """Stand-in for `math_verify.grader.sympy_numeric_eq` (gold first, as math-verify calls
-  it): matrices and percentages keep math-verify's handling, element-wise via this rule."""
-  import sympy
-  from sympy.matrices.expressions import MatrixExpr
-
-  if isinstance(a, (sympy.MatrixBase, MatrixExpr)) or isinstance(b, (sympy.MatrixBase, MatrixExpr)):
-    return _MV_NUMERIC_EQ(a, b, float_rounding, numeric_precision)
-  if a.has(sympy.UnevaluatedExpr) or b.has(sympy.UnevaluatedExpr):  # "50\%" = 50·(1/100).
-    return _MV_NUMERIC_EQ(a, b, float_rounding, numeric_precision)
-  try:
-    return _numbers_equal(a, b)
-  except (TypeError, ValueError, ArithmeticError, AttributeError):  # NaN, zoo, sets...
-    return False
-
-
-def _math_verify():
-  """math_verify, with its numeric comparison replaced by `_numeric_eq` (once).
-
-  Its own rounds both sides to 6 decimal places and chops below 1e-15, which accepts
-  2^{-98} for 2^{-99} and 1e-7 for 2e-7; every comparison it makes (also inside tuples, sets,
-  intervals and equations) goes through this module-level function.
-  """
-  global _MV_NUMERIC_EQ
-  import math_verify  # Imported lazily: sympy + antlr cost ~0.5 s and belong in workers.
-  from math_verify import grader
-
-  if _MV_NUMERIC_EQ is None:
-    _MV_NUMERIC_EQ = grader.sympy_numeric_eq
-    grader.sympy_numeric_eq = _numeric_eq
-  return math_verify
-
-
 # --------------------------------------------------------------------------- equivalence
 
 
@@ -317,7 +211,7 @@ def _parse_gold_cached(reference: str):
 
 
 def _parse_gold(reference: str, timeout: int | None):
-  math_verify = _math_verify()
+  math_verify = numbers.patched_math_verify()
   return math_verify.parse(
     "\\boxed{" + reference + "}",
     [math_verify.LatexExtractionConfig()],
@@ -374,7 +268,7 @@ def is_equivalent(prediction: str, reference: str, mv_timeout_s: int | None = No
   pred, ref = _standard_notation(pred), _standard_notation(ref)
   if _is_prose(pred) and not _is_prose(ref):
     raise UngradableAnswer(f"box content is prose, not maths: {pred[:80]!r}")
-  math_verify = _math_verify()
+  math_verify = numbers.patched_math_verify()
   gold = _parse_gold_cached(ref) if mv_timeout_s is None else _parse_gold(ref, mv_timeout_s)
   target = math_verify.parse(
     "\\boxed{" + pred + "}",
@@ -387,11 +281,13 @@ def is_equivalent(prediction: str, reference: str, mv_timeout_s: int | None = No
   if _is_complex(gold):
     gold, target = _imaginary_unit(gold), _imaginary_unit(target)
   # The raw strings: `normalize_answer` drops trailing zeros ("1.60"), which state precision.
-  token = _WRITTEN.set((_written_decimals(reference), _written_decimals(prediction)))
+  token = numbers.WRITTEN.set(
+    (numbers.written_decimals(reference), numbers.written_decimals(prediction))
+  )
   try:
     equal = math_verify.verify(gold, target, timeout_seconds=mv_timeout_s, raise_on_error=True)
   finally:
-    _WRITTEN.reset(token)
+    numbers.WRITTEN.reset(token)
   # Unparsed, the prediction could only match the reference's normalised LaTeX string.
   if not equal and not any(isinstance(x, (sympy.Basic, sympy.MatrixBase)) for x in target):
     raise UngradableAnswer(f"math-verify cannot parse the box content: {pred[:80]!r}")

@@ -18,9 +18,8 @@ them; prompt tokens are inputs only, never targets.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -266,15 +265,39 @@ def sft_step(
 # --------------------------------------------------------------------------- driver
 
 
-@functools.lru_cache(maxsize=8)
-def _jitted_step(model_config: ModelConfig, config: WarmStartConfig):
-  """The jitted `sft_step` of a setting, cached so repeated warm starts compile once.
+def _step_setting(config: WarmStartConfig) -> WarmStartConfig:
+  # Fields that only choose the data or steer the host loop do not change the function.
+  return dataclasses.replace(config, seed=0, target_accuracy=0.0, target_level=0, check_every=1)
 
-  Callers pass `config` with `seed=0`: the seed only changes the data, not the function.
+
+@dataclasses.dataclass(frozen=True)
+class SftStep:
+  """The jitted `sft_step` of one (model, optimizer setting): build it once (`make`) and
+  pass it to every `warm_start` of that setting, so that repeated warm starts (other
+  seeds, targets) compile once.
+
+  Attributes:
+    model_config: the architecture it was traced for.
+    setting: the `WarmStartConfig` it was built from, with the fields that do not change
+      the function (seed, target_accuracy, target_level, check_every) reset.
+    optimizer: `make_optimizer(setting)`.
+    step: jitted (params, opt_state, batch) -> (params, opt_state, metrics), params and
+      optimizer state donated.
   """
-  optimizer = make_optimizer(config)
-  step = jax.jit(lambda p, s, b: sft_step(model_config, optimizer, p, s, b), donate_argnums=(0, 1))
-  return optimizer, step
+
+  model_config: ModelConfig
+  setting: WarmStartConfig
+  optimizer: optax.GradientTransformation
+  step: Callable
+
+  @classmethod
+  def make(cls, model_config: ModelConfig, config: WarmStartConfig) -> SftStep:
+    setting = _step_setting(config)
+    optimizer = make_optimizer(setting)
+    step = jax.jit(
+      lambda p, s, b: sft_step(model_config, optimizer, p, s, b), donate_argnums=(0, 1)
+    )
+    return cls(model_config, setting, optimizer, step)
 
 
 def _length_bounds(task: arith.ArithConfig, tokenizer: Tokenizer) -> tuple[int, int]:
@@ -307,6 +330,7 @@ def warm_start(
   config: WarmStartConfig,
   *,
   progress: bool = True,
+  step: SftStep | None = None,
 ) -> tuple[Params, dict[str, Any]]:
   """Trains `params` on `config.steps × config.batch_size` fresh training-split problems of
   `config.task`.
@@ -321,6 +345,8 @@ def warm_start(
     tokenizer: the arithmetic tokenizer.
     config: the settings (problems to train on, steps, optimizer, early stop).
     progress: show a tqdm bar with the running loss.
+    step: `SftStep.make(model_config, config)` when warm starts repeat (it compiles once);
+      None = built for this call.
 
   Returns:
     (trained params, metrics): numpy `loss float32[S]`, `token_accuracy float32[S]`,
@@ -332,8 +358,8 @@ def warm_start(
     first check), `wall_s` (seconds, compile included), `examples` (count).
 
   Raises:
-    ValueError: bad settings (named as `WarmStartConfig` fields), or a tokenizer larger
-      than the model's vocabulary.
+    ValueError: bad settings (named as `WarmStartConfig` fields), a tokenizer larger
+      than the model's vocabulary, or a `step` built for another model or setting.
   """
   c = config
   task_config, steps, batch_size, seed = c.task, c.steps, c.batch_size, c.seed
@@ -345,9 +371,11 @@ def warm_start(
   data = encode_examples(tokenizer, examples, prompt_len=lp, response_len=lr)
   levels = np.asarray([int(e["source"].removeprefix("arith/L")) for e in examples])
   levels = levels.reshape(steps, batch_size)
-  # Fields that only steer the host loop must not split the compile cache.
-  key = dataclasses.replace(config, seed=0, target_accuracy=0.0, target_level=0, check_every=1)
-  optimizer, step_fn = _jitted_step(model_config, key)
+  if step is None:
+    step = SftStep.make(model_config, config)
+  elif (step.model_config, step.setting) != (model_config, _step_setting(config)):
+    raise ValueError("warm_start: `step` was made for another model or WarmStartConfig")
+  optimizer, step_fn = step.optimizer, step.step
   # Copy so that donation never invalidates the caller's arrays.
   params = jax.tree.map(jnp.array, params)
   opt_state = optimizer.init(params)

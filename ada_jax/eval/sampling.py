@@ -1,0 +1,154 @@
+"""How an evaluation (or a prompt selection) generates: the chunked samplers, built once per
+run and passed to every call so that repeated evaluations compile once (`EvalSamplers`), the
+`benchmarks.Policy` over a sampler (`sampler_policy`), and `evaluate`, a model's Avg@k (the
+training loop's periodic hook) through `benchmarks.evaluate_policy`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import jax
+
+from ada_jax.eval.benchmarks import (
+  Benchmark,
+  EvalConfig,
+  Policy,
+  ResultCache,
+  Scorer,
+  evaluate_policy,
+)
+from ada_jax.models.decoder import ModelConfig, Params
+from ada_jax.models.tokenizer import Tokenizer
+from ada_jax.rollout import sampler
+
+
+def make_sampler(
+  model_config: ModelConfig,
+  tokenizer: Tokenizer,
+  config: EvalConfig,
+  *,
+  rule: sampler.SamplingRule | None = None,
+  rows_per_problem: int | None = None,
+  mesh: jax.sharding.Mesh | None = None,
+) -> sampler.Sampler:
+  """The chunked sampler of an evaluation (or a prompt selection): `rows_per_problem` rows
+  per problem (default `config.k`) share one prefill, `config.prompts_per_chunk` or
+  C // rows_per_problem problems a launch.
+
+  Args:
+    model_config: the architecture.
+    tokenizer: stop ids and pad id.
+    config: budget, chunking and buckets; the sampling rule unless `rule` is given.
+    rule: overrides `config`'s sampling rule (greedy accuracy).
+    rows_per_problem: rows drawn per problem (1 for greedy).
+    mesh: sampler mesh (rows over the data axes), or None for one device.
+
+  Returns:
+    A `sampler.Sampler`; it compiles on its first call, so build it once per run and pass
+    it on (`EvalSamplers`).
+  """
+  rows = config.k if rows_per_problem is None else rows_per_problem
+  ppc = config.prompts_per_chunk or max(1, config.chunk_rows // rows)
+  ppc = sampler.fit_prompts_per_chunk(ppc, config.chunk_rows, mesh)
+  return sampler.Sampler(
+    model_config,
+    rule=rule or sampler.SamplingRule(config.temperature, config.top_k, config.top_p),
+    max_new_tokens=config.max_new_tokens,
+    stop_ids=tokenizer.eos_ids,
+    pad_id=tokenizer.pad_id,
+    chunk_rows=config.chunk_rows,
+    prompts_per_chunk=ppc,
+    prompt_buckets=config.prompt_buckets,
+    mesh=mesh,
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSamplers:
+  """The samplers an evaluation generates with, built once per run (`make`) and passed to
+  every `evaluate` call, so that periodic evaluation compiles only on its first call.
+
+  Attributes:
+    sampled: k rows per problem under the config's sampling rule (Avg@k, pass@j).
+    greedy: one greedy row per problem, or None when `config.greedy` is off.
+  """
+
+  sampled: sampler.Sampler
+  greedy: sampler.Sampler | None = None
+
+  @classmethod
+  def make(
+    cls,
+    model_config: ModelConfig,
+    tokenizer: Tokenizer,
+    config: EvalConfig,
+    mesh: jax.sharding.Mesh | None = None,
+  ) -> EvalSamplers:
+    """The samplers `config` asks for (see `make_sampler`)."""
+    greedy = None
+    if config.greedy:
+      greedy_rule = sampler.SamplingRule(temperature=0.0)
+      greedy = make_sampler(
+        model_config, tokenizer, config, rule=greedy_rule, rows_per_problem=1, mesh=mesh
+      )
+    return cls(make_sampler(model_config, tokenizer, config, mesh=mesh), greedy)
+
+
+def sampler_policy(sampler_: sampler.Sampler, params: Params, tokenizer: Tokenizer) -> Policy:
+  """A `Policy` generating with `sampler_` and decoding each response up to its length
+  (the stop token included, dropped by the decoder as a special token)."""
+
+  def policy(prompt_tokens, row_prompt, rng):
+    out, _ = sampler_.generate(params, prompt_tokens, row_prompt, rng)
+    rows = [t[:n] for t, n in zip(out["tokens"], out["lengths"], strict=True)]
+    return tokenizer.decode_many(rows), out["lengths"]
+
+  return policy
+
+
+def evaluate(
+  params: Params,
+  samplers: EvalSamplers,
+  tokenizer: Tokenizer,
+  benchmarks: Sequence[Benchmark],
+  config: EvalConfig,
+  rng: jax.Array,
+  scorers: Mapping[str, Scorer],
+  *,
+  cache: ResultCache | None = None,
+  model_tag: str = "",
+  progress: bool = False,
+) -> dict[str, dict[str, float]]:
+  """Avg@k (and pass@j, greedy) of a model; the training loop's periodic-eval hook.
+
+  No file I/O unless a cache is given.
+
+  Args:
+    params: the policy's parameters (placed as the samplers' mesh expects, if any).
+    samplers: `EvalSamplers.make(model_config, tokenizer, config, mesh)`, built once.
+    tokenizer: decoding.
+    benchmarks: from `load_benchmarks`.
+    config: settings.
+    rng: PRNG key (e.g. `fold_in(eval_key, step)`).
+    scorers: judge name -> reward function (`RewardPool.score` of a pool of that judge).
+    cache, model_tag, progress: see `run_benchmark`.
+
+  Returns:
+    `{benchmark: metrics, ..., 'average': weighted metrics}`; `flat_metrics` flattens it.
+
+  Example (the loop's hook; samplers, benchmarks and the pool are made once per run):
+    samplers = EvalSamplers.make(model_config, tokenizer, eval_config)
+    benches = load_benchmarks(eval_config, tokenizer)
+    metrics = flat_metrics(evaluate(params, samplers, tokenizer, benches, eval_config,
+                                    jax.random.fold_in(eval_key, step), {"exact": pool.score}))
+  """
+  policy = sampler_policy(samplers.sampled, params, tokenizer)
+  greedy = None
+  if config.greedy:
+    if samplers.greedy is None:
+      raise ValueError("config.greedy is set but samplers.greedy is None (EvalSamplers.make)")
+    greedy = sampler_policy(samplers.greedy, params, tokenizer)
+  kw = dict(cache=cache, model_tag=model_tag, progress=progress)
+  return evaluate_policy(policy, benchmarks, config, rng, scorers, greedy_policy=greedy, **kw)

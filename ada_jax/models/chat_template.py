@@ -1,0 +1,127 @@
+"""Chat templates as transformers renders them, without importing transformers.
+
+A template is compiled under the environment `PreTrainedTokenizerFast.apply_chat_template`
+uses: sandboxed jinja2 with `trim_blocks`, `lstrip_blocks`, `loopcontrols`, the
+`{% generation %}` tag, `raise_exception`, `strftime_now` and a non-escaping `tojson`.
+`read_templates` finds a folder's named templates (tokenizer_config.json's `chat_template`
+field, overridden by template files, as transformers' `from_pretrained` does).
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import pathlib
+from collections.abc import Mapping
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# Newer transformers saves templates as separate files, which take precedence over the
+# `chat_template` field of tokenizer_config.json (as transformers loads them).
+TEMPLATE_FILE = "chat_template.jinja"
+TEMPLATE_DIR = "additional_chat_templates"
+
+
+# --------------------------------------------------------------------------- jinja
+
+
+class _GenerationTag(jinja2.ext.Extension):
+  """Accepts `{% generation %}...{% endgeneration %}` and renders its body unchanged.
+
+  transformers uses the tag to track assistant spans; without the extension such templates
+  would not even parse.
+  """
+
+  tags = {"generation"}
+
+  def parse(self, parser):
+    lineno = next(parser.stream).lineno
+    body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+    return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+  def _render(self, caller):
+    return caller()
+
+
+def _raise_exception(message):
+  raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+  # jinja's own `tojson` HTML-escapes '<', '>', '&' and "'", which would put escapes into
+  # tool schemas and change the prompt; transformers replaces it with plain json.dumps.
+  return json.dumps(
+    x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+  )
+
+
+def _strftime_now(fmt):
+  return datetime.datetime.now().strftime(fmt)
+
+
+@functools.cache
+def _jinja_env() -> ImmutableSandboxedEnvironment:
+  # Templates come from checkpoint folders, i.e. untrusted code: sandboxed, immutable
+  # (no list.append), as in transformers. `dict`, `range`, `namespace` are jinja defaults.
+  env = ImmutableSandboxedEnvironment(
+    trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+  )
+  env.filters["tojson"] = _tojson
+  env.globals["raise_exception"] = _raise_exception
+  env.globals["strftime_now"] = _strftime_now
+  return env
+
+
+@functools.lru_cache(maxsize=32)
+def compile_template(template: str) -> jinja2.Template:
+  """`template` compiled under transformers' chat-template environment (cached)."""
+  return _jinja_env().from_string(template)
+
+
+def read_templates(
+  folder: pathlib.Path, config: dict | None, config_path: pathlib.Path
+) -> dict[str, str]:
+  """Named chat templates of a folder ('default' for the unnamed one); empty when none.
+
+  Args:
+    folder: the tokenizer folder.
+    config: its tokenizer_config.json, parsed (its `chat_template` field), or None.
+    config_path: that file's path, for error messages.
+
+  Raises:
+    ValueError: a `chat_template` field that is neither a string nor a list of
+      {name, template} objects (naming the file).
+  """
+  templates: dict[str, str] = {}
+  raw = (config or {}).get("chat_template")
+  if isinstance(raw, str):
+    templates["default"] = raw
+  elif isinstance(raw, list):
+    for i, entry in enumerate(raw):
+      if not (
+        isinstance(entry, Mapping)
+        and isinstance(entry.get("name"), str)
+        and isinstance(entry.get("template"), str)
+      ):
+        raise ValueError(
+          f"{config_path}: field 'chat_template'[{i}] must be an object with "
+          f"string 'name' and 'template', got {entry!r}"
+        )
+      templates[entry["name"]] = entry["template"]
+  elif raw is not None:
+    raise ValueError(
+      f"{config_path}: field 'chat_template' must be a string or a list of "
+      f"{{name, template}} objects, got {type(raw).__name__}"
+    )
+  # Template files override the config field, as transformers' from_pretrained does.
+  files = {}
+  if (folder / TEMPLATE_FILE).exists():
+    files["default"] = (folder / TEMPLATE_FILE).read_text(encoding="utf-8")
+  if (folder / TEMPLATE_DIR).is_dir():
+    for f in sorted((folder / TEMPLATE_DIR).glob("*.jinja")):
+      files[f.name.removesuffix(".jinja")] = f.read_text(encoding="utf-8")
+  return files or templates
