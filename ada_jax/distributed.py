@@ -39,9 +39,6 @@ import jax
 import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding
-
-from ada_jax.models import sharding as sharding_lib
 
 MODES = ("auto", "on", "off")
 
@@ -233,42 +230,6 @@ def shared_scorer(
     return allgather(out).reshape(-1)[:n]
 
   return scored
-
-
-def local_rows(batch: Any, mesh: Mesh, num_minibatches: int) -> Any:
-  """This process's rows of a batch that every process holds whole.
-
-  `train.update_policy` cuts a batch into `num_minibatches` consecutive mini-batches and
-  places each with `jax.make_array_from_process_local_data`, which wants from each
-  process the rows its devices hold under `sharding.batch_sharding`. This picks those rows
-  of each mini-batch and concatenates them, so the k local mini-batches line up with the
-  k global ones. With one process the batch is returned unchanged.
-
-  Args:
-    batch: pytree of numpy arrays with the same leading row count R (R divisible by
-      `num_minibatches`).
-    mesh: the training mesh.
-    num_minibatches: k.
-
-  Returns:
-    The same pytree with `R / process_count` rows per leaf.
-  """
-  if jax.process_count() == 1:
-    return batch
-  rows = jax.tree.leaves(batch)[0].shape[0]
-  mini = rows // num_minibatches
-  own = _own_rows(mini, sharding_lib.batch_sharding(mesh))
-  index = np.concatenate([own + j * mini for j in range(num_minibatches)])
-  return jax.tree.map(lambda x: np.asarray(x)[index], batch)
-
-
-def _own_rows(rows: int, sharding: NamedSharding) -> np.ndarray:
-  """Sorted distinct row indices of `[rows, ...]` held by this process's devices."""
-  starts = set()
-  for index in sharding.addressable_devices_indices_map((rows,)).values():
-    s = index[0]
-    starts.add((s.start or 0, rows if s.stop is None else s.stop))
-  return np.concatenate([np.arange(a, b) for a, b in sorted(starts)])
 
 
 def host_copy(tree: Any) -> Any:

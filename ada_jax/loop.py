@@ -4,7 +4,7 @@ Per RL step (docs/design.md, "One RL step"): the prompt iterator yields B prompt
 `adaptive.run_step` asks for responses round by round through `draw`
 (`rollout.Rollouts`), which lays the requested rows out for the chunked sampler and
 scores them with the verifier pool; the selected responses and their advantages become a
-fixed-shape training batch (`rollout.make_train_batch`); `train.update_policy` runs k
+fixed-shape training batch (`rollout.make_train_batch`); `rl.update.update_policy` runs k
 mini-batch updates; metrics go to JSONL/TensorBoard/console; the whole run state is
 checkpointed every `ckpt.every_steps` steps, at the end, and on SIGTERM or Ctrl-C (the
 summary then names the signal, `stopped_by`, and has no `after_rl`).
@@ -39,7 +39,7 @@ from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.tokenizer import Tokenizer
 from ada_jax.rewards.verifier import RewardPool, VerifierConfig
-from ada_jax.rl import adaptive, train
+from ada_jax.rl import adaptive, train, update
 from ada_jax.rl import warmstart as warmstart_lib
 from ada_jax.rollout import draw as rollout
 from ada_jax.rollout import sampler
@@ -352,8 +352,7 @@ def rl_step(
         rows=cfg.train_rows,
         buckets=cfg.sampler.prompt_buckets,
       )
-      batch = distributed.local_rows(batch, ctx.mesh, cfg.train.num_minibatches)
-      state, tm = train.update_policy(ctx.step_fn, state, batch, config=cfg.train, mesh=ctx.mesh)
+      state, tm = update.update_policy(ctx.step_fn, state, batch, config=cfg.train, mesh=ctx.mesh)
     time_train = time.perf_counter() - start
   s = result.stats
   m = {

@@ -8,7 +8,7 @@ import pytest
 from ada_jax import testing
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding
-from ada_jax.rl import losses, train
+from ada_jax.rl import losses, train, update
 
 CONFIG = model_lib.preset("tiny-llama")
 PARAMS = model_lib.init_params(CONFIG, jax.random.key(0))
@@ -140,7 +140,7 @@ def test_update_policy_runs_k_updates_without_recompiling():
     for rl_step, batch in enumerate(batches):
       if rl_step == 1:
         compiles.clear()
-      state, metrics = train.update_policy(step_fn, state, batch, config=config, mesh=mesh)
+      state, metrics = update.update_policy(step_fn, state, batch, config=config, mesh=mesh)
       history.append(metrics)
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
@@ -153,16 +153,34 @@ def test_update_policy_runs_k_updates_without_recompiling():
   assert all(np.isfinite(m["loss"]) and m["tokens"] > 0 for m in history)
 
 
+def test_minibatches_are_consecutive_cuts_of_this_process_rows(monkeypatch):
+  """Mini-batch j is rows [j·b, (j+1)·b) of the whole batch; with several processes each
+  keeps, of every mini-batch, the rows its devices hold (here: process 1 of 2 holds the
+  second half of each), so the k local pieces line up with the k global mini-batches."""
+  mesh = _mesh(2, 2, 2)
+  batch = {"x": np.arange(32), "y": np.arange(32) * 10}
+  whole = update.minibatches(batch, 4, mesh)
+  assert [m["x"].tolist() for m in whole] == [list(range(8 * j, 8 * j + 8)) for j in range(4)]
+  np.testing.assert_array_equal(sharding.local_rows(8, mesh), np.arange(8))  # one process
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(sharding, "local_rows", lambda rows, mesh: np.arange(rows // 2, rows))
+  halves = update.minibatches(batch, 4, mesh)
+  assert [m["x"].tolist() for m in halves] == [list(range(8 * j + 4, 8 * j + 8)) for j in range(4)]
+  assert all((m["y"] == m["x"] * 10).all() for m in halves)
+  with pytest.raises(ValueError, match="not divisible into 3 mini-batches"):
+    update.minibatches(batch, 3, mesh)
+
+
 def test_bad_layout_fails_before_compiling():
   config = train.TrainConfig(num_minibatches=4)
   mesh = _mesh(2, 2, 2)
   state = train.init_train_state(CONFIG, config, PARAMS, mesh)
   step_fn = train.make_train_step(CONFIG, config, mesh)
   with pytest.raises(ValueError, match=r"not divisible by TrainConfig.num_minibatches \(4\)"):
-    train.update_policy(step_fn, state, _batch([3] * 10), config=config, mesh=mesh)
+    update.update_policy(step_fn, state, _batch([3] * 10), config=config, mesh=mesh)
   # 8 rows / 4 mini-batches = 2 rows, not divisible over data x fsdp = 4.
   with pytest.raises(ValueError, match=r"data-parallel size 4 \(mesh.data=2 × mesh.fsdp=2\)"):
-    train.update_policy(step_fn, state, _batch([3] * 8), config=config, mesh=mesh)
+    update.update_policy(step_fn, state, _batch([3] * 8), config=config, mesh=mesh)
   with pytest.raises(ValueError, match="TrainConfig.micro_batch_size"):
     train.check_batch_layout(32, train.TrainConfig(micro_batch_size=3), mesh)
   assert step_fn._cache_size() == 0

@@ -273,6 +273,17 @@ def check_rows(rows: int, mesh: Mesh, what: str) -> None:
     )
 
 
+def local_rows(rows: int, mesh: Mesh) -> np.ndarray:
+  """Sorted indices of the rows of a `[rows, ...]` batch that this process's devices hold
+  under `batch_sharding(mesh)`: the rows it passes to `place_batch` (all of them with one
+  process)."""
+  starts = set()
+  for index in batch_sharding(mesh).addressable_devices_indices_map((rows,)).values():
+    s = index[0]
+    starts.add((s.start or 0, rows if s.stop is None else s.stop))
+  return np.concatenate([np.arange(a, b) for a, b in sorted(starts)])
+
+
 def place_batch(batch: Any, mesh: Mesh, what: str = "batch") -> Any:
   """Puts a host batch (pytree of numpy arrays with a leading row axis) onto the mesh.
 

@@ -6,9 +6,7 @@ mini-batch is cut into micro-batches whose gradients are accumulated by `lax.sca
 the jit, every micro-batch dividing its loss by the same whole-mini-batch normaliser (so
 `token-mean` is over all valid tokens of the global mini-batch, whatever the micro-batch
 size or device count). `make_train_step` jits it once over a mesh with explicit in/out
-shardings and a donated state; `update_policy` cuts an RL step's batch into k mini-batches
-(default 4, the released code's `ppo_mini_batch_size = B/4`) and runs k updates, fetching
-metrics to the host once.
+shardings and a donated state; `rl.update.update_policy` drives it for one RL step.
 
 Batch layout on the mesh: rows over ('data', 'fsdp'). Micro-batch j of a mini-batch of b
 rows is rows {j, j+m, j+2m, ...} (m micro-batches): reshaping [b] to [b/m, m] keeps each
@@ -22,11 +20,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
@@ -461,46 +457,3 @@ def make_train_step(
     out_shardings=(shardings, sharding_lib.replicated(mesh)),
     donate_argnums=0,
   )
-
-
-def split_minibatches(batch: Any, num: int) -> list[Any]:
-  """Cuts a host batch (pytree of arrays with leading rows) into `num` consecutive chunks.
-
-  Consecutive rows keep each prompt's group together, like verl's `data.split`.
-  """
-  rows = jax.tree.leaves(batch)[0].shape[0]
-  if rows % num:
-    raise ValueError(f"{rows} rows are not divisible into {num} mini-batches")
-  size = rows // num
-  return [jax.tree.map(lambda x, i=i: x[i * size : (i + 1) * size], batch) for i in range(num)]
-
-
-def update_policy(
-  step_fn: Callable, state: TrainState, batch: TrainBatch, *, config: TrainConfig, mesh: Mesh
-) -> tuple[TrainState, dict[str, float]]:
-  """One RL step's policy update: k = `num_minibatches` optimizer updates, 1 epoch.
-
-  Args:
-    step_fn: from `make_train_step`.
-    state: the current state (donated: use the returned one).
-    batch: this process's rows of the RL batch, as host (numpy) arrays.
-    config: the training configuration.
-    mesh: the mesh.
-
-  Returns:
-    (new state, metrics averaged over the k updates, 'tokens' summed), fetched to the
-    host once.
-
-  Raises:
-    ValueError: the batch does not split into mini- and micro-batches over the mesh.
-  """
-  rows = jax.tree.leaves(batch)[0].shape[0] * jax.process_count()
-  check_batch_layout(rows, config, mesh)
-  history = []
-  for mini in split_minibatches(batch, config.num_minibatches):
-    state, metrics = step_fn(state, sharding_lib.place_batch(mini, mesh, "mini-batch"))
-    history.append(metrics)
-  history = jax.device_get(history)
-  out = {name: float(np.mean([m[name] for m in history])) for name in history[0]}
-  out["tokens"] = float(np.sum([m["tokens"] for m in history]))
-  return state, out

@@ -4,7 +4,7 @@ controller asks for responses, and the fixed-shape training batch built from wha
 Data flow (docs/design.md, "One RL step"): `StepPrompts` holds the step's prompts (and
 hands DAPO its extra ones, `more_prompts`); `Rollouts` lays the rows the controller
 requests out for the chunked `sampler.Sampler`, decodes and scores them, and keeps every
-response it drew; `make_train_batch` lays the selected responses out for `train.update_policy`.
+response it drew; `make_train_batch` lays the selected responses out for `rl.update.update_policy`.
 """
 
 from __future__ import annotations

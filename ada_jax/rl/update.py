@@ -1,0 +1,79 @@
+"""One RL step's policy update: the RL batch cut into k mini-batches and k optimizer updates
+of the jitted train step (`train.make_train_step`), metrics fetched to the host once.
+
+k is `TrainConfig.num_minibatches` (default 4, the released code's `ppo_mini_batch_size =
+B/4`); mini-batches are consecutive rows, which keeps each prompt's group together, like
+verl's `data.split`; 1 epoch. Every process holds the whole RL batch (the rollouts are
+identical everywhere) and passes the mesh only the rows its devices hold: this module is
+the one place that knows both the cut and those rows (`minibatches`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from ada_jax.models import sharding as sharding_lib
+from ada_jax.rl.train import TrainBatch, TrainConfig, TrainState, check_batch_layout
+
+
+def minibatches(batch: Any, num: int, mesh: Mesh) -> list[Any]:
+  """This process's rows of each of the `num` consecutive mini-batches of a batch that
+  every process holds whole: mini-batch j is rows [j·b, (j+1)·b) (b = rows / num), of
+  which this process keeps the ones its devices hold under `sharding.batch_sharding`
+  (`sharding.local_rows`), as `sharding.place_batch` expects. With one process each
+  mini-batch is whole.
+
+  Args:
+    batch: pytree of host arrays with the same leading row count R.
+    num: k, mini-batches.
+    mesh: the training mesh.
+
+  Returns:
+    k pytrees of `b / process_count` rows per leaf.
+
+  Raises:
+    ValueError: R is not divisible by `num`.
+  """
+  rows = jax.tree.leaves(batch)[0].shape[0]
+  if rows % num:
+    raise ValueError(f"{rows} rows are not divisible into {num} mini-batches")
+  size = rows // num
+  if jax.process_count() == 1:
+    return [jax.tree.map(lambda x, i=i: x[i * size : (i + 1) * size], batch) for i in range(num)]
+  own = sharding_lib.local_rows(size, mesh)
+  return [jax.tree.map(lambda x, i=i: np.asarray(x)[i * size + own], batch) for i in range(num)]
+
+
+def update_policy(
+  step_fn: Callable, state: TrainState, batch: TrainBatch, *, config: TrainConfig, mesh: Mesh
+) -> tuple[TrainState, dict[str, float]]:
+  """One RL step's policy update: k = `num_minibatches` optimizer updates, 1 epoch.
+
+  Args:
+    step_fn: from `train.make_train_step`.
+    state: the current state (donated: use the returned one).
+    batch: the whole RL batch, as host (numpy) arrays, identical on every process.
+    config: the training configuration.
+    mesh: the mesh.
+
+  Returns:
+    (new state, metrics averaged over the k updates, 'tokens' summed), fetched to the
+    host once.
+
+  Raises:
+    ValueError: the batch does not split into mini- and micro-batches over the mesh.
+  """
+  check_batch_layout(jax.tree.leaves(batch)[0].shape[0], config, mesh)
+  history = []
+  for mini in minibatches(batch, config.num_minibatches, mesh):
+    state, metrics = step_fn(state, sharding_lib.place_batch(mini, mesh, "mini-batch"))
+    history.append(metrics)
+  history = jax.device_get(history)
+  out = {name: float(np.mean([m[name] for m in history])) for name in history[0]}
+  out["tokens"] = float(np.sum([m["tokens"] for m in history]))
+  return state, out
