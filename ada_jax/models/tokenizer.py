@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import tokenizers
 
-from ada_jax.models import chat_template
+from ada_jax.models import chat_template as chat_template_lib
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -285,7 +285,7 @@ class Tokenizer:
       eos_ids=stops,
       pad_id=pad_id,
       special_tokens=special,
-      chat_templates=chat_template.read_templates(folder, config, folder / CONFIG_FILE),
+      chat_templates=chat_template_lib.read_templates(folder, config, folder / CONFIG_FILE),
       chat_template=chat_template,
     )
 
@@ -341,9 +341,9 @@ class Tokenizer:
     )
     for name, template in self.chat_templates.items():
       target = (
-        folder / chat_template.TEMPLATE_FILE
+        folder / chat_template_lib.TEMPLATE_FILE
         if name == "default"
-        else folder / chat_template.TEMPLATE_DIR / f"{name}.jinja"
+        else folder / chat_template_lib.TEMPLATE_DIR / f"{name}.jinja"
       )
       target.parent.mkdir(exist_ok=True)
       target.write_text(template, encoding="utf-8")
@@ -421,7 +421,7 @@ class Tokenizer:
     if self._template is None:
       raise ValueError(
         f"no chat template: the tokenizer folder has no {CONFIG_FILE} field "
-        f"'chat_template' and no {chat_template.TEMPLATE_FILE}; pass chat_template= to from_dir"
+        f"'chat_template' and no {chat_template_lib.TEMPLATE_FILE}; pass chat_template= to from_dir"
       )
     chat = []
     for i, m in enumerate(messages):
@@ -429,7 +429,7 @@ class Tokenizer:
         raise ValueError(f"messages[{i}] must be a mapping with 'role' and 'content', got {m!r}")
       chat.append({k: v for k, v in m.items() if v is not None})
     variables = {**self.special_tokens, **template_kwargs}
-    return chat_template.compile_template(self._template).render(
+    return chat_template_lib.compile_template(self._template).render(
       messages=chat,
       tools=None,
       documents=None,
