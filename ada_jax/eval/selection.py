@@ -358,7 +358,9 @@ def write_outputs(
     mean_pass_rate=float(np.mean([r["pass_rate"] for r in rows])) if rows else 0.0,
     histogram=hist.tolist(),
     sets=kept,
-    settings=dataclasses.asdict(config),
+    # Flat, as before `SelectConfig` held an `EvalConfig`: readers of summary.json keep
+    # their keys (settings.k, settings.max_new_tokens, settings.rules, ...).
+    settings={**dataclasses.asdict(config.sampling), "rules": dataclasses.asdict(config)["rules"]},
     files={name: str(out / name) for name in files},
   )
   (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
