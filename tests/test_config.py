@@ -7,6 +7,9 @@ import pytest
 from ml_collections import config_flags
 
 from ada_jax import config as config_lib
+from ada_jax.checkpoint import CheckpointConfig
+from ada_jax.models.tokenizer import TokenizerConfig
+from ada_jax.rl.train import TrainConfig
 from configs import common, tiny_arith_pos
 
 CONFIGS = sorted(
@@ -62,10 +65,6 @@ def test_groups_are_the_modules_own_configs_and_train_is_filled_once():
   """Each group parses into the frozen config of the module that uses it; the trainer's
   loss, optimizer and temperature come from the `loss`, `optim` and `sampler` groups only
   (a second place to set them is refused, naming the one to use)."""
-  from ada_jax.checkpoint import CheckpointConfig
-  from ada_jax.models.tokenizer import TokenizerConfig
-  from ada_jax.rl.train import TrainConfig
-
   cfg = tiny_arith_pos.get_config().to_dict()
   cfg["loss"]["clip_high"] = 0.31
   cfg["optim"]["learning_rate"] = 3e-5
