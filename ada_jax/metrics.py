@@ -21,6 +21,8 @@ from typing import Any
 
 import jax
 import numpy as np
+from tensorboard.compat.proto import event_pb2, summary_pb2
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 
 def _scalar(value: Any) -> float | int | None:
@@ -82,19 +84,19 @@ class MetricsWriter:
         "".join(json.dumps(line) + "\n" for line in lines if line.get("step", 0) <= start_step)
       )
       os.replace(tmp, self.path)
-    from tensorboardX import SummaryWriter
     from tqdm.auto import tqdm
 
-    # Events at steps >= purge_step in earlier event files are hidden by TensorBoard: those
-    # steps are about to be written again. Step 0 holds only the held-out scores before RL,
-    # which a run restarted at step 0 writes again too.
-    # The suffix keeps a restart within the same second from replacing the earlier file
-    # (named by the second) and sorts the files in the order they were started.
-    self._tb = SummaryWriter(
-      str(self.path.parent / "tensorboard"),
-      purge_step=start_step + 1 if start_step else 0,
-      filename_suffix=f".{time.time_ns()}",
+    # A session START at step s hides the events at steps >= s of earlier event files
+    # (TensorBoard's purge of orphaned steps): those steps are about to be written again.
+    # Step 0 holds only the held-out scores before RL, which a run restarted at step 0
+    # writes again too. The suffix keeps a restart within the same second from replacing
+    # the earlier file (named by the second) and sorts the files in the order started.
+    self._tb = EventFileWriter(
+      str(self.path.parent / "tensorboard"), filename_suffix=f".{time.time_ns()}"
     )
+    purge = start_step + 1 if start_step else 0
+    start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+    self._tb.add_event(event_pb2.Event(wall_time=time.time(), step=purge, session_log=start))
     self._bar = tqdm(
       total=total_steps, initial=start_step, desc="RL steps", unit="step", dynamic_ncols=True
     )
@@ -143,18 +145,14 @@ class MetricsWriter:
     `eval/arith/avg_at_4`)."""
     if not self.primary:
       return
-    for k, v in metrics.items():
-      v = _scalar(v)
-      if v is not None:
-        self._tb.add_scalar(tensorboard_tag(k), v, step)
-    # tensorboardX hands events to a writer thread through a queue, and its flush() only
-    # flushes the file: wait until the thread has taken every queued event first.
-    queue = self._tb._get_file_writer().event_writer._event_queue
-    deadline = time.monotonic() + 10.0
-    while not queue.empty() and time.monotonic() < deadline:
-      time.sleep(0.001)
-    time.sleep(0.01)  # the last event taken is written under the writer's lock
-    self._tb.flush()
+    values = [
+      summary_pb2.Summary.Value(tag=tensorboard_tag(k), simple_value=v)
+      for k, v in ((k, _scalar(v)) for k, v in metrics.items())
+      if v is not None
+    ]
+    summary = summary_pb2.Summary(value=values)
+    self._tb.add_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
+    self._tb.flush()  # blocks until every event added so far is on disk
 
   def log_text(self, message: str) -> None:
     """A line on the console that does not break the progress bar."""
