@@ -27,14 +27,14 @@ import dataclasses
 import heapq
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from ada_jax.rl import adaptive, advantages
 from ada_jax.rl.adaptive import AdaConfig
-from ada_jax.rl.simulate import PASS_RATE_MIX, _check_pass_rates, sample_pass_rates
+from ada_jax.rl.simulate import PASS_RATE_MIX, _check_pass_rates, method_table, sample_pass_rates
 from ada_jax.rl.stream import StreamController
 
 __all__ = [
@@ -43,8 +43,9 @@ __all__ = [
   "SlotPool",
   "StreamSimConfig",
   "length_sigma",
+  "done_when",
   "markdown_table",
-  "plot_schedules",
+  "method_rows",
   "simulate_schedule",
 ]
 
@@ -232,6 +233,8 @@ class _Totals:
   signal: float = 0.0
   boundaries: int = 0
   idle_boundaries: int = 0
+  capped_prompts: int = 0
+  capped_tokens: int = 0
 
 
 def _rounds_step(cfg, ids, draws: _Draws, sim, rng, est_state):
@@ -320,6 +323,9 @@ class ScheduleResult:
     signal_fraction: prompts with a non-zero advantage / B (`StepStats.signal_fraction`).
     boundaries: rounds (rounds) or segment boundaries (stream) per step.
     idle_boundaries: stream boundaries with nothing to decode (waiting on grades only).
+    capped_prompt_fraction: pos / balance: prompts that drew R·M responses without
+      exiting / B (nearly the same prompts under both schedules).
+    capped_token_share: their tokens / all tokens decoded: a cost no schedule removes.
     steps: RL steps scored.
   """
 
@@ -332,6 +338,8 @@ class ScheduleResult:
   signal_fraction: float
   boundaries: float
   idle_boundaries: float
+  capped_prompt_fraction: float
+  capped_token_share: float
   steps: int
 
   def as_dict(self) -> dict[str, Any]:
@@ -371,6 +379,7 @@ def simulate_schedule(
     raise ValueError(f"pass_rates: {p_all.size} prompts, fewer than batch={sim.batch}")
   step_fn = _rounds_step if schedule == "rounds" else _stream_step
   tot, est_state, step = _Totals(), None, 0
+  cap = cfg.samples_per_round * cfg.max_rounds
   order_rng = np.random.default_rng([sim.seed, 1])
   for epoch in range(sim.epochs):
     order = order_rng.permutation(p_all.size)
@@ -388,6 +397,10 @@ def simulate_schedule(
       tot.signal += res.stats.signal_fraction * sim.batch
       for k, v in stats.items():
         setattr(tot, k, getattr(tot, k) + v)
+      if cfg.method in adaptive.SEQ_METHODS:  # Prompts that drew R·M without exiting.
+        capped = np.flatnonzero(res.stats.pool_size[: sim.batch] >= cap)
+        tot.capped_prompts += capped.size
+        tot.capped_tokens += sum(int(draws.length[p][: draws.count[p]].sum()) for p in capped)
   return ScheduleResult(
     samples_per_prompt=tot.samples / tot.prompts,
     tokens_per_prompt=tot.tokens / tot.prompts,
@@ -398,5 +411,70 @@ def simulate_schedule(
     signal_fraction=tot.signal / tot.prompts,
     boundaries=tot.boundaries / tot.steps,
     idle_boundaries=tot.idle_boundaries / tot.steps,
+    capped_prompt_fraction=tot.capped_prompts / tot.prompts,
+    capped_token_share=tot.capped_tokens / max(tot.tokens, 1),
     steps=tot.steps,
   )
+
+
+def method_rows(n: int = 4, samples_per_round: int = 8, max_rounds: int = 4) -> dict:
+  """The compared configurations: `simulate.method_table`'s GRPO n = 4 and 8, DAPO,
+  pos, balance, released Est (K = 8) and the paper's Est hybrid (K = 8)."""
+  table = method_table(n, samples_per_round, max_rounds, est_budgets=(8.0,))
+  keep = ("grpo_n4", "grpo_n8", "dapo_n4", "ada_pos", "ada_balance", "ada_est_k8")
+  return {k: table[k] for k in (*keep, "ada_est_paper_k8")}
+
+
+def done_when(rows: Mapping[str, Mapping[str, ScheduleResult]]) -> dict[str, dict[str, Any]]:
+  """The issue's simulator bar for `ada_pos` and `ada_balance`: stream's signal fraction
+  within 0.01 of rounds' with <= 0.8x its tokens per prompt.
+
+  Args:
+    rows: row name -> schedule -> `ScheduleResult`.
+
+  Returns:
+    row -> {signal_diff, tokens_ratio, decode_steps_ratio, holds}.
+  """
+  out = {}
+  for name in ("ada_pos", "ada_balance"):
+    if name not in rows:
+      continue
+    r, s = rows[name]["rounds"], rows[name]["stream"]
+    diff = s.signal_fraction - r.signal_fraction
+    ratio = s.tokens_per_prompt / r.tokens_per_prompt
+    out[name] = {
+      "signal_diff": diff,
+      "tokens_ratio": ratio,
+      "decode_steps_ratio": s.decode_steps / r.decode_steps,
+      "holds": bool(abs(diff) <= 0.01 and ratio <= 0.8),
+    }
+  return out
+
+
+def _paper(name: str) -> str:
+  method = name.removeprefix("ada_")
+  return f"{PAPER_WALL_TIME_RATIO[method]}×" if method in PAPER_WALL_TIME_RATIO else ""
+
+
+def markdown_table(
+  rows: Mapping[str, Mapping[str, ScheduleResult]], reference: str = "grpo_n4"
+) -> list[str]:
+  """Lines of a Markdown table, one line per (row, schedule): samples, tokens and
+  cancelled tokens per prompt, decode steps per RL step and their ratio to `reference`'s
+  (rounds), slot utilisation, signal fraction, and the paper's wall time ÷ GRPO."""
+  ref = rows[reference]["rounds"].decode_steps
+  lines = [
+    "| method | schedule | samples/prompt | tokens/prompt | tokens cancelled/prompt "
+    "| decode steps/step | decode steps ÷ GRPO n=4 | slot utilisation | signal fraction "
+    "| paper: wall time ÷ GRPO |",
+    "|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for name, by_schedule in rows.items():
+    for schedule, r in by_schedule.items():
+      lines.append(
+        f"| {name} | {schedule} | {r.samples_per_prompt:.2f} | {r.tokens_per_prompt:.0f} | "
+        f"{r.tokens_cancelled_per_prompt:.0f} | {r.decode_steps:.0f} | "
+        f"{r.decode_steps / ref:.2f}× | {r.slot_utilisation:.2f} | {r.signal_fraction:.3f} | "
+        f"{_paper(name)} |"
+      )
+  return lines
