@@ -115,8 +115,8 @@ class StreamController:
   Args:
     config: validated `AdaConfig` (any method).
     num_prompts: B, the step's prompts.
-    quotas: int[B] rows per prompt for grpo and est (est: `advantages.allocate_budget`);
-      None: n each. Ignored by pos, balance and dapo.
+    quotas: est: int[B] rows per prompt (`advantages.allocate_budget` of its weights);
+      None: n each. Ignored by the other methods (grpo, dapo: n each).
     window: Seq methods: rows per active prompt kept queued or in flight or awaiting
       grades; None: M (`samples_per_round`).
     min_pool: pos / balance: the fewest graded responses a prompt exits with; None: n.
@@ -150,7 +150,7 @@ class StreamController:
     self.window = config.samples_per_round if window is None else window
     if self.window < 1:
       raise ValueError(f"window={window}: must be >= 1")
-    if quotas is None or config.method not in ("grpo", "est"):
+    if quotas is None or config.method != "est":
       quotas = [config.n] * num_prompts
     self.quota = [int(q) for q in np.asarray(quotas).reshape(-1)]
     if len(self.quota) != num_prompts or min(self.quota) < 1:
