@@ -17,12 +17,9 @@ import threading
 import time
 from collections import deque
 from multiprocessing import connection as mp_connection
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ada_jax.rewards.grader import ERROR, JUDGES, TIMEOUT
-
-if TYPE_CHECKING:
-  from ada_jax.rewards.verifier import VerifierConfig
 
 
 class _SoftTimeout(BaseException):
@@ -44,10 +41,11 @@ def _die_with_parent() -> None:
     pass
 
 
-def worker_main(conn, config: "VerifierConfig") -> None:
+def worker_main(conn, config) -> None:
   """Worker loop: receive (task_id, response, reference), send (task_id, reward, outcome).
 
-  The soft timer (SIGALRM) ends Python-level work; the parent's hard deadline covers the rest.
+  `config` is a `verifier.VerifierConfig` (judge, timeouts, memory limit). The soft timer
+  (SIGALRM) ends Python-level work; the parent's hard deadline covers the rest.
   """
   _die_with_parent()
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle.
@@ -128,9 +126,13 @@ class Dispatcher:
   After start-up only the dispatcher thread touches `slots`; `todo`, `results`, `open`,
   `discarded` and `restarts` are shared with the caller's threads under `cond`. Item ids
   are never reused, so a result that arrives for a discarded item is simply dropped.
+  `config` is the pool's `verifier.VerifierConfig`, `ctx` its multiprocessing context.
+
+  Raises:
+    RuntimeError: a worker did not start (exited, or not ready within startup_timeout_s).
   """
 
-  def __init__(self, config: "VerifierConfig", ctx, num_workers: int):
+  def __init__(self, config, ctx, num_workers: int):
     self.config, self.ctx = config, ctx
     self.slots: list[_Slot] = []
     self.cond = threading.Condition()
