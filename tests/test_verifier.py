@@ -243,6 +243,26 @@ def test_discarded_items_are_not_graded_and_leave_nothing_behind():
     assert not d.results and not d.open and not d.discarded and not d.todo
 
 
+def test_threads_submit_and_collect_at_once(pool):
+  """The grading thread and the decode loop of a streaming step may share the pool."""
+  out, errors = {}, []
+
+  def work(k):
+    try:
+      answers = [str(k * 100 + i) for i in range(20)]
+      ids = pool.submit([f"\\boxed{{{a}}}" for a in answers], answers[:10] + ["x"] * 10)
+      out[k] = pool.collect(ids).tolist()
+    except Exception as e:  # noqa: BLE001 — reported below.
+      errors.append(e)
+
+  threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(60)
+  assert not errors and out == {k: [1.0] * 10 + [0.0] * 10 for k in range(4)}
+
+
 def test_close_wakes_a_waiting_collect_and_stops_everything():
   config = verifier.VerifierConfig(num_workers=1, timeout_s=30.0, soft_timeout_frac=None)
   p = verifier.RewardPool(config)

@@ -254,16 +254,18 @@ class RewardPool:
       self._check_alive()
       graded = [d.results.pop(i) for i in ids]
       d.open.difference_update(ids)
-      batch = VerifyStats(items=len(ids), restarts=d.restarts - self._restarts_seen)
+      rewards = np.asarray([r for r, _ in graded], np.float32)
+      batch = VerifyStats(
+        items=len(ids),
+        correct=int(rewards.sum()),
+        no_box=sum(o == NO_BOX for _, o in graded),
+        timeouts=sum(o == TIMEOUT for _, o in graded),
+        errors=sum(o == ERROR for _, o in graded),
+        restarts=d.restarts - self._restarts_seen,
+      )
       self._restarts_seen = d.restarts
-    rewards = np.asarray([r for r, _ in graded], np.float32)
-    batch.correct = int(rewards.sum())
-    for _, outcome in graded:
-      batch.errors += outcome == ERROR
-      batch.timeouts += outcome == TIMEOUT
-      batch.no_box += outcome == NO_BOX
-    self.last_stats = batch
-    self.stats.add(batch)
+      self.last_stats = batch  # Under the lock: two threads may collect at once.
+      self.stats.add(batch)
     return rewards
 
   def discard(self, ids: Sequence[int]) -> None:
