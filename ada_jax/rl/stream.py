@@ -172,6 +172,7 @@ class StreamController:
     self.active: list[bool] = []
     self.mixed: list[int] = []  # dapo: prompts whose group was found mixed, in order.
     self.groups_done = 0  # dapo: groups fully graded.
+    self._awaiting_count: list[int] = []  # Per prompt: rows in `awaiting`.
     self.boundaries = 0
     self.rows_cancelled = 0
     self._started = False
@@ -182,6 +183,7 @@ class StreamController:
     self.live.append(set())
     self.graded.append({})
     self.active.append(True)
+    self._awaiting_count.append(0)
 
   def _new_rows(self, p: int, k: int, out: list[tuple[int, int]]) -> None:
     for _ in range(k):
@@ -220,7 +222,6 @@ class StreamController:
     for p in range(self.b):
       self._add_prompt()
       self._new_rows(p, min(self.window, cap) if self.seq else self.quota[p], out)
-    self._awaiting_count = [0] * self.b
     return _as_arrays(out)
 
   # ----------------------------------------------------------------- decisions
@@ -323,7 +324,6 @@ class StreamController:
     for pid in list(self.more_prompts(k))[:k]:
       self.prompt_ids.append(pid)
       self._add_prompt()
-      self._awaiting_count.append(0)
       self._new_rows(len(self.active) - 1, self.config.n, new)
 
   # -------------------------------------------------------------------- result
