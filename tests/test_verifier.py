@@ -9,6 +9,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_rewards import EQUIVALENCE
 
 from ada_jax.rewards import grader as rewards
@@ -179,6 +181,142 @@ def test_crashed_worker_scores_zero_and_is_replaced():
     assert p.stats.restarts == 2
   with pytest.raises(RuntimeError, match="closed"):
     p.score(["\\boxed{1}"], ["1"])
+
+
+# ---------------------------------------------------------------- submit / collect
+
+
+def test_submit_returns_at_once_and_collect_waits_only_for_its_ids():
+  config = verifier.VerifierConfig(num_workers=2, timeout_s=1.5, soft_timeout_frac=None)
+  with verifier.RewardPool(config) as p:
+    t0 = time.monotonic()
+    ids = p.submit([HOSTILE["power_tower"], "\\boxed{4}", "no box", "\\boxed{5}"], ["1", "4"] * 2)
+    assert time.monotonic() - t0 < 0.2  # Queued, not graded.
+    assert ids.dtype == np.int64 and ids.tolist() == list(range(ids[0], ids[0] + 4))
+    # The later items are collected while the hung one still holds its worker.
+    np.testing.assert_array_equal(p.collect(ids[[3, 1, 2]]), [0.0, 1.0, 0.0])
+    assert time.monotonic() - t0 < config.timeout_s
+    assert p.last_stats.no_box == 1 and p.last_stats.items == 3
+    assert p.done(ids[:1]).tolist() == [False]
+    with pytest.raises(TimeoutError, match="1 of 1 items"):
+      p.collect(ids[:1], timeout=0.1)
+    # Still open after a timed-out collect; the hard deadline then ends the item.
+    np.testing.assert_array_equal(p.collect(ids[:1]), [0.0])
+    assert time.monotonic() - t0 <= config.timeout_s + 1.0
+    assert p.last_stats.timeouts == 1 and p.last_stats.restarts == 1
+    with pytest.raises(ValueError, match=f"item {ids[0]} is not open"):
+      p.collect(ids[:1])
+
+
+def test_collect_and_discard_reject_or_ignore_ids_that_are_not_open(pool):
+  ids = pool.submit(["\\boxed{1}", "\\boxed{2}"], ["1", "1"])
+  with pytest.raises(ValueError, match="repeated"):
+    pool.collect([ids[0], ids[0]])
+  with pytest.raises(ValueError, match=f"item {ids[-1] + 1} is not open"):
+    pool.done([ids[-1] + 1])
+  # Bad input queues nothing: the next ids follow on.
+  with pytest.raises(ValueError, match=r"responses\[0\] is int"):
+    pool.submit([3], ["3"])
+  np.testing.assert_array_equal(pool.collect(ids), [1.0, 0.0])
+  assert pool.submit(["x"], ["x"]).tolist() == [ids[-1] + 1]
+  pool.discard([ids[-1] + 1, ids[0]])  # Not open (collected) ids are ignored.
+  # `score` is submit + collect: it takes ids from the same counter.
+  pool.score(["\\boxed{1}"] * 3, ["1"] * 3)
+  assert pool.submit(["x"], ["x"]).tolist() == [ids[-1] + 5]
+
+
+def test_discarded_items_are_not_graded_and_leave_nothing_behind():
+  config = verifier.VerifierConfig(num_workers=1, timeout_s=1.0, soft_timeout_frac=None)
+  with verifier.RewardPool(config) as p:
+    ids = p.submit([HOSTILE["power_tower"]] + ["\\boxed{2}"] * 5, ["1"] + ["2"] * 5)
+    time.sleep(0.2)  # The hung item is in flight, the rest queued.
+    p.discard(ids[:5])  # One in flight, four queued: the queued ones never reach a worker.
+    with pytest.raises(ValueError, match="not open"):
+      p.collect(ids[:1])
+    np.testing.assert_array_equal(p.collect(ids[5:]), [1.0])
+    assert p.last_stats.items == 1 and p.last_stats.timeouts == 0
+    # The in-flight item's result (a timeout) is dropped, not handed to a later collect.
+    later = p.submit(["\\boxed{3}"], ["3"])
+    np.testing.assert_array_equal(p.collect(later), [1.0])
+    assert p.stats.items == 2 and p.stats.timeouts == 0 and p.stats.restarts == 1
+    d = p._dispatcher
+    assert not d.results and not d.open and not d.discarded and not d.todo
+
+
+def test_threads_submit_and_collect_at_once(pool):
+  """The grading thread and the decode loop of a streaming step may share the pool."""
+  out, errors = {}, []
+
+  def work(k):
+    try:
+      answers = [str(k * 100 + i) for i in range(20)]
+      ids = pool.submit([f"\\boxed{{{a}}}" for a in answers], answers[:10] + ["x"] * 10)
+      out[k] = pool.collect(ids).tolist()
+    except Exception as e:  # noqa: BLE001 — reported below.
+      errors.append(e)
+
+  threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(60)
+  assert not errors and out == {k: [1.0] * 10 + [0.0] * 10 for k in range(4)}
+
+
+def test_close_wakes_a_waiting_collect_and_stops_everything():
+  config = verifier.VerifierConfig(num_workers=1, timeout_s=30.0, soft_timeout_frac=None)
+  p = verifier.RewardPool(config)
+  ids = p.submit([HOSTILE["power_tower"]], ["1"])
+  errors = []
+
+  def wait():
+    try:
+      p.collect(ids)
+    except RuntimeError as e:
+      errors.append(str(e))
+
+  waiter = threading.Thread(target=wait)
+  waiter.start()
+  time.sleep(0.3)
+  pids, thread = p.worker_pids, p._dispatcher.thread
+  t0 = time.monotonic()
+  p.close()
+  waiter.join(5.0)
+  assert time.monotonic() - t0 < 5.0 and errors == ["RewardPool is closed"]
+  assert not thread.is_alive() and not any(_alive(pid) for pid in pids)
+  with pytest.raises(RuntimeError, match="closed"):
+    p.submit(["\\boxed{1}"], ["1"])
+  p.close()  # Idempotent.
+
+
+@settings(
+  max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+  batches=st.lists(
+    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3), st.booleans()), max_size=6),
+    min_size=1,
+    max_size=4,
+  ),
+  order_seed=st.integers(0, 2**16),
+)
+def test_interleaved_submits_collect_each_item_its_own_reward(pool, batches, order_seed):
+  """Any interleaving of submits and collects of any subsets, in any order, gives each id
+  the reward of its own (response, reference), as `score` of that item alone would."""
+  rng = np.random.default_rng(order_seed)
+  expected, open_ids = {}, []
+  for batch in batches:
+    responses = [f"\\boxed{{{a}}}" if boxed else str(a) for a, _, boxed in batch]
+    ids = pool.submit(responses, [str(b) for _, b, _ in batch])
+    expected |= {
+      int(i): float(boxed and a == b) for i, (a, b, boxed) in zip(ids, batch, strict=True)
+    }
+    open_ids += ids.tolist()
+    take = [i for i in open_ids if rng.random() < 0.5]
+    rng.shuffle(take)
+    np.testing.assert_array_equal(pool.collect(take), [expected[i] for i in take])
+    open_ids = [i for i in open_ids if i not in take]
+  np.testing.assert_array_equal(pool.collect(open_ids), [expected[i] for i in open_ids])
 
 
 # ------------------------------------------------------------------------- real data

@@ -5,83 +5,23 @@ Symbolic maths on model output can run for hours inside C code (sympy evaluates
 Python signals), exhaust memory or crash the parser. So the batched scorer
 `RewardPool.score` runs the judges of `ada_jax.rewards.JUDGES` in worker processes: each
 item gets a soft in-worker timer and a HARD deadline after which the parent SIGKILLs the
-worker, scores the item 0, starts a replacement and goes on with the batch.
+worker, scores the item 0, starts a replacement and goes on with the batch (the worker
+side and its dispatcher thread are in `ada_jax.rewards.workers`).
+Grading can also overlap other work: `RewardPool.submit` queues items and returns at once,
+`RewardPool.collect` waits for chosen items; `score` is exactly those two calls.
 `ada_jax.rewards.math_reward` is the same judge in-process, for trusted input and tests.
 """
 
 import dataclasses
-import functools
-import logging
 import multiprocessing as mp
 import os
-import signal
-import time
 import weakref
-from collections import deque
 from collections.abc import Sequence
-from multiprocessing import connection as mp_connection
 
 import numpy as np
 
 from ada_jax.rewards.grader import ERROR, JUDGES, MAX_ANSWER_CHARS, NO_BOX, TIMEOUT
-
-
-class _SoftTimeout(BaseException):
-  """Raised by the worker's SIGALRM handler; a BaseException so `except Exception` in
-  sympy / math-verify cannot swallow it."""
-
-
-def _on_alarm(signum, frame):
-  raise _SoftTimeout()
-
-
-def _die_with_parent() -> None:
-  # Linux: a worker stuck in C code must not outlive the pool if the trainer is killed.
-  try:
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-  except (OSError, AttributeError):
-    pass
-
-
-def _worker_main(conn, config: "VerifierConfig"):
-  """Worker loop: receive (task_id, response, reference), send (task_id, reward, outcome).
-
-  The soft timer (SIGALRM) ends Python-level work; the parent's hard deadline covers the rest.
-  """
-  _die_with_parent()
-  signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle.
-  logging.getLogger("math_verify").setLevel(logging.ERROR)  # Timeouts are ours, not theirs.
-  judge = functools.partial(JUDGES[config.judge], max_chars=config.max_answer_chars)
-  judge("\\boxed{1}", "2", None)  # Imports and warms sympy/antlr before the first deadline.
-  soft_timeout_s = config.timeout_s * (config.soft_timeout_frac or 0.0)  # 0: timer off.
-  if config.max_memory_mb:
-    import resource
-
-    limit = config.max_memory_mb << 20
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-  signal.signal(signal.SIGALRM, _on_alarm)
-  conn.send(("ready", os.getpid()))
-  while True:
-    try:
-      msg = conn.recv()
-    except (EOFError, OSError):
-      return
-    if msg is None:
-      return
-    task_id, response, reference = msg
-    try:
-      try:
-        signal.setitimer(signal.ITIMER_REAL, soft_timeout_s)
-        reward, outcome = judge(response, reference, None)
-      finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-    except _SoftTimeout:  # The timer is one-shot, so it fires at most once per item.
-      reward, outcome = 0.0, TIMEOUT
-    except Exception:  # noqa: BLE001 — RecursionError, MemoryError, parser errors...
-      reward, outcome = 0.0, ERROR
-    conn.send((task_id, reward, outcome))
+from ada_jax.rewards.workers import Dispatcher
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,53 +91,27 @@ class VerifyStats:
       setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
-@dataclasses.dataclass(eq=False)
-class _Slot:
-  """One worker process and what it is doing (task None = idle once ready)."""
-
-  process: mp.process.BaseProcess
-  conn: mp_connection.Connection
-  ready: bool = False
-  task: int | None = None  # Task id in flight; results with another id are stale.
-  index: int = -1  # Batch index of the item in flight.
-  deadline: float = 0.0  # time.monotonic() limit for startup or for the item in flight.
-
-
-def _kill(slot: _Slot) -> None:
-  slot.process.kill()
-  slot.process.join(5.0)
-  slot.conn.close()
-
-
-def _shutdown(slots: list[_Slot]) -> None:
-  # Idle workers exit on a None message; busy or starting ones may be stuck in C code.
-  for slot in slots:
-    try:
-      if slot.ready and slot.task is None:
-        slot.conn.send(None)
-        continue
-    except OSError:
-      pass
-    slot.process.kill()
-  deadline = time.monotonic() + 2.0
-  for slot in slots:
-    slot.process.join(max(0.0, deadline - time.monotonic()))
-    if slot.process.is_alive():
-      slot.process.kill()
-      slot.process.join(5.0)
-    slot.conn.close()
-  slots.clear()
-
-
 class RewardPool:
   """Persistent pool of verifier processes with a hard per-item timeout.
 
-  Create once per run (workers import sympy once) and call `score` every RL step; use as a
-  context manager or call `close()`. Not thread-safe: one `score` at a time.
+  Create once per run (workers import sympy once); use as a context manager or call
+  `close()`. Two ways in, one code path:
+
+  * `score(responses, references)`: blocks and returns the batch's rewards (it is
+    `submit` followed by `collect`).
+  * `submit(...)` returns item ids at once and a dispatcher thread feeds the workers while
+    the caller goes on (e.g. decodes the next segment); `collect(ids)` waits for those
+    items and returns their rewards in the order of `ids`; `done(ids)` asks without
+    waiting; `discard(ids)` drops items no longer wanted (a cancelled rollout row).
+
+  Ids are consecutive int64s in submission order (row-id order when rows are submitted as
+  they finish), never reused. Every method may be called from any thread.
 
   Example:
     with RewardPool(VerifierConfig(num_workers=8)) as pool:
-      rewards = pool.score(responses, references)  # float32[N]
+      ids = pool.submit(responses, references)  # Returns at once.
+      ...  # decode the next segment
+      rewards = pool.collect(ids)  # float32[N]
       metrics = dataclasses.asdict(pool.last_stats)
   """
 
@@ -208,46 +122,25 @@ class RewardPool:
     except AttributeError:
       cores = os.cpu_count() or 1
     self.num_workers = config.num_workers or cores
-    self._ctx = mp.get_context(config.start_method)
+    ctx = mp.get_context(config.start_method)
     if config.start_method == "forkserver":
       # Forked from a server that already imported these, a replacement worker starts in
       # milliseconds (no effect if this process started the forkserver before).
-      self._ctx.set_forkserver_preload(["numpy", "math_verify", "ada_jax.rewards.verifier"])
-    self._slots: list[_Slot] = []
-    self._next_task = 0
+      ctx.set_forkserver_preload(["numpy", "math_verify", "ada_jax.rewards.workers"])
     self.stats = VerifyStats()
     self.last_stats = VerifyStats()
-    self._finalizer = weakref.finalize(self, _shutdown, self._slots)
-    for _ in range(self.num_workers):
-      self._slots.append(self._start())
-    try:
-      while not all(s.ready for s in self._slots):  # _poll raises past startup_timeout_s.
-        self._poll(config.startup_timeout_s, VerifyStats(), None)
-    except BaseException:
-      self.close()
-      raise
-
-  def _start(self) -> _Slot:
-    parent, child = self._ctx.Pipe(duplex=True)
-    proc = self._ctx.Process(
-      target=_worker_main, args=(child, self.config), daemon=True, name="ada_jax-reward"
-    )
-    proc.start()
-    child.close()  # Only the worker holds this end now, so its death reads as EOF here.
-    return _Slot(proc, parent, deadline=time.monotonic() + self.config.startup_timeout_s)
-
-  def _replace(self, slot: _Slot, stats: VerifyStats) -> None:
-    _kill(slot)
-    self._slots[self._slots.index(slot)] = self._start()
-    stats.restarts += 1
+    self._restarts_seen = 0
+    self._dispatcher = Dispatcher(config, ctx, self.num_workers)
+    self._finalizer = weakref.finalize(self, self._dispatcher.stop)
 
   @property
   def worker_pids(self) -> list[int]:
     """Process ids of the current workers (changes when one is replaced)."""
-    return [s.process.pid for s in self._slots]
+    return [s.process.pid for s in self._dispatcher.slots]
 
   def close(self) -> None:
-    """Stops every worker (graceful, then SIGKILL); idempotent."""
+    """Stops the dispatcher and every worker (graceful, then SIGKILL); idempotent. Items
+    not collected are lost; a `collect` waiting in another thread raises RuntimeError."""
     self._finalizer()
 
   def __enter__(self) -> "RewardPool":
@@ -261,7 +154,8 @@ class RewardPool:
 
     A hung item (past `timeout_s`) is scored 0 and its worker killed and replaced; a worker
     that dies mid-item scores that item 0 and is replaced; the batch always returns.
-    Responses with no box marker are scored 0 here, without a round trip.
+    Responses with no box marker are scored 0 here, without a round trip. Interrupted
+    (e.g. KeyboardInterrupt), the batch's items are discarded.
 
     Args:
       responses: N model outputs (str; bytes are decoded as UTF-8 with replacement).
@@ -272,92 +166,130 @@ class RewardPool:
 
     Raises:
       ValueError: lengths differ, or an item is not a string (index named).
-      RuntimeError: the pool is closed.
+      RuntimeError: the pool is closed, or a replacement worker failed to start.
     """
-    if not self._finalizer.alive:
-      raise RuntimeError("RewardPool is closed")
+    ids = self.submit(responses, references)
+    try:
+      return self.collect(ids)
+    except BaseException:
+      self.discard(ids)
+      raise
+
+  def submit(self, responses: Sequence[str], references: Sequence[str]) -> np.ndarray:
+    """Queues a batch for grading and returns at once; the dispatcher thread grades it.
+
+    Args:
+      responses: N model outputs (str; bytes are decoded as UTF-8 with replacement).
+      references: N reference answers, `references[i]` for `responses[i]`.
+
+    Returns:
+      int64[N] item ids, consecutive and increasing in submission order.
+
+    Raises:
+      ValueError: lengths differ, or an item is not a string (index named); nothing is
+        queued then.
+      RuntimeError: the pool is closed or its dispatcher failed.
+    """
     if len(responses) != len(references):
       raise ValueError(f"{len(responses)} responses but {len(references)} references")
-    batch = VerifyStats(items=len(responses))
-    rewards = np.zeros(len(responses), np.float32)
-    todo: deque[tuple[int, str, str]] = deque()
-    for i, (resp, ref) in enumerate(zip(responses, references, strict=True)):
-      resp, ref = _as_text(resp, "responses", i), _as_text(ref, "references", i)
-      if "\\boxed" in resp or "\\fbox" in resp:
-        todo.append((i, resp, ref))
-      else:
-        batch.no_box += 1
-    try:
-      while todo or any(s.task is not None for s in self._slots):
-        self._dispatch(todo, batch)
-        waits = [s.deadline for s in self._slots if s.task is not None or not s.ready]
-        self._poll(min(waits) - time.monotonic() if waits else 0.05, batch, rewards)
-      batch.correct = int(rewards.sum())
-    except BaseException:
-      # Interrupted mid-batch: results in flight would be stale for the next batch.
-      for slot in list(self._slots):
-        if slot.task is not None:
-          self._replace(slot, batch)
-      raise
-    finally:
-      self.last_stats = batch
+    items = [
+      (_as_text(resp, "responses", i), _as_text(ref, "references", i))
+      for i, (resp, ref) in enumerate(zip(responses, references, strict=True))
+    ]
+    d = self._dispatcher
+    with d.cond:
+      self._check_alive()
+      first = d.next_id
+      d.next_id += len(items)
+      for task, (resp, ref) in enumerate(items, first):
+        d.open.add(task)
+        if "\\boxed" in resp or "\\fbox" in resp:
+          d.todo.append((task, resp, ref))
+        else:
+          d.results[task] = (0.0, NO_BOX)
+    d.wake()
+    return np.arange(first, first + len(items), dtype=np.int64)
+
+  def done(self, ids: Sequence[int]) -> np.ndarray:
+    """bool[N]: which of `ids` are graded (collectable without waiting).
+
+    Raises:
+      ValueError: an id that is not open (never submitted, collected or discarded).
+    """
+    d = self._dispatcher
+    with d.cond:
+      ids = self._check_open(ids)
+      return np.asarray([i in d.results for i in ids], bool)
+
+  def collect(self, ids: Sequence[int], timeout: float | None = None) -> np.ndarray:
+    """Waits until every item of `ids` is graded and returns their rewards.
+
+    The items are then closed (a second `collect` of them raises). `last_stats` counts
+    these items (restarts: workers replaced since the previous `collect`) and `stats` adds
+    them.
+
+    Args:
+      ids: item ids from `submit`, any order, no repeats.
+      timeout: seconds to wait at most; None waits for as long as grading takes (each item
+        is bounded by `timeout_s` from dispatch).
+
+    Returns:
+      float32[N] rewards, `rewards[k]` for `ids[k]`.
+
+    Raises:
+      ValueError: an id that is not open, or a repeated id.
+      TimeoutError: `timeout` passed first; the items stay open.
+      RuntimeError: the pool was closed or its dispatcher failed.
+    """
+    d = self._dispatcher
+    with d.cond:
+      ids = self._check_open(ids)
+      if not d.cond.wait_for(
+        lambda: d.closed or d.failure is not None or all(i in d.results for i in ids), timeout
+      ):
+        raise TimeoutError(
+          f"collect: {sum(i not in d.results for i in ids)} of {len(ids)} items not graded "
+          f"within timeout={timeout} s"
+        )
+      self._check_alive()
+      graded = [d.results.pop(i) for i in ids]
+      d.open.difference_update(ids)
+      rewards = np.asarray([r for r, _ in graded], np.float32)
+      batch = VerifyStats(
+        items=len(ids),
+        correct=int(rewards.sum()),
+        no_box=sum(o == NO_BOX for _, o in graded),
+        timeouts=sum(o == TIMEOUT for _, o in graded),
+        errors=sum(o == ERROR for _, o in graded),
+        restarts=d.restarts - self._restarts_seen,
+      )
+      self._restarts_seen = d.restarts
+      self.last_stats = batch  # Under the lock: two threads may collect at once.
       self.stats.add(batch)
     return rewards
 
-  def _dispatch(self, todo: deque, stats: VerifyStats) -> None:
-    for slot in list(self._slots):
-      if not todo:
-        return
-      if not slot.ready or slot.task is not None:
-        continue
-      index, resp, ref = todo.popleft()
-      try:
-        slot.conn.send((self._next_task, resp, ref))
-      except OSError:  # Died while idle: nothing lost, requeue and replace.
-        todo.appendleft((index, resp, ref))
-        self._replace(slot, stats)
-        continue
-      slot.task, slot.index = self._next_task, index
-      slot.deadline = time.monotonic() + self.config.timeout_s
-      self._next_task += 1
+  def discard(self, ids: Sequence[int]) -> None:
+    """Drops items no longer wanted: queued ones are not graded, a result still being
+    computed is thrown away when it arrives. Ids not open are ignored, so discarding is
+    safe after an interrupted `collect`."""
+    self._dispatcher.discard(int(i) for i in np.asarray(ids, np.int64).reshape(-1))
 
-  def _poll(self, timeout: float, stats: VerifyStats, rewards: np.ndarray | None) -> None:
-    """Waits for results/readiness up to `timeout` s, then enforces deadlines."""
-    conns = {s.conn: s for s in self._slots}
-    for conn in mp_connection.wait(list(conns), timeout=max(0.0, timeout)):
-      slot = conns[conn]
-      try:
-        msg = conn.recv()
-      except (EOFError, OSError):  # The worker died: a crash mid-item, or a broken start.
-        if not slot.ready:
-          slot.process.join(5.0)
-          raise RuntimeError(
-            f"reward worker exited during start-up (exit code {slot.process.exitcode})"
-          ) from None
-        if slot.task is not None:
-          stats.errors += 1
-        self._replace(slot, stats)
-        continue
-      if msg[0] == "ready":
-        slot.ready = True
-      elif msg[0] == slot.task:
-        _, reward, outcome = msg
-        if rewards is not None:
-          rewards[slot.index] = reward
-        stats.errors += outcome == ERROR
-        stats.timeouts += outcome == TIMEOUT
-        stats.no_box += outcome == NO_BOX
-        slot.task = None
-    now = time.monotonic()
-    for slot in list(self._slots):
-      if (slot.task is not None or not slot.ready) and now > slot.deadline:
-        if slot.task is not None:
-          stats.timeouts += 1
-        elif not slot.ready:
-          raise RuntimeError(
-            f"reward worker not ready within startup_timeout_s={self.config.startup_timeout_s}"
-          )
-        self._replace(slot, stats)
+  def _check_alive(self) -> None:
+    d = self._dispatcher
+    if d.closed:
+      raise RuntimeError("RewardPool is closed")
+    if d.failure is not None:
+      raise RuntimeError(f"RewardPool dispatcher failed: {d.failure}") from d.failure
+
+  def _check_open(self, ids: Sequence[int]) -> list[int]:
+    out = [int(i) for i in np.asarray(ids, np.int64).reshape(-1)]
+    self._check_alive()
+    if len(set(out)) != len(out):
+      raise ValueError("ids: an item id is repeated")
+    for i in out:
+      if i not in self._dispatcher.open:
+        raise ValueError(f"ids: item {i} is not open (never submitted, collected or discarded)")
+    return out
 
 
 def _as_text(value, field: str, index: int) -> str:
