@@ -195,7 +195,10 @@ def test_advantage_options_on_two_of_eight():
     adv_lib.group_advantages(sel, pool, p_weight="1/p"), [3, 3, -1, -1], rtol=1e-6
   )
   np.testing.assert_allclose(
-    adv_lib.group_advantages(sel, pool, p_weight="1/sqrt_p"), [1.5, 1.5, -0.5, -0.5], rtol=1e-6
+    adv_lib.group_advantages(sel, pool, p_weight="1/sqrt_p"), [0.75, 0.75, -0.25, -0.25], rtol=1e-6
+  )  # f'(p) = 0.5 p^-0.5 = 1 at p = 1/4
+  np.testing.assert_allclose(
+    adv_lib.group_advantages(sel, pool, p_weight=0.5), [0.75, 0.75, -0.25, -0.25], rtol=1e-6
   )
   np.testing.assert_allclose(
     adv_lib.group_advantages(sel, pool, baseline="local"), [0.5, 0.5, -0.5, -0.5]
@@ -393,7 +396,7 @@ def test_est_paper_variant_clips_and_weights():
   assert res.stats.pool_size[1] == 6  # hardest prompt hits the cap
   p = res.stats.pool_pass_rate
   r, a, _ = _group(res, 2)
-  np.testing.assert_allclose(a, (r - p[2]) / np.sqrt(p[2]), rtol=1e-5)
+  np.testing.assert_allclose(a, 0.5 * (r - p[2]) / np.sqrt(p[2]), rtol=1e-5)
 
 
 # --- Config validation ----------------------------------------------------------------
@@ -412,6 +415,12 @@ def test_est_paper_variant_clips_and_weights():
     ({"inverse_p_weight": "1/p2"}, "inverse_p_weight"),
     ({"est_decay": 1.5}, "est_decay"),
     ({"est_weight": "p"}, "est_weight"),
+    ({"est_weight": 1.5}, "est_weight"),
+    ({"inverse_p_weight": -0.1}, "inverse_p_weight"),
+    ({"est_estimator": "value"}, "est_estimator"),
+    ({"est_p_min": 0.0}, "est_p_min"),
+    ({"est_head_lr": 0.0}, "est_head_lr"),
+    ({"est_head_steps": -1}, "est_head_steps"),
     ({"est_n_min": 0}, "est_n_min"),
     ({"est_n_max": 2, "est_split": "clipped"}, "est_n_max"),
     ({"est_n_max": 16}, "est_n_max"),
@@ -454,7 +463,7 @@ def seq_case(draw):
     st.fixed_dictionaries(
       {
         "std_normalize": st.booleans(),
-        "inverse_p_weight": st.sampled_from(["none", "1/p", "1/sqrt_p"]),
+        "inverse_p_weight": st.sampled_from(["none", "1/p", "1/sqrt_p", 0.25, "0.75"]),
         "baseline": st.sampled_from(["global", "local"]),
       }
     )
