@@ -39,7 +39,7 @@ from ada_jax.models import sharding as sharding_lib
 from ada_jax.models import weights
 from ada_jax.models.tokenizer import Tokenizer
 from ada_jax.rewards.verifier import RewardPool, VerifierConfig
-from ada_jax.rl import adaptive, train
+from ada_jax.rl import adaptive, estimate, pass_rate_head, train
 from ada_jax.rl import warmstart as warmstart_lib
 from ada_jax.rollout import draw as rollout
 from ada_jax.rollout import sampler
@@ -330,8 +330,17 @@ def rl_step(
     # Prompts, then rollouts: the controller asks `draw` for rows round by round.
     step_prompts = rollout.StepPrompts(ctx.prompt_set, ctx.iterator, cfg.rl.batch_prompts)
     draw = rollout.Rollouts(ctx.sampler, state.params, ctx.tokenizer, ctx.score, step_prompts, key)
+    features = None
+    if estimate.needs_features(cfg.ada):  # Est's pass-rate head reads the prompts' states
+      features = pass_rate_head.prompt_hidden_states(
+        ctx.sampler.config,
+        state.params,
+        step_prompts.tokens,
+        cfg.sampler.prompt_buckets,
+        ctx.tokenizer.pad_id,
+      )
     result, est = adaptive.run_step(
-      cfg.ada, step_prompts.ids, draw, ctx.np_rng, est, step_prompts.more_prompts
+      cfg.ada, step_prompts.ids, draw, ctx.np_rng, est, step_prompts.more_prompts, features
     )
     responses = draw.responses()
     # Batch and update.
