@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ada_jax import distributed
 from ada_jax.models import decoder as model_lib
 
 WIDTH = 64  # hidden units; the head is a probe, not a second model
@@ -241,6 +242,8 @@ def prompt_hidden_states(
       else the longest prompt's length.
     pad_id: the padding token.
 
+  With several processes this is a collective (every process calls it, as the loop does).
+
   Raises:
     ValueError: an empty prompt.
   """
@@ -252,4 +255,5 @@ def prompt_hidden_states(
   tokens = np.full((lengths.size, width), pad_id, np.int32)
   for i, t in enumerate(prompts):
     tokens[i, : len(t)] = t
-  return np.asarray(_hidden_fn(config)(params, jnp.asarray(tokens), jnp.asarray(lengths)))
+  out = _hidden_fn(config)(params, jnp.asarray(tokens), jnp.asarray(lengths))
+  return np.asarray(distributed.host_copy(out))  # whole on every process
