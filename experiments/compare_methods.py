@@ -344,6 +344,12 @@ def main() -> None:
     help="also replace the table between this output's markers in experiments/README.md",
   )
   parser.add_argument(
+    "--add_to",
+    default=None,
+    help="merge the --methods run now into this results JSON (its other rows kept as they "
+    "are) and rewrite its .md/.png; the added rows' commit and command are recorded",
+  )
+  parser.add_argument(
     "--from_json",
     default=None,
     help="run nothing: rewrite the .md/.png (and --readme) from this JSON",
@@ -410,6 +416,9 @@ def main() -> None:
     "pass_rate_metric": PASS_RATE,
     "methods": results,
   }
+  if args.add_to:
+    out = pathlib.Path(args.add_to).with_suffix("")
+    report = add_rows(json.loads(out.with_suffix(".json").read_text()), report)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
   write_outputs(report, out, args.readme)
@@ -424,6 +433,25 @@ def main() -> None:
   )
 
 
+def add_rows(base: dict, new: dict) -> dict:
+  """`base` (a results JSON) with `new`'s methods added; each added row's commit, command
+  and wall time go to `base['added_rows']`. The step-cost ratio uses `base`'s GRPO n=4."""
+  if new["seeds"] != base["seeds"] or new["steps"] != base["steps"]:
+    raise SystemExit(
+      f"--add_to: seeds/steps {new['seeds']}/{new['steps']} differ from the JSON's "
+      f"{base['seeds']}/{base['steps']}"
+    )
+  ref = base["methods"].get(REFERENCE, {}).get("step_s", {}).get("mean")
+  for label, row in new["methods"].items():
+    if ref:
+      row["step_cost_vs_grpo_n4"] = row["step_s"]["mean"] / ref
+    base["methods"][label] = row
+    base.setdefault("added_rows", {})[label] = {
+      k: new[k] for k in ("command", "git_commit", "wall_s", "cpus")
+    }
+  return base
+
+
 def write_outputs(report: dict, out: pathlib.Path, readme: bool) -> None:
   """Writes <out>.md and <out>.png from a results JSON; with `readme`, also the table
   between the `<!-- <out name>:begin -->` / `:end -->` markers of experiments/README.md."""
@@ -432,6 +460,11 @@ def write_outputs(report: dict, out: pathlib.Path, readme: bool) -> None:
     f"`{report['command']}` ({report['wall_s'] / 60:.1f} min on {report['cpus']} cores,"
     f" commit {report['git_commit']})\n\n{md}\n"
   )
+  for label, added in report.get("added_rows", {}).items():
+    text += (
+      f"\nRow {label} added later: `{added['command']}` ({added['wall_s'] / 60:.1f} min,"
+      f" commit {added['git_commit']}; seeds and steps as above).\n"
+    )
   out.with_suffix(".md").write_text(text)
   plot(report["methods"], out.with_suffix(".png"), report["steps"])
   print(md)
