@@ -126,7 +126,7 @@ class AdaConfig:
     est_p_min: p̂ (and p̄) are clipped to [est_p_min, 1] before f' (1e-3).
     est_head_lr: the head's Adam learning rate (1e-2).
     est_head_steps: Adam steps on each step's outcomes (8; 0 freezes the head).
-    est_split: how the budget becomes counts (`advantages.allocate_budget`): 'released'
+    est_split: how the budget becomes counts (`estimate.allocate_budget`): 'released'
       (est_n_min each, the rest in proportion to w) or 'clipped' (paper: proportional to
       w, clipped to [est_n_min, est_n_max]).
     est_n_min: at least this many samples per prompt (>= 1; released 1, paper 4).
