@@ -52,6 +52,7 @@ import importlib
 import json
 import os
 import pathlib
+import shlex
 import subprocess
 import sys
 import time
@@ -403,7 +404,7 @@ def main() -> None:
     for seed_run, s in zip(r["runs"], seeds, strict=True):
       seed_run["config"] = configs[label, s]
       seed_run["command"] = " ".join(command(jobs[label, s], *specs[label, s])[1:])
-  cmd = " ".join(["python experiments/compare_methods.py", *sys.argv[1:]])
+  cmd = shlex.join(["python", "experiments/compare_methods.py", *sys.argv[1:]])
   report = {
     "command": cmd,
     "git_commit": commit,
