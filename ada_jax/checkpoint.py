@@ -8,7 +8,9 @@ saved one was (same next batches, same samples, same updates):
   opt          {'step': int32[], 'opt_state': Adam moments and counts}
   ref_params   the frozen KL reference, only when the run has one
   rng          the root PRNG key's raw data (`jax.random.key_data` of a typed key)
-  est          Reinforce-Ada-Est statistics (keys int64[P], pos/tot float64[P]), P grows
+  est          Reinforce-Ada-Est statistics (keys int64[P], pos/tot float64[P]), P grows;
+               with a learned estimator also its pass-rate head and Adam moments
+               (fixed-shape `head_*` arrays, `rl.pass_rate_head`)
   host         JSON: the caller's host state (data-iterator position, numpy Generator
                state, ...) and what is needed to rebuild the rest (key impl, P)
 
@@ -143,7 +145,8 @@ def save(manager: ocp.CheckpointManager, step: int, run: RunState, *, force: boo
 
 def _pad_est(est: EstState) -> EstState:
   # orbax refuses zero-size arrays and P starts at 0: store P + 1 entries, P in the JSON.
-  out = {}
+  # Other entries (the pass-rate head's) have fixed, non-empty shapes and go as they are.
+  out = {k: np.asarray(v) for k, v in est.items() if k not in _EST_FIELDS}
   for name, dtype in _EST_FIELDS.items():
     if name not in est:
       raise ValueError(f"Est state lacks field {name!r}; expected {sorted(_EST_FIELDS)}")
@@ -198,7 +201,10 @@ def restore(
   )
   est = None
   if meta["est_size"] is not None:
-    est = {k: np.asarray(v)[: meta["est_size"]] for k, v in out["est"].items()}
+    est = {
+      k: np.asarray(v)[: meta["est_size"]] if k in _EST_FIELDS else np.asarray(v)
+      for k, v in out["est"].items()
+    }
   train = TrainState(
     step=out["opt"]["step"],
     params=out["params"],

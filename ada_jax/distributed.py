@@ -232,18 +232,6 @@ def shared_scorer(
   return scored
 
 
-def host_copy(tree: Any) -> Any:
-  """A pytree of arrays made readable on this host.
-
-  With several processes, arrays sharded across them are gathered into whole numpy arrays
-  on every process (a collective: all processes must call it; host memory for the whole
-  tree). With one process the tree is returned as is: its arrays are readable already.
-  """
-  if jax.process_count() == 1:
-    return tree
-  return multihost_utils.process_allgather(tree, tiled=True)
-
-
 # ----------------------------------------------------------------------------- agreement
 
 

@@ -39,7 +39,7 @@ from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.tokenizer import Tokenizer
 from ada_jax.rewards.verifier import RewardPool, VerifierConfig
-from ada_jax.rl import adaptive, train, update
+from ada_jax.rl import adaptive, estimate, pass_rate_head, train, update
 from ada_jax.rl import warmstart as warmstart_lib
 from ada_jax.rollout import draw as rollout
 from ada_jax.rollout import sampler
@@ -269,7 +269,7 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
     )
     writer.add_scalars(step, summary["after_rl"])
     if cfg.ckpt.export_hf:
-      params = distributed.host_copy(state.params)  # collective: every process takes part
+      params = sharding_lib.host_copy(state.params)  # collective: every process takes part
       if jax.process_index() == 0:
         checkpoint.export_hf(
           model_cfg, params, pathlib.Path(workdir) / "hf_final", tokenizer=tokenizer
@@ -327,8 +327,17 @@ def rl_step(
     # Prompts, then rollouts: the controller asks `draw` for rows round by round.
     step_prompts = rollout.StepPrompts(ctx.prompt_set, ctx.iterator, cfg.rl.batch_prompts)
     draw = rollout.Rollouts(ctx.sampler, state.params, ctx.tokenizer, ctx.score, step_prompts, key)
+    features = None
+    if estimate.needs_features(cfg.ada):  # Est's pass-rate head reads the prompts' states
+      features = pass_rate_head.prompt_hidden_states(
+        ctx.sampler.config,
+        state.params,
+        step_prompts.tokens,
+        cfg.sampler.prompt_buckets,
+        ctx.tokenizer.pad_id,
+      )
     result, est = adaptive.run_step(
-      cfg.ada, step_prompts.ids, draw, ctx.np_rng, est, step_prompts.more_prompts
+      cfg.ada, step_prompts.ids, draw, ctx.np_rng, est, step_prompts.more_prompts, features
     )
     responses = draw.responses()
     # Batch and update.

@@ -67,9 +67,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.ada.k_neg = None  # negatives needed to exit; None = n - floor(n/2) (balance)
   c.ada.std_normalize = False  # divide advantages by the std (released Reinforce-Ada: off)
   c.ada.baseline = "global"  # 'global': mean over the whole pool (Reinforce-Ada); 'local'
-  c.ada.inverse_p_weight = "none"  # 'none' (released code), '1/p' or '1/sqrt_p' (paper v3)
+  c.ada.inverse_p_weight = "none"  # 'none' (released) or f'(p̄): '1/p', '1/sqrt_p' (1/√p̄), α
   c.ada.est_budget_per_prompt = 8.0  # K: est draws round(K·B) samples (released: 8)
-  c.ada.est_weight = "1/p"  # est sampling weight: '1/p' (released) or '1/sqrt_p' (paper)
+  c.ada.est_weight = "1/p"  # est allocation f'(p̂): '1/p' (α=0, released), '1/sqrt_p' (α=0.5), α
+  c.ada.est_estimator = "ema"  # p̂ from 'ema' counts (released), the learned 'head', 'head+ema'
   c.ada.est_split = "released"  # 1 each, rest ∝ w (released); 'clipped' [4, 32] (paper)
 
   c.rl = ml_collections.ConfigDict()

@@ -9,7 +9,8 @@ no warm-up) — GRPO n = 4, GRPO n = 8 and DAPO n = 4 — plus GRPO n = 4 with t
 Reinforce-Ada optimizer settings (dual clip, weight decay and warm-up of
 `configs/tiny_arith_pos.py`), which separates those settings from the method;
 Reinforce-Ada-pos and -balance from `configs/tiny_arith_pos.py`; Est as released at a
-budget of K = 8 per prompt (the paper sets it against GRPO n = 8).
+budget of K = 8 per prompt (the paper sets it against GRPO n = 8), and the same Est with
+p̂ from the learned pass-rate head (`ada.est_estimator=head`) instead of the EMA.
 
 One supervised warm start (`configs/tiny_arith_pos.py`'s, run once as its own workdir)
 gives the shared initial policy; every (method, seed) run then starts from its step-0
@@ -51,6 +52,7 @@ import importlib
 import json
 import os
 import pathlib
+import shlex
 import subprocess
 import sys
 import time
@@ -92,6 +94,10 @@ METHODS: dict[str, tuple[str, dict[str, object]]] = {
   "Ada-pos": (ADA, {"ada.method": "pos"}),
   "Ada-balance": (ADA, {"ada.method": "balance"}),
   "Est K=8": (ADA, {"ada.method": "est", "ada.est_budget_per_prompt": 8.0}),
+  "Est-head K=8": (
+    ADA,
+    {"ada.method": "est", "ada.est_budget_per_prompt": 8.0, "ada.est_estimator": "head"},
+  ),
 }
 LAST = 10  # steps averaged for the "final" training pass rate
 
@@ -339,6 +345,12 @@ def main() -> None:
     help="also replace the table between this output's markers in experiments/README.md",
   )
   parser.add_argument(
+    "--add_to",
+    default=None,
+    help="merge the --methods run now into this results JSON (its other rows kept as they "
+    "are) and rewrite its .md/.png; the added rows' commit and command are recorded",
+  )
+  parser.add_argument(
     "--from_json",
     default=None,
     help="run nothing: rewrite the .md/.png (and --readme) from this JSON",
@@ -392,7 +404,7 @@ def main() -> None:
     for seed_run, s in zip(r["runs"], seeds, strict=True):
       seed_run["config"] = configs[label, s]
       seed_run["command"] = " ".join(command(jobs[label, s], *specs[label, s])[1:])
-  cmd = " ".join(["python experiments/compare_methods.py", *sys.argv[1:]])
+  cmd = shlex.join(["python", "experiments/compare_methods.py", *sys.argv[1:]])
   report = {
     "command": cmd,
     "git_commit": commit,
@@ -405,6 +417,9 @@ def main() -> None:
     "pass_rate_metric": PASS_RATE,
     "methods": results,
   }
+  if args.add_to:
+    out = pathlib.Path(args.add_to).with_suffix("")
+    report = add_rows(json.loads(out.with_suffix(".json").read_text()), report)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
   write_outputs(report, out, args.readme)
@@ -419,6 +434,25 @@ def main() -> None:
   )
 
 
+def add_rows(base: dict, new: dict) -> dict:
+  """`base` (a results JSON) with `new`'s methods added; each added row's commit, command
+  and wall time go to `base['added_rows']`. The step-cost ratio uses `base`'s GRPO n=4."""
+  if new["seeds"] != base["seeds"] or new["steps"] != base["steps"]:
+    raise SystemExit(
+      f"--add_to: seeds/steps {new['seeds']}/{new['steps']} differ from the JSON's "
+      f"{base['seeds']}/{base['steps']}"
+    )
+  ref = base["methods"].get(REFERENCE, {}).get("step_s", {}).get("mean")
+  for label, row in new["methods"].items():
+    if ref:
+      row["step_cost_vs_grpo_n4"] = row["step_s"]["mean"] / ref
+    base["methods"][label] = row
+    base.setdefault("added_rows", {})[label] = {
+      k: new[k] for k in ("command", "git_commit", "wall_s", "cpus")
+    }
+  return base
+
+
 def write_outputs(report: dict, out: pathlib.Path, readme: bool) -> None:
   """Writes <out>.md and <out>.png from a results JSON; with `readme`, also the table
   between the `<!-- <out name>:begin -->` / `:end -->` markers of experiments/README.md."""
@@ -427,6 +461,11 @@ def write_outputs(report: dict, out: pathlib.Path, readme: bool) -> None:
     f"`{report['command']}` ({report['wall_s'] / 60:.1f} min on {report['cpus']} cores,"
     f" commit {report['git_commit']})\n\n{md}\n"
   )
+  for label, added in report.get("added_rows", {}).items():
+    text += (
+      f"\nRow {label} added later: `{added['command']}` ({added['wall_s'] / 60:.1f} min,"
+      f" commit {added['git_commit']}; seeds and steps as above).\n"
+    )
   out.with_suffix(".md").write_text(text)
   plot(report["methods"], out.with_suffix(".png"), report["steps"])
   print(md)

@@ -29,6 +29,7 @@ import numpy as np
 
 from ada_jax import metrics
 from ada_jax.rl import simulate as sim
+from ada_jax.rl.adaptive import AdaConfig
 
 
 def plot(rows: dict[str, sim.SimResult], p: np.ndarray, path: pathlib.Path) -> None:
@@ -42,6 +43,30 @@ def plot(rows: dict[str, sim.SimResult], p: np.ndarray, path: pathlib.Path) -> N
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+
+
+def first_epoch_est(args, p: np.ndarray) -> dict:
+  """Est at budget K = 8 on the FIRST epoch (every prompt new to the estimator): signal
+  fraction per estimator ('ema': every prompt reads the prior, so the budget is uniform;
+  'head' / 'head+ema': the learned head on `sim.toy_features`), per seed, mean and sd."""
+  out = {}
+  for estimator in ("ema", "head", "head+ema"):
+    cfg = AdaConfig(method="est", est_budget_per_prompt=8.0, est_estimator=estimator)
+    runs = [
+      sim.simulate(cfg, p, batch=args.batch, epochs=1, warmup_epochs=0, seed=s).signal_fraction
+      for s in args.first_epoch_seeds
+    ]
+    out[estimator] = {
+      "signal_fraction_mean": float(np.mean(runs)),
+      "signal_fraction_sd": float(np.std(runs, ddof=1)) if len(runs) > 1 else 0.0,
+      "seeds": runs,
+    }
+  out["grpo_n8_closed_form"] = sim.grpo_signal(p, 8)
+  out["note"] = (
+    "first epoch only, equal budget of 8 samples per prompt; seeds vary the prompt order, "
+    "the rewards and the toy features"
+  )
+  return out
 
 
 def main() -> None:
@@ -68,6 +93,20 @@ def main() -> None:
     default=[8.0],
     help="K of the paper-hybrid Est rows",
   )
+  parser.add_argument(
+    "--est_head_budgets",
+    type=float,
+    nargs="+",
+    default=[8.0],
+    help="K of the Est rows with the learned pass-rate head (on toy features)",
+  )
+  parser.add_argument(
+    "--first_epoch_seeds",
+    type=int,
+    nargs="+",
+    default=[0, 1, 2],
+    help="seeds of the first-epoch comparison of Est's estimators (EMA vs learned head)",
+  )
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument(
     "--tolerance",
@@ -82,7 +121,12 @@ def main() -> None:
   t0 = time.time()
   p = sim.sample_pass_rates(np.random.default_rng(args.seed), args.num_prompts)
   configs = sim.method_table(
-    args.n, args.samples_per_round, args.max_rounds, args.est_budgets, args.est_paper_budgets
+    args.n,
+    args.samples_per_round,
+    args.max_rounds,
+    args.est_budgets,
+    args.est_paper_budgets,
+    args.est_head_budgets,
   )
   results = {
     name: sim.simulate(
@@ -112,6 +156,7 @@ def main() -> None:
     }
   result = {
     "git_commit": metrics.git_commit(),
+    "first_epoch_est": first_epoch_est(args, p),
     "command": "python experiments/simulate_sampling.py " + " ".join(sys.argv[1:]),
     "notes": {
       "signal_fraction": "prompts whose training group has a non-zero advantage / B",

@@ -196,6 +196,9 @@ def test_advantage_options_on_two_of_eight():
   )
   np.testing.assert_allclose(
     adv_lib.group_advantages(sel, pool, p_weight="1/sqrt_p"), [1.5, 1.5, -0.5, -0.5], rtol=1e-6
+  )  # f'(p) = p^-0.5 = 2 at p = 1/4 (the paper's 1/sqrt(p̄))
+  np.testing.assert_allclose(
+    adv_lib.group_advantages(sel, pool, p_weight=0.5), [1.5, 1.5, -0.5, -0.5], rtol=1e-6
   )
   np.testing.assert_allclose(
     adv_lib.group_advantages(sel, pool, baseline="local"), [0.5, 0.5, -0.5, -0.5]
@@ -412,6 +415,12 @@ def test_est_paper_variant_clips_and_weights():
     ({"inverse_p_weight": "1/p2"}, "inverse_p_weight"),
     ({"est_decay": 1.5}, "est_decay"),
     ({"est_weight": "p"}, "est_weight"),
+    ({"est_weight": 1.5}, "est_weight"),
+    ({"inverse_p_weight": -0.1}, "inverse_p_weight"),
+    ({"est_estimator": "value"}, "est_estimator"),
+    ({"est_p_min": 0.0}, "est_p_min"),
+    ({"est_head_lr": 0.0}, "est_head_lr"),
+    ({"est_head_steps": -1}, "est_head_steps"),
     ({"est_n_min": 0}, "est_n_min"),
     ({"est_n_max": 2, "est_split": "clipped"}, "est_n_max"),
     ({"est_n_max": 16}, "est_n_max"),
@@ -454,7 +463,7 @@ def seq_case(draw):
     st.fixed_dictionaries(
       {
         "std_normalize": st.booleans(),
-        "inverse_p_weight": st.sampled_from(["none", "1/p", "1/sqrt_p"]),
+        "inverse_p_weight": st.sampled_from(["none", "1/p", "1/sqrt_p", 0.25, "0.75"]),
         "baseline": st.sampled_from(["global", "local"]),
       }
     )

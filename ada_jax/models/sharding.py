@@ -32,6 +32,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -341,3 +342,15 @@ def constrain(x: jax.Array, axes: Sequence[str | None], mesh: Mesh) -> jax.Array
   return jax.lax.with_sharding_constraint(
     x, NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh))
   )
+
+
+def host_copy(tree: Any) -> Any:
+  """A pytree of arrays made readable on this host.
+
+  With several processes, arrays sharded across them are gathered into whole numpy arrays
+  on every process (a collective: all processes must call it; host memory for the whole
+  tree). With one process the tree is returned as is: its arrays are readable already.
+  """
+  if jax.process_count() == 1:
+    return tree
+  return multihost_utils.process_allgather(tree, tiled=True)

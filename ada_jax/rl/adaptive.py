@@ -1,9 +1,9 @@
 """Reinforce-Ada sampling controller: one training step's sampling for B prompts.
 
-Host-side numpy only. Given a `draw` callable (the real sampler + verifier, or a
-Bernoulli simulator), `run_step` decides which prompts get how many responses, in how
-many rounds, which responses are kept for training and their advantages. Methods, chosen
-by `AdaConfig.method` (docs/design.md "Algorithm"):
+Host-side (numpy; Est's learned head trains with JAX). Given a `draw` callable (the real
+sampler + verifier, or a Bernoulli simulator), `run_step` decides which prompts get how
+many responses, in how many rounds, which responses are kept for training and their
+advantages. Methods, chosen by `AdaConfig.method` (docs/design.md "Algorithm"):
 
 * ``grpo``: n responses per prompt in one pass, local group statistics.
 * ``dapo``: n per prompt; groups with uniform rewards are dropped and further prompts
@@ -13,12 +13,12 @@ by `AdaConfig.method` (docs/design.md "Algorithm"):
   a prompt retires at the end of the first round whose pool meets its exit rule
   (>= k_pos positives and >= k_neg negatives); at most R rounds; n kept by the
   half-then-fill rule; advantages from the whole pool (global normalization).
-* ``est`` (Reinforce-Ada-Est): persistent, decayed Beta-prior pass-rate estimates keyed
-  by a stable prompt id; a K*B budget split by weight w(p̂); one pass; all samples kept.
-  Defaults are the released code's: K = 8, w = 1/p̂, every prompt 1 sample and the rest
-  shared by weight, a single-sample prompt's advantage A = r. The paper's hybrid is
-  `est_weight='1/sqrt_p', est_split='clipped', est_n_min=4, est_n_max=32,
-  inverse_p_weight='1/sqrt_p'` (`EST_PAPER`).
+* ``est`` (Reinforce-Ada-Est, `ada_jax.rl.estimate`): per-prompt pass-rate estimates p̂
+  (decayed Beta-prior counts keyed by a stable prompt id, a learned head on the prompt's
+  hidden state, or both); a K*B budget split by the power objective's weight f'(p̂); one
+  pass; all samples kept. Defaults are the released code's: K = 8, EMA estimates, w =
+  1/p̂, every prompt 1 sample and the rest shared by weight, a single-sample prompt's
+  advantage A = r. The paper's hybrid is `EST_PAPER`.
 
 Every method reports `StepStats.first_round_pass_rate`, the fraction of positive
 responses among each prompt's first-round samples (drawn before any exit decision),
@@ -40,9 +40,9 @@ from typing import Any
 import numpy as np
 
 from ada_jax.rl import advantages as adv_lib
-from ada_jax.rl.advantages import (
-  EST_SPLITS,
-  EST_WEIGHTS,
+from ada_jax.rl import estimate
+from ada_jax.rl.estimate import (
+  EST_PAPER,
   EstState,
   allocate_budget,
   est_pass_rates,
@@ -50,6 +50,10 @@ from ada_jax.rl.advantages import (
   prompt_keys,
   update_est_state,
 )
+from ada_jax.rl.pools import DrawFn, StepResult, StepStats
+from ada_jax.rl.pools import Pools as _Pools
+from ada_jax.rl.pools import finish as _finish
+from ada_jax.rl.pools import has_spread as _has_spread
 
 __all__ = [
   "AdaConfig",
@@ -67,7 +71,6 @@ __all__ = [
   "update_est_state",
 ]
 
-DrawFn = Callable[[np.ndarray], tuple[np.ndarray, Sequence[Any]]]
 MorePromptsFn = Callable[[int], Sequence[Any]]
 
 # Default exit thresholds (k_pos, k_neg) per Seq method, as functions of the group size n.
@@ -103,8 +106,9 @@ class AdaConfig:
       scripts keep verl's default (on), so the `*_grpo.py` configs turn it on; off there
       gives the Dr.GRPO-style variant.
     std_eps: the std offset (1e-6).
-    inverse_p_weight: explicit pass-rate weight on advantages: 'none' (released code),
-      '1/p' (paper v3 Seq), '1/sqrt_p' (paper v3 Est).
+    inverse_p_weight: explicit weight f'(p̄) = p̄^(α−1) on advantages: 'none' (released
+      code), '1/p' (α = 0, f'= 1/p̄: paper v3 Seq), '1/sqrt_p' (α = 0.5: paper v3 Est) or
+      α in [0, 1] (`estimate.objective_weight`).
     dapo_max_extra_passes: cap on extra generation passes after the first (dapo).
     dapo_prompts_per_pass: prompts requested from `more_prompts` per extra pass;
       None: B, the step's prompt count (verl draws a whole generation batch).
@@ -113,8 +117,16 @@ class AdaConfig:
     est_decay: lambda, the factor on a prompt's old counts each time it is sampled.
     est_budget_per_prompt: K; the step draws round(K * B) samples in all (released: 8,
       compared with GRPO n = 8).
-    est_weight: sampling weight w(p̂): '1/p' (released code) or '1/sqrt_p' (paper).
-    est_split: how the budget becomes counts (`advantages.allocate_budget`): 'released'
+    est_weight: the objective whose f'(p̂) weights the allocation, spelled as for
+      `inverse_p_weight`: '1/p' (α = 0, released code), '1/sqrt_p' (α = 0.5, paper) or α.
+    est_estimator: where p̂ comes from: 'ema' (the decayed counts, released code),
+      'head' (the learned pass-rate head, `pass_rate_head`) or 'head+ema' (the head's
+      prediction as the prior mean, the counts as pseudo-counts). The head needs the
+      prompts' hidden states (`run_step`'s `features`).
+    est_p_min: p̂ (and p̄) are clipped to [est_p_min, 1] before f' (1e-3).
+    est_head_lr: the head's Adam learning rate (1e-2).
+    est_head_steps: Adam steps on each step's outcomes (8; 0 freezes the head).
+    est_split: how the budget becomes counts (`estimate.allocate_budget`): 'released'
       (est_n_min each, the rest in proportion to w) or 'clipped' (paper: proportional to
       w, clipped to [est_n_min, est_n_max]).
     est_n_min: at least this many samples per prompt (>= 1; released 1, paper 4).
@@ -132,14 +144,18 @@ class AdaConfig:
   baseline: str = "global"
   std_normalize: bool = False
   std_eps: float = 1e-6
-  inverse_p_weight: str = "none"
+  inverse_p_weight: str | float = "none"
   dapo_max_extra_passes: int = 4
   dapo_prompts_per_pass: int | None = None
   est_alpha: float = 1.0
   est_beta: float = 16.0
   est_decay: float = 0.9
   est_budget_per_prompt: float = 8.0
-  est_weight: str = "1/p"
+  est_weight: str | float = "1/p"
+  est_estimator: str = "ema"
+  est_p_min: float = 1e-3
+  est_head_lr: float = 1e-2
+  est_head_steps: int = 8
   est_split: str = "released"
   est_n_min: int = 1
   est_n_max: int | None = None
@@ -186,30 +202,13 @@ class AdaConfig:
       bad("selection", f"expected one of {list(SELECTIONS)}")
     if self.baseline not in adv_lib.BASELINES:
       bad("baseline", f"expected one of {sorted(adv_lib.BASELINES)}")
-    if self.inverse_p_weight not in adv_lib.P_WEIGHTS:
-      bad("inverse_p_weight", f"expected one of {sorted(adv_lib.P_WEIGHTS)}")
     if not self.std_eps > 0:
       bad("std_eps", "must be > 0")
     if self.dapo_max_extra_passes < 0:
       bad("dapo_max_extra_passes", "must be >= 0")
     if self.dapo_prompts_per_pass is not None and self.dapo_prompts_per_pass < 1:
       bad("dapo_prompts_per_pass", "must be >= 1 or None")
-    if not (self.est_alpha > 0 and self.est_beta > 0):
-      bad("est_alpha" if not self.est_alpha > 0 else "est_beta", "Beta prior needs > 0")
-    if not 0 <= self.est_decay <= 1:
-      bad("est_decay", "lambda must lie in [0, 1]")
-    if self.est_weight not in EST_WEIGHTS:
-      bad("est_weight", f"expected one of {sorted(EST_WEIGHTS)}")
-    if self.est_split not in EST_SPLITS:
-      bad("est_split", f"expected one of {list(EST_SPLITS)}")
-    if self.est_split == "released" and self.est_n_max is not None:
-      bad("est_n_max", "the released split has no cap; set est_split='clipped' or None")
-    if self.est_n_min < 1:
-      bad("est_n_min", "every prompt needs at least one sample")
-    if self.est_budget_per_prompt < self.est_n_min:
-      bad("est_budget_per_prompt", f"K must be >= est_n_min={self.est_n_min}")
-    if self.est_n_max is not None and self.est_n_max < self.est_budget_per_prompt:
-      bad("est_n_max", "must be >= est_budget_per_prompt, or the budget cannot be spent")
+    estimate.check_config(self, bad)
 
   def train_rows(self, num_prompts: int) -> int:
     """Responses a step returns for training at most, for B = `num_prompts`: B·n, or for
@@ -237,203 +236,10 @@ class AdaConfig:
     return k_pos, k_neg
 
 
-# The paper's (v3) Est hybrid as AdaConfig overrides: allocation ∝ 1/sqrt(p̂) clipped to
-# [N_min, N_max] = [4, 32], and an explicit 1/sqrt(p̄) weight on the advantages.
-EST_PAPER: dict[str, Any] = dict(
-  est_weight="1/sqrt_p",
-  est_split="clipped",
-  est_n_min=4,
-  est_n_max=32,
-  inverse_p_weight="1/sqrt_p",
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepStats:
-  """Sampling statistics of one step (P = prompts sampled, B = the step's prompts).
-
-  Attributes:
-    num_prompts: B, prompts given to the step.
-    samples_per_round: responses drawn in each round / pass.
-    active_per_round: prompts sampled in each round / pass.
-    rows_requested: responses drawn in all (= sum of samples_per_round).
-    rows_selected: responses returned for training.
-    rows_useful: returned responses with a non-zero advantage.
-    zero_signal_fraction: fraction of the returned prompts whose advantages are all zero.
-    signal_fraction: prompts with a non-zero advantage / B (dapo: can reach 1 with
-      extra prompts).
-    mean_pool_size: mean responses drawn per sampled prompt.
-    reward_mean: mean reward over every drawn response.
-    first_round_pass_rate: fraction of positive responses among each of the B prompts'
-      first-round (first-pass) samples, averaged over the B prompts. Those samples are
-      drawn before any exit decision, so this estimates the policy's mean pass rate on the
-      step's prompts without bias for every method (`pool_pass_rate` is biased upward for
-      pos and balance, which stop after successes).
-    pool_size: int32[P] responses drawn per prompt.
-    pool_pass_rate: float32[P] fraction of positive responses in each prompt's pool.
-  """
-
-  num_prompts: int
-  samples_per_round: tuple[int, ...]
-  active_per_round: tuple[int, ...]
-  rows_requested: int
-  rows_selected: int
-  rows_useful: int
-  zero_signal_fraction: float
-  signal_fraction: float
-  mean_pool_size: float
-  reward_mean: float
-  first_round_pass_rate: float
-  pool_size: np.ndarray
-  pool_pass_rate: np.ndarray
-
-  def as_metrics(self, prefix: str = "ada/") -> dict[str, float]:
-    """Flat scalar metrics for logging (per-round entries suffixed _r1, _r2, ...).
-
-    `rows_requested`, `zero_signal_fraction`, `reward_mean` and the prompts per round are
-    left out: the training loop logs them under its own names (`samples_drawn`,
-    `zero_signal_frac`, `reward_mean`, `active_prompts_per_round`), and a figure has one
-    name in `metrics.jsonl`.
-    """
-    out = {
-      f"{prefix}{k}": float(getattr(self, k))
-      for k in ("rows_selected", "rows_useful", "signal_fraction", "mean_pool_size")
-    }
-    out[f"{prefix}rounds"] = float(len(self.samples_per_round))
-    out[f"{prefix}samples_per_prompt"] = self.rows_requested / max(self.num_prompts, 1)
-    for r, s in enumerate(self.samples_per_round, 1):
-      out[f"{prefix}samples_r{r}"] = float(s)
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class StepResult:
-  """The responses selected for training (S of them) and the step's statistics.
-
-  Attributes:
-    prompt_index: int32[S] index of each response's prompt in `prompt_ids`.
-    handles: S opaque response handles, as returned by `draw`.
-    rewards: float32[S].
-    advantages: float32[S].
-    prompt_ids: the step's prompts, followed (dapo) by those `more_prompts` returned.
-    stats: `StepStats`.
-  """
-
-  prompt_index: np.ndarray
-  handles: list
-  rewards: np.ndarray
-  advantages: np.ndarray
-  prompt_ids: tuple
-  stats: StepStats
-
-
-class _Pools:
-  """Per-prompt pools of (reward, handle) built up over the rounds of one step."""
-
-  def __init__(self, num_prompts: int):
-    self.rewards: list[list[float]] = [[] for _ in range(num_prompts)]
-    self.handles: list[list[Any]] = [[] for _ in range(num_prompts)]
-    self.samples_per_round: list[int] = []
-    self.active_per_round: list[int] = []
-    self.first_round_size: np.ndarray | None = None
-
-  def grow(self, num_prompts: int):
-    self.rewards += [[] for _ in range(num_prompts - len(self.rewards))]
-    self.handles += [[] for _ in range(num_prompts - len(self.handles))]
-
-  def draw_round(self, draw: DrawFn, rows: np.ndarray):
-    """Makes one `draw` call for `rows` (prompt index per row) and files the results."""
-    rows = np.asarray(rows, np.int64)
-    rewards, handles = draw(rows)
-    rewards = np.asarray(rewards, np.float32)
-    if rewards.shape != rows.shape:
-      raise ValueError(f"draw returned rewards of shape {rewards.shape} for {rows.size} rows")
-    if not np.all(np.isfinite(rewards)):
-      raise ValueError("draw returned a non-finite reward")
-    if len(handles) != rows.size:
-      raise ValueError(f"draw returned {len(handles)} handles for {rows.size} rows")
-    for p, r, h in zip(rows.tolist(), rewards.tolist(), handles, strict=True):
-      self.rewards[p].append(r)
-      self.handles[p].append(h)
-    self.samples_per_round.append(int(rows.size))
-    self.active_per_round.append(int(np.unique(rows).size))
-    if self.first_round_size is None:
-      self.first_round_size = np.asarray([len(r) for r in self.rewards], np.int64)
-
-
-def _has_spread(rewards: list[float]) -> bool:
-  # DAPO's filter (as in verl): drop groups whose rewards are all equal (std 0).
-  return len(set(rewards)) > 1
-
-
-def _finish(
-  config: AdaConfig,
-  pools: _Pools,
-  prompt_ids: Sequence[Any],
-  num_base: int,
-  kept: dict[int, np.ndarray],
-) -> StepResult:
-  """Computes advantages for the kept responses and assembles the StepResult.
-
-  Args:
-    kept: prompt index -> int64[k] indices into that prompt's pool, in output order.
-  """
-  idx, handles, rewards, advs = [], [], [], []
-  zero_groups = 0
-  for p in sorted(kept):
-    pool = np.asarray(pools.rewards[p], np.float32)
-    sel = kept[p]
-    a = adv_lib.group_advantages(
-      pool[sel],
-      pool,
-      baseline=config.baseline,
-      std_normalize=config.std_normalize,
-      eps=config.std_eps,
-      p_weight=config.inverse_p_weight,
-    )
-    zero_groups += int(not np.any(a != 0))
-    idx.append(np.full(sel.size, p, np.int32))
-    handles.extend(pools.handles[p][i] for i in sel.tolist())
-    rewards.append(pool[sel])
-    advs.append(a)
-  cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)
-  advantages = cat(advs, np.float32)
-  sizes = np.asarray([len(r) for r in pools.rewards], np.int32)
-  sampled = sizes > 0
-  pos = np.asarray([sum(x > config.positive_threshold for x in r) for r in pools.rewards])
-  all_rewards = np.concatenate([np.asarray(r, np.float64) for r in pools.rewards if r] or [[]])
-  first = pools.first_round_size
-  first_rates = [
-    np.mean(np.asarray(pools.rewards[p][: first[p]]) > config.positive_threshold)
-    for p in range(num_base)
-    if first is not None and first[p] > 0
-  ]
-  stats = StepStats(
-    num_prompts=num_base,
-    samples_per_round=tuple(pools.samples_per_round),
-    active_per_round=tuple(pools.active_per_round),
-    rows_requested=int(sizes.sum()),
-    rows_selected=int(advantages.size),
-    rows_useful=int(np.count_nonzero(advantages)),
-    zero_signal_fraction=zero_groups / len(kept) if kept else 1.0,
-    signal_fraction=(len(kept) - zero_groups) / max(num_base, 1),
-    mean_pool_size=float(sizes[sampled].mean()) if sampled.any() else 0.0,
-    reward_mean=float(all_rewards.mean()) if all_rewards.size else 0.0,
-    first_round_pass_rate=float(np.mean(first_rates)) if first_rates else 0.0,
-    pool_size=sizes,
-    pool_pass_rate=np.where(sampled, pos / np.maximum(sizes, 1), 0.0).astype(np.float32),
-  )
-  return StepResult(
-    prompt_index=cat(idx, np.int32),
-    handles=handles,
-    rewards=cat(rewards, np.float32),
-    advantages=advantages,
-    prompt_ids=tuple(prompt_ids),
-    stats=stats,
-  )
-
-
-def _select(config: AdaConfig, pool: list[float], rng: np.random.Generator) -> np.ndarray:
+def select_responses(config: AdaConfig, pool: list[float], rng: np.random.Generator) -> np.ndarray:
+  """The n training responses of a prompt's pool (`advantages.select_group`: half
+  positives, half negatives, the rest filled), in pool order; `rng` is used only by
+  `selection='random'`. Returns int64[n] indices into `pool`."""
   return adv_lib.select_group(
     np.asarray(pool),
     config.n,
@@ -493,19 +299,15 @@ def _run_seq(config, prompt_ids, draw, rng, est_state, more_prompts):
         still.append(p)
     active = np.asarray(still, np.int64)
   # Prompts that never exited stay in the batch; uniform pools get zero advantage.
-  kept = {p: _select(config, pools.rewards[p], rng) for p in range(b)}
+  kept = {p: select_responses(config, pools.rewards[p], rng) for p in range(b)}
   return _finish(config, pools, prompt_ids, b, kept), est_state
 
 
-def _run_est(config, prompt_ids, draw, rng, est_state, more_prompts):
+def _run_est(config, prompt_ids, draw, rng, est_state, more_prompts, features=None):
   b = len(prompt_ids)
   state = init_est_state() if est_state is None else est_state
   keys = prompt_keys(prompt_ids)
-  p_hat = est_pass_rates(state, keys, config.est_alpha, config.est_beta)
-  weights = EST_WEIGHTS[config.est_weight](p_hat)
-  counts = allocate_budget(
-    weights, config.train_rows(b), config.est_n_min, config.est_n_max, config.est_split
-  )
+  counts, p_head, plan = estimate.plan_budget(config, state, keys, config.train_rows(b), features)
   pools = _Pools(b)
   pools.draw_round(draw, np.repeat(np.arange(b), counts))
   kept = {p: np.arange(len(pools.rewards[p])) for p in range(b)}  # Train on all samples.
@@ -513,8 +315,11 @@ def _run_est(config, prompt_ids, draw, rng, est_state, more_prompts):
   n_pos = np.asarray(
     [sum(r > config.positive_threshold for r in pool) for pool in pools.rewards], np.float64
   )
-  new_state = update_est_state(state, keys, n_pos, counts.astype(np.float64), config.est_decay)
-  return result, new_state
+  new_state, fold = estimate.fold_step(
+    config, state, keys, n_pos, counts.astype(np.float64), features, p_head
+  )
+  stats = dataclasses.replace(result.stats, est_metrics={**plan, **fold})
+  return dataclasses.replace(result, stats=stats), new_state
 
 
 _METHOD_FNS = {
@@ -522,7 +327,6 @@ _METHOD_FNS = {
   "dapo": _run_dapo,
   "pos": _run_seq,
   "balance": _run_seq,
-  "est": _run_est,
 }
 
 
@@ -533,6 +337,7 @@ def run_step(
   rng: np.random.Generator,
   est_state: EstState | None = None,
   more_prompts: MorePromptsFn | None = None,
+  features: np.ndarray | None = None,
 ) -> tuple[StepResult, EstState | None]:
   """Runs one training step's sampling for B prompts.
 
@@ -551,6 +356,8 @@ def run_step(
       return it unchanged.
     more_prompts: dapo only: `more_prompts(k)` returns up to k further prompt ids; an
       empty answer ends the search. Without it dapo makes no extra passes.
+    features: est with a head-based `est_estimator` only: float32[B, d] hidden states of
+      the prompts at their last token (`pass_rate_head.prompt_hidden_states`).
 
   Returns:
     (StepResult, est_state after this step).
@@ -562,4 +369,7 @@ def run_step(
   if len(prompt_ids) == 0:
     raise ValueError("run_step needs at least one prompt")
   config.validate()
-  return _METHOD_FNS[config.method](config, list(prompt_ids), draw, rng, est_state, more_prompts)
+  args = (config, list(prompt_ids), draw, rng, est_state, more_prompts)
+  if config.method == "est":
+    return _run_est(*args, features=features)
+  return _METHOD_FNS[config.method](*args)

@@ -25,6 +25,9 @@ pass rate within sampling error; the mean over every response drawn (`pool_pass_
 reads high for pos and balance, which stop sampling a prompt after successes. `simulate`
 reports both against the truth (tests/test_simulate.py checks it for every method).
 
+Each prompt carries toy features (`toy_features`), the "hidden states" Est's learned
+pass-rate head reads: it can then be compared with the EMA on first visits.
+
 Units: pass rates are probabilities in [0, 1]; "samples" are responses drawn; fractions
 are of the step's B prompts. Randomness: numpy Generators seeded from the `seed`
 arguments, never the global numpy state.
@@ -52,6 +55,7 @@ __all__ = [
   "pos_closed_form",
   "sample_pass_rates",
   "simulate",
+  "toy_features",
   "trace_step",
 ]
 
@@ -102,6 +106,19 @@ def sample_pass_rates(rng: np.random.Generator, size: int, mix: Mix = PASS_RATE_
   a = np.array([x for _, x, _ in mix])[comp]
   b = np.array([y for _, _, y in mix])[comp]
   return rng.beta(a, b)
+
+
+def toy_features(
+  pass_rates: np.ndarray, rng: np.random.Generator, noise: float = 1.0, dims: int = 8
+) -> np.ndarray:
+  """Per-prompt features correlated with the pass rate: float32[P, dims], column 0 =
+  logit(clip(p, 0.01, 0.99)) + noise·N(0, 1), the other columns N(0, 1) (uninformative).
+  Raises ValueError on bad `pass_rates` or `dims` < 1."""
+  p = np.clip(_check_pass_rates(pass_rates), 0.01, 0.99)
+  _check_int("dims", dims, 1)
+  out = rng.standard_normal((p.size, dims))
+  out[:, 0] = np.log(p / (1 - p)) + noise * out[:, 0]
+  return out.astype(np.float32)
 
 
 def grpo_signal(pass_rates: np.ndarray, n: int) -> float:
@@ -162,6 +179,7 @@ def method_table(
   max_rounds: int = 4,
   est_budgets: Sequence[float] = (4.0, 8.0),
   est_paper_budgets: Sequence[float] = (8.0,),
+  est_head_budgets: Sequence[float] = (8.0,),
 ) -> dict[str, AdaConfig]:
   """The controller configurations compared in the paper's sampling-cost argument.
 
@@ -170,7 +188,8 @@ def method_table(
   `ada_est_k{K}` (Reinforce-Ada-Est as released: w = 1/p̂, 1 sample each and the rest of
   the K·B budget by weight; the paper compares K = 8 with GRPO n = 8) and
   `ada_est_paper_k{K}` (the paper's hybrid, `adaptive.EST_PAPER`: w = 1/sqrt(p̂) clipped
-  to [4, 32] samples, 1/sqrt(p̄) advantage weight).
+  to [4, 32] samples, f'(p̄) advantage weight) and `ada_est_head_k{K}` (released Est with
+  p̂ from the learned pass-rate head on `toy_features`).
 
   Args:
     n: group size kept per prompt (dapo, pos, balance).
@@ -178,6 +197,7 @@ def method_table(
     max_rounds: R (pos, balance).
     est_budgets: K of each released-Est row.
     est_paper_budgets: K of each paper-hybrid row (4 <= K <= 32).
+    est_head_budgets: K of each learned-head row.
 
   Returns:
     row name -> `AdaConfig`, in display order.
@@ -194,6 +214,8 @@ def method_table(
     out[f"ada_est_k{k:g}"] = AdaConfig(method="est", est_budget_per_prompt=k)
   for k in est_paper_budgets:
     out[f"ada_est_paper_k{k:g}"] = AdaConfig(method="est", est_budget_per_prompt=k, **EST_PAPER)
+  for k in est_head_budgets:
+    out[f"ada_est_head_k{k:g}"] = AdaConfig("est", est_budget_per_prompt=k, est_estimator="head")
   return out
 
 
@@ -259,6 +281,7 @@ def simulate(
   warmup_epochs: int = 1,
   seed: int = 0,
   mix: Mix = PASS_RATE_MIX,
+  feature_noise: float = 1.0,
 ) -> SimResult:
   """Runs the controller `cfg` on Bernoulli prompts for several epochs; totals its cost.
 
@@ -278,6 +301,7 @@ def simulate(
     seed: seeds the order, the rewards (Generator(seed)) and DAPO's extra prompts
       (Generator(seed + 1)).
     mix: the Beta mixture of DAPO's extra prompts.
+    feature_noise: `toy_features`' noise (Generator(seed + 2)), for Est's learned head.
 
   Returns:
     `SimResult`.
@@ -295,6 +319,7 @@ def simulate(
     raise ValueError(f"warmup_epochs={warmup_epochs}: must be < epochs={epochs}")
   rng = np.random.default_rng(seed)
   extra_rng = np.random.default_rng(seed + 1)
+  features = toy_features(p_all, np.random.default_rng(seed + 2), feature_noise)
   est_state = None
   tot = dict(prompts=0, samples=0, signal=0, zero_groups=0, groups=0, selected=0, useful=0)
   rounds, active, truth, first, pool = [], [], [], [], []
@@ -315,6 +340,7 @@ def simulate(
         rng,
         est_state,
         more_prompts=more_prompts,
+        features=features[ids],
       )
       if epoch < warmup_epochs:
         continue

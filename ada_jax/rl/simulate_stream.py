@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from ada_jax.rl import adaptive, advantages
+from ada_jax.rl import adaptive, estimate
 from ada_jax.rl.adaptive import AdaConfig
 from ada_jax.rl.simulate import PASS_RATE_MIX, _check_pass_rates, method_table, sample_pass_rates
 from ada_jax.rl.stream import StreamController
@@ -259,13 +259,9 @@ def _stream_step(cfg, ids, draws: _Draws, sim, rng, est_state):
   b = len(ids)
   quotas, keys = None, None
   if cfg.method == "est":
-    state = adaptive.init_est_state() if est_state is None else est_state
-    keys = adaptive.prompt_keys(ids)
-    p_hat = adaptive.est_pass_rates(state, keys, cfg.est_alpha, cfg.est_beta)
-    weights = advantages.EST_WEIGHTS[cfg.est_weight](p_hat)
-    quotas = adaptive.allocate_budget(
-      weights, cfg.train_rows(b), cfg.est_n_min, cfg.est_n_max, cfg.est_split
-    )
+    state = estimate.init_est_state() if est_state is None else est_state
+    keys = estimate.prompt_keys(ids)
+    quotas, _, _ = estimate.plan_budget(cfg, state, keys, cfg.train_rows(b), None)
   ctl = StreamController(
     cfg,
     b,
@@ -295,7 +291,7 @@ def _stream_step(cfg, ids, draws: _Draws, sim, rng, est_state):
   res = ctl.result(rng)
   if cfg.method == "est":
     pos = res.stats.pool_pass_rate * res.stats.pool_size
-    est_state = adaptive.update_est_state(
+    est_state = estimate.update_est_state(
       state, keys, pos.astype(np.float64), np.asarray(quotas, np.float64), cfg.est_decay
     )
   stats = dict(

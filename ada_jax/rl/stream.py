@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from ada_jax.rl import adaptive
+from ada_jax.rl import pools as pools_lib
 from ada_jax.rl.adaptive import SEQ_METHODS, AdaConfig, StepResult
 
 __all__ = ["StreamController", "StreamDecision", "pool_meets_exit"]
@@ -115,7 +116,7 @@ class StreamController:
   Args:
     config: validated `AdaConfig` (any method).
     num_prompts: B, the step's prompts.
-    quotas: est: int[B] rows per prompt (`advantages.allocate_budget` of its weights);
+    quotas: est: int[B] rows per prompt (`estimate.plan_budget`);
       None: n each. Ignored by the other methods (grpo, dapo: n each).
     window: Seq methods: rows per active prompt kept queued or in flight or awaiting
       grades; None: M (`samples_per_round`).
@@ -347,7 +348,7 @@ class StreamController:
       raise RuntimeError("StreamController.result: the step is not done")
     cfg = self.config
     num = len(self.active)
-    pools = adaptive._Pools(num)
+    pools = pools_lib.Pools(num)
     # A prompt's first rows by issue order were queued before any decision about it.
     first = [
       self.window if self.seq else (self.quota[p] if p < self.b else cfg.n) for p in range(num)
@@ -364,12 +365,12 @@ class StreamController:
     pools.active_per_round.append(sum(1 for r in pools.rewards if r))
     pools.first_round_size = np.asarray(first_size, np.int64)
     if self.seq:
-      kept = {p: adaptive._select(cfg, pools.rewards[p], rng) for p in range(self.b)}
+      kept = {p: adaptive.select_responses(cfg, pools.rewards[p], rng) for p in range(self.b)}
     elif cfg.method == "dapo":
       kept = {p: np.arange(cfg.n) for p in self.mixed[: self.b]}
     else:
       kept = {p: np.arange(len(pools.rewards[p])) for p in range(self.b)}
-    return adaptive._finish(cfg, pools, self.prompt_ids, self.b, kept)
+    return pools_lib.finish(cfg, pools, self.prompt_ids, self.b, kept)
 
 
 def _as_arrays(pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
