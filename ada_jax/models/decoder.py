@@ -60,7 +60,9 @@ class KVCache:
     k: per layer, keys after RoPE, `dtype[B, K, H, S]`.
     v: per layer, values, `dtype[B, K, S, H]`.
     mask: `bool[B, S]`, True where a slot holds a real (non-padding) token.
-    index: `int32[]`, the next slot to write; slots `>= index` are empty.
+    index: `int32[]`, the next slot to write (slots `>= index` are empty); or `int32[B]`,
+      each row's own next slot (the rollout slot pool, where rows start at different
+      steps; decode then writes one token per row).
   """
 
   k: tuple[jax.Array, ...]
@@ -209,16 +211,25 @@ class Attention(nnx.Module):
     v = v.transpose(0, 2, 1, 3)  # [B, K, T, H]
     if layer_cache is None:
       key_slot_ok = kv_valid[:, None, :]  # [B, 1, S=T]
-      start = 0
+      start, bound = 0, None
     else:
-      ck, cv, cmask, start = layer_cache
-      k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, 0, start))
-      v = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, start, 0))
+      ck, cv, cmask, start, bound = layer_cache
+      if jnp.ndim(start):  # per-row write slots (T = 1): one scatter per row
+        rows = jnp.arange(b)
+        k = ck.at[rows, :, :, start].set(k[..., 0].astype(ck.dtype))
+        v = cv.at[rows, :, start, :].set(v[:, :, 0].astype(cv.dtype))
+      else:
+        k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, 0, start))
+        v = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, start, 0))
       key_slot_ok = cmask[:, None, :]
     s = k.shape[3]
     # Slots are written in order, so slot order is position order within a row.
-    causal = jnp.arange(s)[None, :] <= (start + jnp.arange(t))[:, None]  # [T, S]
-    out = _attend(q, k, v, key_slot_ok & causal[None])
+    first = jnp.reshape(start, (-1, 1, 1))  # [1 or B, 1, 1]
+    causal = jnp.arange(s) <= first + jnp.arange(t)[:, None]  # [1 or B, T, S]
+    if bound is not None:
+      out = _attend_bounded(q, k, v, key_slot_ok & causal, *bound)
+    else:
+      out = _attend(q, k, v, key_slot_ok & causal)
     y = jnp.einsum("btnh,nhd->btd", out, self.o.value.astype(dt))
     return y, (k, v)
 
@@ -245,6 +256,28 @@ def _attend(q, k, v, mask):
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkgts,bksh->btkgh", probs, v)
   return out.reshape(b, t, n, h)
+
+
+def _attend_bounded(q, k, v, mask, used, block):
+  """`_attend` reading only the first `ceil(used / block)` blocks of `block` slots.
+
+  Decode is bound by reading the cache; slots past every live row's last token only add
+  masked scores, so they are skipped. `lax.switch` over the static prefix lengths keeps
+  every shape static (one compile) while the bytes read follow the longest live row.
+
+  Args:
+    q, k, v, mask: as `_attend` (S slots).
+    used: `int32[]`, slots that any query may attend to (the rest are masked for all).
+    block: static block size (slots).
+  """
+  s = k.shape[3]
+  lengths = sorted({min(s, block * i) for i in range(1, -(-s // block) + 1)})
+
+  def prefix(n):
+    return lambda: _attend(q, k[..., :n], v[:, :, :n], mask[..., :n])
+
+  index = jnp.searchsorted(jnp.asarray(lengths), jnp.clip(used, 1, s))
+  return jax.lax.switch(index, [prefix(n) for n in lengths])
 
 
 class MLP(nnx.Module):
@@ -318,10 +351,12 @@ class Transformer(nnx.Module):
     remat: bool = False,
     last_only: bool = False,
     head: bool = True,
+    bound: tuple[jax.Array, int] | None = None,
   ):
     """Returns (logits `float32[B, T, V]` (`[B, 1, V]` if last_only), per-layer (k, v)
     `[B, K, S, H]`). With `head=False` the first output is the final-normed hidden state
-    `[B, T, D]` (compute dtype) instead of the logits."""
+    `[B, T, D]` (compute dtype) instead of the logits. `bound` (with a cache): (slots any
+    query may attend to `int32[]`, block size) for `_attend_bounded`."""
     c = self.config
     x = jnp.take(self.embed.value, tokens, axis=0).astype(c.compute_dtype)
     inv_freq = rope_frequencies(c)
@@ -330,7 +365,9 @@ class Transformer(nnx.Module):
       x = self._scan_blocks(x, positions, inv_freq, kv_valid)
     else:
       for i in range(c.num_layers):
-        layer_cache = None if cache is None else (cache.k[i], cache.v[i], kv_valid, cache.index)
+        layer_cache = (
+          None if cache is None else (cache.k[i], cache.v[i], kv_valid, cache.index, bound)
+        )
         x, kv = getattr(self, f"layer_{i}")(x, positions, inv_freq, kv_valid, layer_cache)
         kvs.append(kv)
     if last_only:  # prefill for sampling: skip the [B, T, V] logits of the prompt
@@ -498,6 +535,8 @@ def prefill(
   positions: jax.Array,
   attention_mask: jax.Array,
   cache_len: int,
+  *,
+  head: bool = True,
 ) -> tuple[jax.Array, KVCache]:
   """Full forward over prompts that also returns a KV cache holding them.
 
@@ -508,6 +547,8 @@ def prefill(
     tokens, positions: `int32[B, T]` left-padded prompts and their positions.
     attention_mask: `bool[B, T]`, True at real tokens.
     cache_len: S >= T, total slots (prompt + tokens to generate).
+    head: False returns the final-normed hidden state at the last position, `[B, D]`
+      (compute dtype), instead of the logits (`unembed` turns it into them).
 
   Returns:
     (`float32[B, V]` logits at the last position, `KVCache` with `index = T`).
@@ -518,7 +559,7 @@ def prefill(
   b, t = tokens.shape
   if cache_len < t:
     raise ValueError(f"cache_len ({cache_len}) is shorter than the prompt length ({t})")
-  out, kvs = _module(config, params)(tokens, positions, attention_mask, last_only=True)
+  out, kvs = _module(config, params)(tokens, positions, attention_mask, last_only=True, head=head)
   pad = lambda x, axis: jnp.pad(x, [(0, cache_len - t) if a == axis else (0, 0) for a in range(4)])
   cache = KVCache(
     k=tuple(pad(k, 3) for k, _ in kvs),
@@ -536,6 +577,8 @@ def decode(
   positions: jax.Array,
   cache: KVCache,
   attention_mask: jax.Array | None = None,
+  *,
+  attend: tuple[jax.Array, int] | None = None,
 ) -> tuple[jax.Array, KVCache]:
   """Incremental forward: writes `tokens` at slots `[index, index + T)` and attends over the
   cache.
@@ -545,14 +588,21 @@ def decode(
     cache: the cache from `prefill`/`init_cache`/a previous `decode`.
     attention_mask: `bool[B, T]`, False for tokens that must never be attended to (e.g.
       rows that are already done); None means all real.
+    attend: (slots in use `int32[]`, block size `int`): attention reads only the first
+      blocks covering the slots in use (every row's written slots must lie below it),
+      not the whole cache; None reads all S slots.
 
   Returns:
     (`float32[B, T, V]` logits, updated `KVCache`).
   """
   if attention_mask is None:
     attention_mask = jnp.ones(tokens.shape, bool)
-  mask = jax.lax.dynamic_update_slice(cache.mask, attention_mask, (0, cache.index))
-  out, kvs = _module(config, params)(tokens, positions, mask, cache)
+  if jnp.ndim(cache.index):  # per-row slots (T = 1)
+    rows = jnp.arange(tokens.shape[0])
+    mask = cache.mask.at[rows, cache.index].set(attention_mask[:, 0])
+  else:
+    mask = jax.lax.dynamic_update_slice(cache.mask, attention_mask, (0, cache.index))
+  out, kvs = _module(config, params)(tokens, positions, mask, cache, bound=attend)
   new = KVCache(
     k=tuple(k for k, _ in kvs),
     v=tuple(v for _, v in kvs),
