@@ -206,11 +206,12 @@ class Sampler:
       return self._fns[prompt_len]
     cfg, mesh = self.config, self.mesh
 
-    def counted(fn):
+    def counted(fn, name):
       def traced(*args):
         self.compiles += 1  # runs at trace time only
         return fn(*args)
 
+      traced.__name__ = name  # XLA's module name: jit_<name>
       return traced
 
     init = jax.jit(
@@ -222,13 +223,19 @@ class Sampler:
           prompt_len=prompt_len,
           max_new_tokens=self.max_new_tokens,
           mesh=mesh,
-        )
+        ),
+        "init_pool",
       )
     )
     empty = jax.jit(
-      counted(lambda: pool_lib.empty_prompt_cache(cfg, self.prompt_entries, prompt_len))
+      counted(
+        lambda: pool_lib.empty_prompt_cache(cfg, self.prompt_entries, prompt_len),
+        "empty_prompt_cache",
+      )
     )
-    prefill = jax.jit(counted(lambda *a: pool_lib.prefill_prompts(cfg, *a)), donate_argnums=(1,))
+    prefill = jax.jit(
+      counted(lambda *a: pool_lib.prefill_prompts(cfg, *a), "prefill_prompts"), donate_argnums=(1,)
+    )
     run = jax.jit(
       counted(
         lambda params, state, prompts, queue, key: pool_lib.run_segment(
@@ -244,7 +251,8 @@ class Sampler:
           attention_block=self._block(prompt_len),
           refill=self.refill,
           mesh=mesh,
-        )
+        ),
+        "run_segment",
       ),
       donate_argnums=(1,),
     )
