@@ -224,14 +224,21 @@ def _refill(config, params, s: PoolState, prompts: PromptCache, queue: Queue, ta
   lp = prompts.mask.shape[1]
   entry = queue.prompt[qi]
   put = lambda old, new: jnp.where(take.reshape(-1, *[1] * (new.ndim - 1)), new, old)
-  k = tuple(
-    c.at[..., :lp].set(put(c[..., :lp], p[entry]))
-    for c, p in zip(s.cache.k, prompts.k, strict=True)
-  )
-  v = tuple(
-    c.at[:, :, :lp].set(put(c[:, :, :lp], p[entry]))
-    for c, p in zip(s.cache.v, prompts.v, strict=True)
-  )
+  # One row's prompt columns per refilled slot: the bytes copied follow the refills, not S.
+  slots = jnp.nonzero(take, size=take.shape[0], fill_value=0)[0]
+
+  def copy(i, kv):
+    slot = slots[i]
+    one = lambda cache, prompt: jax.lax.dynamic_update_slice(
+      cache, jax.lax.dynamic_slice_in_dim(prompt, entry[slot], 1, 0).astype(cache.dtype),
+      (slot, 0, 0, 0),
+    )  # fmt: skip
+    return tuple(
+      tuple(map(one, caches, prompt_kv))
+      for caches, prompt_kv in zip(kv, (prompts.k, prompts.v), strict=True)
+    )
+
+  k, v = jax.lax.fori_loop(0, take.sum(), copy, (s.cache.k, s.cache.v))
   prompt_mask = prompts.mask[entry]
   row_mask = jnp.zeros_like(s.cache.mask).at[:, :lp].set(prompt_mask)
   cache = s.cache.replace(
