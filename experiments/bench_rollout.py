@@ -173,7 +173,9 @@ def main():
     runs = {name: [] for name in engines}
     outs = {}
     for name, engine in engines.items():  # warm-up: compiles
+      start = time.perf_counter()
       outs[name], stats = engine.generate(params, prompts, rows, jax.random.key(0))
+      print(f"{schedule} {name} warm-up: {time.perf_counter() - start:.2f} s", file=sys.stderr)
       if name == "pool":
         outs["pool_stats"] = stats
     with metrics.CompileCounter() as compiles:
@@ -182,6 +184,7 @@ def main():
           start = time.perf_counter()
           engine.generate(params, prompts, rows, jax.random.key(1 + k))
           runs[name].append(time.perf_counter() - start)
+          print(f"{schedule} {name}: {runs[name][-1]:.2f} s", file=sys.stderr, flush=True)
     lengths = {n: outs[n]["lengths"] for n in engines}
     cache_len = args.prompt_len + args.budget
     counts = {
