@@ -1,6 +1,6 @@
 """Slot pool vs the static chunk engine on response lengths that follow a set schedule.
 
-  python experiments/bench_rollout.py [--prompts 512 --rows 8 --budget 256 --slots 256]
+  python experiments/bench_rollout.py [--prompts 256 --rows 8 --budget 128 --slots 128]
       [--out experiments/results/bench_rollout.json]
 
 The model is a counter: a tiny decoder (random weights, real shapes and compute) whose
@@ -132,11 +132,11 @@ def chunk_counts(packing, lengths, chunk_rows, cache_len, prompt_len):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--prompts", type=int, default=512)
+  parser.add_argument("--prompts", type=int, default=256)
   parser.add_argument("--rows", type=int, default=8, help="rows (responses) per prompt")
-  parser.add_argument("--budget", type=int, default=256, help="max_new_tokens")
+  parser.add_argument("--budget", type=int, default=128, help="max_new_tokens")
   parser.add_argument("--prompt_len", type=int, default=32)
-  parser.add_argument("--slots", type=int, default=256, help="pool slots = chunk rows")
+  parser.add_argument("--slots", type=int, default=128, help="pool slots = chunk rows")
   parser.add_argument("--dim", type=int, default=64)
   parser.add_argument("--layers", type=int, default=2)
   parser.add_argument("--alternations", type=int, default=3)
