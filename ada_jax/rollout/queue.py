@@ -87,12 +87,20 @@ class RolloutPool:
     if any(len(p) == 0 for p in prompts):
       raise ValueError("an empty prompt cannot be prefilled")
     entries = [self.free_entries.pop(0) for _ in prompts]
-    chunk = list(prompts) + [[e.pad_id]] * (e.prompt_entries - len(prompts))
-    tokens, mask = pad_left(chunk, e.pad_id, length=self.prompt_len)
-    where = np.full((e.prompt_entries,), e.prompt_entries, np.int32)  # padding: dropped
-    where[: len(entries)] = entries
-    self.prompts, hidden = e._prefill(self.params, self.prompts, tokens, mask, where)
-    return entries, np.asarray(hidden)[: len(entries)]
+    # Launches of a fixed `prompts_per_chunk` prompts (one compiled shape); the last one
+    # padded with 1-token prompts whose entries are dropped.
+    n, hidden = e.prompts_per_chunk, []
+    for i in range(0, len(prompts), n):
+      chunk = list(prompts[i : i + n])
+      where = np.full((n,), e.prompt_entries, np.int32)
+      where[: len(chunk)] = entries[i : i + n]
+      tokens, mask = pad_left(
+        chunk + [[e.pad_id]] * (n - len(chunk)), e.pad_id, length=self.prompt_len
+      )
+      self.prompts, h = e._prefill(self.params, self.prompts, tokens, mask, where)
+      hidden.append(np.asarray(h)[: len(chunk)])
+    d = self.engine.config.embed_dim
+    return entries, np.concatenate(hidden) if hidden else np.zeros((0, d), np.float32)
 
   def add_rows(self, entry: int, row_ids: Sequence[int]) -> list[int]:
     """Queues rows of the prompt in `entry`; returns their output positions.
