@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import jax
 import numpy as np
@@ -22,9 +22,6 @@ import numpy as np
 from ada_jax.models.decoder import Params
 from ada_jax.models.tokenizer import pad_left
 from ada_jax.rollout import pool as pool_lib
-
-if TYPE_CHECKING:
-  from ada_jax.rollout.sampler import Sampler
 
 
 @dataclasses.dataclass
@@ -38,7 +35,8 @@ class RolloutPool:
   """Host driver of one pool (`pool.run_segment`) for prompts of one bucket length.
 
   Args:
-    engine: the `Sampler` whose compiled functions and sizes it uses.
+    engine: the `sampler.Sampler` whose compiled functions and sizes it uses (not imported
+      here: `sampler` imports this module).
     params: model parameters.
     key: the rollout key (a row's tokens are `fold_in(fold_in(key, row_id), index)` draws).
     prompt_len: Lp, the padded prompt length (a prompt bucket).
@@ -47,7 +45,7 @@ class RolloutPool:
   cancelled); at most S rows are live and Q queued, so S + Q positions never run out.
   """
 
-  def __init__(self, engine: Sampler, params: Params, key: jax.Array, prompt_len: int):
+  def __init__(self, engine: Any, params: Params, key: jax.Array, prompt_len: int):
     self.engine, self.params, self.key, self.prompt_len = engine, params, key, prompt_len
     e = engine
     self.state = e._init(prompt_len)
