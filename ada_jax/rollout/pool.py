@@ -23,6 +23,8 @@ per row).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -380,11 +382,9 @@ def run_segment(
   _, head, state = jax.lax.while_loop(
     cond, body, (jnp.zeros((), jnp.int32), 0 * queue.count, state)
   )
-  if mesh is not None:
+  if mesh is not None:  # every process reads the outputs and the slots' bookkeeping
     rep = sharding_lib.replicated(mesh)
-    state = state.replace(
-      **{
-        f: _constrain(getattr(state, f), rep) for f in ("tokens", "logprobs", "lengths", "finished")
-      }
-    )
+    host_read = [f.name for f in dataclasses.fields(state) if f.name not in ("cache", "logits")]
+    state = state.replace(**{f: _constrain(getattr(state, f), rep) for f in host_read})
+    head = _constrain(head, rep)
   return state, head
