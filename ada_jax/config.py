@@ -29,7 +29,8 @@ from ada_jax.rl.adaptive import AdaConfig
 from ada_jax.rl.losses import LossConfig
 from ada_jax.rl.train import OptimConfig, TrainConfig
 from ada_jax.rl.warmstart import WarmStartConfig
-from ada_jax.rollout.sampler import SamplingRule, check_context_length
+from ada_jax.rollout.sampler import check_context_length
+from ada_jax.rollout.spec import SamplerSpec
 
 
 class ConfigError(ValueError):
@@ -118,31 +119,6 @@ def make_configs_importable() -> None:
   repo = pathlib.Path(__file__).resolve().parent.parent
   if (repo / "configs" / "common.py").is_file() and str(repo) not in sys.path:
     sys.path.append(str(repo))
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplerSpec:
-  """Rollouts (docs/design.md "Sampler"). Attributes: temperature, top_k, top_p (the sampling rule);
-  max_new_tokens (response budget, tokens); chunk_rows (C, rows per launch);
-  prompts_per_chunk (P, prefills per launch; 0 = derived so that chunks are full, see
-  `RunConfig.prompts_per_chunk`); prompt_buckets (padded prompt lengths, one compile
-  each)."""
-
-  temperature: float = 1.0
-  top_k: int = 0
-  top_p: float = 1.0
-  max_new_tokens: int = 2048
-  chunk_rows: int = 64
-  prompts_per_chunk: int = 0
-  prompt_buckets: tuple[int, ...] = (128, 256, 512, 1024)
-
-  def __post_init__(self):
-    self.rule  # noqa: B018 -- SamplingRule checks temperature, top_k, top_p
-
-  @property
-  def rule(self) -> SamplingRule:
-    """The sampling rule; the trainer recomputes log-probs at its `logprob_temperature`."""
-    return SamplingRule(self.temperature, self.top_k, self.top_p)
 
 
 @dataclasses.dataclass(frozen=True)

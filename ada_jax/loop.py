@@ -134,6 +134,7 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
       prompt_buckets=cfg.sampler.prompt_buckets,
       pad_id=tokenizer.pad_id,
       mesh=mesh,
+      **cfg.sampler.pool_sizes,
     )
   except ValueError as e:
     raise ConfigError(f"config.sampler: {e}") from None

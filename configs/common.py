@@ -54,8 +54,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.sampler.top_k = 0  # 0 = off
   c.sampler.top_p = 1.0  # 1.0 = off (paper)
   c.sampler.max_new_tokens = 2048  # response budget, tokens (paper: 2048)
-  c.sampler.chunk_rows = 256  # C: rows per sampler launch
-  c.sampler.prompts_per_chunk = 0  # P: prefills per launch; 0 = C // rows per prompt (full)
+  c.sampler.chunk_rows = 256  # S: slots of the rollout pool (rows decoding at once)
+  c.sampler.prompts_per_chunk = 0  # prompts prefilled per S rows; 0 = S // rows per prompt
   c.sampler.prompt_buckets = (128, 256, 512, 1024)  # padded prompt lengths (one compile each)
 
   c.ada = ml_collections.ConfigDict()

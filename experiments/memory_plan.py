@@ -10,8 +10,8 @@ that hold the most memory:
 * the train step (`train.make_train_step`) on one mini-batch of the paper's batch
   (512 prompts × 4 responses / 4 mini-batches = 512 rows of 1024 prompt + 2048 response
   tokens), with the config's micro-batching and remat;
-* the sampler chunk (`sampler.generate`) of `sampler.chunk_rows` rows, prompts of the
-  largest bucket (1024) and 2048 new tokens.
+* one segment of the rollout pool (`pool.run_segment`) with `sampler.chunk_rows` slots,
+  prompts of the largest bucket (1024) and 2048 new tokens.
 
 and reports per-device bytes: params and optimizer state (exact, from their shardings),
 the KV cache of one chunk (exact), and XLA's argument / temp / output / alias sizes, whose
@@ -89,7 +89,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ast  # noqa: E402
 import dataclasses  # noqa: E402
-import functools  # noqa: E402
 import glob  # noqa: E402
 import importlib  # noqa: E402
 import json  # noqa: E402
@@ -109,6 +108,7 @@ from ada_jax.models import decoder as model_lib  # noqa: E402
 from ada_jax.models import sharding as sharding_lib  # noqa: E402
 from ada_jax.models import weights  # noqa: E402
 from ada_jax.rl import train  # noqa: E402
+from ada_jax.rollout import pool as pool_lib  # noqa: E402
 from ada_jax.rollout import sampler as sampler_lib  # noqa: E402
 
 GIB = 2**30
@@ -301,42 +301,53 @@ def plan_train(cfg, model_cfg, mesh) -> dict:
 
 
 def plan_sampler(cfg, model_cfg, mesh) -> dict:
-  """Compiles one sampler chunk on abstract params and prompts; returns its figures."""
+  """Compiles one segment of the rollout pool on abstract params and state; returns its
+  figures."""
   dp = sharding_lib.data_parallel_size(mesh)
   s = cfg.sampler
   chunk = s.chunk_rows if s.chunk_rows % dp == 0 else _round_up(s.chunk_rows, dp)
-  ppc = cfg.prompts_per_chunk  # derived from chunk_rows when the config leaves it 0
-  prompts = min(ppc if ppc % dp == 0 else _round_up(ppc, dp), chunk)
+  ppc = min(cfg.prompts_per_chunk, chunk)  # derived from chunk_rows when the config leaves it 0
   lp = max(s.prompt_buckets)
   params = jax.tree.map(
     lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
     model_lib.param_shapes(model_cfg),
     sharding_lib.param_shardings(model_cfg, mesh),
   )
-  rows = sharding_lib.batch_sharding(mesh)  # as `Sampler._place` puts them
-  sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
-  fn = jax.jit(
-    functools.partial(
-      sampler_lib.generate,
-      model_cfg,
-      rule=s.rule,
-      max_new_tokens=s.max_new_tokens,
-      stop_ids=(0,),
-      mesh=mesh,
+  smp = sampler_lib.Sampler(
+    model_cfg,
+    rule=s.rule,
+    max_new_tokens=s.max_new_tokens,
+    stop_ids=(0,),
+    chunk_rows=chunk,
+    prompts_per_chunk=ppc,
+    prompt_buckets=s.prompt_buckets,
+    mesh=mesh,
+    **s.pool_sizes,
+  )
+  init, empty, _, run = smp._compiled(lp)
+  cache_len = lp + s.max_new_tokens
+  kv = sharding_lib.kv_cache_shardings(model_cfg, mesh, chunk, cache_len)
+  placed = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+  state = jax.eval_shape(init)
+  state = state.replace(
+    cache=state.cache.replace(
+      k=tuple(map(placed, state.cache.k, kv.k)),
+      v=tuple(map(placed, state.cache.v, kv.v)),
+      mask=placed(state.cache.mask, kv.mask),
     )
+  )
+  q = smp.queue_rows
+  queue = pool_lib.Queue(
+    prompt=jax.ShapeDtypeStruct((q,), jnp.int32),
+    position=jax.ShapeDtypeStruct((q,), jnp.int32),
+    row_id=jax.ShapeDtypeStruct((q,), jnp.int32),
+    count=jax.ShapeDtypeStruct((), jnp.int32),
+    more=jax.ShapeDtypeStruct((), bool),
+    cancel=jax.ShapeDtypeStruct((chunk,), bool),
   )
   key = jax.eval_shape(lambda: jax.random.key(0))
   start = time.perf_counter()
-  compiled = fn.lower(
-    params,
-    sds((prompts, lp), jnp.int32),
-    sds((prompts, lp), bool),
-    sds((chunk,), jnp.int32),
-    sds((chunk,), bool),
-    key,
-  ).compile()
-  cache_len = lp + s.max_new_tokens
-  kv = sharding_lib.kv_cache_shardings(model_cfg, mesh, chunk, cache_len)
+  compiled = run.lower(params, state, jax.eval_shape(empty), queue, key).compile()
   kv_shape = (chunk, model_cfg.num_kv_heads, cache_len, model_cfg.head_dim)
   kv_bytes = (
     2
@@ -347,13 +358,15 @@ def plan_sampler(cfg, model_cfg, mesh) -> dict:
   return {
     "chunk_rows": s.chunk_rows,
     "chunk_used": chunk,
-    "prompts_per_chunk": prompts,
+    "prompts_per_chunk": ppc,
+    "prompt_cache_entries": smp.prompt_entries,
+    "queue_rows": q,
     "prompt_len": lp,
     "max_new_tokens": s.max_new_tokens,
     "kv_cache_gib": kv_bytes / GIB,
     "xla": memory(compiled),
     "compile_s": time.perf_counter() - start,
-    "largest_buffers": largest_buffers("jit_generate", cfg.model.dtype),
+    "largest_buffers": largest_buffers("jit_run_segment", cfg.model.dtype),
   }
 
 

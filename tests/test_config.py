@@ -122,39 +122,6 @@ def test_command_line_bad_config_is_one_line_exit_2_from_any_directory(
   assert not workdir.exists()
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
-def test_every_method_fills_its_sampler_chunks(path):
-  """Each draw's rows, packed as the sampler packs them, fill every chunk but the last, for
-  every method under every shipped config (so sampling cost compares fairly)."""
-  import types
-
-  import numpy as np
-
-  from ada_jax.rl import adaptive
-  from ada_jax.rollout import sampler
-
-  for method in adaptive.METHODS:
-    cfg = config_flags.config_flags._LoadConfigModule(path.stem, str(path)).get_config()
-    cfg.ada.method = method
-    run = config_lib.parse(cfg)
-    b, ada = run.rl.batch_prompts, run.ada
-    if method == "est":  # a skewed split: many prompts at the minimum, a few with many
-      w = np.random.default_rng(0).pareto(1.0, b) + 1e-3
-      counts = adaptive.allocate_budget(
-        w, ada.train_rows(b), ada.est_n_min, ada.est_n_max, ada.est_split
-      )
-    else:
-      counts = np.full(b, ada.min_rows_per_prompt)
-    assert counts.min() == ada.min_rows_per_prompt or method == "est"
-    packer = types.SimpleNamespace(
-      chunk_rows=run.sampler.chunk_rows, prompts_per_chunk=run.prompts_per_chunk
-    )
-    chunks = sampler.Sampler._pack(packer, np.repeat(np.arange(b), counts))
-    sizes = [len(rows) for rows, _ in chunks]
-    assert all(s == run.sampler.chunk_rows for s in sizes[:-1]), (method, sizes)
-    assert len(chunks) == -(-counts.sum() // run.sampler.chunk_rows), method
-
-
 def test_part_empty_chunks_are_refused():
   cfg = tiny_arith_pos.get_config()
   cfg.ada.method = "grpo"  # 4 rows per prompt: 32 prompts fill only 128 of 256 rows

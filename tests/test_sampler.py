@@ -1,5 +1,5 @@
-"""The chunk sampler against the full (no-cache) forward, sampling-rule statistics, the row
-mask, prompt sharing, compile counts and the mesh."""
+"""The rollout engine against the full (no-cache) forward, sampling-rule statistics (on the
+rule and through the pool), prompt sharing, compile counts, the mesh and bad input."""
 
 import jax
 import jax.numpy as jnp
@@ -35,15 +35,15 @@ def _greedy(config, **kw):
   return sampler_lib.Sampler(config, rule=sampler_lib.SamplingRule(temperature=0.0), **kw)
 
 
-@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [2]])  # batch of mixed lengths, and B = 1
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [2], [3, 0, 3, 1, 2, 2, 0]])  # B=1; B > S
 def test_greedy_equals_full_forward_argmax(tiny, rows):
   config, params = tiny
   ref = testing.greedy_reference(config, params, *_padded([PROMPTS[r] for r in rows], 8), 16)
-  smp = _greedy(config, max_new_tokens=16, stop_ids=[-1])
+  smp = _greedy(config, max_new_tokens=16, stop_ids=[-1], attention_block=4)
   out, stats = smp.generate(params, PROMPTS, rows, jax.random.key(0))
   np.testing.assert_array_equal(out["tokens"], ref)
   assert out["mask"].all() and (out["lengths"] == 16).all()
-  assert stats.rows_useful == len(rows) and stats.rows_computed == 4
+  assert stats.rows_useful == len(rows) and stats.tokens == 16 * len(rows)
 
 
 def test_generation_stops_at_eos_per_row(tiny):
@@ -53,9 +53,9 @@ def test_generation_stops_at_eos_per_row(tiny):
   stop = int(ref[0, 3])
   first = [int(np.argmax(r == stop)) if (r == stop).any() else None for r in ref]
   assert len({f for f in first}) > 1, first
-  out, stats = _greedy(config, max_new_tokens=16, stop_ids=[stop, -7]).generate(
-    params, PROMPTS, [0, 1, 2, 3], jax.random.key(0)
-  )
+  out, stats = _greedy(
+    config, max_new_tokens=16, stop_ids=[stop, -7], chunk_rows=2, prompts_per_chunk=2
+  ).generate(params, PROMPTS, [0, 1, 2, 3], jax.random.key(0))
   for row, f in enumerate(first):
     n = 16 if f is None else f + 1
     assert out["lengths"][row] == n
@@ -73,8 +73,8 @@ def test_logprobs_are_those_of_the_full_forward(tiny):
     rule=sampler_lib.SamplingRule(temperature=temperature),
     max_new_tokens=10,
     stop_ids=[-1],
-    chunk_rows=8,
-    prompts_per_chunk=4,
+    chunk_rows=4,
+    prompts_per_chunk=2,
     prompt_buckets=(8,),
   )
   rows = [0, 0, 1, 2, 3, 3]
@@ -91,24 +91,37 @@ def test_logprobs_are_those_of_the_full_forward(tiny):
   assert len({tuple(t) for t in out["tokens"][:2]}) == 2  # same prompt, different samples
 
 
+def _chi2_crit(df: int) -> float:
+  """99.9% quantile of chi-square with `df` degrees of freedom (Wilson-Hilferty)."""
+  z = 3.090
+  return df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
+
+
+def _chi2(counts, probs):
+  """Pearson's statistic and its degrees of freedom; bins expected below 5 are pooled."""
+  n = counts.sum()
+  keep = probs > 0
+  assert (counts[~keep] == 0).all(), "a token outside the kept set was drawn"
+  expected = probs * n
+  big = keep & (expected >= 5)
+  obs = np.append(counts[big], counts[keep & ~big].sum())
+  exp = np.append(expected[big], expected[keep & ~big].sum())
+  obs, exp = obs[exp > 0], exp[exp > 0]
+  return float(((obs - exp) ** 2 / exp).sum()), len(obs) - 1
+
+
 def _frequencies(rule, logits, draws=200_000, seed=0):
   logits = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (draws, len(logits)))
   tokens, _ = jax.jit(rule.sample)(jax.random.key(seed), logits)
-  return np.bincount(np.asarray(tokens), minlength=logits.shape[1]) / draws
-
-
-def _chi2(freq, probs, draws=200_000):
-  keep = probs > 0
-  assert (freq[~keep] == 0).all()
-  return float((((freq - probs) ** 2)[keep] / probs[keep]).sum() * draws)
+  return np.bincount(np.asarray(tokens), minlength=logits.shape[1])
 
 
 BASE = np.log(np.array([0.30, 0.25, 0.15, 0.12, 0.08, 0.06, 0.04]))
-CHI2_CRIT = 22.5  # chi-square 99.9% quantile at 6 degrees of freedom (the widest case)
+RULES = [(1.0, 0, 1.0), (0.5, 0, 1.0), (1.0, 3, 1.0), (1.0, 0, 0.6), (2.0, 4, 0.8)]
 
 
-def _expected(temperature, top_k, top_p):
-  p = np.exp(BASE / temperature)
+def _expected(logits, temperature, top_k, top_p):
+  p = np.exp((logits - logits.max()) / temperature)
   p /= p.sum()
   order = np.argsort(-p)
   keep = np.zeros_like(p, bool)
@@ -123,100 +136,79 @@ def _expected(temperature, top_k, top_p):
   return q / q.sum()
 
 
-@pytest.mark.parametrize(
-  "temperature,top_k,top_p",
-  [(1.0, 0, 1.0), (0.5, 0, 1.0), (1.0, 3, 1.0), (1.0, 0, 0.6), (2.0, 4, 0.8)],
-)
+def _wrong(logits, temperature, top_k, top_p):
+  """A nearby wrong distribution: untempered, or untruncated."""
+  if top_k == 0 and top_p == 1.0:
+    return _expected(logits, 1.0 if temperature != 1.0 else 2.0, 0, 1.0)
+  return _expected(logits, temperature, 0, 1.0)
+
+
+def _rejects(counts, wrong):
+  stat, df = _chi2(np.where(wrong > 0, counts, 0), wrong)
+  return stat > 10 * _chi2_crit(df)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", RULES)
 def test_sampling_frequencies_match_truncated_distribution(temperature, top_k, top_p):
   rule = sampler_lib.SamplingRule(temperature=temperature, top_k=top_k, top_p=top_p)
-  freq = _frequencies(rule, BASE)
-  right = _expected(temperature, top_k, top_p)
-  assert _chi2(freq, right) < CHI2_CRIT
-  # The test has teeth: the untruncated or untempered distribution is rejected.
-  wrong = (
-    _expected(1.0 if temperature != 1.0 else 2.0, top_k, top_p)
-    if (top_k == 0 and top_p == 1.0)
-    else _expected(temperature, 0, 1.0)
-  )
-  assert _chi2(np.where(wrong > 0, freq, 0) + 1e-12 * (wrong > 0), wrong) > 10 * CHI2_CRIT
+  counts = _frequencies(rule, BASE)
+  stat, df = _chi2(counts, _expected(BASE, temperature, top_k, top_p))
+  assert stat < _chi2_crit(df)
+  assert _rejects(counts, _wrong(BASE, temperature, top_k, top_p))  # the test has teeth
 
 
-# (rows requested, chunks the packing rule needs with C = 4 rows and P = 2 prompts a chunk):
-# a chunk closes when it holds C rows or a row brings a (P+1)-th distinct prompt.
-PACKINGS = [
-  ([0, 0, 0, 0, 1], 2),  # 4 rows fill the first chunk
-  ([3], 1),
-  ([1, 2, 1, 2], 1),  # 2 prompts, 4 rows: one chunk
-  ([0, 0, 3, 3, 1, 1, 2], 2),
-  ([0, 1, 2, 3], 2),  # 4 rows but 4 prompts: the prompt limit splits them
-  ([0, 1, 0, 1, 0, 1, 0, 1], 2),
-]
+@pytest.fixture(scope="module")
+def sharp(tiny):
+  """The tiny model with a 3x embedding scale: first-token distributions far from uniform."""
+  config, params = tiny
+  return config, {**params, "embed": params["embed"] * 3.0}
 
 
-def test_row_mask_and_rng_do_not_recompile(tiny):
+@pytest.mark.parametrize("temperature,top_k,top_p", RULES)
+def test_pool_first_tokens_follow_the_rule(sharp, temperature, top_k, top_p):
+  """The same chi-square through the engine: many one-token rows of one prompt, drawn by
+  the pool's per-row keys, against the rule applied to the no-cache forward's logits."""
+  config, params = sharp
+  rule = sampler_lib.SamplingRule(temperature=temperature, top_k=top_k, top_p=top_p)
+  smp = sampler_lib.Sampler(
+    config, rule=rule, max_new_tokens=1, stop_ids=[-1], chunk_rows=512, prompts_per_chunk=1,
+    prompt_buckets=(8,),
+  )  # fmt: skip
+  out, _ = smp.generate(params, PROMPTS, np.zeros(16_384, int), jax.random.key(7))
+  tokens, mask = _padded(PROMPTS[:1], 8)
+  logits = model_lib.logits(config, params, tokens, model_lib.positions_from_mask(mask), mask)
+  logits = np.asarray(logits[0, -1], np.float64)
+  counts = np.bincount(out["tokens"][:, 0], minlength=config.vocab_size)
+  stat, df = _chi2(counts, _expected(logits, temperature, top_k, top_p))
+  assert stat < _chi2_crit(df), (stat, df)
+  assert _rejects(counts, _wrong(logits, temperature, top_k, top_p))
+
+
+def test_no_recompile_after_warm_up(tiny):
+  """Row counts, prompt sets, keys and queue fill change; shapes (and compiles) do not."""
   config, params = tiny
   smp = sampler_lib.Sampler(
-    config, max_new_tokens=6, stop_ids=[-1], chunk_rows=4, prompts_per_chunk=2, prompt_buckets=(8,)
+    config, max_new_tokens=6, stop_ids=[9], chunk_rows=4, prompts_per_chunk=2, prompt_buckets=(8,)
   )
-  for i, (rows, chunks) in enumerate(PACKINGS):
+  smp.generate(params, PROMPTS, [0, 1], jax.random.key(0))
+  warm = smp.compiles
+  for i, rows in enumerate([[0, 0, 0, 0, 1], [3], [1, 2, 1, 2] * 5, list(range(4)) * 9, []]):
     out, stats = smp.generate(params, PROMPTS, rows, jax.random.key(i))
-    assert stats.chunks == chunks, rows  # neither fewer (rows lost) nor more (wasted)
-    assert stats.rows_computed == 4 * chunks and stats.rows_useful == len(rows)
-    assert out["tokens"].shape == (len(rows), 6)
-  assert smp.compiles == 1
+    assert out["tokens"].shape == (len(rows), 6) and stats.rows_useful == len(rows)
+  assert smp.compiles == warm
 
 
-def test_chunk_packing_respects_prompt_limit_and_skips_empty_chunks(tiny):
+def test_rows_of_one_prompt_share_a_prefill(tiny):
   config, params = tiny
-  smp = _greedy(config, max_new_tokens=4, stop_ids=[-1], chunk_rows=4, prompts_per_chunk=2)
-  rows = [0, 0, 1, 1, 2, 3]  # 4 distinct prompts, P = 2 -> chunks {0,1} and {2,3}
-  out, stats = smp.generate(params, PROMPTS, rows, jax.random.key(0))
-  assert stats.chunks == 2 and stats.rows_computed == 8
-  np.testing.assert_array_equal(out["tokens"][0], out["tokens"][1])  # shared prefill, greedy
+  smp = _greedy(config, max_new_tokens=4, stop_ids=[-1], chunk_rows=4, prompts_per_chunk=1)
+  prefills = []
+  real = smp._prefill
+  smp._prefill = lambda *a: prefills.append(1) or real(*a)
+  out, _ = smp.generate(params, PROMPTS, [0, 0, 1, 1, 2, 3], jax.random.key(0))
+  np.testing.assert_array_equal(out["tokens"][0], out["tokens"][1])  # greedy, one prompt
+  assert 1 <= len(prefills) <= 4  # never one per row
   _, stats = smp.generate(params, PROMPTS, [], jax.random.key(0))
-  assert stats.chunks == 0 and stats.rows_computed == 0
-
-
-def test_masked_rows_are_zero_and_do_not_hold_the_loop(tiny, monkeypatch):
-  """Live rows stop at their first token; the decode loop must then end, whatever the
-  masked rows would do (they never stop on their own: their token is never a stop id)."""
-  config, params = tiny
-  tokens, mask = _padded(PROMPTS[:2], 8)
-  row_prompt = jnp.array([0, 1, 0, 1])
-  greedy = sampler_lib.SamplingRule(temperature=0.0)
-  first = testing.greedy_reference(config, params, tokens, mask, 1)[:, 0]
-  assert 0 not in first  # a masked row emits 0: it must not count as a stop
-  steps = []  # one entry per decode step the loop runs (counted at run time)
-  real_decode = model_lib.decode
-
-  def counting_decode(*args, **kwargs):
-    jax.debug.callback(lambda: steps.append(1))
-    return real_decode(*args, **kwargs)
-
-  monkeypatch.setattr(model_lib, "decode", counting_decode)
-  fn = jax.jit(
-    lambda rm: sampler_lib.generate(
-      config,
-      params,
-      tokens,
-      mask,
-      row_prompt,
-      rm,
-      jax.random.key(0),
-      rule=greedy,
-      max_new_tokens=5,
-      stop_ids=tuple(int(t) for t in first),
-    )
-  )
-  out = fn(jnp.array([True, False, True, False]))
-  jax.effects_barrier()
-  assert not np.asarray(out.mask[1::2]).any() and (np.asarray(out.tokens[1::2]) == 0).all()
-  assert (np.asarray(out.lengths) == [1, 0, 1, 0]).all()
-  assert len(steps) == 1  # the live rows' one step; masked rows added none
-  steps.clear()
-  none = fn(jnp.zeros(4, bool))  # every row masked: the loop must not run at all
-  jax.effects_barrier()
-  assert int(none.lengths.sum()) == 0 and steps == []
+  assert stats.chunks == 0 and stats.tokens == 0
 
 
 def test_sharded_sampler_matches_single_device(tiny):
@@ -224,13 +216,17 @@ def test_sharded_sampler_matches_single_device(tiny):
   mesh = jax.make_mesh(
     (2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 3
   )
-  rows = [0, 1, 2, 3, 0, 1, 2, 3]
-  single, _ = _greedy(config, max_new_tokens=8, stop_ids=[-1], chunk_rows=8).generate(
+  rows = [0, 1, 2, 3, 0, 1, 2, 3, 1, 1, 3]
+  kw = dict(max_new_tokens=8, stop_ids=[9], chunk_rows=4, prompts_per_chunk=2, prompt_buckets=(8,))
+  rule = sampler_lib.SamplingRule(temperature=1.0)
+  single, _ = sampler_lib.Sampler(config, rule=rule, **kw).generate(
     params, PROMPTS, rows, jax.random.key(0)
   )
-  smp = _greedy(config, max_new_tokens=8, stop_ids=[-1], chunk_rows=8, mesh=mesh)
+  kw["chunk_rows"] = 8  # a multiple of data x fsdp
+  smp = sampler_lib.Sampler(config, rule=rule, mesh=mesh, **kw)
   sharded, _ = smp.generate(params, PROMPTS, rows, jax.random.key(0))
   np.testing.assert_array_equal(single["tokens"], sharded["tokens"])
+  np.testing.assert_array_equal(single["lengths"], sharded["lengths"])
   np.testing.assert_allclose(single["logprobs"], sharded["logprobs"], atol=1e-5)
 
 
@@ -240,6 +236,10 @@ def test_bad_input_is_reported():
     sampler_lib.SamplingRule(top_p=0.0)
   with pytest.raises(ValueError, match="prompts_per_chunk"):
     sampler_lib.Sampler(config, max_new_tokens=4, stop_ids=[1], chunk_rows=2, prompts_per_chunk=3)
+  with pytest.raises(ValueError, match="segment_steps"):
+    sampler_lib.Sampler(
+      config, max_new_tokens=4, stop_ids=[1], chunk_rows=2, prompts_per_chunk=1, segment_steps=-1
+    )
   smp = sampler_lib.Sampler(
     config, max_new_tokens=4, stop_ids=[1], chunk_rows=2, prompts_per_chunk=2, prompt_buckets=(4,)
   )
@@ -248,3 +248,5 @@ def test_bad_input_is_reported():
     smp.generate(params, [[1, 2, 3, 4, 5]], [0], jax.random.key(0))
   with pytest.raises(ValueError, match="outside"):
     smp.generate(params, [[1, 2]], [1], jax.random.key(0))
+  with pytest.raises(ValueError, match="prompt 0 is empty"):
+    smp.generate(params, [[]], [0], jax.random.key(0))

@@ -57,7 +57,9 @@ class KVCache:
     k: per layer, keys after RoPE, `dtype[B, K, H, S]`.
     v: per layer, values, `dtype[B, K, S, H]`.
     mask: `bool[B, S]`, True where a slot holds a real (non-padding) token.
-    index: `int32[]`, the next slot to write; slots `>= index` are empty.
+    index: `int32[]`, the next slot to write (slots `>= index` are empty); or `int32[B]`,
+      each row's own next slot (the rollout slot pool, where rows start at different
+      steps; decode then writes one token per row).
   """
 
   k: tuple[jax.Array, ...]
@@ -128,10 +130,12 @@ class Transformer(nnx.Module):
     remat: bool = False,
     last_only: bool = False,
     head: bool = True,
+    bound: tuple[jax.Array, int] | None = None,
   ):
     """Returns (logits `float32[B, T, V]` (`[B, 1, V]` if last_only), per-layer (k, v)
     `[B, K, S, H]`). With `head=False` the first output is the final-normed hidden state
-    `[B, T, D]` (compute dtype) instead of the logits."""
+    `[B, T, D]` (compute dtype) instead of the logits. `bound` (with a cache): (slots any
+    query may attend to `int32[]`, block size) for `_attend_bounded`."""
     c = self.config
     x = jnp.take(self.embed.value, tokens, axis=0).astype(c.compute_dtype)
     inv_freq = rope_frequencies(c)
@@ -140,7 +144,9 @@ class Transformer(nnx.Module):
       x = self._scan_blocks(x, positions, inv_freq, kv_valid)
     else:
       for i in range(c.num_layers):
-        layer_cache = None if cache is None else (cache.k[i], cache.v[i], kv_valid, cache.index)
+        layer_cache = (
+          None if cache is None else (cache.k[i], cache.v[i], kv_valid, cache.index, bound)
+        )
         x, kv = getattr(self, f"layer_{i}")(x, positions, inv_freq, kv_valid, layer_cache)
         kvs.append(kv)
     if last_only:  # prefill for sampling: skip the [B, T, V] logits of the prompt
@@ -308,6 +314,8 @@ def prefill(
   positions: jax.Array,
   attention_mask: jax.Array,
   cache_len: int,
+  *,
+  head: bool = True,
 ) -> tuple[jax.Array, KVCache]:
   """Full forward over prompts that also returns a KV cache holding them.
 
@@ -318,6 +326,8 @@ def prefill(
     tokens, positions: `int32[B, T]` left-padded prompts and their positions.
     attention_mask: `bool[B, T]`, True at real tokens.
     cache_len: S >= T, total slots (prompt + tokens to generate).
+    head: False returns the final-normed hidden state at the last position, `[B, D]`
+      (compute dtype), instead of the logits (`unembed` turns it into them).
 
   Returns:
     (`float32[B, V]` logits at the last position, `KVCache` with `index = T`).
@@ -328,7 +338,7 @@ def prefill(
   b, t = tokens.shape
   if cache_len < t:
     raise ValueError(f"cache_len ({cache_len}) is shorter than the prompt length ({t})")
-  out, kvs = _module(config, params)(tokens, positions, attention_mask, last_only=True)
+  out, kvs = _module(config, params)(tokens, positions, attention_mask, last_only=True, head=head)
   pad = lambda x, axis: jnp.pad(x, [(0, cache_len - t) if a == axis else (0, 0) for a in range(4)])
   cache = KVCache(
     k=tuple(pad(k, 3) for k, _ in kvs),
@@ -346,6 +356,8 @@ def decode(
   positions: jax.Array,
   cache: KVCache,
   attention_mask: jax.Array | None = None,
+  *,
+  attend: tuple[jax.Array, int] | None = None,
 ) -> tuple[jax.Array, KVCache]:
   """Incremental forward: writes `tokens` at slots `[index, index + T)` and attends over the
   cache.
@@ -355,14 +367,21 @@ def decode(
     cache: the cache from `prefill`/`init_cache`/a previous `decode`.
     attention_mask: `bool[B, T]`, False for tokens that must never be attended to (e.g.
       rows that are already done); None means all real.
+    attend: (slots in use `int32[]`, block size `int`): attention reads only the first
+      blocks covering the slots in use (every row's written slots must lie below it),
+      not the whole cache; None reads all S slots.
 
   Returns:
     (`float32[B, T, V]` logits, updated `KVCache`).
   """
   if attention_mask is None:
     attention_mask = jnp.ones(tokens.shape, bool)
-  mask = jax.lax.dynamic_update_slice(cache.mask, attention_mask, (0, cache.index))
-  out, kvs = _module(config, params)(tokens, positions, mask, cache)
+  if jnp.ndim(cache.index):  # per-row slots (T = 1)
+    rows = jnp.arange(tokens.shape[0])
+    mask = cache.mask.at[rows, cache.index].set(attention_mask[:, 0])
+  else:
+    mask = jax.lax.dynamic_update_slice(cache.mask, attention_mask, (0, cache.index))
+  out, kvs = _module(config, params)(tokens, positions, mask, cache, bound=attend)
   new = KVCache(
     k=tuple(k for k, _ in kvs),
     v=tuple(v for _, v in kvs),

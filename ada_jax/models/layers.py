@@ -136,16 +136,25 @@ class Attention(nnx.Module):
     v = v.transpose(0, 2, 1, 3)  # [B, K, T, H]
     if layer_cache is None:
       key_slot_ok = kv_valid[:, None, :]  # [B, 1, S=T]
-      start = 0
+      start, bound = 0, None
     else:
-      ck, cv, cmask, start = layer_cache
-      k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, 0, start))
-      v = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, start, 0))
+      ck, cv, cmask, start, bound = layer_cache
+      if jnp.ndim(start):  # per-row write slots (T = 1): one scatter per row
+        rows = jnp.arange(b)
+        k = ck.at[rows, :, :, start].set(k[..., 0].astype(ck.dtype))
+        v = cv.at[rows, :, start, :].set(v[:, :, 0].astype(cv.dtype))
+      else:
+        k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, 0, start))
+        v = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, start, 0))
       key_slot_ok = cmask[:, None, :]
     s = k.shape[3]
     # Slots are written in order, so slot order is position order within a row.
-    causal = jnp.arange(s)[None, :] <= (start + jnp.arange(t))[:, None]  # [T, S]
-    out = _attend(q, k, v, key_slot_ok & causal[None])
+    first = jnp.reshape(start, (-1, 1, 1))  # [1 or B, 1, 1]
+    causal = jnp.arange(s) <= first + jnp.arange(t)[:, None]  # [1 or B, T, S]
+    if bound is not None:
+      out = _attend_bounded(q, k, v, key_slot_ok & causal, *bound)
+    else:
+      out = _attend(q, k, v, key_slot_ok & causal)
     y = jnp.einsum("btnh,nhd->btd", out, self.o.value.astype(dt))
     return y, (k, v)
 
@@ -172,6 +181,28 @@ def _attend(q, k, v, mask):
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkgts,bksh->btkgh", probs, v)
   return out.reshape(b, t, n, h)
+
+
+def _attend_bounded(q, k, v, mask, used, block):
+  """`_attend` reading only the first `ceil(used / block)` blocks of `block` slots.
+
+  Decode is bound by reading the cache; slots past every live row's last token only add
+  masked scores, so they are skipped. `lax.switch` over the static prefix lengths keeps
+  every shape static (one compile) while the bytes read follow the longest live row.
+
+  Args:
+    q, k, v, mask: as `_attend` (S slots).
+    used: `int32[]`, slots that any query may attend to (the rest are masked for all).
+    block: static block size (slots).
+  """
+  s = k.shape[3]
+  lengths = sorted({min(s, block * i) for i in range(1, -(-s // block) + 1)})
+
+  def prefix(n):
+    return lambda: _attend(q, k[..., :n], v[:, :, :n], mask[..., :n])
+
+  index = jnp.searchsorted(jnp.asarray(lengths), jnp.clip(used, 1, s))
+  return jax.lax.switch(index, [prefix(n) for n in lengths])
 
 
 class MLP(nnx.Module):

@@ -1,1 +1,1 @@
-"""Generation: the chunked sampler and the RL step's draw callable and batch."""
+"""Generation: the slot-pool rollout engine and the RL step's draw callable and batch."""

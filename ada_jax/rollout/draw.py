@@ -3,8 +3,9 @@ controller asks for responses, and the fixed-shape training batch built from wha
 
 Data flow (docs/design.md, "One RL step"): `StepPrompts` holds the step's prompts (and
 hands DAPO its extra ones, `more_prompts`); `Rollouts` lays the rows the controller
-requests out for the chunked `sampler.Sampler`, decodes and scores them, and keeps every
-response it drew; `make_train_batch` lays the selected responses out for `rl.update.update_policy`.
+requests out for the slot-pool `sampler.Sampler`, decodes and scores them, and keeps every
+response it drew; `make_train_batch` lays the selected responses out for
+`rl.update.update_policy`.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class Rollouts:
   response it drew, with their timings and row counts.
 
   Attributes:
-    sampler: the chunked engine.
+    sampler: the rollout engine (slot pool).
     params: the policy's parameters.
     tokenizer: decodes responses for the verifier.
     score: `(texts, answers) -> rewards` (`verifier.RewardPool.score`, shared across

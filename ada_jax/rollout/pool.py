@@ -1,0 +1,390 @@
+"""The device half of the rollout engine: a slot pool decoded in one jit-compiled loop.
+
+S slots decode at once. A queue of pending rows (each: its prompt's entry in a prompt
+cache, its output position, its row id) feeds them: when a row ends (stop token or the
+token budget), the next pending row takes its slot at the next step, its prompt's keys and
+values copied from the prompt cache, which `prefill_prompts` fills once per distinct prompt
+(rows of one prompt share that prefill). Decode attention reads only the cache blocks up
+to the longest live row (`decoder.decode(attend=...)`), and a row's tokens depend only on
+(rollout key, row id, token index), never on its slot, the pool size or the device count.
+
+Every shape is static (S, queue length Q, prompt-cache entries P, prompt bucket Lp,
+budget Lr): the queue contents, its fill level, cancellations and the RNG are traced
+values, so nothing recompiles after warm-up. `run_segment` returns after at most
+`segment_steps` steps, when the pool and queue are empty, or, when the host says it has
+more rows (`Queue.more`), as soon as the queue is drained, so that the host can add,
+cancel and collect rows (`sampler.RolloutPool`) while the live rows keep their slots.
+
+Cache layout of a slot: columns [0, Lp) hold its prompt, left-padded to the bucket;
+response token j sits at column Lp + j with RoPE position prompt_len + j, so column order
+is position order and the causal limit is the row's own write column (`KVCache.index`
+per row).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from ada_jax.models import decoder as model_lib
+from ada_jax.models import sharding as sharding_lib
+from ada_jax.models.decoder import KVCache, ModelConfig, Params
+from ada_jax.rollout.rule import SamplingRule
+
+
+@struct.dataclass
+class PromptCache:
+  """Prefilled prompts, one entry per distinct prompt (P entries).
+
+  Attributes:
+    k: per layer, keys `dtype[P, K, H, Lp]` (the `KVCache` layout).
+    v: per layer, values `dtype[P, K, Lp, H]`.
+    mask: `bool[P, Lp]`, True at real (non-padding) prompt tokens; prompts left-padded.
+    hidden: `float32[P, D]`, the final-normed hidden state at each prompt's last token
+      (its next-token logits are `decoder.unembed` of it).
+  """
+
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
+  mask: jax.Array
+  hidden: jax.Array
+
+
+@struct.dataclass
+class Queue:
+  """Rows waiting for a slot, in the order they start (padded to Q entries).
+
+  Attributes:
+    prompt: `int32[Q]` prompt-cache entry of each row.
+    position: `int32[Q]` output position of each row (index into `PoolState.tokens`).
+    row_id: `int32[Q]` the row's id: its tokens are drawn from `fold_in(fold_in(key,
+      row_id), token index)`.
+    count: `int32[]` rows queued; entries `>= count` are padding.
+    more: `bool[]` the host holds further rows: return as soon as the queue is drained.
+    cancel: `bool[S]` live slots whose rows are dropped before the first step (their
+      slots are refilled at once).
+  """
+
+  prompt: jax.Array
+  position: jax.Array
+  row_id: jax.Array
+  count: jax.Array
+  more: jax.Array
+  cancel: jax.Array
+
+
+@struct.dataclass
+class PoolState:
+  """The pool between segments (S slots, O output positions, budget Lr).
+
+  Attributes:
+    cache: the slots' `KVCache` (`[S, ..., Lp + Lr]`, per-slot `index` = next column).
+    logits: `float32[S, V]` next-token logits of each slot.
+    live: `bool[S]` the slot holds an unfinished row.
+    position: `int32[S]` output position of the slot's row.
+    row_id: `int32[S]` id of the slot's row (RNG).
+    prompt_len: `int32[S]` real prompt tokens of the slot's row.
+    length: `int32[S]` tokens generated so far by the slot's row.
+    tokens: `int32[O, Lr]` response tokens by output position, 0 after the stop token.
+    logprobs: `float32[O, Lr]` their log-probs under log_softmax(logits / T) (`SamplingRule`).
+    lengths: `int32[O]` tokens generated (the stop token included).
+    finished: `bool[O]` the row ended (stop token or budget).
+    steps: `int32[]` decode steps run (all segments).
+    tokens_generated: `float32[]` tokens drawn by live rows (all segments).
+    kv_read: `float32[]` cache slots read by decode attention, summed over slots and steps.
+    kv_useful: `float32[]` of those, slots holding real tokens of a live row.
+  """
+
+  cache: KVCache
+  logits: jax.Array
+  live: jax.Array
+  position: jax.Array
+  row_id: jax.Array
+  prompt_len: jax.Array
+  length: jax.Array
+  tokens: jax.Array
+  logprobs: jax.Array
+  lengths: jax.Array
+  finished: jax.Array
+  steps: jax.Array
+  tokens_generated: jax.Array
+  kv_read: jax.Array
+  kv_useful: jax.Array
+
+
+def _constrain(x, sharding):
+  return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
+def _constrain_cache(config: ModelConfig, cache: KVCache, mesh) -> KVCache:
+  """Slots over ('data', 'fsdp'), kv heads over 'tensor' (`sharding.kv_cache_shardings`)."""
+  if mesh is None:
+    return cache
+  sh = sharding_lib.kv_cache_shardings(config, mesh, cache.mask.shape[0], cache.length)
+  return cache.replace(
+    k=tuple(map(_constrain, cache.k, sh.k)),
+    v=tuple(map(_constrain, cache.v, sh.v)),
+    mask=_constrain(cache.mask, sh.mask),
+  )
+
+
+def output_table(config: ModelConfig, params: Params) -> jax.Array:
+  """The `[V, D]` output projection: the input embedding when tied, else `lm_head`."""
+  return params["embed"] if config.tie_embeddings else params["lm_head"]
+
+
+def empty_prompt_cache(config: ModelConfig, entries: int, prompt_len: int) -> PromptCache:
+  """A prompt cache of `entries` empty entries of `prompt_len` columns."""
+  cache = model_lib.init_cache(config, entries, prompt_len)
+  return PromptCache(
+    k=cache.k,
+    v=cache.v,
+    mask=cache.mask,
+    hidden=jnp.zeros((entries, config.embed_dim), jnp.float32),
+  )
+
+
+def prefill_prompts(
+  config: ModelConfig,
+  params: Params,
+  prompts: PromptCache,
+  tokens: jax.Array,
+  mask: jax.Array,
+  entries: jax.Array,
+) -> tuple[PromptCache, jax.Array]:
+  """Prefills prompts once each and stores them in prompt-cache entries (pure; jit it).
+
+  Args:
+    config: the architecture.
+    params: model parameters.
+    prompts: the prompt cache (P entries of Lp columns).
+    tokens: `int32[N, Lp]` left-padded prompts.
+    mask: `bool[N, Lp]` True at real tokens.
+    entries: `int32[N]` entry of each prompt; an entry `>= P` drops that prompt (padding).
+
+  Returns:
+    (the updated cache, `float32[N, D]` each prompt's final-normed hidden state at its last
+    token: the input of a pass-rate head, or of `decoder.unembed` for the next-token
+    logits), from the one forward pass that also fills the cache.
+  """
+  positions = model_lib.positions_from_mask(mask)
+  hidden, cache = model_lib.prefill(
+    config, params, tokens, positions, mask, cache_len=tokens.shape[1], head=False
+  )
+  hidden = hidden.astype(jnp.float32)
+  put = lambda old, new: old.at[entries].set(new.astype(old.dtype), mode="drop")
+  return (
+    PromptCache(
+      k=tuple(map(put, prompts.k, cache.k)),
+      v=tuple(map(put, prompts.v, cache.v)),
+      mask=put(prompts.mask, mask),
+      hidden=put(prompts.hidden, hidden),
+    ),
+    hidden,
+  )
+
+
+def init_pool(
+  config: ModelConfig,
+  *,
+  slots: int,
+  outputs: int,
+  prompt_len: int,
+  max_new_tokens: int,
+  mesh: jax.sharding.Mesh | None = None,
+) -> PoolState:
+  """An empty pool: S = `slots` free slots, `outputs` output positions, caches of
+  `prompt_len + max_new_tokens` columns."""
+  cache = model_lib.init_cache(config, slots, prompt_len + max_new_tokens)
+  cache = _constrain_cache(config, cache.replace(index=jnp.zeros((slots,), jnp.int32)), mesh)
+  zeros = lambda shape, dtype=jnp.int32: jnp.zeros(shape, dtype)
+  return PoolState(
+    cache=cache,
+    logits=zeros((slots, config.vocab_size), jnp.float32),
+    live=zeros((slots,), bool),
+    position=zeros((slots,)),
+    row_id=zeros((slots,)),
+    prompt_len=zeros((slots,)),
+    length=zeros((slots,)),
+    tokens=zeros((outputs, max_new_tokens)),
+    logprobs=zeros((outputs, max_new_tokens), jnp.float32),
+    lengths=zeros((outputs,)),
+    finished=zeros((outputs,), bool),
+    steps=zeros(()),
+    tokens_generated=zeros((), jnp.float32),
+    kv_read=zeros((), jnp.float32),
+    kv_useful=zeros((), jnp.float32),
+  )
+
+
+def _refill(config, params, s: PoolState, prompts: PromptCache, queue: Queue, take, qi):
+  """Slots `take` (bool[S]) start queue rows `qi` (int32[S]): prompt KV copied in, the
+  rest of the row's cache masked, counters and output rows reset."""
+  lp = prompts.mask.shape[1]
+  entry = queue.prompt[qi]
+  put = lambda old, new: jnp.where(take.reshape(-1, *[1] * (new.ndim - 1)), new, old)
+  # One row's prompt columns per refilled slot: the bytes copied follow the refills, not S.
+  slots = jnp.nonzero(take, size=take.shape[0], fill_value=0)[0]
+
+  def copy(i, kv):
+    slot = slots[i]
+    one = lambda cache, prompt: jax.lax.dynamic_update_slice(
+      cache, jax.lax.dynamic_slice_in_dim(prompt, entry[slot], 1, 0).astype(cache.dtype),
+      (slot, 0, 0, 0),
+    )  # fmt: skip
+    return tuple(
+      tuple(map(one, caches, prompt_kv))
+      for caches, prompt_kv in zip(kv, (prompts.k, prompts.v), strict=True)
+    )
+
+  k, v = jax.lax.fori_loop(0, take.sum(), copy, (s.cache.k, s.cache.v))
+  prompt_mask = prompts.mask[entry]
+  row_mask = jnp.zeros_like(s.cache.mask).at[:, :lp].set(prompt_mask)
+  cache = s.cache.replace(
+    k=k, v=v, mask=put(s.cache.mask, row_mask), index=jnp.where(take, lp, s.cache.index)
+  )
+  logits = model_lib.unembed(
+    config, output_table(config, params), prompts.hidden[entry].astype(config.compute_dtype)
+  )
+  position = jnp.where(take, queue.position[qi], s.position)
+  out_rows = jnp.where(take, position, s.tokens.shape[0])  # out of range: dropped
+  return s.replace(
+    cache=cache,
+    logits=put(s.logits, logits),
+    live=s.live | take,
+    position=position,
+    row_id=jnp.where(take, queue.row_id[qi], s.row_id),
+    prompt_len=jnp.where(take, prompt_mask.sum(-1).astype(jnp.int32), s.prompt_len),
+    length=jnp.where(take, 0, s.length),
+    tokens=s.tokens.at[out_rows].set(0, mode="drop"),
+    logprobs=s.logprobs.at[out_rows].set(0.0, mode="drop"),
+    lengths=s.lengths.at[out_rows].set(0, mode="drop"),
+    finished=s.finished.at[out_rows].set(False, mode="drop"),
+  )
+
+
+def row_uniforms(key: jax.Array, row_id: jax.Array, index: jax.Array) -> jax.Array:
+  """`float32[S]` uniform numbers in [0, 1), one per row: `fold_in(fold_in(key, row id),
+  token index)`, so a row's draws never depend on which slot or step produced them."""
+  draw = lambda r, j: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, r), j))
+  return jax.vmap(draw)(row_id, index)
+
+
+def run_segment(
+  config: ModelConfig,
+  params: Params,
+  state: PoolState,
+  prompts: PromptCache,
+  queue: Queue,
+  key: jax.Array,
+  *,
+  rule: SamplingRule,
+  stop_ids: tuple[int, ...],
+  segment_steps: int,
+  attention_block: int,
+  refill: bool = True,
+  mesh: jax.sharding.Mesh | None = None,
+) -> tuple[PoolState, jax.Array]:
+  """Decodes the pool for one segment (pure; jit with everything after `key` static).
+
+  Each step: free slots take the next queued rows (in queue order), every live slot draws
+  one token (`rule.draw` with `row_uniforms`), rows that drew a stop token or reached the
+  budget Lr finish, and one decode step runs for the slots still live, attending over the
+  cache blocks up to the longest of them.
+
+  Args:
+    config, params: the model.
+    state: the pool (`init_pool`, or the previous segment's).
+    prompts: the prompt cache the queued rows point into.
+    queue: the rows to start; `queue.cancel` drops live rows first.
+    key: the rollout key (`row_uniforms`).
+    rule: the sampling rule.
+    stop_ids: tokens that end a row (kept in the response).
+    segment_steps: at most this many steps.
+    attention_block: decode attention reads whole blocks of this many cache columns.
+    refill: False starts queued rows only when every slot is free (the static-chunk
+      schedule, kept to measure against; the tokens are the same either way).
+    mesh: when given, the slot cache is sharded by `sharding.kv_cache_shardings` and the
+      outputs replicated (every process reads every row).
+
+  Returns:
+    (the pool after the segment, `int32[]` queue rows started, i.e. consumed).
+  """
+  n_slots, budget = state.live.shape[0], state.tokens.shape[1]
+  n_out, cache_len = state.tokens.shape[0], state.cache.length
+  stop = jnp.asarray(stop_ids, jnp.int32)
+
+  def cond(carry):
+    i, head, s = carry
+    pending = head < queue.count
+    return (i < segment_steps) & (jnp.any(s.live) | pending) & ~(~pending & queue.more)
+
+  def body(carry):
+    i, head, s = carry
+    free = ~s.live
+    ready = free if refill else free & jnp.all(free)
+    rank = jnp.cumsum(ready) - 1
+    take = ready & (head + rank < queue.count)
+    qi = jnp.clip(head + rank, 0, queue.prompt.shape[0] - 1)
+    s = jax.lax.cond(
+      jnp.any(take), lambda: _refill(config, params, s, prompts, queue, take, qi), lambda: s
+    )
+    head = head + take.sum(dtype=jnp.int32)
+    u = row_uniforms(key, s.row_id, s.length)
+    token, logprob = rule.draw(s.logits, u)
+    live = s.live
+    token = jnp.where(live, token, 0)
+    rows = jnp.where(live, s.position, n_out)  # finished slots write nowhere
+    length = s.length + live
+    ends = live & (jnp.isin(token, stop) | (length >= budget))
+    still = live & ~ends
+    s = s.replace(
+      tokens=s.tokens.at[rows, s.length].set(token, mode="drop"),
+      logprobs=s.logprobs.at[rows, s.length].set(jnp.where(live, logprob, 0.0), mode="drop"),
+      lengths=s.lengths.at[rows].set(length, mode="drop"),
+      finished=s.finished.at[jnp.where(ends, s.position, n_out)].set(True, mode="drop"),
+      live=still,
+      length=length,
+      steps=s.steps + 1,
+      tokens_generated=s.tokens_generated + live.sum(),
+    )
+    # Attention covers the columns up to the longest live row's new token, in blocks.
+    used = jnp.max(jnp.where(still, s.cache.index + 1, 1))
+    read = jnp.minimum(-(-used // attention_block) * attention_block, cache_len)
+
+    def decode(s: PoolState) -> PoolState:
+      logits, cache = model_lib.decode(
+        config,
+        params,
+        token[:, None],
+        (s.prompt_len + s.length - 1)[:, None],
+        s.cache,
+        attention_mask=still[:, None],
+        attend=(used, attention_block),
+      )
+      # Rows that ended keep their write column: their cache is dead until a refill.
+      cache = cache.replace(index=jnp.where(still, cache.index, s.cache.index))
+      real = s.prompt_len + s.length  # the row's real tokens, the new one included
+      return s.replace(
+        cache=_constrain_cache(config, cache, mesh),
+        logits=logits[:, 0],
+        kv_read=s.kv_read + (n_slots * read).astype(jnp.float32),
+        kv_useful=s.kv_useful + jnp.where(still, real, 0).sum().astype(jnp.float32),
+      )
+
+    s = jax.lax.cond(jnp.any(still), decode, lambda s: s, s)
+    return i + 1, head, s
+
+  state = state.replace(live=state.live & ~queue.cancel)
+  _, head, state = jax.lax.while_loop(
+    cond, body, (jnp.zeros((), jnp.int32), 0 * queue.count, state)
+  )
+  if mesh is not None:  # every process reads the outputs and the slots' bookkeeping
+    rep = sharding_lib.replicated(mesh)
+    host_read = [f.name for f in dataclasses.fields(state) if f.name not in ("cache", "logits")]
+    state = state.replace(**{f: _constrain(getattr(state, f), rep) for f in host_read})
+    head = _constrain(head, rep)
+  return state, head

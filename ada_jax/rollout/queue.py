@@ -1,0 +1,198 @@
+"""The host's view of one slot pool (`pool.py`): the rollout's streaming vocabulary.
+
+`RolloutPool` tracks which prompt-cache entries hold which prompts, the rows waiting for a
+slot and the output positions in use. Its calls are what a streaming controller needs:
+`prefill` prompts (returning each one's last hidden state, e.g. for a learned pass-rate
+head, from the same forward pass that fills the cache), `add_rows` of a prefilled
+prompt, `cancel` every row of a prompt (its live slots are refilled at the next step),
+`run` one segment, `collect` the rows that finished. A controller can prefill, decide
+row counts from the hidden states, then queue rows, with no extra forward pass.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from ada_jax.models.decoder import Params
+from ada_jax.models.tokenizer import pad_left
+from ada_jax.rollout import pool as pool_lib
+
+
+@dataclasses.dataclass
+class _Row:
+  row_id: int
+  entry: int
+  position: int
+
+
+class RolloutPool:
+  """Host driver of one pool (`pool.run_segment`) for prompts of one bucket length.
+
+  Args:
+    engine: the `sampler.Sampler` whose compiled functions and sizes it uses (not imported
+      here: `sampler` imports this module).
+    params: model parameters.
+    key: the rollout key (a row's tokens are `fold_in(fold_in(key, row_id), index)` draws).
+    prompt_len: Lp, the padded prompt length (a prompt bucket).
+
+  Output positions: a row holds one from `add_rows` until `collect` returns it (or it is
+  cancelled); at most S rows are live and Q queued, so S + Q positions never run out.
+  """
+
+  def __init__(self, engine: Any, params: Params, key: jax.Array, prompt_len: int):
+    self.engine, self.params, self.key, self.prompt_len = engine, params, key, prompt_len
+    e = engine
+    self.state = e._init(prompt_len)
+    self.prompts = e._empty_prompts(prompt_len)
+    self.free_entries = list(range(e.prompt_entries))
+    self.free_positions = list(range(e.slots + e.queue_rows))
+    self.queued: collections.deque[_Row] = collections.deque()
+    self.started: dict[int, _Row] = {}  # output position -> row holding a slot
+    self.refs = collections.Counter()  # entry -> queued rows
+    self.released: set[int] = set()
+    self.cancel_mask = np.zeros((e.slots,), bool)
+    self.segments = 0
+
+  @property
+  def room(self) -> int:
+    """Rows `add_rows` can take now (queue space and output positions)."""
+    return min(self.engine.queue_rows - len(self.queued), len(self.free_positions))
+
+  @property
+  def busy(self) -> bool:
+    """Rows are queued or still decoding (finished rows may await `collect`)."""
+    return bool(self.queued) or bool(np.asarray(self.state.live).any())
+
+  def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[list[int], np.ndarray]:
+    """Prefills prompts (one forward pass each) into free prompt-cache entries.
+
+    Returns:
+      (their entries, `float32[len(prompts), D]` each prompt's final-normed hidden state
+      at its last token).
+
+    Raises:
+      ValueError: more prompts than free entries, an empty prompt, or one longer than Lp.
+    """
+    e = self.engine
+    if len(prompts) > len(self.free_entries):
+      raise ValueError(f"{len(prompts)} prompts for {len(self.free_entries)} free prompt entries")
+    if any(len(p) == 0 for p in prompts):
+      raise ValueError("an empty prompt cannot be prefilled")
+    entries = [self.free_entries.pop(0) for _ in prompts]
+    # Launches of a fixed `prompts_per_chunk` prompts (one compiled shape); the last one
+    # padded with 1-token prompts whose entries are dropped.
+    n, hidden = e.prompts_per_chunk, []
+    for i in range(0, len(prompts), n):
+      chunk = list(prompts[i : i + n])
+      where = np.full((n,), e.prompt_entries, np.int32)
+      where[: len(chunk)] = entries[i : i + n]
+      tokens, mask = pad_left(
+        chunk + [[e.pad_id]] * (n - len(chunk)), e.pad_id, length=self.prompt_len
+      )
+      self.prompts, h = e._prefill(self.params, self.prompts, tokens, mask, where)
+      hidden.append(np.asarray(h)[: len(chunk)])
+    d = self.engine.config.embed_dim
+    return entries, np.concatenate(hidden) if hidden else np.zeros((0, d), np.float32)
+
+  def add_rows(self, entry: int, row_ids: Sequence[int]) -> list[int]:
+    """Queues rows of the prompt in `entry`; returns their output positions.
+
+    Raises:
+      ValueError: the entry holds no prompt, or more rows than `room`.
+    """
+    if entry in self.free_entries or not 0 <= entry < self.engine.prompt_entries:
+      raise ValueError(f"prompt entry {entry} holds no prefilled prompt")
+    if len(row_ids) > self.room:
+      raise ValueError(f"{len(row_ids)} rows exceed the pool's room ({self.room})")
+    rows = [_Row(int(r), entry, self.free_positions.pop(0)) for r in row_ids]
+    self.queued.extend(rows)
+    self.refs[entry] += len(rows)
+    self.released.discard(entry)
+    return [r.position for r in rows]
+
+  def release(self, entry: int) -> None:
+    """The caller adds no more rows of `entry`: it is freed once no queued row needs it."""
+    self.released.add(entry)
+    self._free_unused()
+
+  def cancel(self, entry: int) -> list[int]:
+    """Drops every queued and live row of the prompt in `entry` (live ones free their slot
+    at the next step) and frees the entry; returns the row ids dropped."""
+    dropped = [r for r in self.queued if r.entry == entry]
+    self.queued = collections.deque(r for r in self.queued if r.entry != entry)
+    live = [r for r in self.started.values() if r.entry == entry]
+    if live:
+      slot_position = np.asarray(self.state.position)
+      slot_live = np.asarray(self.state.live)
+      for r in live:
+        self.cancel_mask |= slot_live & (slot_position == r.position)
+        del self.started[r.position]
+    for r in dropped + live:
+      self.free_positions.append(r.position)
+    self.refs[entry] = 0
+    self.release(entry)
+    return [r.row_id for r in dropped + live]
+
+  def run(self, more: bool = False) -> None:
+    """One segment: at most `segment_steps` decode steps; returns early when every row is
+    done or, with `more` (the caller has further rows to add), once the queue is drained."""
+    e = self.engine
+    q = e.queue_rows
+    sent = list(self.queued)[:q]
+    arr = lambda f: np.array([f(r) for r in sent] + [0] * (q - len(sent)), np.int32)
+    queue = pool_lib.Queue(
+      prompt=arr(lambda r: r.entry),
+      position=arr(lambda r: r.position),
+      row_id=arr(lambda r: r.row_id),
+      count=np.int32(len(sent)),
+      more=np.bool_(more or len(self.queued) > q),
+      cancel=self.cancel_mask,
+    )
+    self.state, head = e._run(self.params, self.state, self.prompts, queue, self.key)
+    self.cancel_mask = np.zeros_like(self.cancel_mask)
+    self.segments += 1
+    for _ in range(int(head)):
+      r = self.queued.popleft()
+      self.refs[r.entry] -= 1
+      self.started[r.position] = r
+    self._free_unused()
+
+  def collect(self) -> list[tuple[int, np.ndarray, np.ndarray, int]]:
+    """Rows finished since the last call, as (row id, tokens `int32[Lr]`, logprobs
+    `float32[Lr]`, length); their output positions are free again."""
+    if not self.started:
+      return []
+    finished = np.asarray(self.state.finished)
+    done = [p for p in self.started if finished[p]]
+    if not done:
+      return []
+    tokens, logprobs = np.asarray(self.state.tokens), np.asarray(self.state.logprobs)
+    lengths = np.asarray(self.state.lengths)
+    out = []
+    for p in done:
+      out.append((self.started.pop(p).row_id, tokens[p], logprobs[p], int(lengths[p])))
+      self.free_positions.append(p)
+    return out
+
+  def _free_unused(self) -> None:
+    for entry in list(self.released):
+      if self.refs[entry] <= 0:
+        self.released.discard(entry)
+        self.free_entries.append(entry)
+
+  def counters(self) -> dict[str, float]:
+    """Device counters since the pool started: decode `steps`, `tokens` drawn, `kv_read`
+    and `kv_useful` cache columns."""
+    s = self.state
+    return {
+      "steps": int(s.steps),
+      "tokens": float(s.tokens_generated),
+      "kv_read": float(s.kv_read),
+      "kv_useful": float(s.kv_useful),
+    }

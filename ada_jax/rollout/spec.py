@@ -1,0 +1,63 @@
+"""The rollout's config group (`config.sampler`): `SamplerSpec`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ada_jax.rollout.rule import SamplingRule
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerSpec:
+  """Rollouts (docs/design.md "Sampler"); the experiment config's `sampler` group.
+
+  Attributes:
+    temperature, top_k, top_p: the sampling rule (`SamplingRule`).
+    max_new_tokens: response budget Lr (tokens).
+    chunk_rows: S, slots of the pool (rows decoding at once).
+    prompts_per_chunk: prompts prefilled per S rows (0 = derived so that S rows need no
+      more prompts than this, see `RunConfig.prompts_per_chunk`); the prompt cache holds
+      this × queue_rows / chunk_rows prompts.
+    prompt_buckets: padded prompt lengths (tokens), one compile each.
+    segment_steps: decode steps per device call, after which the host may add, cancel
+      and collect rows; 0 = max_new_tokens.
+    queue_rows: Q, rows queued per device call; 0 = 4 × chunk_rows.
+    attention_block: decode attention reads the cache in blocks of this many columns up
+      to the longest live row; 0 = a sixteenth of prompt bucket + budget (at least 16).
+  """
+
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  max_new_tokens: int = 2048
+  chunk_rows: int = 64
+  prompts_per_chunk: int = 0
+  prompt_buckets: tuple[int, ...] = (128, 256, 512, 1024)
+  segment_steps: int = 0
+  queue_rows: int = 0
+  attention_block: int = 0
+
+  def __post_init__(self):
+    self.rule  # noqa: B018 -- SamplingRule checks temperature, top_k, top_p
+    for name in ("max_new_tokens", "chunk_rows"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"SamplerSpec.{name} must be >= 1, got {getattr(self, name)}")
+    for name in ("prompts_per_chunk", "segment_steps", "queue_rows", "attention_block"):
+      if getattr(self, name) < 0:
+        raise ValueError(
+          f"SamplerSpec.{name} must be >= 0 (0 = derived), got {getattr(self, name)}"
+        )
+
+  @property
+  def rule(self) -> SamplingRule:
+    """The sampling rule; the trainer recomputes log-probs at its `logprob_temperature`."""
+    return SamplingRule(self.temperature, self.top_k, self.top_p)
+
+  @property
+  def pool_sizes(self) -> dict[str, int]:
+    """The pool's own sizes as `sampler.Sampler` keywords (0 = derived there)."""
+    return {
+      "segment_steps": self.segment_steps,
+      "queue_rows": self.queue_rows,
+      "attention_block": self.attention_block,
+    }

@@ -1,0 +1,158 @@
+"""The slot pool: refills, the budget, long queues, cancellation, mixed prompt lengths, and
+tokens that do not depend on the schedule (pool size, refill, queue length)."""
+
+import pathlib
+
+import hypothesis
+import jax
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+
+from ada_jax import testing
+from ada_jax.models import decoder as model_lib
+from ada_jax.rollout import sampler as sampler_lib
+
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [13], [20, 21, 22, 23, 24, 25, 26]]
+GREEDY = sampler_lib.SamplingRule(temperature=0.0)
+STOPS = tuple(range(3, 512, 16))  # ~6% of the vocabulary: lengths vary row to row
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  config = model_lib.preset("tiny-llama")
+  return config, model_lib.init_params(config, jax.random.key(0))
+
+
+def _reference(config, params, prompts, length, steps):
+  tokens = np.zeros((len(prompts), length), np.int32)
+  mask = np.zeros((len(prompts), length), bool)
+  for i, p in enumerate(prompts):
+    tokens[i, length - len(p) :], mask[i, length - len(p) :] = p, True
+  return testing.greedy_reference(config, params, tokens, mask, steps)
+
+
+def test_rollout_modules_stay_small():
+  for path in (pathlib.Path(__file__).parents[1] / "ada_jax" / "rollout").glob("*.py"):
+    assert len(path.read_text().splitlines()) <= 500, path.name
+
+
+def test_row_finishing_at_step_0_frees_its_slot_at_once(tiny):
+  config, params = tiny
+  ref = _reference(config, params, PROMPTS[:2], 8, 10)
+  stop = int(ref[0, 0])  # prompt 0's first token ends it; prompt 1 never draws it
+  assert stop not in ref[1]
+  smp = sampler_lib.Sampler(
+    config, rule=GREEDY, max_new_tokens=10, stop_ids=[stop], chunk_rows=1, prompts_per_chunk=1,
+    prompt_buckets=(8,),
+  )  # fmt: skip
+  out, stats = smp.generate(params, PROMPTS, [0, 1, 0], jax.random.key(0))
+  np.testing.assert_array_equal(out["lengths"], [1, 10, 1])
+  assert (out["tokens"][[0, 2], 0] == stop).all() and not out["mask"][[0, 2], 1:].any()
+  np.testing.assert_array_equal(out["tokens"][1], ref[1])
+  # One slot: 1 + 10 + 1 decode steps, no step idle between the rows.
+  assert stats.slot_steps == 12 and stats.token_slot_utilization == 1.0
+
+
+def test_every_row_at_the_budget(tiny):
+  config, params = tiny
+  smp = sampler_lib.Sampler(
+    config, max_new_tokens=5, stop_ids=[-1], chunk_rows=4, prompts_per_chunk=4,
+    prompt_buckets=(8,), queue_rows=4,
+  )  # fmt: skip
+  rows = [0, 1, 2, 3] * 3
+  out, stats = smp.generate(params, PROMPTS, rows, jax.random.key(1))
+  assert (out["lengths"] == 5).all() and out["mask"].all() and (out["logprobs"] < 0).all()
+  assert stats.slot_steps == 3 * 4 * 5 and stats.token_slot_utilization == 1.0
+  assert 0 < stats.kv_read_useful_fraction <= 1
+
+
+@pytest.fixture(scope="module")
+def pools(tiny):
+  """Samplers that differ only in schedule: slots, refill and queue length."""
+  config, _ = tiny
+  kw = dict(max_new_tokens=12, stop_ids=STOPS, prompt_buckets=(8,), prompts_per_chunk=2)
+  return {
+    "S=64": sampler_lib.Sampler(config, chunk_rows=64, **kw),
+    "S=256": sampler_lib.Sampler(config, chunk_rows=256, **kw),
+    "S=64, no refill": sampler_lib.Sampler(config, chunk_rows=64, refill=False, **kw),
+    "S=2, Q=2": sampler_lib.Sampler(config, chunk_rows=2, queue_rows=2, segment_steps=5, **kw),
+  }
+
+
+def test_tokens_do_not_depend_on_the_schedule(tiny, pools):
+  """600 rows: many refills of a 64-slot pool, one 256-slot pool, static chunks."""
+  _, params = tiny
+  rows = np.random.default_rng(0).integers(0, 4, 600)
+  outs = {k: pools[k].generate(params, PROMPTS, rows, jax.random.key(3)) for k in list(pools)[:3]}
+  base, base_stats = outs["S=64"]
+  assert len(set(base["lengths"].tolist())) > 5  # varied lengths: refills really happen
+  for name, (out, _) in outs.items():
+    np.testing.assert_array_equal(out["tokens"], base["tokens"], err_msg=name)
+    np.testing.assert_array_equal(out["lengths"], base["lengths"], err_msg=name)
+    np.testing.assert_allclose(out["logprobs"], base["logprobs"], atol=1e-5, err_msg=name)
+  # Refill keeps the slots busy; static chunks wait for their longest row.
+  chunked = outs["S=64, no refill"][1]
+  assert base_stats.token_slot_utilization > chunked.token_slot_utilization
+  assert base_stats.slot_steps < chunked.slot_steps
+
+
+@hypothesis.settings(max_examples=6, deadline=None)
+@hypothesis.given(rows=st.lists(st.integers(0, 3), min_size=1, max_size=40), seed=st.integers(0, 9))
+def test_queue_longer_than_many_refills(tiny, pools, rows, seed):
+  """A 2-slot pool fed 2 rows per device call and 5 steps per segment (many segments and
+  refills) draws exactly what a 64-slot pool draws for the same rows."""
+  _, params = tiny
+  small, stats = pools["S=2, Q=2"].generate(params, PROMPTS, rows, jax.random.key(seed))
+  big, _ = pools["S=64"].generate(params, PROMPTS, rows, jax.random.key(seed))
+  np.testing.assert_array_equal(small["tokens"], big["tokens"])
+  np.testing.assert_array_equal(small["lengths"], big["lengths"])
+  assert stats.tokens == big["lengths"].sum()
+  assert stats.chunks >= len(rows) / 2  # at least one device call per 2 queued rows
+
+
+def test_cancelled_prompt_frees_its_slots_at_once(tiny):
+  config, params = tiny
+  smp = sampler_lib.Sampler(
+    config, max_new_tokens=12, stop_ids=[-1], chunk_rows=2, prompts_per_chunk=2,
+    prompt_buckets=(8,), segment_steps=3,
+  )  # fmt: skip
+  key = jax.random.key(5)
+  pool = smp.pool(params, key, 8)
+  (a, b), hidden = pool.prefill([PROMPTS[0], PROMPTS[1]])
+  assert hidden.shape == (2, config.embed_dim) and hidden.dtype == np.float32
+  pool.add_rows(a, [0, 1, 2])
+  pool.add_rows(b, [3, 4])
+  pool.run()  # 3 steps: rows 0 and 1 hold both slots, mid-decode
+  assert pool.collect() == [] and len(pool.started) == 2
+  assert sorted(pool.cancel(a)) == [0, 1, 2]
+  pool.run()  # the cancelled rows' slots go to rows 3 and 4 at the first step
+  assert sorted(r.row_id for r in pool.started.values()) == [3, 4]
+  assert int(np.asarray(pool.state.length).min()) == 3  # both started at this call's step 0
+  while pool.busy:
+    pool.run()
+  done = {row: (tokens, n) for row, tokens, _, n in pool.collect()}
+  assert sorted(done) == [3, 4] and all(n == 12 for _, n in done.values())
+  # The same rows in a fresh pool without the cancelled prompt: the same tokens.
+  alone = smp.pool(params, key, 8)
+  (e,), _ = alone.prefill([PROMPTS[1]])
+  alone.add_rows(e, [3, 4])
+  while alone.busy:
+    alone.run()
+  for row, tokens, _, _ in alone.collect():
+    np.testing.assert_array_equal(tokens, done[row][0])
+
+
+def test_prompts_of_different_lengths_in_one_pool(tiny):
+  config, params = tiny
+  prompts = PROMPTS + [list(range(30, 42))]  # 12 tokens: the pool uses the 16 bucket
+  rows = [4, 2, 0, 4, 3, 1]
+  ref = _reference(config, params, [prompts[r] for r in rows], 16, 8)
+  smp = sampler_lib.Sampler(
+    config, rule=GREEDY, max_new_tokens=8, stop_ids=[-1], chunk_rows=2, prompts_per_chunk=1,
+    prompt_buckets=(8, 16), attention_block=8,
+  )  # fmt: skip
+  out, _ = smp.generate(params, prompts, rows, jax.random.key(0))
+  np.testing.assert_array_equal(out["tokens"], ref)
+  short, _ = smp.generate(params, prompts, [2, 0], jax.random.key(0))  # the 8 bucket
+  np.testing.assert_array_equal(short["tokens"], ref[[1, 2]])
