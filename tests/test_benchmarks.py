@@ -204,9 +204,10 @@ def test_evaluate_hook_on_a_tiny_model_reuses_its_sampler():
   assert samplers.greedy is None  # config.greedy is off: no second sampler
   args = (params, samplers, tok, benches, config, jax.random.key(1), {"exact": _exact_scorer})
   first = eval_sampling.evaluate(*args)
-  assert samplers.sampled.compiles == 1
+  compiled = samplers.sampled.compiles  # the pool's programs for the one prompt bucket
+  assert compiled >= 1
   assert eval_sampling.evaluate(*args) == first
-  assert samplers.sampled.compiles == 1  # the second call reused the compiled sampler
+  assert samplers.sampled.compiles == compiled  # the second call reused the compiled sampler
   with pytest.raises(ValueError, match="samplers.greedy is None"):
     eval_sampling.evaluate(
       params, samplers, tok, benches, dataclasses.replace(config, greedy=True), *args[5:]
