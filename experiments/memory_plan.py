@@ -82,7 +82,7 @@ os.environ["XLA_FLAGS"] = " ".join(
     f"--xla_force_host_platform_device_count={_MAX_DEVICES}",
     "--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
     f"--xla_dump_to={_DUMP_DIR}",
-    "--xla_dump_hlo_module_re=jit_(train_step|generate)$",
+    "--xla_dump_hlo_module_re=jit_(train_step|run_segment)$",
   ]
 ).strip()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
