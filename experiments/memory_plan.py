@@ -82,7 +82,7 @@ os.environ["XLA_FLAGS"] = " ".join(
     f"--xla_force_host_platform_device_count={_MAX_DEVICES}",
     "--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
     f"--xla_dump_to={_DUMP_DIR}",
-    "--xla_dump_hlo_module_re=jit_(train_step|generate)$",
+    "--xla_dump_hlo_module_re=jit_(train_step|run_segment)$",
   ]
 ).strip()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -347,12 +347,25 @@ def plan_sampler(cfg, model_cfg, mesh) -> dict:
   )
   key = jax.eval_shape(lambda: jax.random.key(0))
   start = time.perf_counter()
-  compiled = run.lower(params, state, jax.eval_shape(empty), queue, key).compile()
+  pk = sharding_lib.kv_cache_shardings(model_cfg, mesh, smp.prompt_entries, lp)
+  prompts = jax.eval_shape(empty)
+  prompts = prompts.replace(
+    k=tuple(map(placed, prompts.k, pk.k)),
+    v=tuple(map(placed, prompts.v, pk.v)),
+    mask=placed(prompts.mask, pk.mask),
+  )
+  compiled = run.lower(params, state, prompts, queue, key).compile()
   kv_shape = (chunk, model_cfg.num_kv_heads, cache_len, model_cfg.head_dim)
   kv_bytes = (
     2
     * model_cfg.num_layers
     * math.prod(kv.k[0].shard_shape(kv_shape))
+    * jnp.dtype(model_cfg.compute_dtype).itemsize
+  )
+  prompt_bytes = (
+    2
+    * model_cfg.num_layers
+    * math.prod(pk.k[0].shard_shape(prompts.k[0].shape))
     * jnp.dtype(model_cfg.compute_dtype).itemsize
   )
   return {
@@ -364,6 +377,7 @@ def plan_sampler(cfg, model_cfg, mesh) -> dict:
     "prompt_len": lp,
     "max_new_tokens": s.max_new_tokens,
     "kv_cache_gib": kv_bytes / GIB,
+    "prompt_cache_gib": prompt_bytes / GIB,
     "xla": memory(compiled),
     "compile_s": time.perf_counter() - start,
     "largest_buffers": largest_buffers("jit_run_segment", cfg.model.dtype),

@@ -228,6 +228,13 @@ def test_sharded_sampler_matches_single_device(tiny):
   np.testing.assert_array_equal(single["tokens"], sharded["tokens"])
   np.testing.assert_array_equal(single["lengths"], sharded["lengths"])
   np.testing.assert_allclose(single["logprobs"], sharded["logprobs"], atol=1e-5)
+  # The prompt cache is sharded like the slot cache (entries over data x fsdp), before and
+  # after a prefill: replicated, a 3B model's would take ~20 GiB on every device.
+  pool = smp.pool(params, jax.random.key(0), 8)
+  for _ in range(2):
+    for leaf in (pool.prompts.k[0], pool.prompts.v[0], pool.prompts.mask):
+      assert leaf.addressable_shards[0].data.shape[0] == leaf.shape[0] // 4, leaf.sharding
+    pool.prefill([PROMPTS[0], PROMPTS[1]])
 
 
 def test_bad_input_is_reported():

@@ -229,12 +229,13 @@ class Sampler:
     )
     empty = jax.jit(
       counted(
-        lambda: pool_lib.empty_prompt_cache(cfg, self.prompt_entries, prompt_len),
+        lambda: pool_lib.empty_prompt_cache(cfg, self.prompt_entries, prompt_len, mesh),
         "empty_prompt_cache",
       )
     )
     prefill = jax.jit(
-      counted(lambda *a: pool_lib.prefill_prompts(cfg, *a), "prefill_prompts"), donate_argnums=(1,)
+      counted(lambda *a: pool_lib.prefill_prompts(cfg, *a, mesh=mesh), "prefill_prompts"),
+      donate_argnums=(1,),
     )
     run = jax.jit(
       counted(
