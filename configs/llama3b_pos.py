@@ -35,6 +35,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.batch_prompts = 512
 
   c.sampler.chunk_rows = 192  # KV cache of 192 rows × 3072 slots: 7.9 GiB/device on 8 chips
+  # Q = S queued rows: the prompt cache holds Q/S × P prompts of 1,024 tokens, and XLA
+  # copies it in a pool segment (experiments/memory_plan.py: 4 × S peaks at 16.8 GiB/device
+  # on 8 chips with the optimizer state, S at 11.8: v5e fits).
+  c.sampler.queue_rows = c.sampler.get_ref("chunk_rows")
 
   c.train.micro_batch_size = 2  # rows per accumulation step: 1 per data-parallel group on 8 chips
   c.train.remat = True  # per-block rematerialisation: activations of one block at a time
