@@ -124,17 +124,13 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
   if not cfg.sampler.prompts_per_chunk:  # derived: round up to the rows' mesh axes
     ppc = sampler.fit_prompts_per_chunk(ppc, cfg.sampler.chunk_rows, mesh)
   try:
-    smp = sampler.Sampler(
+    smp = sampler.Sampler.from_spec(
       model_cfg,
-      rule=cfg.sampler.rule,
-      max_new_tokens=cfg.sampler.max_new_tokens,
+      cfg.sampler,
       stop_ids=tokenizer.eos_ids,
-      chunk_rows=cfg.sampler.chunk_rows,
       prompts_per_chunk=ppc,
-      prompt_buckets=cfg.sampler.prompt_buckets,
       pad_id=tokenizer.pad_id,
       mesh=mesh,
-      **cfg.sampler.pool_sizes,
     )
   except ValueError as e:
     raise ConfigError(f"config.sampler: {e}") from None

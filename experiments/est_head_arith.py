@@ -97,14 +97,11 @@ def evaluate_run(workdir: pathlib.Path, config: str, overrides: dict, args) -> d
   p_head = pass_rate_head.predict(
     pass_rate_head.params_from_state(run.est, features.shape[1], cfg.ada), features
   )
-  smp = sampler.Sampler(
+  smp = sampler.Sampler.from_spec(
     model_cfg,
-    rule=cfg.sampler.rule,
-    max_new_tokens=cfg.sampler.max_new_tokens,
+    cfg.sampler,
     stop_ids=tok.eos_ids,
-    chunk_rows=cfg.sampler.chunk_rows,
     prompts_per_chunk=cfg.sampler.chunk_rows // args.k,
-    prompt_buckets=cfg.sampler.prompt_buckets,
     pad_id=tok.pad_id,
     mesh=mesh,
   )

@@ -313,16 +313,12 @@ def plan_sampler(cfg, model_cfg, mesh) -> dict:
     model_lib.param_shapes(model_cfg),
     sharding_lib.param_shardings(model_cfg, mesh),
   )
-  smp = sampler_lib.Sampler(
+  smp = sampler_lib.Sampler.from_spec(
     model_cfg,
-    rule=s.rule,
-    max_new_tokens=s.max_new_tokens,
+    dataclasses.replace(s, chunk_rows=chunk),
     stop_ids=(0,),
-    chunk_rows=chunk,
     prompts_per_chunk=ppc,
-    prompt_buckets=s.prompt_buckets,
     mesh=mesh,
-    **s.pool_sizes,
   )
   init, empty, _, run = smp._compiled(lp)
   cache_len = lp + s.max_new_tokens

@@ -22,6 +22,7 @@ from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.rollout import pool as pool_lib
 from ada_jax.rollout.queue import RolloutPool
 from ada_jax.rollout.rule import SamplingRule as SamplingRule
+from ada_jax.rollout.spec import SamplerSpec
 
 
 @dataclasses.dataclass
@@ -197,6 +198,35 @@ class Sampler:
     )
     self.compiles = 0
     self._fns: dict[int, tuple] = {}
+
+  @classmethod
+  def from_spec(
+    cls,
+    config: ModelConfig,
+    spec: SamplerSpec,
+    *,
+    stop_ids: Sequence[int],
+    prompts_per_chunk: int,
+    pad_id: int = 0,
+    mesh: jax.sharding.Mesh | None = None,
+  ) -> Sampler:
+    """The sampler of an experiment's `sampler` group: its rule, budget, slots, buckets
+    and pool sizes; `prompts_per_chunk` is the caller's (derived from the method's rows
+    per prompt when the group leaves it 0). Raises ValueError as `Sampler`."""
+    return cls(
+      config,
+      rule=spec.rule,
+      max_new_tokens=spec.max_new_tokens,
+      stop_ids=stop_ids,
+      chunk_rows=spec.chunk_rows,
+      prompts_per_chunk=prompts_per_chunk,
+      prompt_buckets=spec.prompt_buckets,
+      pad_id=pad_id,
+      mesh=mesh,
+      segment_steps=spec.segment_steps,
+      queue_rows=spec.queue_rows,
+      attention_block=spec.attention_block,
+    )
 
   def _block(self, prompt_len: int) -> int:
     return self.attention_block or max(16, -(-(prompt_len + self.max_new_tokens) // 16))

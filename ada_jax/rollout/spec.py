@@ -52,12 +52,3 @@ class SamplerSpec:
   def rule(self) -> SamplingRule:
     """The sampling rule; the trainer recomputes log-probs at its `logprob_temperature`."""
     return SamplingRule(self.temperature, self.top_k, self.top_p)
-
-  @property
-  def pool_sizes(self) -> dict[str, int]:
-    """The pool's own sizes as `sampler.Sampler` keywords (0 = derived there)."""
-    return {
-      "segment_steps": self.segment_steps,
-      "queue_rows": self.queue_rows,
-      "attention_block": self.attention_block,
-    }
