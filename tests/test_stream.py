@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from ada_jax.rl import advantages as adv_lib
 from ada_jax.rl import simulate as sim
-from ada_jax.rl.adaptive import AdaConfig, run_step
-from ada_jax.rl.stream import StreamController, pool_meets_exit
+from ada_jax.rl.adaptive import AdaConfig, pool_meets_exit, run_step
+from ada_jax.rl.stream import StreamController
 
 SEQ = [
   AdaConfig(method="pos"),

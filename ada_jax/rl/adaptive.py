@@ -61,6 +61,7 @@ __all__ = [
   "DrawFn",
   "EstState",
   "METHODS",
+  "pool_meets_exit",
   "prompt_keys",
   "StepResult",
   "StepStats",
@@ -279,10 +280,41 @@ def _run_dapo(config, prompt_ids, draw, rng, est_state, more_prompts):
   return _finish(config, pools, all_ids, b, kept), est_state
 
 
+def pool_meets_exit(
+  rewards: Sequence[float] | np.ndarray, config: AdaConfig, min_pool: int | None = None
+) -> bool:
+  """The Reinforce-Ada-Seq exit rule on one prompt's pool of graded responses.
+
+  True when the pool holds >= n responses, >= k_pos positives and >= k_neg negatives
+  (positive: reward > `positive_threshold`). Under `rounds` the pool is checked at the end
+  of each round and the size condition always holds when the others do (`AdaConfig`
+  requires max(M, k_pos + k_neg) >= n), so this is the released rule there; under `stream`
+  it keeps a prompt from exiting on fewer than n responses.
+  Reference: paper §3 (successive elimination); released `pos` k = (1, 0), `balance`
+  (n/2, n/2).
+
+  Args:
+    rewards: float[P] rewards of the prompt's graded responses (any order).
+    config: a pos or balance `AdaConfig` (its thresholds, n and positive_threshold).
+    min_pool: the fewest responses an exiting pool holds; None: n.
+
+  Raises:
+    ValueError: `config.method` is not a Seq method.
+  """
+  if config.method not in SEQ_METHODS:
+    raise ValueError(f"config.method={config.method!r}: the exit rule is for {SEQ_METHODS}")
+  r = np.asarray(rewards, np.float64)
+  k_pos, k_neg = config.thresholds()
+  n_pos = int(np.count_nonzero(r > config.positive_threshold))
+  return (
+    r.size >= (config.n if min_pool is None else min_pool)
+    and n_pos >= k_pos
+    and r.size - n_pos >= k_neg
+  )
+
+
 def _run_seq(config, prompt_ids, draw, rng, est_state, more_prompts):
   b = len(prompt_ids)
-  k_pos, k_neg = config.thresholds()
-  thr = config.positive_threshold
   pools = _Pools(b)
   active = np.arange(b)
   for _ in range(config.max_rounds):
@@ -291,12 +323,7 @@ def _run_seq(config, prompt_ids, draw, rng, est_state, more_prompts):
     pools.draw_round(draw, np.repeat(active, config.samples_per_round))
     # Exit is checked only at the end of a round: every response of the round joins the
     # pool, even those drawn after the threshold was reached (they were already paid for).
-    still = []
-    for p in active.tolist():
-      n_pos = sum(r > thr for r in pools.rewards[p])
-      n_neg = len(pools.rewards[p]) - n_pos
-      if not (n_pos >= k_pos and n_neg >= k_neg):
-        still.append(p)
+    still = [p for p in active.tolist() if not pool_meets_exit(pools.rewards[p], config)]
     active = np.asarray(still, np.int64)
   # Prompts that never exited stay in the batch; uniform pools get zero advantage.
   kept = {p: select_responses(config, pools.rewards[p], rng) for p in range(b)}

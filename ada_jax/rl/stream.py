@@ -39,42 +39,9 @@ import numpy as np
 
 from ada_jax.rl import adaptive
 from ada_jax.rl import pools as pools_lib
-from ada_jax.rl.adaptive import SEQ_METHODS, AdaConfig, StepResult
+from ada_jax.rl.adaptive import SEQ_METHODS, AdaConfig, StepResult, pool_meets_exit
 
-__all__ = ["StreamController", "StreamDecision", "pool_meets_exit"]
-
-
-def pool_meets_exit(
-  rewards: Sequence[float] | np.ndarray, config: AdaConfig, min_pool: int | None = None
-) -> bool:
-  """The Reinforce-Ada-Seq exit rule on one prompt's pool of graded responses.
-
-  True when the pool holds >= n responses, >= k_pos positives and >= k_neg negatives
-  (positive: reward > `positive_threshold`). Under `rounds` the pool is checked at the end
-  of each round and the size condition always holds when the others do (`AdaConfig`
-  requires max(M, k_pos + k_neg) >= n), so this is the released rule there; under `stream`
-  it keeps a prompt from exiting on fewer than n responses.
-  Reference: paper §3 (successive elimination); released `pos` k = (1, 0), `balance`
-  (n/2, n/2).
-
-  Args:
-    rewards: float[P] rewards of the prompt's graded responses (any order).
-    config: a pos or balance `AdaConfig` (its thresholds, n and positive_threshold).
-    min_pool: the fewest responses an exiting pool holds; None: n.
-
-  Raises:
-    ValueError: `config.method` is not a Seq method.
-  """
-  if config.method not in SEQ_METHODS:
-    raise ValueError(f"config.method={config.method!r}: the exit rule is for {SEQ_METHODS}")
-  r = np.asarray(rewards, np.float64)
-  k_pos, k_neg = config.thresholds()
-  n_pos = int(np.count_nonzero(r > config.positive_threshold))
-  return (
-    r.size >= (config.n if min_pool is None else min_pool)
-    and n_pos >= k_pos
-    and r.size - n_pos >= k_neg
-  )
+__all__ = ["StreamController", "StreamDecision"]
 
 
 @dataclasses.dataclass(frozen=True)
