@@ -9,7 +9,7 @@ spans them all.
 The processes must launch identical jit calls in the same order. They do, because every
 process runs the same adaptive controller on the same prompts with the same seeded host
 RNG, and the only outside input of that controller, the rewards, is made identical here:
-`shared_scorer` has each process score one block of the responses and all-gathers the
+`SharedGrader` has each process grade one block of the responses and all-gathers the
 blocks, so a verifier timeout on one host cannot make the hosts disagree (and the
 verifier work is split across hosts). `assert_same` compares a fingerprint of the
 controller state across processes after each step and stops the run at the first
@@ -32,7 +32,7 @@ import json
 import logging as std_logging
 import os
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -200,36 +200,52 @@ def block_of(n: int, process: int | None = None, count: int | None = None) -> sl
   return slice(min(process * size, n), min((process + 1) * size, n))
 
 
-def shared_scorer(
-  score: Callable[[Sequence[str], Sequence[str]], Any],
-) -> Callable[[Sequence[str], Sequence[str]], np.ndarray]:
-  """Wraps a reward function so that all processes get the same rewards, computed once.
+class SharedGrader:
+  """A `verifier.RewardPool` whose rewards are identical on every process, each response
+  graded once: process p grades block p of each batch (`block_of`), and `collect`
+  all-gathers the blocks. With one process it is the pool itself.
 
-  Process p scores block p of the responses (`block_of`), the blocks are all-gathered, and
-  every process returns the full vector. With one process this is `score` itself.
+  `submit` returns at once (grading runs in the pool's workers, e.g. while the next
+  segment decodes); `collect` is a collective when there are several processes, so every
+  process must call it for the same tickets in the same order, as identical controllers do.
 
   Args:
-    score: `(responses, references) -> float[N]`, e.g. `verifier.RewardPool.score`.
-
-  Returns:
-    A function of the same signature returning `float32[N]`, identical on every process
-    (each process must call it with the same N, as the identical controllers do).
+    pool: an object with `submit(responses, references) -> ids` and
+      `collect(ids) -> float[k]` (`RewardPool`).
   """
-  if jax.process_count() == 1:
-    return lambda responses, references: np.asarray(score(responses, references), np.float32)
 
-  def scored(responses: Sequence[str], references: Sequence[str]) -> np.ndarray:
-    n, count = len(responses), jax.process_count()
-    size = -(-n // count)
+  def __init__(self, pool: Any):
+    self.pool = pool
+
+  def submit(self, responses: Sequence[str], references: Sequence[str]) -> tuple[Any, int]:
+    """Queues a batch of N responses (this process's block of it) for grading.
+
+    Returns:
+      a ticket for `collect`.
+
+    Raises:
+      ValueError: lengths differ (before anything is queued).
+    """
+    if len(responses) != len(references):
+      raise ValueError(f"{len(responses)} responses but {len(references)} references")
+    n = len(responses)
     mine = block_of(n)
-    out = np.zeros(size, np.float32)  # padded: all-gathered blocks must share a shape
-    if mine.stop > mine.start:
-      out[: mine.stop - mine.start] = np.asarray(
-        score(responses[mine], references[mine]), np.float32
-      )
+    ids = self.pool.submit(list(responses[mine]), list(references[mine])) if n else None
+    return ids, n
+
+  def collect(self, ticket: tuple[Any, int]) -> np.ndarray:
+    """Waits for a batch's grades: `float32[N]`, the same on every process."""
+    ids, n = ticket
+    local = np.asarray(self.pool.collect(ids) if n else [], np.float32)
+    if jax.process_count() == 1 or n == 0:
+      return local
+    out = np.zeros(-(-n // jax.process_count()), np.float32)  # all-gathered: one shape
+    out[: local.size] = local
     return allgather(out).reshape(-1)[:n]
 
-  return scored
+  def score(self, responses: Sequence[str], references: Sequence[str]) -> np.ndarray:
+    """`collect(submit(...))`: `float32[N]` rewards, identical on every process."""
+    return self.collect(self.submit(responses, references))
 
 
 # ----------------------------------------------------------------------------- agreement

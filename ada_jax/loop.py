@@ -1,9 +1,11 @@
 """The one stateful loop: prompts -> adaptive rollouts -> policy update -> log -> checkpoint.
 
-Per RL step (docs/design.md, "One RL step"): the prompt iterator yields B prompts;
-`adaptive.run_step` asks for responses round by round through `draw`
-(`rollout.Rollouts`), which lays the requested rows out for the chunked sampler and
-scores them with the verifier pool; the selected responses and their advantages become a
+Per RL step (docs/design.md, "One RL step"): the prompt iterator yields B prompts; under
+`ada.schedule = 'rounds'` `adaptive.run_step` asks for responses round by round through
+`draw` (`rollout.Rollouts`), which decodes each round on the slot-pool sampler and grades it
+with the verifier pool; under 'stream' `stream.run_step` runs its controller on one slot
+pool (`rollout.StreamRollouts`), grading each segment's rows while the next decodes; the
+selected responses and their advantages become a
 fixed-shape training batch (`rollout.make_train_batch`); `rl.update.update_policy` runs k
 mini-batch updates; metrics go to JSONL/TensorBoard/console; the whole run state is
 checkpointed every `ckpt.every_steps` steps, at the end, and on SIGTERM or Ctrl-C (the
@@ -39,7 +41,7 @@ from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.tokenizer import Tokenizer
 from ada_jax.rewards.verifier import RewardPool, VerifierConfig
-from ada_jax.rl import adaptive, estimate, pass_rate_head, train, update
+from ada_jax.rl import adaptive, estimate, pass_rate_head, stream, train, update
 from ada_jax.rl import warmstart as warmstart_lib
 from ada_jax.rollout import draw as rollout
 from ada_jax.rollout import sampler
@@ -216,8 +218,8 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
   step = first
   agreed = stopped_by = None
   with checkpoint.stop_signals() as stop, RewardPool(verifier_cfg) as pool:
-    score = distributed.shared_scorer(pool.score)  # identical rewards on every process
-    ctx = StepContext(cfg, ps, iterator, smp, step_fn, score, tokenizer, mesh, np_rng)
+    grader = distributed.SharedGrader(pool)  # identical rewards on every process
+    ctx = StepContext(cfg, ps, iterator, smp, step_fn, grader, tokenizer, mesh, np_rng)
     for step in range(first + 1, cfg.rl.steps + 1):
       state, est, m = rl_step(ctx, step, state, est, jax.random.fold_in(rollout_key, step))
       if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < cfg.rl.steps:
@@ -287,7 +289,8 @@ class StepContext:
     iterator: the prompt iterator (its position is checkpointed; it advances each step).
     sampler: the rollout engine.
     step_fn: the jitted train step (`train.make_train_step`).
-    score: `(texts, answers) -> rewards`, identical on every process.
+    grader: the verifier pool's grades, identical on every process
+      (`distributed.SharedGrader`).
     tokenizer: the run's tokenizer.
     mesh: the device mesh.
     np_rng: the host Generator of the controller's draws (checkpointed; it advances).
@@ -298,7 +301,7 @@ class StepContext:
   iterator: prompts.PromptIterator
   sampler: sampler.Sampler
   step_fn: Any
-  score: Any
+  grader: distributed.SharedGrader
   tokenizer: Tokenizer
   mesh: jax.sharding.Mesh
   np_rng: np.random.Generator
@@ -321,9 +324,7 @@ def rl_step(
   """
   cfg = ctx.cfg
   with metrics_lib.CompileCounter() as compiles:
-    # Prompts, then rollouts: the controller asks `draw` for rows round by round.
     step_prompts = rollout.StepPrompts(ctx.prompt_set, ctx.iterator, cfg.rl.batch_prompts)
-    draw = rollout.Rollouts(ctx.sampler, state.params, ctx.tokenizer, ctx.score, step_prompts, key)
     features = None
     if estimate.needs_features(cfg.ada):  # Est's pass-rate head reads the prompts' states
       features = pass_rate_head.prompt_hidden_states(
@@ -333,9 +334,20 @@ def rl_step(
         cfg.sampler.prompt_buckets,
         ctx.tokenizer.pad_id,
       )
-    result, est = adaptive.run_step(
-      cfg.ada, step_prompts.ids, draw, ctx.np_rng, est, step_prompts.more_prompts, features
-    )
+    args = (step_prompts.ids, ctx.np_rng, est, step_prompts.more_prompts, features)
+    if cfg.ada.schedule == "stream":
+      lp = None  # the step's bucket; DAPO's extra prompts may come from anywhere in the set
+      if cfg.ada.method == "dapo":
+        lp = sampler.bucket_length(ctx.prompt_set.max_length, cfg.sampler.prompt_buckets)
+      draw = rollout.StreamRollouts(
+        ctx.sampler, state.params, ctx.tokenizer, ctx.grader, step_prompts, key, lp
+      )
+      result, est = stream.run_step(cfg.ada, args[0], draw, *args[1:])
+    else:  # the controller asks `draw` for rows round by round
+      draw = rollout.Rollouts(
+        ctx.sampler, state.params, ctx.tokenizer, ctx.grader.score, step_prompts, key
+      )
+      result, est = adaptive.run_step(cfg.ada, args[0], draw, *args[1:])
     responses = draw.responses()
     # Batch and update.
     start = time.perf_counter()
@@ -370,13 +382,8 @@ def rl_step(
     "samples_drawn": s.rows_requested,
     "active_prompts_per_round": list(s.active_per_round),
     "zero_signal_frac": s.zero_signal_fraction,
-    "response_len_mean": float(np.mean(responses["lengths"])),
-    "tokens_per_s": draw.tokens / max(draw.time_sample_s, 1e-9),
-    "time_sample_s": draw.time_sample_s,
-    "time_verify_s": draw.time_verify_s,
+    **draw.counters.metrics(),
     "time_train_s": time_train,
-    "rows_computed": draw.rows_computed,
-    "rows_useful": draw.rows_useful,
     "compiles": compiles.count,  # XLA compilations during the step
     "update_skipped": float(skipped),  # 1: no response to train on, params unchanged
   }

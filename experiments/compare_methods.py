@@ -30,7 +30,7 @@ experiments/results/compare_methods or ..._quick):
   <out>.json   the git commit; per method: its config file, overrides and the full parsed
                config of each run; final training pass rate (mean and spread over seeds),
                held-out Avg@4 before/after RL, samples drawn, sampler rows computed,
-               zero-signal fraction, seconds per step split into sample / verify / train
+               zero-signal fraction, seconds per step split into sample / grade-wait / train
                and the step cost relative to GRPO n = 4; per run: the curves
   <out>.png    training pass rate vs step and vs samples drawn, zero-signal fraction vs
                step, held-out Avg@4 after RL, time per step
@@ -85,6 +85,8 @@ def _ada_optim() -> dict[str, object]:
   return {key: getattr(getattr(ada, key.split(".")[0]), key.split(".")[1]) for key in ADA_OPTIM}
 
 
+STREAM = {"ada.schedule": "stream", "sampler.segment_steps": 1}
+PARTS = ("sample", "grade_wait", "train")  # a step's wall time: `time_<part>_s` metrics
 # label -> (config file, overrides); everything else is the file's.
 METHODS: dict[str, tuple[str, dict[str, object]]] = {
   "GRPO n=4": (BASELINE, {}),
@@ -98,7 +100,15 @@ METHODS: dict[str, tuple[str, dict[str, object]]] = {
     ADA,
     {"ada.method": "est", "ada.est_budget_per_prompt": 8.0, "ada.est_estimator": "head"},
   ),
+  # The streaming schedule (`ada_jax.rl.stream`). Responses here are ~6 tokens, so a segment
+  # is 1 decode step (the decision lag costs a sixth of a response; at 2 steps the stream
+  # ran 43 decode steps per pos step against 38, and 1.6-1.8 s sampling against 1.2-1.5).
+  "GRPO n=4 stream": (BASELINE, STREAM),
+  "Ada-pos stream": (ADA, {"ada.method": "pos", **STREAM}),
+  "Ada-balance stream": (ADA, {"ada.method": "balance", **STREAM}),
 }
+# Each stream row and the rounds row it is measured against.
+STREAM_OF = {label: label.removesuffix(" stream") for label in METHODS if "stream" in label}
 LAST = 10  # steps averaged for the "final" training pass rate
 
 
@@ -172,15 +182,16 @@ def summarize(runs: dict[str, list[pathlib.Path]]) -> dict:
           "samples_per_step": float(np.mean([m["samples_drawn"] for m in lines])),
           "rows_computed_per_step": float(np.mean([m["rows_computed"] for m in lines])),
           "zero_signal": float(np.mean([m["zero_signal_frac"] for m in lines])),
-          **{
-            f"{k}_s": float(np.median([m[f"time_{k}_s"] for m in steady]))
-            for k in ("sample", "verify", "train")
-          },
-          "step_s": float(
-            np.median(
-              [sum(m[f"time_{k}_s"] for k in ("sample", "verify", "train")) for m in steady]
-            )
+          **{f"{k}_s": float(np.median([m[f"time_{k}_s"] for m in steady])) for k in PARTS},
+          "step_s": float(np.median([sum(m[f"time_{k}_s"] for k in PARTS) for m in steady])),
+          # The streaming figures (`rollout.draw.RolloutCounters`).
+          "grade_wait_frac": float(
+            np.median([m["time_grade_wait_s"] / max(m["time_sample_s"], 1e-9) for m in steady])
           ),
+          "decode_steps_per_step": float(np.mean([m["decode_steps"] for m in lines])),
+          "token_slot_utilization": float(np.mean([m["token_slot_utilization"] for m in lines])),
+          "tokens_cancelled_per_step": float(np.mean([m["tokens_cancelled"] for m in lines])),
+          "compiles_after_step1": int(sum(m["compiles"] for m in lines[1:])),
         }
       )
 
@@ -203,7 +214,18 @@ def summarize(runs: dict[str, list[pathlib.Path]]) -> dict:
       "samples_per_step": stat("samples_per_step"),
       "rows_computed_per_step": stat("rows_computed_per_step"),
       "zero_signal": stat("zero_signal"),
-      **{f"{k}_s": stat(f"{k}_s") for k in ("sample", "verify", "train", "step")},
+      **{f"{k}_s": stat(f"{k}_s") for k in (*PARTS, "step")},
+      **{
+        k: stat(k)
+        for k in (
+          "grade_wait_frac",
+          "decode_steps_per_step",
+          "token_slot_utilization",
+          "tokens_cancelled_per_step",
+          "compiles_after_step1",
+        )
+        if all(k in s for s in per_seed)
+      },
       "runs": per_seed,
     }
   if REFERENCE in out:
@@ -219,13 +241,13 @@ def table(results: dict, seeds: int, steps: int) -> str:
   rows = [
     f"| method | train pass rate, first {LAST} steps | last {LAST} steps"
     f"{' (mean ± sd)' if seeds > 1 else ''} | held-out Avg@4 after RL | samples / step"
-    " | sampler rows / step | zero-signal fraction | s / step (sample + verify + train)"
+    " | sampler rows / step | zero-signal fraction | s / step (sample + grade-wait + train)"
     f" | step cost vs {REFERENCE} |",
     "|---|---|---|---|---|---|---|---|---|",
   ]
   for label, r in results.items():
     f, h = r["final_pass_rate"], r["heldout_after"]
-    secs = " + ".join(f"{r[f'{k}_s']['mean']:.2f}" for k in ("sample", "verify", "train"))
+    secs = " + ".join(f"{r[f'{k}_s']['mean']:.2f}" for k in PARTS)
     ratio = r.get("step_cost_vs_grpo_n4")
     rows.append(
       f"| {label} | {r['first_pass_rate']['mean']:.3f} | **{f['mean']:.3f}**{sd(f)}"
@@ -236,6 +258,25 @@ def table(results: dict, seeds: int, steps: int) -> str:
       f" | {'' if ratio is None else f'{ratio:.2f}×'} |"
     )
   before = next(iter(results.values()))["heldout_before"]["mean"]
+  pairs = [(s, r) for s, r in STREAM_OF.items() if s in results and r in results]
+  if pairs:
+    rows += [
+      "\n| stream row vs rounds row | held-out Avg@4 stream − rounds (rounds sd) | within 1 sd"
+      " | grade-wait ÷ sample, stream (rounds) | compiles after step 1 | decode steps / step"
+      " | token-slot utilisation | tokens cancelled / step | samples / step |",
+      "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s, r in pairs:
+      a, b = results[s], results[r]
+      diff = a["heldout_after"]["mean"] - b["heldout_after"]["mean"]
+      sd_r = b["heldout_after"]["std"]
+      pair = lambda k, fmt, a=a, b=b: f"{a[k]['mean']:{fmt}} ({b[k]['mean']:{fmt}})"
+      rows.append(
+        f"| {s} | {100 * diff:+.1f} pts ({100 * sd_r:.1f}) | {abs(diff) <= sd_r}"
+        f" | {pair('grade_wait_frac', '.3f')} | {a['compiles_after_step1']['max']:.0f}"
+        f" | {pair('decode_steps_per_step', '.0f')} | {pair('token_slot_utilization', '.2f')}"
+        f" | {pair('tokens_cancelled_per_step', '.0f')} | {pair('samples_per_step', '.0f')} |"
+      )
   rows.append(
     f"\nHeld-out Avg@4 of the shared warm start before RL: {100 * before:.1f}%. "
     f"{seeds} seed(s), {steps} RL steps, B = 64 prompts per step. Train pass rate: "
@@ -302,7 +343,7 @@ def plot(results: dict, path: pathlib.Path, steps: int) -> None:
 
   ax = axes[1, 1]
   bottom = np.zeros(len(labels))
-  for part in ("sample", "verify", "train"):
+  for part in PARTS:
     vals = np.array([results[label][f"{part}_s"]["mean"] for label in labels])
     ax.bar(x, vals, bottom=bottom, label=part)
     bottom += vals
@@ -388,7 +429,10 @@ def main() -> None:
   # The warm start, once: every run below takes its params from this run's step 0.
   print("warm start ...", flush=True)
   run(warm, WARM_START, {**common, "rl.steps": 1})
-  jobs = {key: root / f"{slug(key[0])}_seed{key[1]}" for key in specs}
+  # Seed-major: runs of neighbouring rows (a method's two schedules) share the machine at
+  # the same time, so their step times see the same load.
+  order = sorted(specs, key=lambda key: (key[1], args.methods.index(key[0])))
+  jobs = {key: root / f"{slug(key[0])}_seed{key[1]}" for key in order}
   with ThreadPoolExecutor(args.jobs) as pool:
     futures = [pool.submit(run, d, *specs[key]) for key, d in jobs.items()]
     for future in tqdm(futures, desc="runs", unit="run"):

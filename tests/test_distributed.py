@@ -262,35 +262,56 @@ def test_block_of_covers_every_item_once():
       np.testing.assert_array_equal(covered, np.arange(n))
 
 
-def test_shared_scorer_and_local_rows_single_process():
-  score = distributed.shared_scorer(lambda r, a: [float(x == y) for x, y in zip(r, a, strict=True)])
-  np.testing.assert_array_equal(score(["1", "2"], ["1", "3"]), np.array([1, 0], np.float32))
+class _ExactPool:
+  """A stand-in `RewardPool`: reward 1 when the response equals the reference."""
+
+  def __init__(self):
+    self.items, self.seen, self.next = {}, [], 0
+
+  def submit(self, responses, references):
+    self.seen.append(list(responses))
+    first, self.next = self.next, self.next + len(responses)
+    for i, (x, y) in enumerate(zip(responses, references, strict=True)):
+      self.items[first + i] = float(x == y)
+    return np.arange(first, first + len(responses))
+
+  def collect(self, ids):
+    return [self.items.pop(int(i)) for i in ids]
+
+
+def test_shared_grader_and_local_rows_single_process():
+  grader = distributed.SharedGrader(_ExactPool())
+  np.testing.assert_array_equal(grader.score(["1", "2"], ["1", "3"]), np.array([1, 0], np.float32))
+  # Two batches in flight at once come back separately, in submission order or not.
+  a, b = grader.submit(["1", "2", "3"], ["1", "2", "0"]), grader.submit(["4"], ["5"])
+  np.testing.assert_array_equal(grader.collect(b), [0.0])
+  np.testing.assert_array_equal(grader.collect(a), [1.0, 1.0, 0.0])
+  assert grader.collect(grader.submit([], [])).shape == (0,)
+  with pytest.raises(ValueError, match="2 responses but 1 references"):
+    grader.submit(["1", "2"], ["1"])
   mesh = sharding.make_mesh(-1, 1, 1)
   # Every row of an 8-way split is held by this (only) process.
   np.testing.assert_array_equal(sharding.local_rows(16, mesh), np.arange(16))
 
 
-def test_shared_scorer_splits_work_and_reassembles_in_order(monkeypatch):
-  # Three simulated processes: each scores only its block; the gathered vector is the full
+def test_shared_grader_splits_work_and_reassembles_in_order(monkeypatch):
+  # Three simulated processes: each grades only its block; the gathered vector is the full
   # one, in order, whatever the padding of the last block.
   responses = [str(i) for i in range(7)]
   references = [str(i if i % 3 else -1) for i in range(7)]
   expected = np.array([float(a == b) for a, b in zip(responses, references, strict=True)])
-  seen, blocks = [], {}
-
-  def score(r, a):
-    seen.append(list(r))
-    return [float(x == y) for x, y in zip(r, a, strict=True)]
-
+  pools, blocks = {}, {}
   monkeypatch.setattr(distributed.jax, "process_count", lambda: 3)
   for p in range(3):
     monkeypatch.setattr(distributed.jax, "process_index", lambda p=p: p)
     monkeypatch.setattr(distributed, "allgather", lambda x, p=p: blocks.setdefault(p, x)[None])
-    distributed.shared_scorer(score)(responses, references)
-  assert seen == [["0", "1", "2"], ["3", "4", "5"], ["6"]]
+    pools[p] = _ExactPool()
+    distributed.SharedGrader(pools[p]).score(responses, references)
+  assert [pools[p].seen for p in range(3)] == [[["0", "1", "2"]], [["3", "4", "5"]], [["6"]]]
   gathered = np.stack([blocks[p] for p in range(3)])
   monkeypatch.setattr(distributed, "allgather", lambda x: gathered)
-  np.testing.assert_array_equal(distributed.shared_scorer(score)(responses, references), expected)
+  got = distributed.SharedGrader(_ExactPool()).score(responses, references)
+  np.testing.assert_array_equal(got, expected)
 
 
 def test_fingerprint_and_assert_same():

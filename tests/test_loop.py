@@ -126,10 +126,12 @@ def test_run_writes_metrics_checkpoints_summary(reference_run):
     "grad_norm",
     "tokens_per_s",
     "time_sample_s",
-    "time_verify_s",
+    "time_grade_wait_s",
     "time_train_s",
     "rows_computed",
-    "rows_useful",
+    "decode_steps",
+    "token_slot_utilization",
+    "tokens_cancelled",
   ):
     assert key in lines[-1], key
   # pos: M = 8 per active prompt and round, at most 2 rounds.

@@ -67,6 +67,7 @@ __all__ = [
   "StepStats",
   "allocate_budget",
   "est_pass_rates",
+  "est_step",
   "init_est_state",
   "run_step",
   "update_est_state",
@@ -83,6 +84,7 @@ EXIT_THRESHOLDS: dict[str, Callable[[int], tuple[int, int]]] = {
 SEQ_METHODS = tuple(EXIT_THRESHOLDS)
 METHODS = ("grpo", "dapo", *SEQ_METHODS, "est")
 SELECTIONS = ("first", "random")
+SCHEDULES = ("rounds", "stream")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +93,9 @@ class AdaConfig:
 
   Attributes:
     method: 'grpo' | 'dapo' | 'pos' | 'balance' | 'est'.
+    schedule: 'rounds' (`run_step`: the released barriers, a prompt retires only at the
+      end of a round) or 'stream' (`ada_jax.rl.stream`: exits decided as responses
+      finish, grading overlapped with decoding).
     n: responses kept per prompt (grpo/dapo: drawn per prompt). Not used by est.
     samples_per_round: M, responses drawn per active prompt per round (pos/balance).
     max_rounds: R, rounds at most (pos/balance); each prompt gets M..R*M samples.
@@ -135,6 +140,7 @@ class AdaConfig:
   """
 
   method: str = "pos"
+  schedule: str = "rounds"
   n: int = 4
   samples_per_round: int = 8
   max_rounds: int = 4
@@ -172,6 +178,8 @@ class AdaConfig:
 
     if self.method not in METHODS:
       bad("method", f"unknown method, expected one of {list(METHODS)}")
+    if self.schedule not in SCHEDULES:
+      bad("schedule", f"expected one of {list(SCHEDULES)}")
     if not isinstance(self.n, int) or self.n < 2:
       bad("n", "group size must be an int >= 2 (a group of 1 never carries signal)")
     if self.samples_per_round < 1:
@@ -331,17 +339,33 @@ def _run_seq(config, prompt_ids, draw, rng, est_state, more_prompts):
 
 
 def _run_est(config, prompt_ids, draw, rng, est_state, more_prompts, features=None):
+  def sample(counts):
+    pools = _Pools(len(prompt_ids))
+    pools.draw_round(draw, np.repeat(np.arange(len(prompt_ids)), counts))
+    kept = {p: np.arange(len(pools.rewards[p])) for p in range(len(prompt_ids))}
+    return _finish(config, pools, prompt_ids, len(prompt_ids), kept)  # Trains on all.
+
+  return est_step(config, prompt_ids, est_state, features, sample)
+
+
+def est_step(
+  config: AdaConfig,
+  prompt_ids: Sequence[Any],
+  est_state: EstState | None,
+  features: np.ndarray | None,
+  sample: Callable[[np.ndarray], StepResult],
+) -> tuple[StepResult, EstState]:
+  """Reinforce-Ada-Est's step around a sampler of fixed per-prompt counts: p̂ and the
+  budget split (`estimate.plan_budget`), `sample(counts)` (int64[B] rows per prompt; returns
+  the `StepResult` with every row kept), then the outcomes folded into the state
+  (`estimate.fold_step`). Shared by the `rounds` and `stream` schedules."""
   b = len(prompt_ids)
   state = init_est_state() if est_state is None else est_state
   keys = prompt_keys(prompt_ids)
   counts, p_head, plan = estimate.plan_budget(config, state, keys, config.train_rows(b), features)
-  pools = _Pools(b)
-  pools.draw_round(draw, np.repeat(np.arange(b), counts))
-  kept = {p: np.arange(len(pools.rewards[p])) for p in range(b)}  # Train on all samples.
-  result = _finish(config, pools, prompt_ids, b, kept)
-  n_pos = np.asarray(
-    [sum(r > config.positive_threshold for r in pool) for pool in pools.rewards], np.float64
-  )
+  result = sample(counts)
+  positive = result.rewards > config.positive_threshold
+  n_pos = np.bincount(result.prompt_index, weights=positive, minlength=b).astype(np.float64)
   new_state, fold = estimate.fold_step(
     config, state, keys, n_pos, counts.astype(np.float64), features, p_head
   )

@@ -39,9 +39,9 @@ import numpy as np
 
 from ada_jax.rl import adaptive
 from ada_jax.rl import pools as pools_lib
-from ada_jax.rl.adaptive import SEQ_METHODS, AdaConfig, StepResult, pool_meets_exit
+from ada_jax.rl.adaptive import SEQ_METHODS, AdaConfig, EstState, StepResult, pool_meets_exit
 
-__all__ = ["StreamController", "StreamDecision"]
+__all__ = ["StreamController", "StreamDecision", "run_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,6 +338,45 @@ class StreamController:
     else:
       kept = {p: np.arange(len(pools.rewards[p])) for p in range(self.b)}
     return pools_lib.finish(cfg, pools, self.prompt_ids, self.b, kept)
+
+
+def run_step(
+  config: AdaConfig,
+  prompt_ids: Sequence[Any],
+  drive: Callable[[StreamController], None],
+  rng: np.random.Generator,
+  est_state: EstState | None = None,
+  more_prompts: Callable[[int], Sequence[Any]] | None = None,
+  features: np.ndarray | None = None,
+) -> tuple[StepResult, EstState | None]:
+  """One training step's sampling under the `stream` schedule: `adaptive.run_step`'s
+  counterpart, with the same arguments and results, except that sampling is `drive`.
+
+  `drive(controller)` runs a `StreamController` to `done`: it queues `start()`'s rows,
+  decodes in segments, grades the rows that finish and calls `boundary` after each
+  segment (`ada_jax.rollout.streaming.StreamRollouts` on the slot pool;
+  `simulate_stream` without a model). Handles in the result are the controller's row ids.
+  Est plans its quotas first and folds the outcomes after (`adaptive.est_step`).
+
+  Raises:
+    ValueError: no prompts, or a bad config (named field).
+    RuntimeError: `drive` returned before the controller was done.
+  """
+  if len(prompt_ids) == 0:
+    raise ValueError("stream.run_step needs at least one prompt")
+  config.validate()
+  ids = list(prompt_ids)
+
+  def sample(quotas: np.ndarray | None) -> StepResult:
+    ctl = StreamController(
+      config, len(ids), quotas=quotas, more_prompts=more_prompts, prompt_ids=ids
+    )
+    drive(ctl)
+    return ctl.result(rng)
+
+  if config.method == "est":
+    return adaptive.est_step(config, ids, est_state, features, sample)
+  return sample(None), est_state
 
 
 def _as_arrays(pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:

@@ -122,22 +122,100 @@ class RolloutPool:
     self._free_unused()
 
   def cancel(self, entry: int) -> list[int]:
-    """Drops every queued and live row of the prompt in `entry` (live ones free their slot
-    at the next step) and frees the entry; returns the row ids dropped."""
-    dropped = [r for r in self.queued if r.entry == entry]
-    self.queued = collections.deque(r for r in self.queued if r.entry != entry)
-    live = [r for r in self.started.values() if r.entry == entry]
-    if live:
-      slot_position = np.asarray(self.state.position)
-      slot_live = np.asarray(self.state.live)
-      for r in live:
-        self.cancel_mask |= slot_live & (slot_position == r.position)
-        del self.started[r.position]
-    for r in dropped + live:
-      self.free_positions.append(r.position)
+    """Drops every queued and live row of the prompt in `entry` and frees the entry;
+    returns the row ids dropped."""
+    rows = [r.row_id for r in self.queued if r.entry == entry]
+    rows += [r.row_id for r in self.started.values() if r.entry == entry]
+    self.cancel_rows(rows)
     self.refs[entry] = 0
     self.release(entry)
-    return [r.row_id for r in dropped + live]
+    return rows
+
+  def cancel_rows(self, row_ids: Sequence[int]) -> int:
+    """Drops these rows wherever they are: queued ones leave the queue, live ones free
+    their slot at the next step (it is refilled at once). Ids of rows that are not queued
+    or live (finished, never added) are ignored.
+
+    Returns:
+      tokens the dropped live rows had drawn (decoded and discarded).
+    """
+    ids = {int(r) for r in row_ids}
+    if not ids:
+      return 0
+    for r in [r for r in self.queued if r.row_id in ids]:
+      self.refs[r.entry] -= 1
+      self.free_positions.append(r.position)
+    self.queued = collections.deque(r for r in self.queued if r.row_id not in ids)
+    live = [r for r in self.started.values() if r.row_id in ids]
+    if not live:
+      self._free_unused()
+      return 0
+    slot_position = np.asarray(self.state.position)
+    slot_live = np.asarray(self.state.live)
+    lengths = np.asarray(self.state.lengths)
+    finished = np.asarray(self.state.finished)
+    drawn = 0
+    for r in live:
+      del self.started[r.position]
+      if finished[r.position]:  # Finished in the last segment, not collected: kept out.
+        self.free_positions.append(r.position)
+        continue
+      self.cancel_mask |= slot_live & (slot_position == r.position)
+      drawn += int(lengths[r.position])
+      self.free_positions.append(r.position)
+    self._free_unused()
+    return drawn
+
+  def admit(
+    self,
+    prompts: Sequence[Sequence[int]],
+    row_prompt: Sequence[int],
+    pending: collections.deque,
+    entry_of: dict[int, int],
+  ) -> None:
+    """Moves rows from the front of `pending` (row ids, in order) into the queue while
+    there is room and a prompt-cache entry for their prompt, prefilling the new prompts
+    in one call.
+
+    Args:
+      prompts: token ids of every prompt a row may point at.
+      row_prompt: `row_prompt[row]` is the row's index into `prompts`.
+      pending: row ids waiting to be queued; those queued are popped.
+      entry_of: prompt index -> its entry, for prompts prefilled and not yet freed
+        (updated here; `release_idle` drops the freed ones).
+    """
+    take, new = [], []
+    free = len(self.free_entries)
+    while pending and len(take) < self.room:
+      p = int(row_prompt[pending[0]])
+      if p not in entry_of and p not in new:
+        if len(new) == free:
+          break
+        new.append(p)
+      take.append(pending.popleft())
+    if new:
+      entries, _ = self.prefill([prompts[p] for p in new])
+      entry_of.update(zip(new, entries, strict=True))
+    # Queue order is request order: add in runs of one prompt.
+    run_entry, run_rows = None, []
+    for row in take:
+      e = entry_of[int(row_prompt[row])]
+      if e != run_entry and run_rows:
+        self.add_rows(run_entry, run_rows)
+        run_rows = []
+      run_entry = e
+      run_rows.append(row)
+    if run_rows:
+      self.add_rows(run_entry, run_rows)
+
+  def release_idle(self, entry_of: dict[int, int]) -> None:
+    """Frees the entries of `entry_of` that no queued row needs (their rows have all
+    started: a slot copies its prompt's columns when it starts) and drops them from it; a
+    prompt that gets rows later is prefilled again."""
+    for entry in [e for e in entry_of.values() if self.refs[e] <= 0]:
+      self.release(entry)
+    for p in [p for p, e in entry_of.items() if e in self.free_entries]:
+      del entry_of[p]
 
   def run(self, more: bool = False) -> None:
     """One segment: at most `segment_steps` decode steps; returns early when every row is

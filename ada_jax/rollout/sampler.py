@@ -358,11 +358,9 @@ class Sampler:
     pending = collections.deque(range(r))
     entry_of: dict[int, int] = {}
     while True:
-      self._admit(pool, prompts, row_prompt, pending, entry_of)
+      pool.admit(prompts, row_prompt, pending, entry_of)
       pool.run(more=bool(pending))
-      for entry in [e for e in entry_of.values() if pool.refs[e] == 0]:
-        pool.release(entry)
-      entry_of = {p: e for p, e in entry_of.items() if e not in pool.free_entries}
+      pool.release_idle(entry_of)
       for row, tokens, logprobs, n in pool.collect():
         out["tokens"][row], out["logprobs"][row], out["lengths"][row] = tokens, logprobs, n
       if not pending and not pool.busy:
@@ -376,30 +374,3 @@ class Sampler:
     stats.tokens = int(out["lengths"].sum())
     stats.wall_s = time.perf_counter() - start
     return out, stats
-
-  def _admit(self, pool: RolloutPool, prompts, row_prompt, pending, entry_of) -> None:
-    """Moves rows from `pending` (in order) into the pool's queue while there is room and
-    a prompt-cache entry for their prompt, prefilling new prompts in one call."""
-    take, new = [], []
-    free = len(pool.free_entries)
-    while pending and len(take) < pool.room:
-      p = int(row_prompt[pending[0]])
-      if p not in entry_of and p not in new:
-        if len(new) == free:
-          break
-        new.append(p)
-      take.append(pending.popleft())
-    if new:
-      entries, _ = pool.prefill([prompts[p] for p in new])
-      entry_of.update(zip(new, entries, strict=True))
-    # Queue order is request order: add in runs of one prompt.
-    run_entry, run_rows = None, []
-    for row in take:
-      e = entry_of[int(row_prompt[row])]
-      if e != run_entry and run_rows:
-        pool.add_rows(run_entry, run_rows)
-        run_rows = []
-      run_entry = e
-      run_rows.append(row)
-    if run_rows:
-      pool.add_rows(run_entry, run_rows)

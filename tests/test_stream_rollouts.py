@@ -1,0 +1,153 @@
+"""The `stream` schedule on the slot pool (`rollout.draw.StreamRollouts` driving
+`rl.stream.run_step`): the tokens are the seeds' own, the decisions do not depend on the
+grader's speed, exited prompts' rows are cancelled, and every method runs through it."""
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from ada_jax.data.prompts import PromptSet
+from ada_jax.models import decoder as model_lib
+from ada_jax.rl import stream
+from ada_jax.rl.adaptive import AdaConfig
+from ada_jax.rollout import draw as draw_lib
+from ada_jax.rollout import sampler as sampler_lib
+
+STOPS = tuple(range(3, 512, 16))  # ~6% of the vocabulary: lengths vary row to row
+BUDGET = 8
+
+
+class _Tokens:
+  """Decodes a response to its token ids as text (the grader below reads them back)."""
+
+  def decode_many(self, rows):
+    return [" ".join(str(int(t)) for t in r) for r in rows]
+
+
+def _reward(text: str) -> float:
+  return float(int(text.split()[0]) % 3 == 0) if text else 0.0
+
+
+class _Grader:
+  """`SharedGrader`'s interface; `delay` makes each batch's grades arrive late, from a
+  thread, by a different random time per batch."""
+
+  def __init__(self, delay: float = 0.0, reward=_reward, seed: int = 0):
+    self.delay, self.reward, self.rng = delay, reward, np.random.default_rng(seed)
+    self.batches = []
+
+  def submit(self, texts, answers):
+    assert len(texts) == len(answers)
+    box = {"done": threading.Event()}
+    wait = self.delay * self.rng.random()
+
+    def grade():
+      time.sleep(wait)
+      box["rewards"] = np.asarray([self.reward(t) for t in texts], np.float32)
+      box["done"].set()
+
+    threading.Thread(target=grade).start()
+    self.batches.append(len(texts))
+    return box
+
+  def collect(self, box):
+    box["done"].wait()
+    return box["rewards"]
+
+
+def _prompt_set(num: int) -> PromptSet:
+  rng = np.random.default_rng(0)
+  tokens = tuple(
+    rng.integers(5, 500, size=int(rng.integers(2, 9))).astype(np.int32) for _ in range(num)
+  )
+  names = tuple(f"p{i}" for i in range(num))
+  return PromptSet(names, names, tuple("0" for _ in names), ("test",) * num, tokens, 0)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  config = model_lib.preset("tiny-llama")
+  params = model_lib.init_params(config, jax.random.key(0))
+  smp = sampler_lib.Sampler(
+    config, max_new_tokens=BUDGET, stop_ids=STOPS, chunk_rows=8, prompts_per_chunk=2,
+    prompt_buckets=(8,), segment_steps=2, queue_rows=8,
+  )  # fmt: skip
+  return config, params, smp
+
+
+def _run(tiny, config: AdaConfig, grader=None, batch=6, seed=0, num=24):
+  _, params, smp = tiny
+  ps = _prompt_set(num)
+  batches = iter(np.arange(num).reshape(-1, batch))
+  prompts = draw_lib.StepPrompts(ps, batches, batch)
+  drive = draw_lib.StreamRollouts(
+    smp, params, _Tokens(), grader or _Grader(), prompts, jax.random.key(seed), prompt_len=8
+  )
+  result, _ = stream.run_step(
+    config, prompts.ids, drive, np.random.default_rng(0), more_prompts=prompts.more_prompts
+  )
+  return result, drive, prompts
+
+
+def test_fixed_quota_rows_are_the_tokens_generate_draws(tiny):
+  # GRPO: row ids 0..B·n-1, prompt-major, so the stream's rows are `generate`'s rows.
+  _, params, smp = tiny
+  result, drive, prompts = _run(tiny, AdaConfig(method="grpo", n=4))
+  out = drive.responses()
+  ref, _ = smp.generate(params, prompts.tokens, np.repeat(np.arange(6), 4), jax.random.key(0))
+  for k in ("tokens", "logprobs", "lengths"):
+    np.testing.assert_array_equal(out[k], ref[k], err_msg=k)
+  assert sorted(result.handles) == list(range(24))
+  np.testing.assert_array_equal(result.rewards, [_reward(t) for t in _Tokens().decode_many(
+    [ref["tokens"][h][: ref["lengths"][h]] for h in result.handles])])  # fmt: skip
+  c = drive.counters
+  assert c.responses == 24 and c.tokens == ref["lengths"].sum() and c.tokens_cancelled == 0
+  assert 0 < c.decode_steps and c.slot_steps == 8 * c.decode_steps
+
+
+@pytest.mark.parametrize("method", ["pos", "balance"])
+def test_decisions_do_not_depend_on_the_graders_speed(tiny, method):
+  config = AdaConfig(method=method, n=4, samples_per_round=4, max_rounds=3)
+  fast, fast_drive, _ = _run(tiny, config, _Grader(0.0))
+  slow, slow_drive, _ = _run(tiny, config, _Grader(0.03, seed=1))
+  assert fast.handles == slow.handles
+  np.testing.assert_array_equal(fast.advantages, slow.advantages)
+  assert fast.stats.pool_size.tolist() == slow.stats.pool_size.tolist()
+  assert fast_drive.counters.decode_steps == slow_drive.counters.decode_steps
+  for k in ("tokens", "lengths"):
+    np.testing.assert_array_equal(fast_drive.responses()[k], slow_drive.responses()[k])
+
+
+def test_graded_rows_are_the_seeds_tokens_whatever_was_cancelled(tiny):
+  # Every prompt exits on its first n graded rows (all rewards 1): rows of exited prompts
+  # are cancelled mid-decode, and no other row's tokens change.
+  _, params, smp = tiny
+  config = AdaConfig(method="pos", n=2, samples_per_round=4, max_rounds=2)
+  result, drive, prompts = _run(tiny, config, _Grader(reward=lambda t: 1.0))
+  out = drive.responses()
+  graded = out["lengths"] > 0
+  assert drive.counters.tokens_cancelled > 0 and (~graded).any()
+  ref, _ = smp.generate(params, prompts.tokens, drive.row_prompt, jax.random.key(0))
+  np.testing.assert_array_equal(out["tokens"][graded], ref["tokens"][graded])
+  np.testing.assert_array_equal(out["lengths"][graded], ref["lengths"][graded])
+  # Each prompt's pool holds n..M rows, all positive: advantages 0, pools from the front.
+  assert all(2 <= s <= 4 for s in result.stats.pool_size)
+
+
+def test_dapo_extra_prompts_join_the_queue(tiny):
+  # Groups are uniform unless a row's first token is a multiple of 3 and another's is not:
+  # DAPO asks for more prompts while the step runs; they come from the iterator.
+  config = AdaConfig(method="dapo", n=4, dapo_max_extra_passes=2)
+  result, drive, prompts = _run(tiny, config)
+  assert len(prompts.indices) > 6, "no extra prompt was queued"
+  assert len(result.prompt_ids) == len(prompts.indices)
+  assert set(result.prompt_index.tolist()) <= set(range(len(prompts.indices)))
+
+
+def test_est_quota_is_its_budget(tiny):
+  config = AdaConfig(method="est", est_budget_per_prompt=3.0)
+  result, drive, _ = _run(tiny, config)
+  assert result.stats.rows_requested == 18 == len(result.handles) == drive.counters.responses
