@@ -43,6 +43,8 @@ def get_config():
   c.sampler.prompts_per_chunk = 8
   c.ada.method = "pos"
   c.ada.max_rounds = 2
+  c.ada.schedule = {schedule!r}
+  c.sampler.segment_steps = 2
   c.rl.steps = {steps}
   c.rl.batch_prompts = 8
   c.ckpt.every_steps = 2
@@ -145,9 +147,9 @@ def _group_gone(pgid: int, timeout_s: float = 20.0) -> bool:
   return False
 
 
-def _write_config(tmp_path: pathlib.Path, steps: int) -> pathlib.Path:
+def _write_config(tmp_path: pathlib.Path, steps: int, schedule: str = "rounds") -> pathlib.Path:
   path = tmp_path / f"cfg_{steps}.py"
-  path.write_text(textwrap.dedent(CONFIG.format(steps=steps)))
+  path.write_text(textwrap.dedent(CONFIG.format(steps=steps, schedule=schedule)))
   return path
 
 
@@ -156,14 +158,16 @@ def _log(tmp_path, p):
 
 
 @pytest.mark.slow
-def test_two_processes_end_identical(tmp_path):
+@pytest.mark.parametrize("schedule", ["rounds", "stream"])
+def test_two_processes_end_identical(tmp_path, schedule):
+  # Under `stream` the processes also grade their halves of each segment's rows
+  # asynchronously and all-gather them at the next boundary (`SharedGrader`).
   workdir = tmp_path / "run"
   out = str(tmp_path / "summary_{jax_process}.json")
   script = tmp_path / "worker.py"
+  config = _write_config(tmp_path, 2, schedule)
   script.write_text(
-    WORKER.format(
-      root=str(ROOT), config=str(_write_config(tmp_path, 2)), workdir=str(workdir), out=out
-    )
+    WORKER.format(root=str(ROOT), config=str(config), workdir=str(workdir), out=out)
   )
   procs = _launch([sys.executable, str(script)], tmp_path)
   try:

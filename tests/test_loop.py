@@ -23,9 +23,11 @@ from configs import tiny_arith_pos
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def tiny_config(steps: int = 4) -> ml_collections.ConfigDict:
+def tiny_config(steps: int = 4, schedule: str = "rounds") -> ml_collections.ConfigDict:
   """tiny_arith_pos shrunk to seconds: 2-layer d=32 model, 8 prompts, short warm start."""
   c = tiny_arith_pos.get_config()
+  c.ada.schedule = schedule
+  c.sampler.segment_steps = 2 if schedule == "stream" else 0
   c.model.overrides.update(
     embed_dim=32, mlp_dim=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16
   )
@@ -51,26 +53,27 @@ sys.path.insert(0, {tests!r})
 from test_loop import tiny_config
 
 def get_config():
-  return tiny_config({steps})
+  return tiny_config({steps}, {schedule!r})
 """
 
 
-def _write_config(tmp_path, steps):
-  path = tmp_path / f"cfg_{steps}.py"
-  path.write_text(
-    textwrap.dedent(CONFIG_FILE.format(root=str(ROOT), tests=str(ROOT / "tests"), steps=steps))
+def _write_config(tmp_path, steps, schedule="rounds"):
+  path = tmp_path / f"cfg_{steps}_{schedule}.py"
+  text = CONFIG_FILE.format(
+    root=str(ROOT), tests=str(ROOT / "tests"), steps=steps, schedule=schedule
   )
+  path.write_text(textwrap.dedent(text))
   return path
 
 
-def _launch(tmp_path, workdir, steps):
+def _launch(tmp_path, workdir, steps, schedule="rounds"):
   env = dict(os.environ)
   return subprocess.Popen(
     [
       sys.executable,
       "-m",
       "ada_jax.main",
-      f"--config={_write_config(tmp_path, steps)}",
+      f"--config={_write_config(tmp_path, steps, schedule)}",
       f"--workdir={workdir}",
     ],
     cwd=ROOT,
@@ -99,6 +102,8 @@ DETERMINISTIC = (
   "zero_signal_frac",
   "response_len_mean",
   "grad_norm",
+  "decode_steps",
+  "tokens_cancelled",
 )
 
 
@@ -152,16 +157,39 @@ def test_run_writes_metrics_checkpoints_summary(reference_run):
   assert list((workdir / "tensorboard").iterdir())
 
 
+@pytest.fixture(scope="module")
+def stream_run(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("stream")
+  summary = loop.run(tiny_config(steps=4, schedule="stream"), str(workdir))
+  return workdir, summary
+
+
 def test_steady_state_does_not_compile(reference_run):
   workdir, _ = reference_run
   assert [m["compiles"] for m in _metrics(workdir)][2:] == [0, 0]
 
 
+def test_stream_schedule_runs_and_logs_its_figures(stream_run):
+  workdir, summary = stream_run
+  lines = _metrics(workdir)
+  assert [m["step"] for m in lines] == [1, 2, 3, 4] and summary["steps_done"] == 4
+  assert [m["compiles"] for m in lines][1:] == [0, 0, 0]
+  for m in lines:
+    # pos, n = 4, M = 8, R = 2: each prompt draws between n and R·M responses.
+    assert 8 * 4 <= m["samples_drawn"] <= 2 * 8 * 8
+    assert m["decode_steps"] > 0 and 0 < m["token_slot_utilization"] <= 1
+    assert m["tokens_cancelled"] >= 0 and m["time_grade_wait_s"] >= 0
+    assert m["ada/rows_selected"] == 8 * 4
+  assert "eval/arith/avg@2" in summary["after_rl"]
+
+
 @pytest.mark.slow
-def test_resume_after_kill9_repeats_the_uninterrupted_run(reference_run, tmp_path):
-  ref = {m["step"]: m for m in _metrics(reference_run[0])}
+@pytest.mark.parametrize("schedule", ["rounds", "stream"])
+def test_resume_after_kill9_repeats_the_uninterrupted_run(schedule, request, tmp_path):
+  ref_dir = request.getfixturevalue("reference_run" if schedule == "rounds" else "stream_run")[0]
+  ref = {m["step"]: m for m in _metrics(ref_dir)}
   workdir = tmp_path / "run"
-  proc = _launch(tmp_path, workdir, steps=4)
+  proc = _launch(tmp_path, workdir, steps=4, schedule=schedule)
   deadline = time.time() + 600
   while 2 not in _steps_saved(workdir) and proc.poll() is None and time.time() < deadline:
     time.sleep(0.2)
@@ -169,7 +197,7 @@ def test_resume_after_kill9_repeats_the_uninterrupted_run(reference_run, tmp_pat
   proc.wait()
   resumed_from = max(_steps_saved(workdir))
   assert resumed_from == 2, "killed too late: the run had finished"
-  proc = _launch(tmp_path, workdir, steps=4)
+  proc = _launch(tmp_path, workdir, steps=4, schedule=schedule)
   out, _ = proc.communicate(timeout=600)
   assert proc.returncode == 0, out[-3000:]
   lines = {m["step"]: m for m in _metrics(workdir)}

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from ada_jax.rl import adaptive, estimate
+from ada_jax.rl import adaptive, stream
 from ada_jax.rl.adaptive import AdaConfig
 from ada_jax.rl.simulate import PASS_RATE_MIX, _check_pass_rates, method_table, sample_pass_rates
 from ada_jax.rl.stream import StreamController
@@ -256,51 +256,44 @@ def _rounds_step(cfg, ids, draws: _Draws, sim, rng, est_state):
 
 
 def _stream_step(cfg, ids, draws: _Draws, sim, rng, est_state):
-  b = len(ids)
-  quotas, keys = None, None
-  if cfg.method == "est":
-    state = estimate.init_est_state() if est_state is None else est_state
-    keys = estimate.prompt_keys(ids)
-    quotas, _, _ = estimate.plan_budget(cfg, state, keys, cfg.train_rows(b), None)
-  ctl = StreamController(
+  stats: dict[str, int] = {}
+
+  def drive(ctl: StreamController) -> None:
+    pool = SlotPool(sim.slots)
+    reward_of: dict[int, float] = {}
+
+    def enqueue(rows, prompts):
+      rewards, lengths = draws.draw(prompts)
+      reward_of.update(zip(rows.tolist(), rewards.tolist(), strict=True))
+      pool.enqueue(rows, lengths)
+
+    enqueue(*ctl.start())
+    decode = idle = 0
+    while not ctl.done:
+      finished, busy = pool.run(sim.segment)
+      decode += busy
+      idle += busy == 0
+      d = ctl.boundary(finished, [reward_of[r] for r in ctl.awaiting_grades.tolist()])
+      pool.cancel(d.cancel)
+      enqueue(d.enqueue, d.enqueue_prompt)
+    stats.update(
+      tokens=pool.tokens,
+      tokens_cancelled=pool.tokens_cancelled,
+      rows_cancelled=ctl.rows_cancelled,
+      decode_steps=decode,
+      boundaries=ctl.boundaries,
+      idle_boundaries=idle,
+    )
+
+  res, est_state = stream.run_step(
     cfg,
-    b,
-    quotas=quotas,
+    ids,
+    drive,
+    rng,
+    est_state,
+    draws.more_prompts,
     window=sim.window,
     min_pool=sim.min_pool,
-    more_prompts=draws.more_prompts,
-    prompt_ids=ids,
-  )
-  pool = SlotPool(sim.slots)
-  reward_of: dict[int, float] = {}
-
-  def enqueue(rows, prompts):
-    rewards, lengths = draws.draw(prompts)
-    reward_of.update(zip(rows.tolist(), rewards.tolist(), strict=True))
-    pool.enqueue(rows, lengths)
-
-  enqueue(*ctl.start())
-  decode = idle = 0
-  while not ctl.done:
-    finished, busy = pool.run(sim.segment)
-    decode += busy
-    idle += busy == 0
-    d = ctl.boundary(finished, [reward_of[r] for r in ctl.awaiting_grades.tolist()])
-    pool.cancel(d.cancel)
-    enqueue(d.enqueue, d.enqueue_prompt)
-  res = ctl.result(rng)
-  if cfg.method == "est":
-    pos = res.stats.pool_pass_rate * res.stats.pool_size
-    est_state = estimate.update_est_state(
-      state, keys, pos.astype(np.float64), np.asarray(quotas, np.float64), cfg.est_decay
-    )
-  stats = dict(
-    tokens=pool.tokens,
-    tokens_cancelled=pool.tokens_cancelled,
-    rows_cancelled=ctl.rows_cancelled,
-    decode_steps=decode,
-    boundaries=ctl.boundaries,
-    idle_boundaries=idle,
   )
   return res, est_state, stats
 

@@ -24,6 +24,10 @@ decodes in segments of a fixed number of decode steps:
 Decisions depend only on which rows finished in which segment and on their rewards, never
 on how fast the grader was: every host of a multi-host run decides the same.
 
+`run_step` is the schedule's entry point, `adaptive.run_step`'s counterpart (chosen by
+`AdaConfig.schedule`); the training loop's driver on the slot pool is
+`ada_jax.rollout.draw.StreamRollouts`, the simulator's `simulate_stream`.
+
 Differences from `rounds`: a prompt can retire between rounds' worth of rows, so pools are
 smaller (fewer samples, the long tail of a prompt's rows cancelled) and a prompt's pool is
 the rows that finished first, which under a length budget favours short responses.
@@ -348,9 +352,13 @@ def run_step(
   est_state: EstState | None = None,
   more_prompts: Callable[[int], Sequence[Any]] | None = None,
   features: np.ndarray | None = None,
+  *,
+  window: int | None = None,
+  min_pool: int | None = None,
 ) -> tuple[StepResult, EstState | None]:
   """One training step's sampling under the `stream` schedule: `adaptive.run_step`'s
-  counterpart, with the same arguments and results, except that sampling is `drive`.
+  counterpart, with the same arguments and results, except that sampling is `drive`
+  (`window` and `min_pool`: `StreamController`'s, None = its defaults).
 
   `drive(controller)` runs a `StreamController` to `done`: it queues `start()`'s rows,
   decodes in segments, grades the rows that finish and calls `boundary` after each
@@ -369,7 +377,13 @@ def run_step(
 
   def sample(quotas: np.ndarray | None) -> StepResult:
     ctl = StreamController(
-      config, len(ids), quotas=quotas, more_prompts=more_prompts, prompt_ids=ids
+      config,
+      len(ids),
+      quotas=quotas,
+      window=window,
+      min_pool=min_pool,
+      more_prompts=more_prompts,
+      prompt_ids=ids,
     )
     drive(ctl)
     return ctl.result(rng)
