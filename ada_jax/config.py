@@ -184,6 +184,11 @@ class RunConfig:
       temperature=self.sampler.rule.logprob_temperature,
     )
     object.__setattr__(self, "train", train)
+    if self.ada.schedule == "stream" and not self.sampler.segment_steps:
+      # Decisions every 1/32 of the budget (64 steps at 2,048: experiments/simulate_stream.py),
+      # not once per budget, which would make every decision lag a whole response.
+      steps = max(1, self.sampler.max_new_tokens // 32)
+      object.__setattr__(self, "sampler", dataclasses.replace(self.sampler, segment_steps=steps))
 
   @property
   def train_rows(self) -> int:

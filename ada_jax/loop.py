@@ -56,6 +56,8 @@ _AGREED = (
   "zero_signal_frac",
   "response_len_mean",
   "rows_computed",
+  "decode_steps",
+  "tokens_cancelled",
 )
 
 

@@ -57,7 +57,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.sampler.chunk_rows = 256  # S: slots of the rollout pool (rows decoding at once)
   c.sampler.prompts_per_chunk = 0  # prompts prefilled per S rows; 0 = S // rows per prompt
   c.sampler.prompt_buckets = (128, 256, 512, 1024)  # padded prompt lengths (one compile each)
-  c.sampler.segment_steps = 0  # decode steps between host decisions (stream); 0 = the budget
+  c.sampler.segment_steps = 0  # decode steps between decisions; 0 = budget (stream: budget/32)
   c.sampler.queue_rows = 0  # Q: rows queued per device call; 0 = 4 × chunk_rows
   c.sampler.attention_block = 0  # decode attention block (cache columns); 0 = derived
 

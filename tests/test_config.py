@@ -132,3 +132,16 @@ def test_part_empty_chunks_are_refused():
   assert config_lib.parse(cfg).prompts_per_chunk == 64
   cfg.ada.method = "pos"
   assert config_lib.parse(cfg).prompts_per_chunk == 32
+
+
+@pytest.mark.parametrize(
+  "budget,segment,expected",
+  [(2048, 0, 64), (12, 0, 1), (100, 0, 3), (2048, 7, 7)],
+)
+def test_stream_derives_its_segment_from_the_budget(budget, segment, expected):
+  c = tiny_arith_pos.get_config()
+  c.sampler.max_new_tokens, c.sampler.segment_steps = budget, segment
+  c.ada.schedule = "stream"
+  assert config_lib.parse(c).sampler.segment_steps == expected
+  c.ada.schedule = "rounds"  # the sampler's own default: one call per budget
+  assert config_lib.parse(c).sampler.segment_steps == segment

@@ -240,6 +240,7 @@ def test_sigterm_saves_and_exits_75(tmp_path):
     ),
     (lambda c: (c.ada.__setitem__("method", "balance"), c.ada.__setitem__("n", 3)), "n"),
     (lambda c: c.ada.__setitem__("method", "reinforce"), "method"),
+    (lambda c: c.ada.__setitem__("schedule", "streaming"), "config.ada.*schedule"),
   ],
 )
 def test_bad_config_fails_before_any_compile(tmp_path, edit, match):

@@ -9,9 +9,10 @@ import jax
 import numpy as np
 import pytest
 
+from ada_jax import distributed
 from ada_jax.data.prompts import PromptSet
 from ada_jax.models import decoder as model_lib
-from ada_jax.rl import stream
+from ada_jax.rl import adaptive, stream
 from ada_jax.rl.adaptive import AdaConfig
 from ada_jax.rollout import draw as draw_lib
 from ada_jax.rollout import sampler as sampler_lib
@@ -97,7 +98,8 @@ def test_fixed_quota_rows_are_the_tokens_generate_draws(tiny):
   _, params, smp = tiny
   result, drive, prompts = _run(tiny, AdaConfig(method="grpo", n=4))
   out = drive.responses()
-  ref, _ = smp.generate(params, prompts.tokens, np.repeat(np.arange(6), 4), jax.random.key(0))
+  key = jax.random.fold_in(jax.random.key(0), 0)  # `Rollouts`' first call
+  ref, _ = smp.generate(params, prompts.tokens, np.repeat(np.arange(6), 4), key)
   for k in ("tokens", "logprobs", "lengths"):
     np.testing.assert_array_equal(out[k], ref[k], err_msg=k)
   assert sorted(result.handles) == list(range(24))
@@ -130,7 +132,8 @@ def test_graded_rows_are_the_seeds_tokens_whatever_was_cancelled(tiny):
   out = drive.responses()
   graded = out["lengths"] > 0
   assert drive.counters.tokens_cancelled > 0 and (~graded).any()
-  ref, _ = smp.generate(params, prompts.tokens, drive.row_prompt, jax.random.key(0))
+  key = jax.random.fold_in(jax.random.key(0), 0)
+  ref, _ = smp.generate(params, prompts.tokens, drive.row_prompt, key)
   np.testing.assert_array_equal(out["tokens"][graded], ref["tokens"][graded])
   np.testing.assert_array_equal(out["lengths"][graded], ref["lengths"][graded])
   # Each prompt's pool holds n..M rows, all positive: advantages 0, pools from the front.
@@ -151,3 +154,39 @@ def test_est_quota_is_its_budget(tiny):
   config = AdaConfig(method="est", est_budget_per_prompt=3.0)
   result, drive, _ = _run(tiny, config)
   assert result.stats.rows_requested == 18 == len(result.handles) == drive.counters.responses
+
+
+@pytest.mark.parametrize(
+  "config",
+  [AdaConfig(method="grpo", n=4), AdaConfig(method="est", est_budget_per_prompt=3.0)],
+  ids=["grpo", "est"],
+)
+def test_fixed_quotas_give_the_rounds_step_exactly(tiny, config):
+  # One pass of fixed quotas: `stream` only overlaps grading, so the step is `rounds`' own.
+  _, params, smp = tiny
+  ps = _prompt_set(6)
+  steps = {}
+  for schedule in ("rounds", "stream"):
+    prompts = draw_lib.StepPrompts(ps, iter([np.arange(6)]), 6)
+    key = jax.random.key(3)
+    if schedule == "rounds":
+      grader = _Grader()
+      drive = draw_lib.Rollouts(smp, params, _Tokens(), grader_score(grader), prompts, key)
+      result, est = adaptive.run_step(config, prompts.ids, drive, np.random.default_rng(0))
+    else:
+      drive = draw_lib.StreamRollouts(smp, params, _Tokens(), _Grader(), prompts, key, 8)
+      result, est = stream.run_step(config, prompts.ids, drive, np.random.default_rng(0))
+    out = drive.responses()
+    steps[schedule] = (result, est, out["tokens"][np.asarray(result.handles)], drive.counters)
+  (a, est_a, tok_a, ca), (b, est_b, tok_b, cb) = steps["rounds"], steps["stream"]
+  np.testing.assert_array_equal(a.prompt_index, b.prompt_index)
+  np.testing.assert_array_equal(a.rewards, b.rewards)
+  np.testing.assert_array_equal(a.advantages, b.advantages)
+  np.testing.assert_array_equal(tok_a, tok_b)
+  assert ca.tokens == cb.tokens and ca.decode_steps == cb.decode_steps
+  if est_a is not None:
+    assert distributed.fingerprint(est_a) == distributed.fingerprint(est_b)
+
+
+def grader_score(grader):
+  return lambda texts, answers: grader.collect(grader.submit(texts, answers))

@@ -184,8 +184,9 @@ class StreamRollouts:
   wait for the grades of the rows of the segment before (submitted to the grader before
   this segment started, so graded while it decoded), submit this segment's rows, then the
   controller's boundary: its cancelled rows leave the queue or their slots, its new rows
-  join the queue. Row r's tokens are `fold_in(fold_in(key, r), index)` draws, r the
-  controller's row id, so the step depends on the seeds alone.
+  join the queue. Row r's tokens are `fold_in(fold_in(fold_in(key, 0), r), index)` draws,
+  r the controller's row id, so the step depends on the seeds alone, and GRPO and Est
+  draw exactly the responses they draw under `rounds`.
 
   Attributes:
     sampler: the rollout engine.
@@ -220,7 +221,9 @@ class StreamRollouts:
     lp = self.prompt_len or sampler.bucket_length(
       max(len(t) for t in self.prompts.tokens), self.sampler.prompt_buckets
     )
-    pool = self.sampler.pool(self.params, self.key, lp)
+    # `Rollouts`' first key: the first rows (all of GRPO's and Est's, a Seq method's first
+    # window) carry the row ids, so the tokens, that `rounds` draws for them.
+    pool = self.sampler.pool(self.params, jax.random.fold_in(self.key, 0), lp)
     c = self.counters
     pending: collections.deque[int] = collections.deque(ctl.start()[0].tolist())
     entry_of: dict[int, int] = {}

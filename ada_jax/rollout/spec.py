@@ -20,7 +20,9 @@ class SamplerSpec:
       this × queue_rows / chunk_rows prompts.
     prompt_buckets: padded prompt lengths (tokens), one compile each.
     segment_steps: decode steps per device call, after which the host may add, cancel
-      and collect rows; 0 = max_new_tokens.
+      and collect rows (under `ada.schedule='stream'`, decide); 0 = derived:
+      max_new_tokens under 'rounds', max_new_tokens // 32 (at least 1) under 'stream'
+      (`config.RunConfig`).
     queue_rows: Q, rows queued per device call; 0 = 4 × chunk_rows.
     attention_block: decode attention reads the cache in blocks of this many columns up
       to the longest live row; 0 = a sixteenth of prompt bucket + budget (at least 16).
