@@ -336,7 +336,6 @@ def rl_step(
         cfg.sampler.prompt_buckets,
         ctx.tokenizer.pad_id,
       )
-    args = (step_prompts.ids, ctx.np_rng, est, step_prompts.more_prompts, features)
     if cfg.ada.schedule == "stream":
       lp = None  # the step's bucket; DAPO's extra prompts may come from anywhere in the set
       if cfg.ada.method == "dapo":
@@ -344,12 +343,15 @@ def rl_step(
       draw = rollout.StreamRollouts(
         ctx.sampler, state.params, ctx.tokenizer, ctx.grader, step_prompts, key, lp
       )
-      result, est = stream.run_step(cfg.ada, args[0], draw, *args[1:])
+      run_step = stream.run_step
     else:  # the controller asks `draw` for rows round by round
       draw = rollout.Rollouts(
         ctx.sampler, state.params, ctx.tokenizer, ctx.grader.score, step_prompts, key
       )
-      result, est = adaptive.run_step(cfg.ada, args[0], draw, *args[1:])
+      run_step = adaptive.run_step
+    result, est = run_step(
+      cfg.ada, step_prompts.ids, draw, ctx.np_rng, est, step_prompts.more_prompts, features
+    )
     responses = draw.responses()
     # Batch and update.
     start = time.perf_counter()
