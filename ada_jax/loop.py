@@ -123,7 +123,10 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
   inputs.check_eval_data(cfg)
   eval_samplers = None
   if cfg.eval.benchmarks:  # built once: periodic evaluations reuse their compiles
-    eval_samplers = eval_sampling.EvalSamplers.make(model_cfg, tokenizer, cfg.eval)
+    try:  # on the run's mesh: replicated, its KV cache would not fit beside the train state
+      eval_samplers = eval_sampling.EvalSamplers.make(model_cfg, tokenizer, cfg.eval, mesh)
+    except ValueError as e:
+      raise ConfigError(f"config.eval: {e}") from None
   ppc = cfg.prompts_per_chunk
   if not cfg.sampler.prompts_per_chunk:  # derived: round up to the rows' mesh axes
     ppc = sampler.fit_prompts_per_chunk(ppc, cfg.sampler.chunk_rows, mesh)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -32,7 +33,7 @@ from ada_jax.models.architecture import PRESETS as PRESETS
 from ada_jax.models.architecture import ModelConfig
 from ada_jax.models.architecture import RopeScaling as RopeScaling
 from ada_jax.models.architecture import preset as preset
-from ada_jax.models.layers import Block, RMSNorm, make_param, rope_frequencies
+from ada_jax.models.layers import Block, RMSNorm, attend, make_param, rope_frequencies
 
 Params = dict[str, Any]
 
@@ -42,24 +43,19 @@ Params = dict[str, Any]
 
 @struct.dataclass
 class KVCache:
-  """Preallocated keys and values of every layer, written slot by slot.
+  """Preallocated keys and values of every layer, written column by column.
 
-  Rows are independent; all rows write the same slot at a step (left-padded prompts make
-  that line up), while each row carries its own RoPE positions. The layout puts the
-  kv-head axis before the slot axis: on XLA CPU that ran decode attention 3.5–9× faster
-  than [B, S, K, H] (docs/design.md "Sampler"). Keys keep the slot axis last, so that a decode
-  step's
-  query-key products reduce over the head dim with the slots contiguous (attention 1.5×
-  faster on XLA CPU than [B, K, S, H] keys). Only this class, `Attention` and `_attend`
-  know the layout.
+  Rows are independent; all rows write the same column at a step (left-padded prompts make
+  that line up), while each row carries its own RoPE positions. Keys and values share the
+  layout `[B, K, S, H]`, the one XLA:TPU keeps in place under a `dynamic_update_slice`
+  (a `[B, K, H, S]` key layout made it hold a transposed second copy of every layer's keys).
+  The rollout pool keeps its own slot cache (`rollout.pool.SlotCache`).
 
   Attributes:
-    k: per layer, keys after RoPE, `dtype[B, K, H, S]`.
+    k: per layer, keys after RoPE, `dtype[B, K, S, H]`.
     v: per layer, values, `dtype[B, K, S, H]`.
-    mask: `bool[B, S]`, True where a slot holds a real (non-padding) token.
-    index: `int32[]`, the next slot to write (slots `>= index` are empty); or `int32[B]`,
-      each row's own next slot (the rollout slot pool, where rows start at different
-      steps; decode then writes one token per row).
+    mask: `bool[B, S]`, True where a column holds a real (non-padding) token.
+    index: `int32[]`, the next column to write (columns `>= index` are empty).
   """
 
   k: tuple[jax.Array, ...]
@@ -69,19 +65,18 @@ class KVCache:
 
   @property
   def length(self) -> int:
-    """S, the number of slots."""
+    """S, the number of columns."""
     return self.mask.shape[1]
 
 
 def init_cache(config: ModelConfig, batch: int, cache_len: int, dtype=None) -> KVCache:
   """An empty cache of `cache_len` slots for `batch` rows (compute dtype by default)."""
   dtype = dtype or config.compute_dtype
-  k_shape = (batch, config.num_kv_heads, config.head_dim, cache_len)
-  v_shape = (batch, config.num_kv_heads, cache_len, config.head_dim)
-  zeros = lambda shape: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+  shape = (batch, config.num_kv_heads, cache_len, config.head_dim)
+  zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
   return KVCache(
-    k=zeros(k_shape),
-    v=zeros(v_shape),
+    k=zeros(),
+    v=zeros(),
     mask=jnp.zeros((batch, cache_len), bool),
     index=jnp.zeros((), jnp.int32),
   )
@@ -126,28 +121,27 @@ class Transformer(nnx.Module):
     tokens,
     positions,
     kv_valid=None,
-    cache: KVCache | None = None,
+    *,
     remat: bool = False,
     last_only: bool = False,
     head: bool = True,
-    bound: tuple[jax.Array, int] | None = None,
+    attention: Callable[[int], Callable] | None = None,
   ):
     """Returns (logits `float32[B, T, V]` (`[B, 1, V]` if last_only), per-layer (k, v)
     `[B, K, S, H]`). With `head=False` the first output is the final-normed hidden state
-    `[B, T, D]` (compute dtype) instead of the logits. `bound` (with a cache): (slots any
-    query may attend to `int32[]`, block size) for `_attend_bounded`."""
+    `[B, T, D]` (compute dtype) instead of the logits. `attention(layer)` gives that
+    layer's cache write and read (`layers.Attention`); None attends causally over the T
+    tokens where `kv_valid` holds."""
     c = self.config
     x = jnp.take(self.embed.value, tokens, axis=0).astype(c.compute_dtype)
     inv_freq = rope_frequencies(c)
     kvs = []
-    if remat and cache is None:
+    if remat and attention is None:
       x = self._scan_blocks(x, positions, inv_freq, kv_valid)
     else:
       for i in range(c.num_layers):
-        layer_cache = (
-          None if cache is None else (cache.k[i], cache.v[i], kv_valid, cache.index, bound)
-        )
-        x, kv = getattr(self, f"layer_{i}")(x, positions, inv_freq, kv_valid, layer_cache)
+        layer_attention = None if attention is None else attention(i)
+        x, kv = getattr(self, f"layer_{i}")(x, positions, inv_freq, kv_valid, layer_attention)
         kvs.append(kv)
     if last_only:  # prefill for sampling: skip the [B, T, V] logits of the prompt
       x = x[:, -1:]
@@ -172,7 +166,7 @@ class Transformer(nnx.Module):
 
     @jax.checkpoint
     def body(x, layer_state):
-      y, _ = nnx.merge(graphdef, layer_state)(x, positions, inv_freq, kv_valid, None)
+      y, _ = nnx.merge(graphdef, layer_state)(x, positions, inv_freq, kv_valid)
       return y, None
 
     return jax.lax.scan(body, x, stacked)[0]
@@ -339,10 +333,10 @@ def prefill(
   if cache_len < t:
     raise ValueError(f"cache_len ({cache_len}) is shorter than the prompt length ({t})")
   out, kvs = _module(config, params)(tokens, positions, attention_mask, last_only=True, head=head)
-  pad = lambda x, axis: jnp.pad(x, [(0, cache_len - t) if a == axis else (0, 0) for a in range(4)])
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, cache_len - t), (0, 0)))
   cache = KVCache(
-    k=tuple(pad(k, 3) for k, _ in kvs),
-    v=tuple(pad(v, 2) for _, v in kvs),
+    k=tuple(pad(k) for k, _ in kvs),
+    v=tuple(pad(v) for _, v in kvs),
     mask=jnp.pad(attention_mask, ((0, 0), (0, cache_len - t))),
     index=jnp.asarray(t, jnp.int32),
   )
@@ -356,36 +350,60 @@ def decode(
   positions: jax.Array,
   cache: KVCache,
   attention_mask: jax.Array | None = None,
-  *,
-  attend: tuple[jax.Array, int] | None = None,
 ) -> tuple[jax.Array, KVCache]:
-  """Incremental forward: writes `tokens` at slots `[index, index + T)` and attends over the
-  cache.
+  """Incremental forward: writes `tokens` at columns `[index, index + T)` and attends over
+  the cache (causally within the new tokens).
 
   Args:
     tokens, positions: `int32[B, T]` (T = 1 for a decode step).
     cache: the cache from `prefill`/`init_cache`/a previous `decode`.
     attention_mask: `bool[B, T]`, False for tokens that must never be attended to (e.g.
       rows that are already done); None means all real.
-    attend: (slots in use `int32[]`, block size `int`): attention reads only the first
-      blocks covering the slots in use (every row's written slots must lie below it),
-      not the whole cache; None reads all S slots.
 
   Returns:
     (`float32[B, T, V]` logits, updated `KVCache`).
   """
   if attention_mask is None:
     attention_mask = jnp.ones(tokens.shape, bool)
-  if jnp.ndim(cache.index):  # per-row slots (T = 1)
-    rows = jnp.arange(tokens.shape[0])
-    mask = cache.mask.at[rows, cache.index].set(attention_mask[:, 0])
-  else:
-    mask = jax.lax.dynamic_update_slice(cache.mask, attention_mask, (0, cache.index))
-  out, kvs = _module(config, params)(tokens, positions, mask, cache, bound=attend)
+  t = tokens.shape[1]
+  mask = jax.lax.dynamic_update_slice(cache.mask, attention_mask, (0, cache.index))
+  causal = jnp.arange(cache.length) <= cache.index + jnp.arange(t)[:, None]  # [T, S]
+
+  def attention(layer):
+    def write_and_read(q, k, v):
+      put = lambda old, new: jax.lax.dynamic_update_slice(
+        old, new.astype(old.dtype), (0, 0, cache.index, 0)
+      )
+      k, v = put(cache.k[layer], k), put(cache.v[layer], v)
+      return attend(q, [(k, v, mask[:, None, :] & causal)]), (k, v)
+
+    return write_and_read
+
+  out, kvs = _module(config, params)(tokens, positions, mask, attention=attention)
   new = KVCache(
     k=tuple(k for k, _ in kvs),
     v=tuple(v for _, v in kvs),
     mask=mask,
-    index=cache.index + tokens.shape[1],
+    index=cache.index + t,
   )
   return out, new
+
+
+def forward(
+  config: ModelConfig,
+  params: Params,
+  tokens: jax.Array,
+  positions: jax.Array,
+  attention: Callable[[int], Callable],
+) -> tuple[jax.Array, list]:
+  """A forward pass whose attention is a cache's own (`Transformer(attention=...)`): the
+  rollout pool's slot cache writes and reads through it.
+
+  Args:
+    tokens, positions: `int32[B, T]`.
+    attention: `attention(layer)(q, k, v) -> (out, (keys, values))`, as `layers.Attention`.
+
+  Returns:
+    (`float32[B, T, V]` logits, per layer the (keys, values) the attention returned).
+  """
+  return _module(config, params)(tokens, positions, None, attention=attention)

@@ -1,6 +1,6 @@
 """The decoder's building blocks in Flax NNX: RoPE (with the `llama3` frequency scaling),
-RMSNorm, grouped-query attention over an optional KV-cache slice, the SwiGLU MLP and the
-pre-norm block. `decoder` assembles them into the `Transformer` and its pure API.
+RMSNorm, grouped-query attention (a KV cache plugs in its own write and read), the SwiGLU
+MLP and the pre-norm block. `decoder` assembles them into the `Transformer` and its pure API.
 
 Shape letters as in `decoder`: B rows, T query length, S key length (cache slots), D model
 width, N query heads, K kv heads, G = N // K, H head dim, F MLP width. Numerics follow the
@@ -104,12 +104,13 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(h, c.rms_norm_eps, "head_dim", pd)
     self.config = config
 
-  def __call__(self, x, positions, inv_freq, kv_valid, layer_cache):
-    """x: `[B, T, D]`. Returns (out `[B, T, D]`, (keys `[B, K, H, S]`, values
-    `[B, K, S, H]`) attended).
+  def __call__(self, x, positions, inv_freq, kv_valid, attention=None):
+    """x: `[B, T, D]`. Returns (out `[B, T, D]`, (keys, values) `[B, K, S, H]` attended).
 
-    Without a cache, S = T and `kv_valid` is `bool[B, T]`; with a cache `(k, v, mask,
-    index)`, the new keys are written at slot `index` and S is the cache length.
+    Without `attention`, the T tokens attend causally to each other where `kv_valid`
+    (`bool[B, T]`) holds. `attention(q, k, v) -> (out, (keys, values))` replaces that
+    with a KV cache's own write and read: q `[B, T, N, H]` (after RoPE), the new k and v
+    `[B, K, T, H]` (k after RoPE), out `[B, T, N, H]`; the cache owns its layout.
     """
     c = self.config
     dt = c.compute_dtype
@@ -132,77 +133,50 @@ class Attention(nnx.Module):
     if c.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq).transpose(0, 2, 3, 1)  # [B, K, H, T]
+    k = apply_rope(k, positions, inv_freq).transpose(0, 2, 1, 3)  # [B, K, T, H]
     v = v.transpose(0, 2, 1, 3)  # [B, K, T, H]
-    if layer_cache is None:
-      key_slot_ok = kv_valid[:, None, :]  # [B, 1, S=T]
-      start, bound = 0, None
+    if attention is None:
+      causal = jnp.arange(t) <= jnp.arange(t)[:, None]  # [T, S=T]
+      out, kv = attend(q, [(k, v, kv_valid[:, None, :] & causal)]), (k, v)
     else:
-      ck, cv, cmask, start, bound = layer_cache
-      if jnp.ndim(start):  # per-row write slots (T = 1): one scatter per row
-        rows = jnp.arange(b)
-        k = ck.at[rows, :, :, start].set(k[..., 0].astype(ck.dtype))
-        v = cv.at[rows, :, start, :].set(v[:, :, 0].astype(cv.dtype))
-      else:
-        k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, 0, start))
-        v = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, start, 0))
-      key_slot_ok = cmask[:, None, :]
-    s = k.shape[3]
-    # Slots are written in order, so slot order is position order within a row.
-    first = jnp.reshape(start, (-1, 1, 1))  # [1 or B, 1, 1]
-    causal = jnp.arange(s) <= first + jnp.arange(t)[:, None]  # [1 or B, T, S]
-    if bound is not None:
-      out = _attend_bounded(q, k, v, key_slot_ok & causal, *bound)
-    else:
-      out = _attend(q, k, v, key_slot_ok & causal)
+      out, kv = attention(q, k, v)
     y = jnp.einsum("btnh,nhd->btd", out, self.o.value.astype(dt))
-    return y, (k, v)
+    return y, kv
 
 
-def _attend(q, k, v, mask):
-  """q `[B, T, N, H]`, k `[B, K, H, S]`, v `[B, K, S, H]`, mask `bool[B, T, S]` ->
-  `[B, T, N, H]`."""
-  b, t, n, h = q.shape
-  kh = k.shape[1]
-  if t == 1:
-    # Decode is bound by reading the cache. A multiply-reduce over H reads it once as a
-    # fused loop; on XLA CPU the equivalent dot re-laid k out every step (2x slower).
-    q = q.reshape(b, kh, n // kh, h, 1).astype(jnp.float32)
-    scores = jnp.sum(q * k[:, :, None].astype(jnp.float32), axis=-2)
-    scores = jnp.where(mask[:, None], scores / math.sqrt(h), _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgs,bksh->bkgh", probs, v).reshape(b, 1, n, h)
-  q = q.reshape(b, t, kh, n // kh, h)
-  # The dot takes [B, K, S, H] keys: XLA CPU has no bf16 x bf16 -> f32 kernel for the
-  # [B, K, H, S] form, and the transposes fold away.
-  k = jnp.swapaxes(k, 2, 3)
-  scores = jnp.einsum("btkgh,bksh->bkgts", q, k, preferred_element_type=jnp.float32)
-  scores = jnp.where(mask[:, None, None], scores / math.sqrt(h), _MASK_VALUE)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkgts,bksh->btkgh", probs, v)
-  return out.reshape(b, t, n, h)
+def attend(q: jax.Array, pieces) -> jax.Array:
+  """Attention of queries over keys held in several pieces, with one softmax over all.
 
-
-def _attend_bounded(q, k, v, mask, used, block):
-  """`_attend` reading only the first `ceil(used / block)` blocks of `block` slots.
-
-  Decode is bound by reading the cache; slots past every live row's last token only add
-  masked scores, so they are skipped. `lax.switch` over the static prefix lengths keeps
-  every shape static (one compile) while the bytes read follow the longest live row.
+  A cache can keep its keys in parts (a slot's prompt columns and its response ring, or a
+  window of the ring that wraps around its end); scores of each part are computed in the
+  part's own dtype with float32 accumulation (no float32 copy of any key or value), then
+  normalised together, so the result equals attention over the concatenated keys.
 
   Args:
-    q, k, v, mask: as `_attend` (S slots).
-    used: `int32[]`, slots that any query may attend to (the rest are masked for all).
-    block: static block size (slots).
+    q: `[B, T, N, H]` queries (after RoPE).
+    pieces: sequence of (k `[B, K, S_i, H]`, v `[B, K, S_i, H]`, mask `bool[B, T, S_i]`),
+      True where query t may attend to key s.
+
+  Returns:
+    `[B, T, N, H]` in v's dtype.
   """
-  s = k.shape[3]
-  lengths = sorted({min(s, block * i) for i in range(1, -(-s // block) + 1)})
-
-  def prefix(n):
-    return lambda: _attend(q, k[..., :n], v[:, :, :n], mask[..., :n])
-
-  index = jnp.searchsorted(jnp.asarray(lengths), jnp.clip(used, 1, s))
-  return jax.lax.switch(index, [prefix(n) for n in lengths])
+  b, t, n, h = q.shape
+  kh = pieces[0][0].shape[1]
+  q = q.reshape(b, t, kh, n // kh, h)
+  scores = []
+  for k, _, mask in pieces:
+    s = jnp.einsum("btkgh,bksh->bkgts", q.astype(k.dtype), k, preferred_element_type=jnp.float32)
+    scores.append(jnp.where(mask[:, None, None], s / math.sqrt(h), _MASK_VALUE))
+  probs = jax.nn.softmax(jnp.concatenate(scores, -1), axis=-1)
+  outs, start = [], 0
+  for k, v, _ in pieces:
+    # In v's dtype (XLA:CPU has no bf16 x bf16 -> f32 kernel for this dot); the pieces'
+    # partial sums are added in float32.
+    p = probs[..., start : start + k.shape[2]].astype(v.dtype)
+    outs.append(jnp.einsum("bkgts,bksh->btkgh", p, v))
+    start += k.shape[2]
+  out = outs[0] if len(outs) == 1 else sum(o.astype(jnp.float32) for o in outs)
+  return out.astype(pieces[0][1].dtype).reshape(b, t, n, h)
 
 
 class MLP(nnx.Module):
@@ -235,7 +209,7 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(config.embed_dim, config.rms_norm_eps, "embed", config.weight_dtype)
     self.mlp = MLP(config, rngs)
 
-  def __call__(self, x, positions, inv_freq, kv_valid, layer_cache):
-    y, kv = self.attn(self.attn_norm(x), positions, inv_freq, kv_valid, layer_cache)
+  def __call__(self, x, positions, inv_freq, kv_valid, attention=None):
+    y, kv = self.attn(self.attn_norm(x), positions, inv_freq, kv_valid, attention)
     x = x + y
     return x + self.mlp(self.mlp_norm(x)), kv

@@ -317,21 +317,20 @@ def kv_cache_shardings(
   config: ModelConfig, mesh: Mesh, batch: int, cache_len: int
 ) -> model_lib.KVCache:
   """Shardings of a `model.KVCache` of `batch` rows: rows over the data axes, kv heads
-  over 'tensor' (each replicated when not divisible), slots and head dim whole.
+  over 'tensor' (each replicated when not divisible), columns and head dim whole.
 
   Returns:
-    A `KVCache` whose leaves are `NamedSharding`s (per layer k `[B, K, H, S]`, v
-    `[B, K, S, H]`, mask `[B, S]`, index replicated).
+    A `KVCache` whose leaves are `NamedSharding`s (per layer k and v `[B, K, S, H]`,
+    mask `[B, S]`, index replicated).
   """
   k, h = config.num_kv_heads, config.head_dim
   rules = model_rules(config, mesh)
   spec = lambda axes, shape: NamedSharding(mesh, logical_to_spec(axes, shape, mesh, rules=rules))
-  keys = spec(("batch", "kv_heads", "head_dim", "length"), (batch, k, h, cache_len))
-  values = spec(("batch", "kv_heads", "length", "head_dim"), (batch, k, cache_len, h))
+  kv = spec(("batch", "kv_heads", "length", "head_dim"), (batch, k, cache_len, h))
   mask = spec(("batch", "length"), (batch, cache_len))
   return model_lib.KVCache(
-    k=(keys,) * config.num_layers,
-    v=(values,) * config.num_layers,
+    k=(kv,) * config.num_layers,
+    v=(kv,) * config.num_layers,
     mask=mask,
     index=replicated(mesh),
   )

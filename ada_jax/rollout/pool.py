@@ -5,7 +5,7 @@ cache, its output position, its row id) feeds them: when a row ends (stop token 
 token budget), the next pending row takes its slot at the next step, its prompt's keys and
 values copied from the prompt cache, which `prefill_prompts` fills once per distinct prompt
 (rows of one prompt share that prefill). Decode attention reads only the cache blocks up
-to the longest live row (`decoder.decode(attend=...)`), and a row's tokens depend only on
+to the longest live row (`_slot_attention`), and a row's tokens depend only on
 (rollout key, row id, token index), never on its slot, the pool size or the device count.
 
 Every shape is static (S, queue length Q, prompt-cache entries P, prompt bucket Lp,
@@ -15,10 +15,7 @@ values, so nothing recompiles after warm-up. `run_segment` returns after at most
 more rows (`Queue.more`), as soon as the queue is drained, so that the host can add,
 cancel and collect rows (`sampler.RolloutPool`) while the live rows keep their slots.
 
-Cache layout of a slot: columns [0, Lp) hold its prompt, left-padded to the bucket;
-response token j sits at column Lp + j with RoPE position prompt_len + j, so column order
-is position order and the causal limit is the row's own write column (`KVCache.index`
-per row).
+The slots' KV cache, its layout and its bounded read are `slots.py`'s.
 """
 
 from __future__ import annotations
@@ -31,7 +28,8 @@ from flax import struct
 
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding as sharding_lib
-from ada_jax.models.decoder import KVCache, ModelConfig, Params
+from ada_jax.models.decoder import ModelConfig, Params
+from ada_jax.rollout import slots as slots_lib
 from ada_jax.rollout.rule import SamplingRule
 
 
@@ -40,7 +38,7 @@ class PromptCache:
   """Prefilled prompts, one entry per distinct prompt (P entries).
 
   Attributes:
-    k: per layer, keys `dtype[P, K, H, Lp]` (the `KVCache` layout).
+    k: per layer, keys after RoPE `dtype[P, K, Lp, H]` (the `KVCache` layout).
     v: per layer, values `dtype[P, K, Lp, H]`.
     mask: `bool[P, Lp]`, True at real (non-padding) prompt tokens; prompts left-padded.
     hidden: `float32[P, D]`, the final-normed hidden state at each prompt's last token
@@ -81,7 +79,7 @@ class PoolState:
   """The pool between segments (S slots, O output positions, budget Lr).
 
   Attributes:
-    cache: the slots' `KVCache` (`[S, ..., Lp + Lr]`, per-slot `index` = next column).
+    cache: the slots' `SlotCache` (Lp prompt and Lr ring columns per slot).
     logits: `float32[S, V]` next-token logits of each slot.
     live: `bool[S]` the slot holds an unfinished row.
     position: `int32[S]` output position of the slot's row.
@@ -94,11 +92,11 @@ class PoolState:
     finished: `bool[O]` the row ended (stop token or budget).
     steps: `int32[]` decode steps run (all segments).
     tokens_generated: `float32[]` tokens drawn by live rows (all segments).
-    kv_read: `float32[]` cache slots read by decode attention, summed over slots and steps.
-    kv_useful: `float32[]` of those, slots holding real tokens of a live row.
+    kv_read: `float32[]` cache columns read by decode attention, summed over slots and steps.
+    kv_useful: `float32[]` of those, columns holding real tokens of a live row.
   """
 
-  cache: KVCache
+  cache: slots_lib.SlotCache
   logits: jax.Array
   live: jax.Array
   position: jax.Array
@@ -119,18 +117,6 @@ def _constrain(x, sharding):
   return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
-def _constrain_cache(config: ModelConfig, cache: KVCache, mesh) -> KVCache:
-  """Slots over ('data', 'fsdp'), kv heads over 'tensor' (`sharding.kv_cache_shardings`)."""
-  if mesh is None:
-    return cache
-  sh = sharding_lib.kv_cache_shardings(config, mesh, cache.mask.shape[0], cache.length)
-  return cache.replace(
-    k=tuple(map(_constrain, cache.k, sh.k)),
-    v=tuple(map(_constrain, cache.v, sh.v)),
-    mask=_constrain(cache.mask, sh.mask),
-  )
-
-
 def output_table(config: ModelConfig, params: Params) -> jax.Array:
   """The `[V, D]` output projection: the input embedding when tied, else `lm_head`."""
   return params["embed"] if config.tie_embeddings else params["lm_head"]
@@ -142,7 +128,7 @@ def _constrain_prompts(config: ModelConfig, prompts: PromptCache, mesh) -> Promp
   20 GiB on every device."""
   if mesh is None:
     return prompts
-  sh = sharding_lib.kv_cache_shardings(config, mesh, prompts.mask.shape[0], prompts.k[0].shape[3])
+  sh = sharding_lib.kv_cache_shardings(config, mesh, prompts.mask.shape[0], prompts.k[0].shape[2])
   return prompts.replace(
     k=tuple(map(_constrain, prompts.k, sh.k)),
     v=tuple(map(_constrain, prompts.v, sh.v)),
@@ -214,10 +200,20 @@ def init_pool(
   max_new_tokens: int,
   mesh: jax.sharding.Mesh | None = None,
 ) -> PoolState:
-  """An empty pool: S = `slots` free slots, `outputs` output positions, caches of
-  `prompt_len + max_new_tokens` columns."""
-  cache = model_lib.init_cache(config, slots, prompt_len + max_new_tokens)
-  cache = _constrain_cache(config, cache.replace(index=jnp.zeros((slots,), jnp.int32)), mesh)
+  """An empty pool: S = `slots` free slots, `outputs` output positions, a `SlotCache` of
+  `prompt_len` prompt and `max_new_tokens` ring columns per slot."""
+  prompt = model_lib.init_cache(config, slots, prompt_len)
+  ring = model_lib.init_cache(config, slots, max_new_tokens)
+  cache = slots_lib.SlotCache(
+    prompt_k=prompt.k,
+    prompt_v=prompt.v,
+    prompt_mask=prompt.mask,
+    k=ring.k,
+    v=ring.v,
+    mask=ring.mask,
+    column=jnp.zeros((), jnp.int32),
+  )
+  cache = slots_lib.constrain(config, cache, mesh)
   zeros = lambda shape, dtype=jnp.int32: jnp.zeros(shape, dtype)
   return PoolState(
     cache=cache,
@@ -240,11 +236,10 @@ def init_pool(
 
 def _refill(config, params, s: PoolState, prompts: PromptCache, queue: Queue, take, qi):
   """Slots `take` (bool[S]) start queue rows `qi` (int32[S]): prompt KV copied in, the
-  rest of the row's cache masked, counters and output rows reset."""
-  lp = prompts.mask.shape[1]
+  ring masked, counters and output rows reset."""
   entry = queue.prompt[qi]
   put = lambda old, new: jnp.where(take.reshape(-1, *[1] * (new.ndim - 1)), new, old)
-  # One row's prompt columns per refilled slot: the bytes copied follow the refills, not S.
+  # One prompt's columns per refilled slot: the bytes copied follow the refills, not S.
   slots = jnp.nonzero(take, size=take.shape[0], fill_value=0)[0]
 
   def copy(i, kv):
@@ -258,11 +253,14 @@ def _refill(config, params, s: PoolState, prompts: PromptCache, queue: Queue, ta
       for caches, prompt_kv in zip(kv, (prompts.k, prompts.v), strict=True)
     )
 
-  k, v = jax.lax.fori_loop(0, take.sum(), copy, (s.cache.k, s.cache.v))
+  c = s.cache
+  k, v = jax.lax.fori_loop(0, take.sum(), copy, (c.prompt_k, c.prompt_v))
   prompt_mask = prompts.mask[entry]
-  row_mask = jnp.zeros_like(s.cache.mask).at[:, :lp].set(prompt_mask)
-  cache = s.cache.replace(
-    k=k, v=v, mask=put(s.cache.mask, row_mask), index=jnp.where(take, lp, s.cache.index)
+  cache = c.replace(
+    prompt_k=k,
+    prompt_v=v,
+    prompt_mask=put(c.prompt_mask, prompt_mask),
+    mask=c.mask & ~take[:, None],
   )
   logits = model_lib.unembed(
     config, output_table(config, params), prompts.hidden[entry].astype(config.compute_dtype)
@@ -289,6 +287,49 @@ def row_uniforms(key: jax.Array, row_id: jax.Array, index: jax.Array) -> jax.Arr
   token index)`, so a row's draws never depend on which slot or step produced them."""
   draw = lambda r, j: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, r), j))
   return jax.vmap(draw)(row_id, index)
+
+
+def decode_step(
+  config: ModelConfig,
+  params: Params,
+  s: PoolState,
+  token: jax.Array,
+  still: jax.Array,
+  *,
+  attention_block: int,
+  mesh: jax.sharding.Mesh | None = None,
+) -> PoolState:
+  """One decode step of the pool (pure): the slots' new tokens go through the model, their
+  keys and values into the slot cache's ring column, their next-token logits into `logits`.
+
+  Args:
+    s: the pool after this step's draw (`length` counts the new token).
+    token: `int32[S]` the token each slot drew.
+    still: `bool[S]` slots whose row goes on (its token is decoded; others are masked).
+    attention_block: ring window granularity (`slots.ring_windows`).
+    mesh: when given, the cache keeps `slots.slot_cache_shardings`.
+  """
+  n_slots = still.shape[0]
+  c = s.cache
+  mask = jax.lax.dynamic_update_slice(c.mask, still[:, None], (0, c.column))
+  window = jnp.max(jnp.where(still, s.length, 1))  # ring columns of the longest live row
+  attention, read = slots_lib.slot_attention(c, mask, window, attention_block)
+  logits, kvs = model_lib.forward(
+    config, params, token[:, None], (s.prompt_len + s.length - 1)[:, None], attention
+  )
+  cache = c.replace(
+    k=tuple(k for k, _ in kvs),
+    v=tuple(v for _, v in kvs),
+    mask=mask,
+    column=(c.column + 1) % c.mask.shape[1],
+  )
+  real = s.prompt_len + s.length  # the row's real tokens, the new one included
+  return s.replace(
+    cache=slots_lib.constrain(config, cache, mesh),
+    logits=logits[:, 0],
+    kv_read=s.kv_read + (n_slots * read).astype(jnp.float32),
+    kv_useful=s.kv_useful + jnp.where(still, real, 0).sum().astype(jnp.float32),
+  )
 
 
 def run_segment(
@@ -322,7 +363,8 @@ def run_segment(
     rule: the sampling rule.
     stop_ids: tokens that end a row (kept in the response).
     segment_steps: at most this many steps.
-    attention_block: decode attention reads whole blocks of this many cache columns.
+    attention_block: decode attention reads the response ring in windows of whole blocks
+      of this many columns (`ring_windows`).
     refill: False starts queued rows only when every slot is free (the static-chunk
       schedule, kept to measure against; the tokens are the same either way).
     mesh: when given, the slot cache is sharded by `sharding.kv_cache_shardings` and the
@@ -331,8 +373,7 @@ def run_segment(
   Returns:
     (the pool after the segment, `int32[]` queue rows started, i.e. consumed).
   """
-  n_slots, budget = state.live.shape[0], state.tokens.shape[1]
-  n_out, cache_len = state.tokens.shape[0], state.cache.length
+  budget, n_out = state.tokens.shape[1], state.tokens.shape[0]
   stop = jnp.asarray(stop_ids, jnp.int32)
 
   def cond(carry):
@@ -369,30 +410,10 @@ def run_segment(
       steps=s.steps + 1,
       tokens_generated=s.tokens_generated + live.sum(),
     )
-    # Attention covers the columns up to the longest live row's new token, in blocks.
-    used = jnp.max(jnp.where(still, s.cache.index + 1, 1))
-    read = jnp.minimum(-(-used // attention_block) * attention_block, cache_len)
 
-    def decode(s: PoolState) -> PoolState:
-      logits, cache = model_lib.decode(
-        config,
-        params,
-        token[:, None],
-        (s.prompt_len + s.length - 1)[:, None],
-        s.cache,
-        attention_mask=still[:, None],
-        attend=(used, attention_block),
-      )
-      # Rows that ended keep their write column: their cache is dead until a refill.
-      cache = cache.replace(index=jnp.where(still, cache.index, s.cache.index))
-      real = s.prompt_len + s.length  # the row's real tokens, the new one included
-      return s.replace(
-        cache=_constrain_cache(config, cache, mesh),
-        logits=logits[:, 0],
-        kv_read=s.kv_read + (n_slots * read).astype(jnp.float32),
-        kv_useful=s.kv_useful + jnp.where(still, real, 0).sum().astype(jnp.float32),
-      )
-
+    decode = lambda s: decode_step(
+      config, params, s, token, still, attention_block=attention_block, mesh=mesh
+    )
     s = jax.lax.cond(jnp.any(still), decode, lambda s: s, s)
     return i + 1, head, s
 

@@ -14,6 +14,7 @@ import collections
 import dataclasses
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -59,6 +60,25 @@ class SampleStats:
   def kv_read_useful_fraction(self) -> float:
     """Cache columns read that hold a live row's real tokens ÷ columns read."""
     return self.kv_useful / max(self.kv_read, 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolPrograms:
+  """The jitted pool functions of one prompt bucket (`Sampler.programs`).
+
+  Attributes:
+    init: `() -> pool.PoolState`, an empty pool (`pool.init_pool`).
+    empty_prompts: `() -> pool.PromptCache`, an empty prompt cache.
+    prefill: `(params, prompts, tokens, mask, entries) -> (prompts, hidden)`
+      (`pool.prefill_prompts`; the prompt cache is donated).
+    run: `(params, state, prompts, queue, key) -> (state, started)` (`pool.run_segment`;
+      the state is donated).
+  """
+
+  init: Any
+  empty_prompts: Any
+  prefill: Any
+  run: Any
 
 
 def check_context_length(
@@ -129,8 +149,8 @@ class Sampler:
     segment_steps: decode steps per device call before the host may add or cancel rows;
       0 = the budget Lr.
     queue_rows: Q, rows queued per device call; 0 = 4 S.
-    attention_block: decode attention reads cache columns in blocks of this size, up to
-      the longest live row; 0 = a sixteenth of the cache (at least 16).
+    attention_block: decode attention reads the response columns in blocks of this size,
+      up to the longest live row; 0 = a sixteenth of the budget (at least 16).
     refill: False starts rows only when every slot is free (static chunks; for measuring).
 
   Raises:
@@ -197,7 +217,7 @@ class Sampler:
       refill,
     )
     self.compiles = 0
-    self._fns: dict[int, tuple] = {}
+    self._fns: dict[int, PoolPrograms] = {}
 
   @classmethod
   def from_spec(
@@ -228,10 +248,12 @@ class Sampler:
       attention_block=spec.attention_block,
     )
 
-  def _block(self, prompt_len: int) -> int:
-    return self.attention_block or max(16, -(-(prompt_len + self.max_new_tokens) // 16))
+  def _block(self) -> int:
+    return self.attention_block or max(16, -(-self.max_new_tokens // 16))
 
-  def _compiled(self, prompt_len: int):
+  def programs(self, prompt_len: int) -> PoolPrograms:
+    """The jitted pool functions for prompts padded to `prompt_len` (built once per
+    bucket; each compiles on its first call, or when lowered ahead of time: `aot.py`)."""
     if prompt_len in self._fns:
       return self._fns[prompt_len]
     cfg, mesh = self.config, self.mesh
@@ -279,7 +301,7 @@ class Sampler:
           rule=self.rule,
           stop_ids=self.stop_ids,
           segment_steps=self.segment_steps,
-          attention_block=self._block(prompt_len),
+          attention_block=self._block(),
           refill=self.refill,
           mesh=mesh,
         ),
@@ -287,21 +309,20 @@ class Sampler:
       ),
       donate_argnums=(1,),
     )
-    self._fns[prompt_len] = (init, empty, prefill, run)
+    self._fns[prompt_len] = PoolPrograms(init, empty, prefill, run)
     return self._fns[prompt_len]
 
   def _init(self, prompt_len):
-    return self._compiled(prompt_len)[0]()
+    return self.programs(prompt_len).init()
 
   def _empty_prompts(self, prompt_len):
-    return self._compiled(prompt_len)[1]()
+    return self.programs(prompt_len).empty_prompts()
 
   def _prefill(self, params, prompts, tokens, mask, entries):
-    lp = tokens.shape[1]
-    return self._compiled(lp)[2](params, prompts, tokens, mask, entries)
+    return self.programs(tokens.shape[1]).prefill(params, prompts, tokens, mask, entries)
 
   def _run(self, params, state, prompts, queue, key):
-    return self._compiled(prompts.mask.shape[1])[3](params, state, prompts, queue, key)
+    return self.programs(prompts.mask.shape[1]).run(params, state, prompts, queue, key)
 
   def pool(self, params: Params, key: jax.Array, prompt_len: int) -> RolloutPool:
     """An empty `RolloutPool` for prompts padded to `prompt_len` (a prompt bucket)."""

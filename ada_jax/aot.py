@@ -1,0 +1,363 @@
+"""Ahead-of-time compiles of a run's device programs for a TPU slice, on a machine with none.
+
+libtpu (the TPU compiler, on PyPI) compiles for a named topology without the chips
+(`jax.experimental.topologies`, as MaxText's `train_compile.py`): every input here is a
+`jax.ShapeDtypeStruct` carrying its `NamedSharding` on a mesh over the slice's devices, so
+no weight is allocated, and XLA:TPU's buffer assignment says what each program holds per
+device, or refuses it ("Ran out of memory on HBM"). `plan.py` turns these figures into a
+verdict; `experiments/memory_plan.py` writes them for the shipped configs.
+
+A run holds at once, per device: the train state (parameters, optimizer state and, with
+a KL term, reference parameters) always, and one of these programs' working set:
+
+* `train`: the train step on one mini-batch (its arguments are the train state);
+* `sample`: one segment of the rollout pool (`pool.run_segment`): parameters, the slot
+  cache, the prompt cache and the decode loop's temporaries;
+* `prefill`: the prompt prefill into the prompt cache, while the pool's slot cache is
+  allocated;
+* `eval`: one segment of the held-out evaluation's pool (the run's mesh, its budget);
+* `decode_step`: one decode step of the rollout pool reading its whole cache, compiled
+  alone for its HBM traffic (`roofline`), not a phase of the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import math
+import os
+import re
+import tempfile
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ada_jax import config as config_lib
+from ada_jax.eval import sampling as eval_sampling
+from ada_jax.models import decoder as model_lib
+from ada_jax.models import sharding as sharding_lib
+from ada_jax.rl import train
+from ada_jax.rollout import pool as pool_lib
+from ada_jax.rollout import sampler as sampler_lib
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """A TPU slice as users name it.
+
+  Attributes:
+    name: the slice, e.g. 'v5e-8'.
+    topology: `topologies.get_topology_desc`'s name for it, e.g. 'v5e:2x4'.
+    chip_config: its `chip_config_name` ('megacore' for v4: one device per chip), or ''.
+    devices: JAX devices of the slice.
+    hbm_gib: HBM per device that XLA:TPU lets a program use (GiB), as its out-of-memory
+      message states it (libtpu 0.0.42).
+    hbm_gbs: peak HBM bandwidth per chip, GB/s (the vendor's figure).
+    peak_tflops: peak bf16 TFLOP/s per chip (the vendor's figure).
+  """
+
+  name: str
+  topology: str
+  chip_config: str
+  devices: int
+  hbm_gib: float
+  hbm_gbs: float
+  peak_tflops: float
+
+
+TARGETS = {
+  t.name: t
+  for t in (
+    Target("v5e-8", "v5e:2x4", "", 8, 15.75, 819.0, 197.0),
+    Target("v4-8", "v4:2x2x1", "megacore", 4, 30.75, 1200.0, 275.0),
+    Target("v4-32", "v4:2x2x4", "megacore", 16, 30.75, 1200.0, 275.0),
+    Target("v5p-8", "v5p:2x2x1", "", 4, 95.74, 2765.0, 459.0),
+    Target("v6e-8", "v6e:2x4", "", 8, 31.25, 1640.0, 918.0),
+  )
+}
+
+
+def target(name: str) -> Target:
+  """The `TARGETS` entry `name`. Raises ValueError naming the known slices."""
+  if name not in TARGETS:
+    raise ValueError(f"unknown TPU slice {name!r}; known: {', '.join(TARGETS)}")
+  return TARGETS[name]
+
+
+def tpu_devices(t: Target) -> list:
+  """The slice's devices for ahead-of-time compiles (needs libtpu; no TPU).
+
+  Raises:
+    RuntimeError: libtpu is not installed (`pip install -r requirements-dev.txt`).
+  """
+  from jax.experimental import topologies
+
+  try:
+    kwargs = {"chip_config_name": t.chip_config} if t.chip_config else {}
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=t.topology, **kwargs)
+  except Exception as e:  # jax raises several kinds when the plugin is missing
+    raise RuntimeError(
+      f"no TPU compiler for {t.name}: {type(e).__name__}: {e}; install libtpu "
+      "(requirements-dev.txt pins it)"
+    ) from None
+  if len(topo.devices) != t.devices:
+    raise RuntimeError(f"{t.name}: expected {t.devices} devices, libtpu gives {len(topo.devices)}")
+  return list(topo.devices)
+
+
+def per_device_bytes(tree) -> int:
+  """Bytes one device holds of a pytree of sharded `ShapeDtypeStruct`s or arrays (the
+  largest shard of each leaf)."""
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    shard = leaf.sharding.shard_shape(leaf.shape)
+    total += math.prod(shard) * jnp.dtype(leaf.dtype).itemsize
+  return total
+
+
+@dataclasses.dataclass
+class Program:
+  """One compiled program's per-device figures (bytes), from XLA's memory analysis.
+
+  `peak = argument + output + temp - alias` (donated arguments alias their outputs).
+  `largest` lists the largest temporary buffers of the TPU dump (bytes, shape, JAX op);
+  `cost` is XLA's cost analysis (per device: 'flops', 'bytes accessed').
+  """
+
+  argument: int
+  output: int
+  alias: int
+  temp: int
+  largest: list[dict]
+  cost: dict[str, float]
+
+  @property
+  def peak(self) -> int:
+    return self.argument + self.output + self.temp - self.alias
+
+  def as_dict(self) -> dict:
+    gib = lambda b: round(b / GIB, 4)
+    return {
+      "argument_gib": gib(self.argument),
+      "output_gib": gib(self.output),
+      "alias_gib": gib(self.alias),
+      "temp_gib": gib(self.temp),
+      "peak_gib": gib(self.peak),
+      "largest_temps": self.largest,
+      "flops": self.cost.get("flops"),
+      "bytes_accessed": self.cost.get("bytes accessed"),
+    }
+
+
+class OutOfMemory(Exception):
+  """XLA:TPU refused a program: its message (with the bytes it needed) is the argument."""
+
+
+_ALLOC = re.compile(r"^allocation \d+: size (\d+), (.*)$")
+_VALUE = re.compile(r"value: <\d+ (\S+) @\d+> \(size=(\d+),offset=\d+\): (\w+\[[\d,]*\])")
+_OP_NAME = re.compile(r'^\s*(?:ROOT )?%(\S+) = .*?op_name="([^"]*)"')
+
+
+def largest_temps(dump_dir: str, top: int = 8) -> list[dict]:
+  """The largest temporary allocations of the one program dumped in `dump_dir`, from its
+  buffer assignment: bytes, the largest value's shape and the JAX op that made it."""
+  assignment = glob.glob(os.path.join(dump_dir, "*after_optimizations-buffer-assignment.txt"))
+  hlo = glob.glob(os.path.join(dump_dir, "*after_optimizations.txt"))
+  if not assignment:
+    return []
+  op_of = {}
+  for path in hlo[:1]:
+    with open(path) as f:
+      for line in f:
+        m = _OP_NAME.match(line)
+        if m:
+          op_of[m.group(1)] = m.group(2)
+  temps, current = [], None
+  with open(assignment[0]) as f:
+    for line in f:
+      m = _ALLOC.match(line)
+      if m:
+        size, tags = int(m.group(1)), m.group(2)
+        is_temp = not any(t in tags for t in ("parameter", "output", "live-out", "constant"))
+        current = {"bytes": size, "values": []} if is_temp else None
+        if current:
+          temps.append(current)
+      elif current is not None:
+        v = _VALUE.search(line)
+        if v:
+          current["values"].append((int(v.group(2)), v.group(3), v.group(1)))
+  out = []
+  for t in sorted(temps, key=lambda t: -t["bytes"])[:top]:
+    size, shape, name = max(t["values"], default=(0, "?", "?"))
+    op = op_of.get(name, name)
+    out.append({"bytes": t["bytes"], "shape": shape, "op": re.sub(r"^jit\([^)]*\)/", "", op)})
+  return out
+
+
+def compile_program(fn, *args, what: str) -> Program:
+  """`fn` (jitted) lowered on abstract `args` and compiled; its memory and cost analysis.
+
+  Raises:
+    OutOfMemory: XLA refused the program for lack of HBM (message names `what`).
+  """
+  with tempfile.TemporaryDirectory(prefix="aot_") as dump:
+    try:
+      compiled = fn.lower(*args).compile(compiler_options={"xla_dump_to": dump})
+    except Exception as e:  # XlaRuntimeError; its text carries the sizes
+      if "memory" in str(e).lower() and ("hbm" in str(e).lower() or "exceeds" in str(e)):
+        raise OutOfMemory(f"{what}: {str(e).splitlines()[0][:600]}") from None
+      raise
+    largest = largest_temps(dump)
+  m = compiled.memory_analysis()
+  cost = compiled.cost_analysis() or {}
+  if isinstance(cost, list):  # older jax: one dict per program
+    cost = cost[0] if cost else {}
+  return Program(
+    argument=m.argument_size_in_bytes,
+    output=m.output_size_in_bytes,
+    alias=m.alias_size_in_bytes,
+    temp=m.temp_size_in_bytes,
+    largest=largest,
+    cost={k: float(v) for k, v in cost.items() if k in ("flops", "bytes accessed")},
+  )
+
+
+def _placed(tree, shardings):
+  return jax.tree.map(
+    lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree, shardings
+  )
+
+
+def abstract_outputs(fn, *args):
+  """Shapes and shardings of a jitted `fn`'s outputs on abstract `args` (a cheap compile:
+  XLA's choice of output shardings)."""
+  compiled = fn.lower(*args).compile()
+  return _placed(jax.eval_shape(fn, *args), compiled.output_shardings)
+
+
+def abstract_params(model_cfg: model_lib.ModelConfig, mesh) -> model_lib.Params:
+  """The parameters as sharded `ShapeDtypeStruct`s (`sharding.param_shardings`)."""
+  return _placed(model_lib.param_shapes(model_cfg), sharding_lib.param_shardings(model_cfg, mesh))
+
+
+def mini_batch_rows(cfg: config_lib.RunConfig) -> int:
+  """Rows of one policy update (one compiled train-step call)."""
+  return cfg.train_rows // cfg.train.num_minibatches
+
+
+def train_program(cfg: config_lib.RunConfig, model_cfg, mesh) -> tuple[Program, dict]:
+  """The train step on one mini-batch; (program, its resident state bytes and layout)."""
+  with_ref = cfg.loss.kl_coeff > 0
+  train.check_batch_layout(cfg.train_rows, cfg.train, mesh)
+  state = train.abstract_state(model_cfg, cfg.train, mesh, with_ref=with_ref)
+  rows = mini_batch_rows(cfg)
+  length = max(cfg.sampler.prompt_buckets) + cfg.sampler.max_new_tokens
+  rows_sharding = sharding_lib.batch_sharding(mesh)
+  sds = lambda dtype: jax.ShapeDtypeStruct((rows, length), dtype, sharding=rows_sharding)
+  batch = train.TrainBatch(
+    tokens=sds(jnp.int32),
+    positions=sds(jnp.int32),
+    attention_mask=sds(bool),
+    loss_mask=sds(bool),
+    advantages=jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=rows_sharding),
+    old_logprobs=sds(jnp.float32),
+  )
+  step = train.make_train_step(model_cfg, cfg.train, mesh, with_ref=with_ref)
+  program = compile_program(step, state, batch, what="train step")
+  resident = {
+    "params": per_device_bytes(state.params),
+    "opt_state": per_device_bytes(state.opt_state),
+    "ref_params": per_device_bytes(state.ref_params) if with_ref else 0,
+    "mini_batch_rows": rows,
+    "seq_len": length,
+  }
+  return program, resident
+
+
+def rollout_sampler(cfg: config_lib.RunConfig, model_cfg, mesh) -> sampler_lib.Sampler:
+  """The run's rollout sampler, built as `loop.train_run` builds it."""
+  ppc = cfg.prompts_per_chunk
+  if not cfg.sampler.prompts_per_chunk:
+    ppc = sampler_lib.fit_prompts_per_chunk(ppc, cfg.sampler.chunk_rows, mesh)
+  return sampler_lib.Sampler.from_spec(
+    model_cfg, cfg.sampler, stop_ids=(0,), prompts_per_chunk=ppc, mesh=mesh
+  )
+
+
+def eval_sampler(cfg: config_lib.RunConfig, model_cfg, mesh) -> sampler_lib.Sampler:
+  """The held-out evaluation's sampled (Avg@k) sampler on the run's mesh, as
+  `loop.train_run` builds it (stop and pad ids do not change its memory)."""
+  ids = types.SimpleNamespace(eos_ids=(0,), pad_id=0)
+  return eval_sampling.make_sampler(model_cfg, ids, cfg.eval, mesh=mesh)
+
+
+def pool_programs(smp: sampler_lib.Sampler, params, *, what: str) -> dict[str, Program | int]:
+  """One segment and one prefill launch of `smp`'s pool at its largest prompt bucket, and
+  the per-device bytes of its slot and prompt caches."""
+  lp = max(smp.prompt_buckets)
+  fns = smp.programs(lp)
+  state = abstract_outputs(fns.init)
+  prompts = abstract_outputs(fns.empty_prompts)
+  q, s, n = smp.queue_rows, smp.slots, smp.prompts_per_chunk
+  i32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  queue = pool_lib.Queue(
+    prompt=i32((q,)),
+    position=i32((q,)),
+    row_id=i32((q,)),
+    count=i32(()),
+    more=jax.ShapeDtypeStruct((), bool),
+    cancel=jax.ShapeDtypeStruct((s,), bool),
+  )
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  segment = compile_program(fns.run, params, state, prompts, queue, key, what=f"{what} segment")
+  prefill = compile_program(
+    fns.prefill,
+    params,
+    prompts,
+    i32((n, lp)),
+    jax.ShapeDtypeStruct((n, lp), bool),
+    i32((n,)),
+    what=f"{what} prefill",
+  )
+  return {
+    "segment": segment,
+    "prefill": prefill,
+    "slot_cache": per_device_bytes((state.cache.prompt_k, state.cache.prompt_v))
+    + per_device_bytes((state.cache.k, state.cache.v)),
+    "pool_state": per_device_bytes(state),
+    "prompt_cache": per_device_bytes(prompts),
+  }
+
+
+def decode_step_program(smp: sampler_lib.Sampler, params) -> Program:
+  """One decode step of `smp`'s pool that reads every cache column (the roofline's
+  worst case: every slot at the budget), compiled alone."""
+  lp = max(smp.prompt_buckets)
+  state = abstract_outputs(smp.programs(lp).init)
+  s = smp.slots
+  step = jax.jit(
+    lambda params, state, token, still: pool_lib.decode_step(
+      smp.config, params, state, token, still, attention_block=smp.max_new_tokens, mesh=smp.mesh
+    ),
+    donate_argnums=(1,),
+  )
+  token = jax.ShapeDtypeStruct((s,), jnp.int32)
+  still = jax.ShapeDtypeStruct((s,), bool)
+  return compile_program(step, params, state, token, still, what="decode step")
+
+
+def shard_counts(mesh) -> dict[str, int]:
+  return {k: int(v) for k, v in mesh.shape.items()}
+
+
+def mesh_for(cfg: config_lib.RunConfig, devices) -> jax.sharding.Mesh:
+  """The config's mesh over `devices`. Raises ValueError as `sharding.make_mesh`."""
+  return sharding_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
+
+
+def data_parallel(mesh) -> int:
+  return int(np.prod([mesh.shape[a] for a in ("data", "fsdp")]))

@@ -1,0 +1,132 @@
+"""The rollout pool's KV cache (`SlotCache`): its layout, its one write per decode step and
+its bounded read.
+
+Each slot holds its row's prompt columns, left-padded to the bucket Lp and copied from the
+prompt cache when the row starts, and a ring of Lr response columns that every slot writes
+at one shared column per decode step: a `dynamic_update_slice`, which XLA:TPU performs in
+place (per-row write positions, a scatter, made it hold a second copy of the cache, and a
+`[B, K, H, S]` key layout a transposed one). Keys carry their RoPE positions, so where a
+key sits does not change attention; a per-slot mask says which ring columns are the row's.
+Decode attention reads the prompt columns and the window of the ring that the longest
+live row has written (`layers.attend` over the pieces, one softmax).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from ada_jax.models import layers as layers_lib
+from ada_jax.models import sharding as sharding_lib
+from ada_jax.models.decoder import ModelConfig
+
+
+@struct.dataclass
+class SlotCache:
+  """The pool's KV cache: each slot's prompt columns and its ring of response columns.
+
+  Response token j of a row that started when the ring stood at column c0 sits at ring
+  column (c0 + j) mod Lr; a row writes at most Lr - 1 of them (its last token is never
+  decoded), so it never overwrites its own columns. All slots write the same column at a
+  step (`column`), live or not: a dead slot's column is masked out.
+
+  Attributes:
+    prompt_k, prompt_v: per layer `dtype[S, K, Lp, H]`, the slot's prompt (keys after RoPE).
+    prompt_mask: `bool[S, Lp]`, True at the slot's real prompt tokens.
+    k, v: per layer `dtype[S, K, Lr, H]`, the response ring (keys after RoPE).
+    mask: `bool[S, Lr]`, True at ring columns that hold the slot's row's response tokens.
+    column: `int32[]`, the ring column the next decode step writes.
+  """
+
+  prompt_k: tuple[jax.Array, ...]
+  prompt_v: tuple[jax.Array, ...]
+  prompt_mask: jax.Array
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
+  mask: jax.Array
+  column: jax.Array
+
+
+def slot_cache_shardings(
+  config: ModelConfig, mesh: jax.sharding.Mesh, slots: int, prompt_len: int, max_new_tokens: int
+) -> SlotCache:
+  """Shardings of a `SlotCache`: slots over ('data', 'fsdp'), kv heads over 'tensor'
+  (`sharding.kv_cache_shardings`), the ring column replicated."""
+  prompt = sharding_lib.kv_cache_shardings(config, mesh, slots, prompt_len)
+  ring = sharding_lib.kv_cache_shardings(config, mesh, slots, max_new_tokens)
+  return SlotCache(
+    prompt_k=prompt.k,
+    prompt_v=prompt.v,
+    prompt_mask=prompt.mask,
+    k=ring.k,
+    v=ring.v,
+    mask=ring.mask,
+    column=ring.index,
+  )
+
+
+def constrain(config: ModelConfig, cache: SlotCache, mesh) -> SlotCache:
+  """`cache` constrained to `slot_cache_shardings` inside jit (unchanged without a mesh)."""
+  if mesh is None:
+    return cache
+  sh = slot_cache_shardings(
+    config, mesh, cache.mask.shape[0], cache.prompt_mask.shape[1], cache.mask.shape[1]
+  )
+  return jax.tree.map(jax.lax.with_sharding_constraint, cache, sh)
+
+
+def ring_windows(ring: int, block: int) -> tuple[int, ...]:
+  """The ring window lengths decode attention can read: multiples of `block` up to Lr."""
+  return tuple(sorted({min(ring, block * i) for i in range(1, -(-ring // block) + 1)}))
+
+
+def slot_attention(cache: SlotCache, mask: jax.Array, window: jax.Array, block: int):
+  """Each layer's write and read of one decode step (`decoder.forward(attention=...)`).
+
+  The new keys and values go to ring column `cache.column` of every slot; attention reads
+  the prompt columns and the smallest window of `ring_windows` that ends at that column
+  and covers `window` columns (the longest live row's response so far), so the bytes read
+  follow the longest live row. A window that wraps past column 0 is read as its two
+  static ends (or the whole ring, when those would overlap).
+
+  Returns:
+    (`attention(layer)` for `decoder.forward`, cache columns each slot reads `int32[]`).
+  """
+  c, ring = cache.column, cache.mask.shape[1]
+  lengths = ring_windows(ring, block)
+  index = jnp.searchsorted(jnp.asarray(lengths), jnp.clip(window, 1, ring))
+  n_read = jnp.asarray(lengths)[index]
+  wraps = c < n_read - 1
+  read = jnp.where(wraps & (n_read < ring), jnp.where(2 * n_read > ring, ring, 2 * n_read), n_read)
+  rows = lambda m: m[:, None, :]  # [S, 1 query, columns]
+
+  def attention(layer):
+    def write_and_read(q, k, v):
+      put = lambda old, new: jax.lax.dynamic_update_slice(old, new.astype(old.dtype), (0, 0, c, 0))
+      ring_k, ring_v = put(cache.k[layer], k), put(cache.v[layer], v)
+      prompt = (cache.prompt_k[layer], cache.prompt_v[layer], rows(cache.prompt_mask))
+      whole = lambda: layers_lib.attend(q, [prompt, (ring_k, ring_v, rows(mask))])
+
+      def window_of(n):
+        if n == ring:
+          return whole
+
+        def straight():
+          cut = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, c - n + 1, n, axis)
+          piece = (cut(ring_k, 2), cut(ring_v, 2), rows(cut(mask, 1)))
+          return layers_lib.attend(q, [prompt, piece])
+
+        def two_ends():
+          head = (ring_k[:, :, :n], ring_v[:, :, :n], rows(mask[:, :n]))
+          tail = (ring_k[:, :, ring - n :], ring_v[:, :, ring - n :], rows(mask[:, ring - n :]))
+          return layers_lib.attend(q, [prompt, head, tail])
+
+        return lambda: jax.lax.cond(c >= n - 1, straight, whole if 2 * n > ring else two_ends)
+
+      out = jax.lax.switch(index, [window_of(n) for n in lengths])
+      return out, (ring_k, ring_v)
+
+    return write_and_read
+
+  return attention, cache.prompt_mask.shape[1] + read
