@@ -21,8 +21,8 @@ import time
 import numpy as np
 
 from ada_jax import metrics
-from ada_jax.rewards import grader as rewards
 from ada_jax.rewards import verifier
+from ada_jax.rewards.references import reference_answer
 
 GROUP = 8  # Responses per prompt, as in a Reinforce-Ada round.
 _FRAC = re.compile(r"^\\frac\{(\d+)\}\{(\d+)\}$")
@@ -47,7 +47,7 @@ def _forms(answer: str, other: str) -> dict[str, str]:
 def build_responses(rows: list[dict], num: int, seed: int) -> tuple[list[str], list[str], list]:
   """N responses grouped by prompt, their references and the form of each."""
   rng = np.random.default_rng(seed)
-  refs = [rewards.reference_answer("math500", r) for r in rows]
+  refs = [reference_answer("math500", r) for r in rows]
   responses, references, kinds = [], [], []
   for p in range(num // GROUP + 1):
     i = int(rng.integers(len(rows)))

@@ -1,7 +1,13 @@
-"""Tests for ada_jax.data: TFDS builders on the real JSONL sets, JSONL reading, specs."""
+"""Tests for ada_jax.data: TFDS builders on the real JSONL sets, JSONL reading, specs, and
+rows, files and paths that would become wrong references (refused, nothing written)."""
 
 import json
+import os
+import pathlib
+import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -189,6 +195,142 @@ def test_user_set_cache_name_changes_with_the_math500_filter(tmp_path):
     sources.user_jsonl_spec("u", [user], exclude_math500=flag).name for flag in (True, False)
   }
   assert len(names) == 2
+
+
+# ----------------------------------------------------------- data that is no reference
+
+_GOOD_ANSWER = {"plain": '"2"', "gsm8k": '"1 + 1 = 2\\n#### 2"', "boxed": '"so \\\\boxed{2}"'}
+
+
+@pytest.mark.parametrize(
+  "value, answer_format, message",
+  [
+    ("null", "plain", "field 'answer' is null, not a string or a number"),
+    ('["1", "2"]', "plain", "field 'answer' is a list"),
+    ('{"v": 1}', "plain", "field 'answer' is an object"),
+    ("true", "plain", "field 'answer' is a boolean"),
+    ("NaN", "plain", "field 'answer' is nan, not a finite number"),
+    ('" \\t "', "plain", "field 'answer' gives an empty answer"),
+    ('""', "plain", "field 'answer' gives an empty answer"),
+    ('["#### 5"]', "gsm8k", "field 'answer' is a list"),
+    ('"#### "', "gsm8k", "field 'answer' gives an empty answer"),
+    ('"5"', "gsm8k", "field 'answer': no '####' final-answer marker"),
+    ('["\\\\boxed{2}"]', "boxed", "field 'answer' is a list"),
+    ('"\\\\boxed{ }"', "boxed", "field 'answer': no complete \\boxed{} answer"),
+  ],
+)
+def test_answer_that_is_no_answer_names_file_line_and_field(
+  tmp_path, value, answer_format, message
+):
+  user = tmp_path / "mine.jsonl"
+  good = _GOOD_ANSWER[answer_format]
+  user.write_text(
+    f'{{"problem": "1+1?", "answer": {good}}}\n\n{{"problem": "2+2?", "answer": {value}}}\n'
+  )
+  spec = sources.user_jsonl_spec("mine", [user], answer_format=answer_format, exclude_math500=False)
+  with pytest.raises(ValueError, match=rf"mine\.jsonl:3: {re.escape(message)}"):
+    data.load_examples(spec, "train", data_dir=tmp_path / "tfds")
+  assert not (tmp_path / "tfds").exists()  # refused before TFDS writes anything
+  user.write_text(f'{{"problem": "1+1?", "answer": {good}}}\n{{"problem": "2", "answer": 2.0}}\n')
+  examples = data.load_examples(
+    sources.user_jsonl_spec("mine", [user], exclude_math500=False), "train", data_dir=tmp_path
+  )
+  assert examples[1]["answer"] == "2"  # a JSON number is its digits
+
+
+@pytest.mark.parametrize("text", ["", "\n  \n"])
+def test_empty_file_is_named_before_tfds_writes(tmp_path, text):
+  user = tmp_path / "mine.jsonl"
+  user.write_text(text)
+  spec = sources.user_jsonl_spec("mine", [user], exclude_math500=False)
+  with pytest.raises(ValueError, match=r"mine\.jsonl: no rows \(the file is empty or blank\)"):
+    data.load_examples(spec, "train", data_dir=tmp_path / "tfds")
+  manual = _tiny_gsm8k(tmp_path / "manual")
+  (manual / "gsm8k_test.jsonl").write_text(text)
+  with pytest.raises(ValueError, match=r"gsm8k_test\.jsonl: no rows"):
+    data.load_examples("gsm8k", "train", data_dir=tmp_path / "tfds", manual_dir=manual)
+  assert not (tmp_path / "tfds").exists()
+
+
+def test_split_without_examples_after_decontamination(tmp_path):
+  train, banned = tmp_path / "train.jsonl", tmp_path / "banned.jsonl"
+  train.write_text('{"problem": "What is  1+1?", "answer": "2"}\n')
+  banned.write_text('{"problem": "What is 1+1?", "answer": "2"}\n')
+  src, ex = sources.JsonlSource("train", str(train)), sources.JsonlSource("test", str(banned))
+  spec = sources.MathSetSpec("t", (src,), exclude=(ex,))
+  with pytest.raises(ValueError, match=r"t/train: no examples left: every problem is in"):
+    list(sources.iter_examples(spec, "train", {src: train, ex: banned}))
+
+
+def test_no_paths_is_refused():
+  with pytest.raises(ValueError, match="jsonl_paths is empty"):
+    sources.user_jsonl_spec("mine", [])
+
+
+def _jsonl_run_config(tmp_path, rows):
+  from configs import tiny_arith_pos
+
+  c = tiny_arith_pos.get_config()
+  c.data.source = "jsonl"
+  c.data.exclude_math500 = False
+  if rows is not None:
+    (tmp_path / "mine.jsonl").write_text(rows)
+    c.data.jsonl_paths = (str(tmp_path / "mine.jsonl"),)
+  return c
+
+
+@pytest.mark.parametrize(
+  "rows, match",
+  [
+    (None, r"config\.data: jsonl_paths is empty"),
+    (
+      '{"problem": "1+1?", "answer": null}\n',
+      r"config\.data: .*mine\.jsonl:1: field 'answer' is null",
+    ),
+    ('{"problem": "1+1?", "answer": ["1", "2"]}\n', r"mine\.jsonl:1: field 'answer' is a list"),
+    ("", r"config\.data: .*mine\.jsonl: no rows"),
+  ],
+)
+def test_bad_user_data_is_a_config_error_with_nothing_written(tmp_path, monkeypatch, rows, match):
+  """TFDS's default data directory (~/tensorflow_datasets) stays untouched."""
+  from ada_jax import config as config_lib
+  from ada_jax import inputs
+  from ada_jax.data import arith
+
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  monkeypatch.delenv("TFDS_DATA_DIR", raising=False)
+  cfg = config_lib.parse(_jsonl_run_config(tmp_path, rows))
+  with pytest.raises(config_lib.ConfigError, match=match):
+    inputs.load_prompts(cfg, arith.load_tokenizer())
+  assert not (tmp_path / "home").exists()
+
+
+def test_main_without_jsonl_paths_exits_2_with_one_line(tmp_path):
+  root = pathlib.Path(__file__).resolve().parents[1]
+  env = {k: v for k, v in os.environ.items() if k != "TFDS_DATA_DIR"}
+  env.update(HOME=str(tmp_path / "home"), PYTHONPATH=str(root))
+  proc = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "ada_jax.main",
+      f"--config={root / 'configs' / 'tiny_arith_pos.py'}",
+      f"--workdir={tmp_path / 'run'}",
+      "--config.data.source=jsonl",
+    ],
+    cwd=tmp_path,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert (
+    proc.stderr.strip().splitlines()[-1].startswith("ada_jax: config.data: jsonl_paths is empty")
+  )
+  assert "Traceback" not in proc.stderr
+  assert not (tmp_path / "home").exists() and not (tmp_path / "run").exists()
 
 
 # --------------------------------------------------------------------------- offline

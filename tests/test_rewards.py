@@ -12,7 +12,7 @@ import hypothesis.strategies as st
 import pytest
 
 from ada_jax.rewards import grader as rewards
-from ada_jax.rewards import numbers
+from ada_jax.rewards import numbers, references
 
 # ----------------------------------------------------------------------- extraction
 
@@ -189,13 +189,38 @@ NUMBERS_AND_CONSTANTS = [
   ("\\boxed{e^{3}}", "\\mathrm{e}^{2}", 0.0),
   ("\\boxed{\\frac{\\pi}{2}}", "\\frac{\\mathrm{\\pi}}{2}", 1.0),
   ("\\boxed{π/2}", "\\frac{\\pi}{2}", 1.0),
-  # Complex numbers: i is the imaginary unit when the reference is complex.
+  # Complex numbers: i is the imaginary unit when the reference contains i, or when it has
+  # no variables (then an i in the response can only be the unit).
   ("\\boxed{3 + 4i}", "3+4\\mathrm{i}", 1.0),
   ("\\boxed{4i+3}", "3+4i", 1.0),
   ("\\boxed{3 - 4i}", "3+4i", 0.0),
   ("\\boxed{\\frac{1+i}{2}}", "\\frac12+\\frac{i}{2}", 1.0),
   ("\\boxed{-i}", "i", 0.0),
-  ("\\boxed{i^2}", "-1", 0.0),  # A real reference: i is a variable.
+  ("\\boxed{i^2}", "-1", 1.0),
+  ("\\boxed{i^4}", "1", 1.0),
+  ("\\boxed{(1+i)(1-i)}", "2", 1.0),
+  ("\\boxed{i^2}", "1", 0.0),
+  ("\\boxed{i^2 n}", "-n", 0.0),  # A reference with a variable: i is a variable too.
+  ("\\boxed{\\sum_{i=1}^{3} i^2}", "14", 1.0),  # A summation index is no unit.
+  # Commas in numbers (module docstring's rule): thousands separators only after a first
+  # group not starting with 0 and in groups of three; a one-comma number is a decimal
+  # against one number, a list against anything else.
+  ("\\boxed{111}", "0,111", 0.0),
+  ("\\boxed{0.111}", "0,111", 1.0),
+  ("\\boxed{1.22}", "1,22", 1.0),
+  ("\\boxed{0,5}", "0.5", 1.0),
+  ("\\boxed{\\frac12}", "0,5", 1.0),
+  ("\\boxed{-0,25}", "-\\frac14", 1.0),
+  ("\\boxed{1.63}", "1,6", 1.0),  # The decimal comma states precision as a point does ...
+  ("\\boxed{1.64}", "1,60", 0.0),  # ... trailing zeros included.
+  ("\\boxed{1,234}", "1234", 1.0),
+  ("\\boxed{1.234}", "1,234", 0.0),
+  ("\\boxed{0, 1}", "0,1", 1.0),  # MATH writes lists of solutions so.
+  ("\\boxed{0 \\text{ and } 1}", "0,1", 1.0),
+  ("\\boxed{\\{0, 1\\}}", "0,1", 1.0),
+  ("\\boxed{0,1}", "\\{0, 1\\}", 1.0),
+  ("\\boxed{2,1}", "1,2", 1.0),
+  ("\\boxed{0.1}", "0, 1", 0.0),
   # Words: units and named answers are graded, prose is not.
   ("\\boxed{5\\text{ square units}}", "5", 1.0),
   ("\\boxed{\\text{no solution}}", "\\text{no solution}", 1.0),
@@ -221,6 +246,16 @@ def test_math_reward_numbers_and_constants(response, reference, expected):
     ("\\text{Evelyn}", "\\text{Bob}", 0.0, rewards.OK),  # One word is a name, not prose.
     ("12 \\mathrm{km} \\mathrm{s}^{-1}", "12", 1.0, rewards.OK),  # Units are not prose.
     ("13 \\text{ square units}", "12", 0.0, rewards.OK),
+    # References that cannot be graded: errors too, unless the box is the same string.
+    ("5", "", 0.0, rewards.ERROR),
+    ("5", "   ", 0.0, rewards.ERROR),
+    ("5", "see the worked solution above", 0.0, rewards.ERROR),
+    ("\\text{see above}", "see the worked solution above", 0.0, rewards.ERROR),
+    ("5", "?", 0.0, rewards.ERROR),
+    ("5", "$$", 0.0, rewards.ERROR),
+    ("?", "?", 1.0, rewards.OK),
+    # MATH's own: "\\text {" (a space) is not read as units, so the words are prose.
+    ("8\\sqrt{3}", "8\\sqrt{3} \\text { square inches}", 0.0, rewards.ERROR),
   ],
 )
 def test_prose_or_unparseable_box_is_an_error(box, reference, reward, outcome):
@@ -419,6 +454,80 @@ def test_exact_judge():
   assert judge("\\boxed{1234.5}", "1234", None, 100) == (0.0, rewards.OK)
   assert judge("\\boxed{12345}", "12345", None, 4) == (0.0, rewards.NO_BOX)  # Too long.
   assert judge("no box", "1", None, 100) == (0.0, rewards.NO_BOX)
+  # The math judge's comma rule, and an empty reference is an error.
+  assert judge("\\boxed{111}", "0,111", None, 100) == (0.0, rewards.OK)
+  assert judge("\\boxed{0,50}", "0.5", None, 100) == (1.0, rewards.OK)
+  assert judge("\\boxed{1.22}", "1,22", None, 100) == (1.0, rewards.OK)
+  assert judge("\\boxed{1,22}", "1,22", None, 100) == (1.0, rewards.OK)
+  assert judge("\\boxed{1}", " ", None, 100) == (0.0, rewards.ERROR)
+
+
+# ------------------------------------------------------ commas in numbers, powers of i
+
+
+def _both_judges(box: str, reference: str) -> float:
+  """The math judge's reward, checked equal to the exact judge's for plain numbers."""
+  reward = _judge(box, reference)
+  assert rewards.JUDGES["exact"](f"\\boxed{{{box}}}", reference, None, 1000) == (
+    reward,
+    rewards.OK,
+  ), (box, reference)
+  return reward
+
+
+@_PROPERTY
+@hypothesis.given(
+  n=st.integers(1000, 10**15),
+  fraction=st.text("0123456789", max_size=4),
+  sign=st.sampled_from(["", "-"]),
+)
+def test_thousands_separators_both_sides(n, fraction, sign):
+  tail = "." + fraction if fraction else ""
+  grouped, plain = f"{sign}{n:,}{tail}", f"{sign}{n}{tail}"
+  assert numbers.THOUSANDS.fullmatch(grouped)
+  assert _both_judges(grouped, plain) == 1.0
+  assert _both_judges(plain, grouped) == 1.0
+  assert _both_judges(f"{sign}{n + 1:,}{tail}", plain) == 0.0
+  assert _both_judges(plain, f"{sign}{n + 1:,}{tail}") == 0.0
+  # Never read as a decimal comma: 1,234 is not 1.234.
+  head, _, rest = f"{n:,}".partition(",")
+  assert _judge(f"{sign}{head}.{rest.replace(',', '')}", grouped) == 0.0
+
+
+@_PROPERTY
+@hypothesis.given(
+  whole=st.one_of(st.just(0), st.integers(1, 10**6)),
+  fraction=st.text("0123456789", min_size=1, max_size=6),
+  sign=st.sampled_from(["", "-"]),
+)
+def test_decimal_commas_both_sides(whole, fraction, sign):
+  comma, point = f"{sign}{whole},{fraction}", f"{sign}{whole}.{fraction}"
+  # "1,234" is a thousands separator; every other one-comma number a decimal comma.
+  hypothesis.assume(not numbers.THOUSANDS.fullmatch(comma))
+  assert numbers.decimal_comma(comma) == point
+  assert _both_judges(point, comma) == 1.0
+  assert _both_judges(comma, point) == 1.0
+  # The thousands misreading, and the next value at the written precision: wrong.
+  misread = f"{sign}{int(f'{whole}{fraction}')}"
+  hypothesis.assume(decimal.Decimal(misread) != decimal.Decimal(point))
+  assert _both_judges(misread, comma) == 0.0
+  assert _both_judges(comma, misread) == 0.0
+  step = decimal.Decimal(1).scaleb(-len(fraction))
+  other = format(abs(decimal.Decimal(point)) + step, "f").replace(".", ",")
+  assert _judge(f"{sign}{other}", point) == 0.0
+  assert _judge(point, f"{sign}{other}") == 0.0
+
+
+@_PROPERTY
+@hypothesis.given(k=st.integers(-40, 40), shift=st.integers(-3, 3), form=st.integers(0, 2))
+def test_integer_powers_of_i_both_sides(k, shift, form):
+  value = {0: "1", 1: "i", 2: "-1", 3: "-i"}[k % 4]
+  power = [f"i^{{{k}}}", f"\\mathrm{{i}}^{{{k}}}", f"(i)^{{{k}}}"][form]
+  assert _judge(power, value) == 1.0
+  assert _judge(value, power) == 1.0
+  assert _judge(power, f"i^{{{k + 4 * shift}}}") == 1.0
+  assert _judge(power, {0: "1", 1: "i", 2: "-1", 3: "-i"}[(k + 1) % 4]) == 0.0
+  assert _judge(f"i^{{{k + 2}}}", value) == 0.0
 
 
 # --------------------------------------------------------------------- reference answers
@@ -437,10 +546,14 @@ def test_exact_judge():
     ("amc23", {"answer": 27.0}, "27"),
     ("amc23", {"answer": 2.5}, "2.5"),
     ("gsm8k", {"answer": "16 - 3 = <<16-3=13>>13\n#### 1,450"}, "1450"),
+    ("gsm8k", {"answer": "#### 0,5"}, "0,5"),  # A decimal comma is kept.
+    ("amc23", {"answer": 7}, "7"),
+    ("amc23", {"answer": 1e20}, "1e+20"),
+    ("olympiadbench", {"final_answer": [3, "$4$"]}, "3, 4"),
   ],
 )
 def test_reference_answer(source, row, expected):
-  assert rewards.reference_answer(source, row) == expected
+  assert references.reference_answer(source, row) == expected
 
 
 @pytest.mark.parametrize(
@@ -451,8 +564,40 @@ def test_reference_answer(source, row, expected):
     ("gsm8k", {"answer": "it is 5"}, "'####'"),
     ("minerva_math", {"solution": "no box"}, "field 'solution'"),
     ("aime24", {"answer": "  "}, "empty reference answer"),
+    ("math500", {"answer": None}, "field 'answer' is null"),
+    ("aime24", {"answer": ["1", "2"]}, "field 'answer' is a list"),
+    ("amc23", {"answer": True}, "field 'answer' is a boolean"),
+    ("amc23", {"answer": float("nan")}, "field 'answer' is nan, not a finite number"),
+    ("math", {"solution": None}, "field 'solution' is null"),
+    ("gsm8k", {"answer": {"text": "#### 5"}}, "field 'answer' is an object"),
+    ("olympiadbench", {"final_answer": None}, "field 'final_answer' is null"),
+    ("olympiadbench", {"final_answer": ["$1$", None]}, "field 'final_answer' is null"),
+    ("olympiadbench", {"final_answer": ["$ $"]}, "empty reference answer"),
   ],
 )
 def test_reference_answer_errors(source, row, message):
   with pytest.raises(ValueError, match=message.replace("(", r"\(")):
-    rewards.reference_answer(source, row)
+    references.reference_answer(source, row)
+
+
+_JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text())
+_JSON = st.recursive(
+  _JSON_SCALARS, lambda inner: st.lists(inner) | st.dictionaries(st.text(), inner), max_leaves=5
+)
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(value=_JSON)
+def test_answer_text_is_a_string_or_a_number_or_refused(value):
+  """No JSON value becomes its Python spelling: strings stay, finite numbers keep their
+  value, everything else is refused naming the field."""
+  number = isinstance(value, (int, float)) and not isinstance(value, bool)
+  if isinstance(value, str):
+    assert references.answer_text(value, "answer") == value
+  elif number and math.isfinite(value):
+    text = references.answer_text(value, "answer")
+    assert float(text) == value and not text.endswith(".0")
+    assert isinstance(value, float) or text == str(value)
+  else:
+    with pytest.raises(ValueError, match="field 'answer' is "):
+      references.answer_text(value, "answer")

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_rewards import EQUIVALENCE
 
-from ada_jax.rewards import grader as rewards
 from ada_jax.rewards import verifier
+from ada_jax.rewards.references import reference_answer
 
 TIMEOUT_S = 2.0
 
@@ -75,6 +75,18 @@ def test_prose_boxes_count_as_errors(pool):
   np.testing.assert_array_equal(pool.score(responses, ["5"] * 4), [0, 0, 1, 0])
   stats = pool.last_stats
   assert (stats.errors, stats.correct, stats.no_box) == (2, 1, 1)
+
+
+def test_ungradable_references_count_as_errors(pool):
+  """An empty or prose reference scores 0 and is counted with the grader's other give-ups."""
+  refs = ["", "see the worked solution above", "5", "?"]
+  np.testing.assert_array_equal(pool.score(["\\boxed{5}"] * 4, refs), [0, 0, 1, 0])
+  stats = pool.last_stats
+  assert (stats.errors, stats.correct, stats.items) == (3, 1, 4)
+  exact = verifier.RewardPool(verifier.VerifierConfig(judge="exact", num_workers=1))
+  with exact:
+    np.testing.assert_array_equal(exact.score(["\\boxed{5}"] * 2, [" ", "5"]), [0, 1])
+    assert exact.last_stats.errors == 1
 
 
 def test_score_rejects_bad_input(pool):
@@ -344,7 +356,7 @@ def _surface_variant(answer: str) -> str:
 def test_real_reference_answers(pool, shared_dir, source, filename):
   with open(shared_dir / "data" / filename) as f:
     rows = [json.loads(line) for line in f]
-  refs = [rewards.reference_answer(source, row) for row in rows]
+  refs = [reference_answer(source, row) for row in rows]
   n = len(refs)
   good = pool.score([f"Reasoning...\nThe final answer is $\\boxed{{{a}}}$." for a in refs], refs)
   # Each problem against the next problem's answer, when that answer is a different string.

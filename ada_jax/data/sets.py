@@ -120,16 +120,18 @@ def reachable(url: str, timeout_s: float = 3.0) -> bool:
     return False
 
 
+def _local_path(src: JsonlSource, manual_dir: str | pathlib.Path | None) -> pathlib.Path | None:
+  """Where `src` is on disk (its absolute path, or its name in `manual_dir`); None if not."""
+  path = pathlib.Path(src.file)
+  if not path.is_absolute():
+    path = pathlib.Path(manual_dir) / src.file if manual_dir else None
+  return path if path is not None and path.is_file() else None
+
+
 def missing_files(spec: MathSetSpec, manual_dir: str | pathlib.Path | None) -> list[JsonlSource]:
   """The files of `spec` (sources and excludes) that are not on disk: not in `manual_dir`
   (relative names) or absent (absolute paths of user files)."""
-  out = []
-  for src in spec.sources + spec.exclude:
-    path = pathlib.Path(src.file)
-    if not path.is_absolute():
-      path = pathlib.Path(manual_dir) / src.file if manual_dir else None
-    if path is None or not path.is_file():
-      out.append(src)
+  out = [src for src in spec.sources + spec.exclude if _local_path(src, manual_dir) is None]
   return list(dict.fromkeys(out))
 
 
@@ -203,7 +205,8 @@ def builder(
     The builder; `builder.as_data_source(split)` gives random access to raw examples.
 
   Raises:
-    ValueError: unknown name, or a malformed file (`file:line`).
+    ValueError: unknown name, or a malformed file (`file:line`; when every file is local,
+      before anything is written to `data_dir`).
     FileNotFoundError: a file is neither in `manual_dir` nor downloadable.
     ConnectionError: files to download and no network (`check_available`, in seconds).
   """
@@ -220,6 +223,11 @@ def builder(
       manual_dir or "no manual directory",
       f", downloading {', '.join(missing)}" if missing else "",
     )
+    if not missing:  # A bad row, an empty file: named before TFDS writes anything.
+      paths = {src: _local_path(src, manual_dir) for src in spec.sources + spec.exclude}
+      for split in spec.splits:
+        for _ in iter_examples(spec, split, paths):
+          pass
   b.download_and_prepare(
     download_config=tfds.download.DownloadConfig(manual_dir=manual_dir and str(manual_dir))
   )

@@ -5,7 +5,7 @@ manual directory, public URL, field names, how the answer is written), `user_jso
 describes the user's own files the same way, and `iter_examples` reads a set's split into
 examples: four text features, `prompt_id` (stable, e.g. `gsm8k/test/17`,
 `math500/test/precalculus/807.json`), `problem`, `answer` (the reference final answer,
-LaTeX, extracted as `rewards.grader.reference_answer` does) and `source`. `sets` turns
+LaTeX, extracted as `rewards.references.reference_answer` does) and `source`. `sets` turns
 them into TFDS data.
 """
 
@@ -16,11 +16,11 @@ import hashlib
 import json
 import pathlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
 
 from absl import logging
 
 from ada_jax.rewards import grader as rewards
+from ada_jax.rewards import references
 
 FEATURES = ("prompt_id", "problem", "answer", "source")
 
@@ -37,7 +37,7 @@ class JsonlSource:
     problem_field: row field holding the problem text.
     id_format: `str.format` pattern of `prompt_id` over the row's fields plus `split` and
       `line` (0-based index of the row in the file); must be unique within the data set.
-    reference: key of `rewards.REFERENCE_ANSWER_FNS` giving the answer extraction of a
+    reference: key of `references.REFERENCE_ANSWER_FNS` giving the answer extraction of a
       known data set; None for user files, which use `answer_field` / `answer_format`.
     answer_field: row field holding the answer (user files).
     answer_format: key of `ANSWER_FORMATS`: 'plain' (the field as is), 'boxed' (last
@@ -155,22 +155,22 @@ SETS: dict[str, MathSetSpec] = {
 }
 
 
-def _after_hashes(value: Any) -> str:
-  text = str(value)
+def _after_hashes(text: str) -> str:
   if "####" not in text:
     raise ValueError("no '####' final-answer marker")
-  return text.rsplit("####", 1)[1].strip().replace(",", "")
+  return references.drop_thousands(text.rsplit("####", 1)[1])
 
 
-def _boxed(value: Any) -> str:
-  answer = rewards.last_boxed(str(value))
+def _boxed(text: str) -> str:
+  answer = rewards.last_boxed(text)
   if answer is None:
     raise ValueError("no complete \\boxed{} answer")
   return answer
 
 
-ANSWER_FORMATS: dict[str, Callable[[Any], str]] = {
-  "plain": lambda value: str(value).strip(),
+# The answer field's text (`references.answer_text`) -> the answer.
+ANSWER_FORMATS: dict[str, Callable[[str], str]] = {
+  "plain": str.strip,
   "boxed": _boxed,
   "gsm8k": _after_hashes,
 }
@@ -207,10 +207,12 @@ def user_jsonl_spec(
 
   Raises:
     FileNotFoundError: a path does not exist.
-    ValueError: unknown `answer_format`.
+    ValueError: no paths, unknown `answer_format`.
   """
   if answer_format not in ANSWER_FORMATS:
     raise ValueError(f"answer_format={answer_format!r}; known: {sorted(ANSWER_FORMATS)}")
+  if not paths:
+    raise ValueError("jsonl_paths is empty: name the JSONL files to read")
   resolved = []
   digest = hashlib.blake2b(digest_size=6)
   for p in paths:
@@ -285,17 +287,24 @@ def _example(
   if not isinstance(problem, str) or not problem.strip():
     raise ValueError(f"{where}: field {src.problem_field!r} is missing or not a non-empty string")
   context = row.get(src.context_field) if src.context_field else None
-  if isinstance(context, str) and context.strip():
+  if context is not None and not isinstance(context, str):
+    raise ValueError(f"{where}: field {src.context_field!r} is not a string")
+  if context and context.strip():
     problem = f"{context.strip()}\n\n{problem}"
   try:
     if src.reference is not None:
-      answer = rewards.reference_answer(src.reference, row)
+      answer = references.reference_answer(src.reference, row)
     else:
-      if src.answer_field not in row:
-        raise ValueError(f"no field {src.answer_field!r}")
-      answer = ANSWER_FORMATS[src.answer_format](row[src.answer_field])
+      field = src.answer_field
+      if field not in row:
+        raise ValueError(f"no field {field!r}")
+      text = references.answer_text(row[field], field)
+      try:
+        answer = ANSWER_FORMATS[src.answer_format](text)
+      except ValueError as e:
+        raise ValueError(f"field {field!r}: {e}") from None
       if not answer:
-        raise ValueError(f"field {src.answer_field!r} gives an empty answer")
+        raise ValueError(f"field {field!r} gives an empty answer")
   except ValueError as e:
     raise ValueError(f"{where}: {e}") from None
   try:
@@ -324,7 +333,8 @@ def iter_examples(
     Example dicts with the `FEATURES` keys.
 
   Raises:
-    ValueError: a malformed line (`file:line` in the message) or a duplicate prompt id.
+    ValueError: a malformed line (`file:line` in the message), a duplicate prompt id, a file
+      without rows, or a split left without examples.
   """
   banned = {
     _normalize_problem(row[src.problem_field])
@@ -338,6 +348,7 @@ def iter_examples(
     if src.split != split:
       continue
     path = paths[src]
+    index = -1
     for index, (lineno, row) in enumerate(read_jsonl(path)):
       ex = _example(src, spec.name, path, lineno, index, row)
       if _normalize_problem(ex["problem"]) in banned:
@@ -350,6 +361,12 @@ def iter_examples(
         )
       seen[ex["prompt_id"]] = f"{path}:{lineno}"
       yield ex
+    if index < 0:
+      raise ValueError(f"{path}: no rows (the file is empty or blank)")
+  if not seen:
+    raise ValueError(
+      f"{spec.name}/{split}: no examples left: every problem is in {[s.file for s in spec.exclude]}"
+    )
   if banned:
     logging.info(
       "%s/%s: dropped %d problems found in %s",

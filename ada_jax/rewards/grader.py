@@ -16,8 +16,19 @@ one do:
   `\\mathrm{e}`, `\\operatorname{e}`, `\\text{e}` are Euler's number e, `\\mathrm{i}`,
   `\\imath` are i, `\\mathrm{\\pi}`, `\\uppi`, `π` are π; `×`, `·`, `−` are `\\times`,
   `\\cdot`, `-`; `x^-7` is `x^{-7}`.
-- Complex numbers: when the reference contains the symbol i, i is the imaginary unit on
-  both sides (`14 - i` equals `14.0 - 1.0i`).
+- Commas in numbers, both sides, for an answer that is one number written with commas
+  between digits (no spaces):
+  * thousands separators are commas after a first group of 1-3 digits that does not start
+    with 0, every later group exactly three digits (`1,000`, `12,345.5`; `numbers.THOUSANDS`):
+    they are dropped, so `1,234` is 1234, never 1.234;
+  * any other single comma (after a leading 0, or followed by other than exactly three
+    digits: `0,111`, `1,22`, `0,5`) is a decimal comma when the other answer is one
+    number (`0,111` equals 0.111, not 111; `1,60` states precision as `1.60` does), and
+    separates a list otherwise (`0,1` against `0, 1` or `\\{0, 1\\}`: MATH writes
+    solution lists so). More commas (`1,3,5`) always make a list.
+- Complex numbers: when the reference contains the symbol i, or has no variables at all,
+  i is the imaginary unit on both sides (`14 - i` equals `14.0 - 1.0i`; `i^2` equals -1,
+  `i^4` equals 1: against a number, an i can only be the unit).
 - Numbers (every numeric comparison math-verify makes, inside tuples, sets, intervals and
   equations too) replace math-verify's rule, which rounds to 6 decimal places and chops
   values below 1e-15, so that 2^{-98} equalled 2^{-99}:
@@ -34,22 +45,23 @@ one do:
     relative rule is used for decimals inside larger expressions (`2.5\\pi`).
 - Prose: a box whose content is words rather than maths ("the answer is 5", "no solution"
   when the reference is not prose), or that math-verify cannot parse at all, raises
-  `UngradableAnswer`; the judges score it 0 with outcome `ERROR`, which the reward pool
-  counts in its `errors` statistic.
+  `UngradableAnswer`; a reference that is empty, prose ("see the worked solution above")
+  or unparseable raises `UngradableReference` unless the box is the same string. The
+  judges score both 0 with outcome `ERROR`, which the reward pool counts in its `errors`
+  statistic.
 
 `math_reward` runs the judge in-process, for trusted input and tests; untrusted model output
 is scored by `ada_jax.verifier.RewardPool`, which runs the `JUDGES` in worker processes
-under a hard timeout. `reference_answer` extracts the reference of a data-set row.
+under a hard timeout. `rewards.references` extracts the reference of a data-set row.
 """
 
-import ast
 import decimal
 import functools
 import math
 import re
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 from ada_jax.rewards import numbers
 
@@ -109,7 +121,7 @@ def last_boxed(response: str) -> str | None:
 # A plain (GSM8K-style) number: optional currency sign, thousands separators, decimals,
 # then optional unit words ("18 dollars", "12 km"). Single letters are not units: "2 n".
 _PLAIN_NUMBER = re.compile(
-  r"(?:\\\$|\$)?\s*(?P<num>[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+)"
+  r"(?:\\\$|\$)?\s*(?P<num>[-+]?(?:[1-9]\d{0,2}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+)"
   r"(?:\s*(?:[A-Za-z]{2,}\.?|\\%|%)(?:\s+[A-Za-z]{2,}\.?)*)?"
 )
 
@@ -118,8 +130,10 @@ def normalize_answer(answer: str) -> str:
   """Canonical form of a plain numeric answer; other answers come back stripped.
 
   "1,000" → "1000", "\\$18.00" → "18", "27.0" → "27", "18 dollars" → "18", "50%" → "50\\%".
-  Thousands separators are recognised only in groups of three digits, so "1,3,5" (a list)
-  is left alone. Applied to prediction and reference alike before math-verify.
+  Thousands separators are recognised only as `numbers.THOUSANDS` writes them (groups of
+  three digits after a first group that does not start with 0), so "1,3,5" (a list),
+  "0,111" and "1,22" (decimal commas or lists: `numbers.decimal_comma`) are left alone.
+  Applied to prediction and reference alike before math-verify.
 
   Args:
     answer: a box content or reference answer (LaTeX).
@@ -181,6 +195,11 @@ class UngradableAnswer(ValueError):
   """A boxed answer that is prose, or that math-verify cannot parse; scored 0 as an error."""
 
 
+class UngradableReference(ValueError):
+  """A reference that is empty, prose or unparseable, and that the response does not match
+  as a string; scored 0 as an error."""
+
+
 # A run of two words (letters only, two or more each) once LaTeX commands are gone and
 # math-verify has dropped units and `\text{ and }`: "the answer is", "no solution".
 _WORD_RUN = re.compile(r"[A-Za-z]{2,}\s+[A-Za-z]{2,}")
@@ -220,6 +239,30 @@ def _parse_gold(reference: str, timeout: int | None):
   )
 
 
+def _parse_answer(answer: str, timeout: int | None):
+  math_verify = numbers.patched_math_verify()
+  return math_verify.parse(
+    "\\boxed{" + answer + "}",
+    [math_verify.LatexExtractionConfig(), math_verify.ExprExtractionConfig()],
+    parsing_timeout=timeout,
+    raise_on_error=True,
+  )
+
+
+def _sympy(parsed: list) -> list:
+  import sympy
+
+  return [x for x in parsed if isinstance(x, (sympy.Basic, sympy.MatrixBase))]
+
+
+def _is_number(parsed: list) -> bool:
+  """Whether an answer parsed to one number (no variables; not a list, set or equation)."""
+  import sympy
+
+  exprs = _sympy(parsed)
+  return bool(exprs) and isinstance(exprs[0], sympy.Expr) and bool(exprs[0].is_number)
+
+
 def _imaginary_unit(parsed: list) -> list:
   """The parsed answers with every symbol named i replaced by the imaginary unit."""
   import sympy
@@ -232,14 +275,15 @@ def _imaginary_unit(parsed: list) -> list:
   return out
 
 
-def _is_complex(parsed: list) -> bool:
+def _i_is_the_unit(gold: list) -> bool:
+  """Whether i is the imaginary unit: the reference contains i, or it has no variables at
+  all, so that an i in the response (i^2, i^4, (1+i)(1-i)) can only be the unit."""
   import sympy
 
+  exprs = _sympy(gold)
   return any(
-    isinstance(x, (sympy.Basic, sympy.MatrixBase))
-    and (x.has(sympy.I) or any(getattr(s, "name", None) == "i" for s in x.free_symbols))
-    for x in parsed
-  )
+    x.has(sympy.I) or any(getattr(s, "name", None) == "i" for s in x.free_symbols) for x in exprs
+  ) or not any(x.free_symbols for x in exprs)
 
 
 def is_equivalent(prediction: str, reference: str, mv_timeout_s: int | None = None) -> bool:
@@ -253,43 +297,54 @@ def is_equivalent(prediction: str, reference: str, mv_timeout_s: int | None = No
 
   Returns:
     True when equal (identical normalised strings, or math-verify's `verify` with our
-    notation, complex-number and numeric rules).
+    notation, comma, complex-number and numeric rules).
 
   Raises:
     UngradableAnswer: the prediction is prose (and the reference is not), or math-verify
       cannot parse it.
+    UngradableReference: the reference is empty, prose or unparseable, and the prediction
+      is not the same string.
     Whatever math-verify raises on unparseable input (callers score that 0).
   """
-  import sympy
-
   pred, ref = normalize_answer(prediction), normalize_answer(reference)
   if pred == ref:
     return True
+  if not ref:
+    raise UngradableReference("empty reference answer")
+  # A one-comma number ("0,5") is a list ("0, 5") unless the other side is one number.
+  pred_decimal, ref_decimal = numbers.decimal_comma(pred), numbers.decimal_comma(ref)
+  if pred_decimal:
+    pred = pred.replace(",", ", ")
+  if ref_decimal:
+    ref = ref.replace(",", ", ")
   pred, ref = _standard_notation(pred), _standard_notation(ref)
-  if _is_prose(pred) and not _is_prose(ref):
+  ref_is_prose = _is_prose(ref)
+  if _is_prose(pred) and not ref_is_prose:
     raise UngradableAnswer(f"box content is prose, not maths: {pred[:80]!r}")
   math_verify = numbers.patched_math_verify()
   gold = _parse_gold_cached(ref) if mv_timeout_s is None else _parse_gold(ref, mv_timeout_s)
-  target = math_verify.parse(
-    "\\boxed{" + pred + "}",
-    [math_verify.LatexExtractionConfig(), math_verify.ExprExtractionConfig()],
-    parsing_timeout=mv_timeout_s,
-    raise_on_error=True,
-  )
+  target = _parse_answer(pred, mv_timeout_s)
   if not gold:
-    return False
-  if _is_complex(gold):
-    gold, target = _imaginary_unit(gold), _imaginary_unit(target)
+    raise UngradableReference(f"math-verify cannot parse the reference: {ref[:80]!r}")
   # The raw strings: `normalize_answer` drops trailing zeros ("1.60"), which state precision.
+  written_ref, written_pred = reference, prediction
+  if ref_decimal and _is_number(target):
+    gold, written_ref = _parse_gold(ref_decimal, mv_timeout_s), reference.replace(",", ".")
+  if pred_decimal and _is_number(gold):
+    target, written_pred = _parse_answer(pred_decimal, mv_timeout_s), prediction.replace(",", ".")
+  if _i_is_the_unit(gold):
+    gold, target = _imaginary_unit(gold), _imaginary_unit(target)
   token = numbers.WRITTEN.set(
-    (numbers.written_decimals(reference), numbers.written_decimals(prediction))
+    (numbers.written_decimals(written_ref), numbers.written_decimals(written_pred))
   )
   try:
     equal = math_verify.verify(gold, target, timeout_seconds=mv_timeout_s, raise_on_error=True)
   finally:
     numbers.WRITTEN.reset(token)
+  if not equal and (ref_is_prose or not _sympy(gold)):
+    raise UngradableReference(f"the reference is not maths: {ref[:80]!r}")
   # Unparsed, the prediction could only match the reference's normalised LaTeX string.
-  if not equal and not any(isinstance(x, (sympy.Basic, sympy.MatrixBase)) for x in target):
+  if not equal and not _sympy(target):
     raise UngradableAnswer(f"math-verify cannot parse the box content: {pred[:80]!r}")
   return bool(equal)
 
@@ -306,7 +361,7 @@ def _judge_math(
     return 0.0, NO_BOX
   try:
     return float(is_equivalent(pred, reference, mv_timeout_s)), OK
-  except UngradableAnswer:
+  except (UngradableAnswer, UngradableReference):
     return 0.0, ERROR
 
 
@@ -317,13 +372,22 @@ def _judge_exact(
   pred = last_boxed(response)
   if pred is None or len(pred) > max_chars:
     return 0.0, NO_BOX
-  return float(normalize_answer(pred) == normalize_answer(reference)), OK
+  pred, ref = normalize_answer(pred), normalize_answer(reference)
+  if not ref:
+    return 0.0, ERROR
+  # `is_equivalent`'s comma rule, with "one number" read from the text.
+  if numbers.decimal_comma(pred) and _PLAIN_NUMBER.fullmatch(ref):
+    pred = normalize_answer(numbers.decimal_comma(pred))
+  if numbers.decimal_comma(ref) and _PLAIN_NUMBER.fullmatch(pred):
+    ref = normalize_answer(numbers.decimal_comma(ref))
+  return float(pred == ref), OK
 
 
 # Reward functions by config name:
 #   (response, reference, mv_timeout_s, max_answer_chars) -> (reward, outcome).
 # `exact` (normalised string match) suits the procedural arithmetic task. `ERROR`: the box
-# is prose or unparseable (`UngradableAnswer`); the pool also counts judges that raise.
+# is prose or unparseable (`UngradableAnswer`), or the reference cannot be graded
+# (`UngradableReference`; `exact`: empty); the pool also counts judges that raise.
 JUDGES: dict[str, Callable[[str, str, int | None, int], tuple[float, str]]] = {
   "math": _judge_math,
   "exact": _judge_exact,
@@ -339,7 +403,7 @@ def math_reward(response: str, reference: str, timeout_s: float = 5) -> float:
 
   Args:
     response: model output text.
-    reference: reference final answer (LaTeX), e.g. from `reference_answer`.
+    reference: reference final answer (LaTeX), e.g. from `references.reference_answer`.
     timeout_s: math-verify's per-call timeout, rounded up to whole seconds (not applied off
       the main thread, where signals cannot be used).
 
@@ -354,90 +418,3 @@ def math_reward(response: str, reference: str, timeout_s: float = 5) -> float:
     return _judge_math(response, reference, mv_timeout, MAX_ANSWER_CHARS)[0]
   except (Exception, TimeoutException):  # Any failure of the verifier is a wrong answer.
     return 0.0
-
-
-# --------------------------------------------------------------------------- references
-
-_TRAILING_ZEROS = re.compile(r"^(-?\d+)\.0+$")
-
-
-def _answer_field(field: str) -> Callable[[Mapping], str]:
-  def get(row: Mapping) -> str:
-    value = row[field]
-    if isinstance(value, float):  # AMC23 stores 27.0 for 27.
-      value = repr(value)
-    return _TRAILING_ZEROS.sub(r"\1", str(value).strip())
-
-  return get
-
-
-def _last_box_of(field: str) -> Callable[[Mapping], str]:
-  def get(row: Mapping) -> str:
-    answer = last_boxed(row[field])
-    if answer is None:
-      raise ValueError(f"field {field!r} has no complete \\boxed{{}} answer")
-    return answer
-
-  return get
-
-
-def _gsm8k_answer(row: Mapping) -> str:
-  text = row["answer"]
-  if "####" not in text:
-    raise ValueError("field 'answer' has no '####' final-answer marker")
-  return text.rsplit("####", 1)[1].strip().replace(",", "")
-
-
-def _olympiad_answer(row: Mapping) -> str:
-  answers = row["final_answer"]
-  if isinstance(answers, str):  # Some exports render the list as a string.
-    answers = ast.literal_eval(answers) if answers.lstrip().startswith("[") else [answers]
-  # Entries are LaTeX in `$...$`; several answers become one comma-separated list.
-  parts = [a.replace("$", "").strip() for a in answers]
-  return ", ".join(p for p in parts if p)
-
-
-# Reference final answer per data source (keys are the JSONL file stems, README of
-# ../shared/data). `math` is MATH's full test split (training prompts outside MATH500).
-REFERENCE_ANSWER_FNS: dict[str, Callable[[Mapping], str]] = {
-  "gsm8k": _gsm8k_answer,
-  "math": _last_box_of("solution"),
-  "math500": _answer_field("answer"),
-  "minerva_math": _last_box_of("solution"),
-  "olympiadbench": _olympiad_answer,
-  "aime24": _answer_field("answer"),
-  "amc23": _answer_field("answer"),
-}
-
-
-def reference_answer(source: str, row: Mapping) -> str:
-  """The reference final answer (LaTeX) of one JSONL row of a maths data set.
-
-  MATH500, AIME24, AMC23: `answer` (AMC's float 27.0 → "27"); MATH (full test split) and
-  Minerva Math: last `\\boxed{}` of `solution`; OlympiadBench: `final_answer` (a list,
-  `$` removed, joined by ", "); GSM8K: text after `####` without thousands separators.
-
-  Args:
-    source: one of `REFERENCE_ANSWER_FNS` ("gsm8k", "math", "math500", "minerva_math",
-      "olympiadbench", "aime24", "amc23").
-    row: the decoded JSON object of one line.
-
-  Returns:
-    The reference answer string.
-
-  Raises:
-    ValueError: unknown source, or a missing / malformed answer field (named).
-  """
-  try:
-    fn = REFERENCE_ANSWER_FNS[source]
-  except KeyError:
-    raise ValueError(f"unknown source {source!r}; known: {sorted(REFERENCE_ANSWER_FNS)}") from None
-  try:
-    answer = fn(row)
-  except KeyError as e:
-    raise ValueError(f"{source}: row has no field {e.args[0]!r}") from None
-  except (ValueError, SyntaxError, TypeError, AttributeError) as e:
-    raise ValueError(f"{source}: bad reference answer: {e}") from None
-  if not answer:
-    raise ValueError(f"{source}: empty reference answer")
-  return answer

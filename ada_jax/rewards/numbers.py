@@ -1,5 +1,6 @@
 """The grader's numeric rule, patched into math-verify: decimals at their written value and
-precision, exact values compared exactly (`grader`'s module docstring states the rule).
+precision, exact values compared exactly, and commas in numbers read by one rule
+(`grader`'s module docstring states both).
 
 math-verify's own `sympy_numeric_eq` rounds both sides to 6 decimal places and chops
 values below 1e-15 (2^{-98} equalled 2^{-99}); `patched_math_verify` replaces it, once, by
@@ -22,6 +23,27 @@ _DECIMAL_LITERAL = re.compile(r"(?<![\w.])(?:\d+\.\d+|\.\d+|\d+(?=[eE][-+]?\d))"
 WRITTEN: contextvars.ContextVar[tuple[dict, dict]] = contextvars.ContextVar(
   "WRITTEN", default=({}, {})
 )
+
+
+# Thousands separators: a first group of 1-3 digits that does not start with 0, then groups
+# of exactly three ("1,000", "12,345.5"). Any other comma between digits is not one.
+THOUSANDS = re.compile(r"[-+]?[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?")
+_ONE_COMMA = re.compile(r"([-+]?\d+),(\d+)")
+
+
+def decimal_comma(answer: str) -> str | None:
+  """`answer` read with a decimal comma, when it is one number written with one comma that
+  is no thousands separator (`THOUSANDS`): "0,111" -> "0.111", "1,22" -> "1.22",
+  "-0,5" -> "-0.5". None for anything else ("1,000", "1,3,5", "1, 22", "x,1").
+
+  Such an answer is ambiguous (1,22 is also the list 1, 22); `grader.is_equivalent` reads
+  it as this decimal when the other answer is a single number, else as a list.
+  """
+  s = answer.strip()
+  m = _ONE_COMMA.fullmatch(s)
+  if m is None or THOUSANDS.fullmatch(s):
+    return None
+  return f"{m[1]}.{m[2]}"
 
 
 def written_decimals(answer: str) -> dict[decimal.Decimal, tuple[int, int]]:

@@ -74,8 +74,9 @@ class VerifyStats:
     correct: responses scored 1.
     no_box: responses without a complete final box (scored 0 without math-verify).
     timeouts: items stopped by the soft timer or the hard deadline (scored 0).
-    errors: items whose box is prose or unparseable (`rewards.UngradableAnswer`), whose
-      judge raised or whose worker died (scored 0): how often the grader gives up.
+    errors: items whose box is prose or unparseable (`grader.UngradableAnswer`), whose
+      reference is empty, prose or unparseable (`grader.UngradableReference`), whose judge
+      raised or whose worker died (scored 0): how often the grader gives up.
     restarts: workers killed or lost and replaced.
   """
 
