@@ -67,9 +67,11 @@ def test_tiny_run_names_its_setting(tiny_report):
 @pytest.mark.slow
 def test_tiny_decode_rows(tiny_report):
   sizes = tiny_report["config"]["sizes"]
+  ties = []
   for part, slots in (("decode", sizes["decode_slots"]), ("decode_7b", [4])):
     d = tiny_report["parts"][part]
     cfg = d["model_config"]
+    ties.append(cfg["tie_embeddings"])
     assert [row["slots"] for row in d["by_slots"]] == slots
     for row in d["by_slots"]:
       assert row["ok"] and row["all_rows_at_budget"] is True
@@ -85,9 +87,14 @@ def test_tiny_decode_rows(tiny_report):
       assert row["kv_bytes_per_step"] == pytest.approx(per_token * row["slots"] * live)
       assert row["hbm_bytes_per_step"] == row["weight_bytes_per_step"] + row["kv_bytes_per_step"]
       assert row["kv_bytes_per_step_block_reads"] >= row["kv_bytes_per_step"]
-      assert row["weight_bytes_per_step"] <= d["param_bytes"]
+      # Every weight once; of an untied input embedding only the S rows looked up.
+      table = cfg["vocab_size"] * cfg["embed_dim"] * 2
+      rows_read = row["slots"] * cfg["embed_dim"] * 2
+      untied = d["param_bytes"] - table + rows_read
+      assert row["weight_bytes_per_step"] == (d["param_bytes"] if cfg["tie_embeddings"] else untied)
       assert row["mbu"] is None  # no peak bandwidth for a CPU
       assert row["compiles_first_segment"] >= 1 and row["compiles_timed"] == 0
+  assert sorted(ties) == [False, True]  # both embedding cases are measured
 
 
 @pytest.mark.slow
@@ -147,17 +154,35 @@ def test_tiny_memory_beside_the_plan(tiny_report):
   ],
 )
 def test_peaks_by_device_kind(script, kind, bandwidth, flops):
-  args = script.parse_args([])
-  peaks = script.peaks_of(kind, args)
+  peaks = script.peaks_of(kind)
   assert (peaks["hbm_bytes_per_s"], peaks["bf16_flops"]) == (bandwidth, flops)
   assert isinstance(peaks["source"], str) and peaks["source"]
 
 
 def test_peak_overrides_are_named(script):
-  args = script.parse_args(["--peak_hbm_bytes_per_s=1e12", "--peak_bf16_flops=2e14"])
-  peaks = script.peaks_of("cpu", args)
+  peaks = script.peaks_of("cpu", 1e12, 2e14)
   assert (peaks["hbm_bytes_per_s"], peaks["bf16_flops"]) == (1e12, 2e14)
   assert "--peak_hbm_bytes_per_s" in peaks["source"] and "--peak_bf16_flops" in peaks["source"]
+
+
+def test_memory_record_on_a_device_with_statistics(script):
+  """A GPU/TPU's `memory_stats()`: the peak is the program's only when it rose during it;
+  the plan adds what was live before and is not one of the program's arguments."""
+  xla = {"argument": 40, "output": 8, "alias": 8, "temp": 60, "peak": 100}
+  before = {"bytes_in_use": 50, "peak_bytes_in_use": 70}
+  after = {"bytes_in_use": 50, "peak_bytes_in_use": 140, "bytes_limit": 1000}
+  rec = script.memory_record("p", before, after, xla, 40, "gpu")
+  assert rec["measured_peak_bytes"] == 140 and rec["reason"] is None
+  assert rec["predicted_peak_bytes"] == 50 - 40 + 100
+  assert rec["measured_over_predicted"] == pytest.approx(140 / 110)
+  assert rec["bytes_limit"] == 1000 and rec["xla"] == xla
+  earlier = script.memory_record("p", before, dict(after, peak_bytes_in_use=70), xla, 40, "gpu")
+  assert earlier["measured_peak_bytes"] is None and "earlier program" in earlier["reason"]
+  assert earlier["predicted_peak_bytes"] == 110 and earlier["measured_over_predicted"] is None
+  unplanned = script.memory_record("p", before, after, None, 40, "tpu")
+  assert unplanned["predicted_peak_bytes"] is None and unplanned["measured_peak_bytes"] == 140
+  cpu = script.memory_record("p", None, None, xla, 40, "cpu")
+  assert cpu["measured_peak_bytes"] is None and cpu["reason"].endswith("is None on cpu")
 
 
 def test_a_failing_part_is_recorded(script):
