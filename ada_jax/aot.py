@@ -198,6 +198,16 @@ def largest_temps(dump_dir: str, top: int = 8) -> list[dict]:
   return out
 
 
+def _compile(fn, *args, what: str, options=None):
+  try:
+    return fn.lower(*args).compile(compiler_options=options)
+  except Exception as e:  # XlaRuntimeError; its text carries the sizes
+    text = str(e)
+    if "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text:
+      raise OutOfMemory(f"{what}: {text.splitlines()[0][:600]}") from None
+    raise
+
+
 def compile_program(fn, *args, what: str) -> Program:
   """`fn` (jitted) lowered on abstract `args` and compiled; its memory and cost analysis.
 
@@ -205,12 +215,7 @@ def compile_program(fn, *args, what: str) -> Program:
     OutOfMemory: XLA refused the program for lack of HBM (message names `what`).
   """
   with tempfile.TemporaryDirectory(prefix="aot_") as dump:
-    try:
-      compiled = fn.lower(*args).compile(compiler_options={"xla_dump_to": dump})
-    except Exception as e:  # XlaRuntimeError; its text carries the sizes
-      if "memory" in str(e).lower() and ("hbm" in str(e).lower() or "exceeds" in str(e)):
-        raise OutOfMemory(f"{what}: {str(e).splitlines()[0][:600]}") from None
-      raise
+    compiled = _compile(fn, *args, what=what, options={"xla_dump_to": dump})
     largest = largest_temps(dump)
   m = compiled.memory_analysis()
   cost = compiled.cost_analysis() or {}
@@ -232,10 +237,10 @@ def _placed(tree, shardings):
   )
 
 
-def abstract_outputs(fn, *args):
+def abstract_outputs(fn, *args, what: str = "program"):
   """Shapes and shardings of a jitted `fn`'s outputs on abstract `args` (a cheap compile:
-  XLA's choice of output shardings)."""
-  compiled = fn.lower(*args).compile()
+  XLA's choice of output shardings). Raises OutOfMemory as `compile_program`."""
+  compiled = _compile(fn, *args, what=what)
   return _placed(jax.eval_shape(fn, *args), compiled.output_shardings)
 
 
@@ -300,8 +305,8 @@ def pool_programs(smp: sampler_lib.Sampler, params, *, what: str) -> dict[str, P
   the per-device bytes of its slot and prompt caches."""
   lp = max(smp.prompt_buckets)
   fns = smp.programs(lp)
-  state = abstract_outputs(fns.init)
-  prompts = abstract_outputs(fns.empty_prompts)
+  state = abstract_outputs(fns.init, what=f"{what} slot cache")
+  prompts = abstract_outputs(fns.empty_prompts, what=f"{what} prompt cache")
   q, s, n = smp.queue_rows, smp.slots, smp.prompts_per_chunk
   i32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   queue = pool_lib.Queue(

@@ -195,13 +195,13 @@ class Check:
 
 def capture_segment(smp: sampler_lib.Sampler, prompt_len: int) -> dict:
   """Arms a one-shot hook that lowers the sampler's segment program with the arguments of
-  its next call; returns the dict that will hold the `Lowered` (or the error). The sampler
-  has no public handle on its compiled programs, so this is the one place that reaches
-  past it (`_run`, `_compiled`); the lowering reuses the program the call compiles."""
+  its next call; returns the dict that will hold the `Lowered` (or the error). The segment
+  program is `Sampler.programs(...).run`; the hook wraps the pool's call of it (`_run`) to
+  see its arguments, and the lowering reuses the program the call compiles."""
   box: dict = {}
   try:
-    run, segment = smp._run, smp._compiled(prompt_len)[3]
-  except (AttributeError, IndexError, TypeError) as e:
+    run, segment = smp._run, smp.programs(prompt_len).run
+  except (AttributeError, TypeError) as e:
     return {"error": f"the sampler's segment program is out of reach: {e!r}"}
 
   def spy(*args):

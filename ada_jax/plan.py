@@ -1,0 +1,297 @@
+"""Will this config fit that TPU slice? `python -m ada_jax.plan --config=configs/X.py
+--topology=v5e-8 [--config.group.field=value ...] [--json=PATH]`, on a laptop, before
+creating the TPU VM.
+
+Compiles every program the run holds in HBM with the TPU compiler itself (libtpu, ahead
+of time, no TPU needed: `aot.py`) on the config's mesh over the slice's devices, and adds
+what stays resident beside each (the optimizer state while sampling, the slot cache while
+prefilling). Prints per phase the bytes per device against the slice's HBM, the largest
+temporary buffers, and compiler-derived roofline figures (not measurements). Exit codes:
+0 every phase fits, 1 one does not (named, with its buffers, or XLA's refusal), 2 a bad
+flag, config field or slice name (one line, nothing compiled).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+from absl import app, flags
+from ml_collections import config_flags
+
+EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_USAGE = 0, 1, 2
+# Hub ids of the experiment configs -> their architecture presets: a plan reads no
+# config.json and downloads nothing. A local folder is read for its config.json.
+PRESET_OF_HF = {
+  "meta-llama/Llama-3.2-3B-Instruct": "llama-3.2-3b",
+  "meta-llama/Llama-3.2-3B": "llama-3.2-3b",
+  "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",
+  "Qwen/Qwen2.5-Math-1.5B": "qwen2.5-math-1.5b",
+  "Qwen/Qwen2.5-Math-7B": "qwen2.5-math-7b",
+  "Qwen/Qwen3-4B": "qwen3-4b",
+}
+# Head room a plan asks for beyond the compiler's figures (runtime buffers, fragmentation).
+SPARE_GIB = 0.5
+
+
+def model_of(cfg):
+  """The config's architecture: its preset, a known Hub id's preset, or a local folder's
+  config.json. Raises ValueError naming `config.model.hf_dir` otherwise."""
+  import pathlib
+
+  spec = cfg.model
+  if spec.preset:
+    return spec.model_config()
+  if spec.hf_dir in PRESET_OF_HF:
+    return dataclasses.replace(spec, preset=PRESET_OF_HF[spec.hf_dir], hf_dir="").model_config()
+  folder = pathlib.Path(spec.hf_dir)
+  if (folder / "config.json").is_file():
+    return spec.model_config(json.loads((folder / "config.json").read_text()))
+  raise ValueError(
+    f"config.model.hf_dir {spec.hf_dir!r}: not a folder with config.json and no known Hub "
+    f"id ({', '.join(PRESET_OF_HF)}); pass --config.model.hf_dir=FOLDER"
+  )
+
+
+def plan(cfg, target_name: str, *, devices=None, progress=print) -> dict:
+  """Compiles the run's programs for the slice and says whether each phase fits.
+
+  Args:
+    cfg: a parsed `config.RunConfig`.
+    target_name: a slice of `aot.TARGETS` ('v5e-8', 'v4-32', ...).
+    devices: the devices to compile for; None: the slice's TPU devices (libtpu).
+    progress: called with a line as each program compiles.
+
+  Returns:
+    A JSON-ready dict: the slice, the mesh, per phase its bytes per device
+    (`phases[name]['gib']`), whether it fits with `SPARE_GIB` to spare, the programs'
+    memory analyses and largest temporaries, the roofline figures, and `fits` overall.
+    A phase XLA refused has `refused` (XLA's message) instead of figures.
+
+  Raises:
+    ValueError: an unknown slice, a mesh or batch that does not divide over it, or an
+      architecture `model_of` cannot find (the field named).
+    RuntimeError: libtpu is missing.
+  """
+  from ada_jax import aot
+
+  t = aot.target(target_name)
+  model_cfg = model_of(cfg)
+  devices = devices or aot.tpu_devices(t)
+  mesh = aot.mesh_for(cfg, devices)
+  params = aot.abstract_params(model_cfg, mesh)
+  gib = lambda b: round(b / aot.GIB, 4)
+  phases, programs, notes = {}, {}, []
+
+  def timed(name, fn):
+    start = time.perf_counter()
+    try:
+      out = fn()
+    except aot.OutOfMemory as e:
+      progress(f"  {name}: refused by XLA:TPU ({time.perf_counter() - start:.0f} s)")
+      phases[name] = {"refused": str(e), "fits": False}
+      return None
+    progress(f"  {name}: compiled ({time.perf_counter() - start:.0f} s)")
+    return out
+
+  train_out = timed("train", lambda: aot.train_program(cfg, model_cfg, mesh))
+  # Resident through every phase: the optimizer state (and a KL term's reference params).
+  state = aot.train.abstract_state(model_cfg, cfg.train, mesh, with_ref=cfg.loss.kl_coeff > 0)
+  resident = aot.per_device_bytes(state.opt_state)
+  if state.ref_params is not None:
+    resident += aot.per_device_bytes(state.ref_params)
+  if train_out is not None:
+    program, layout = train_out
+    programs["train"] = program.as_dict() | {
+      "mini_batch_rows": layout["mini_batch_rows"],
+      "seq_len": layout["seq_len"],
+    }
+    phases["train"] = {"bytes": program.peak}
+  smp = aot.rollout_sampler(cfg, model_cfg, mesh)
+  pool = timed("sample", lambda: aot.pool_programs(smp, params, what="rollout pool"))
+  if pool is not None:
+    programs["pool_segment"] = pool["segment"].as_dict() | {
+      "slots": smp.slots,
+      "kv_cache_gib": gib(pool["slot_cache"]),
+      "prompt_cache_gib": gib(pool["prompt_cache"]),
+      "temp_over_kv": round(pool["segment"].temp / pool["slot_cache"], 4),
+    }
+    programs["prefill"] = pool["prefill"].as_dict()
+    phases["sample"] = {"bytes": pool["segment"].peak + resident}
+    phases["prefill"] = {"bytes": pool["prefill"].peak + pool["pool_state"] + resident}
+    step = timed("decode step (roofline)", lambda: aot.decode_step_program(smp, params))
+    if step is not None:
+      programs["decode_step"] = step.as_dict()
+  if cfg.eval.benchmarks:
+    ev = aot.eval_sampler(cfg, model_cfg, mesh)
+    ev_pool = timed("eval", lambda: aot.pool_programs(ev, params, what="evaluation pool"))
+    if ev_pool is not None:
+      programs["eval_segment"] = ev_pool["segment"].as_dict() | {
+        "slots": ev.slots,
+        "kv_cache_gib": gib(ev_pool["slot_cache"]),
+        "temp_over_kv": round(ev_pool["segment"].temp / ev_pool["slot_cache"], 4),
+      }
+      phases["eval"] = {"bytes": ev_pool["segment"].peak + resident}
+  if cfg.ada.method == "est" and cfg.ada.est_estimator == "head":
+    notes.append(
+      "est head: its features come from a prompt-only forward of prompts_per_chunk "
+      "prompts (smaller than the prefill phase's) and its parameters are D + 1 floats"
+    )
+  limit = t.hbm_gib * aot.GIB
+  for phase in phases.values():
+    if "bytes" in phase:
+      phase["gib"] = gib(phase.pop("bytes"))
+      phase["spare_gib"] = round(t.hbm_gib - phase["gib"], 4)
+      phase["fits"] = phase["gib"] * aot.GIB + SPARE_GIB * aot.GIB <= limit
+  return {
+    "target": dataclasses.asdict(t),
+    "device_kind": devices[0].device_kind,
+    "mesh": aot.shard_counts(mesh),
+    "model": dataclasses.asdict(model_cfg),
+    "resident_gib": {
+      "params": gib(aot.per_device_bytes(state.params)),
+      "opt_state": gib(aot.per_device_bytes(state.opt_state)),
+    },
+    "phases": phases,
+    "programs": programs,
+    "roofline": roofline(cfg, model_cfg, t, mesh, programs, smp),
+    "notes": notes,
+    "fits": bool(phases) and all(p["fits"] for p in phases.values()),
+  }
+
+
+def roofline(cfg, model_cfg, t, mesh, programs, smp) -> dict:
+  """Compiler-derived (not measured) traffic and work ratios.
+
+  * `decode_bytes_ratio`: HBM bytes XLA:TPU's cost analysis gives one decode step at S
+    slots (every slot reading its whole cache) ÷ (the step's parameter shard + the KV
+    cache it reads), goal <= 1.3; and what it implies in decode tokens/s per chip at the
+    slice's peak bandwidth (a bound: the step taken as bandwidth-bound).
+  * `train_flops_ratio`: the train step's FLOPs ÷ ((6 + 2 with remat) × parameters ×
+    tokens of its mini-batch), goal <= 1.15 (attention's FLOPs are above the 6PT rule).
+  """
+  from ada_jax import aot
+  from ada_jax.models import decoder as model_lib
+
+  n = t.devices
+  out = {"what": "from XLA:TPU's cost analysis of the compiled programs, not measured"}
+  step = programs.get("decode_step")
+  if step and step.get("bytes_accessed"):
+    params = aot.per_device_bytes(aot.abstract_params(model_cfg, mesh))
+    kv = programs["pool_segment"]["kv_cache_gib"] * aot.GIB
+    seconds = step["bytes_accessed"] / (t.hbm_gbs * 1e9)
+    out |= {
+      "decode_bytes_per_device": step["bytes_accessed"],
+      "decode_param_shard_bytes": params,
+      "decode_kv_bytes": kv,
+      "decode_bytes_ratio": round(step["bytes_accessed"] / (params + kv), 4),
+      "decode_tokens_per_s_per_chip": round(smp.slots / seconds / n, 1),
+      "hbm_gbs": t.hbm_gbs,
+    }
+  train = programs.get("train")
+  if train and train.get("flops"):
+    count = sum(x.size for x in aot.jax.tree.leaves(model_lib.param_shapes(model_cfg)))
+    tokens = train["mini_batch_rows"] * train["seq_len"]
+    factor = 8 if cfg.train.remat else 6
+    total = train["flops"] * n
+    out |= {
+      "train_flops_per_device": train["flops"],
+      "train_flops_ratio": round(total / (factor * count * tokens), 4),
+      "train_param_count": count,
+      "train_tokens": tokens,
+      "train_mfu_bound_s": round(train["flops"] / (t.peak_tflops * 1e12), 3),
+    }
+  return out
+
+
+def report(result: dict) -> str:
+  """The plan as a short table: one line per phase, then the largest temporaries of any
+  phase that does not fit."""
+  t = result["target"]
+  lines = [
+    f"{t['name']} ({result['device_kind']}, {t['devices']} devices, {t['hbm_gib']} GiB HBM "
+    f"each), mesh {result['mesh']}; resident: params {result['resident_gib']['params']} GiB, "
+    f"optimizer state {result['resident_gib']['opt_state']} GiB per device",
+    f"{'phase':<10}{'GiB/device':>11}{'spare':>8}  verdict",
+  ]
+  for name, p in result["phases"].items():
+    if "refused" in p:
+      lines.append(f"{name:<10}{'-':>11}{'-':>8}  REFUSED: {p['refused'][:300]}")
+    else:
+      verdict = "fits" if p["fits"] else f"DOES NOT FIT (needs {SPARE_GIB} GiB spare)"
+      lines.append(f"{name:<10}{p['gib']:>11.2f}{p['spare_gib']:>8.2f}  {verdict}")
+  program_of = {"train": "train", "sample": "pool_segment", "prefill": "prefill"}
+  program_of["eval"] = "eval_segment"
+  for name, p in result["phases"].items():
+    prog = result["programs"].get(program_of.get(name, ""), {})
+    if not p["fits"] and prog:
+      lines.append(f"largest temporaries of {name}:")
+      for buf in prog["largest_temps"][:5]:
+        lines.append(f"  {buf['bytes'] / 2**30:8.3f} GiB  {buf['shape']}  {buf['op'][:80]}")
+  r = result["roofline"]
+  if "decode_bytes_ratio" in r:
+    lines.append(
+      f"roofline (compiler-derived): decode step bytes / (params + KV) = "
+      f"{r['decode_bytes_ratio']}, <= {r['decode_tokens_per_s_per_chip']:.0f} tokens/s/chip "
+      f"at {r['hbm_gbs']:.0f} GB/s"
+    )
+  if "train_flops_ratio" in r:
+    lines.append(f"train step FLOPs / ((6 + 2 remat) P T) = {r['train_flops_ratio']}")
+  lines.append("FITS" if result["fits"] else "DOES NOT FIT")
+  return "\n".join(lines)
+
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
+_TOPOLOGY = flags.DEFINE_string("topology", None, "TPU slice: v5e-8, v4-8, v4-32, v5p-8, v6e-8.")
+_JSON = flags.DEFINE_string("json", None, "Also write the whole plan as JSON here.")
+
+
+def main(argv) -> int:
+  del argv
+  from ada_jax import aot, metrics
+  from ada_jax import config as config_lib
+
+  with config_lib.exit_on_config_error():
+    if _TOPOLOGY.value not in aot.TARGETS:
+      raise config_lib.ConfigError(
+        f"--topology={_TOPOLOGY.value}: unknown TPU slice; known: {', '.join(aot.TARGETS)}"
+      )
+    cfg = config_lib.parse(_CONFIG.value)
+    try:
+      model_of(cfg)
+    except ValueError as e:
+      raise config_lib.ConfigError(str(e)) from None
+    try:
+      devices = aot.tpu_devices(aot.TARGETS[_TOPOLOGY.value])
+    except RuntimeError as e:
+      raise config_lib.ConfigError(f"--topology={_TOPOLOGY.value}: {e}") from None
+    try:
+      aot.mesh_for(cfg, devices)
+    except ValueError as e:
+      raise config_lib.ConfigError(f"config.mesh on {_TOPOLOGY.value}: {e}") from None
+  print(f"compiling for {_TOPOLOGY.value} with XLA:TPU (minutes on a laptop)", flush=True)
+  try:
+    result = plan(cfg, _TOPOLOGY.value, progress=lambda line: print(line, flush=True))
+  except ValueError as e:  # a batch or chunk that does not divide over this mesh
+    print(f"ada_jax: {e}", file=sys.stderr)
+    return EXIT_USAGE
+  result["git_commit"] = metrics.git_commit()
+  result["config"] = dataclasses.asdict(cfg)
+  print(report(result), flush=True)
+  if _JSON.value:
+    with open(_JSON.value, "w") as f:
+      json.dump(result, f, indent=1, default=str)
+  return EXIT_FITS if result["fits"] else EXIT_DOES_NOT_FIT
+
+
+if __name__ == "__main__":
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for the TPU; run nothing
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  from ada_jax import config
+
+  config.make_configs_importable()
+  flags.mark_flags_as_required(["config", "topology"])
+  app.run(main, flags_parser=config.parse_flags)

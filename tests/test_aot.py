@@ -1,0 +1,165 @@
+"""The TPU compiler in the loop: a run's programs compiled by XLA:TPU (libtpu, ahead of
+time, no TPU) for a v5e-8, the slot cache kept in place, and the plan command's verdicts.
+
+CI has no TPU; libtpu (requirements-dev.txt) is the compiler. Every figure asserted here
+is XLA:TPU's, never XLA:CPU's.
+"""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ada_jax import aot, plan
+from ada_jax import config as config_lib
+from ada_jax.models import decoder as model_lib
+from ada_jax.models import sharding as sharding_lib
+from ada_jax.rollout import sampler as sampler_lib
+
+pytest.importorskip("libtpu", reason="libtpu (requirements-dev.txt) is the TPU compiler")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+V5E = aot.target("v5e-8")
+
+
+def _tiny_arith():
+  sys.path.insert(0, str(ROOT))
+  from configs import tiny_arith_pos
+
+  return tiny_arith_pos.get_config()
+
+
+@pytest.fixture(scope="module")
+def v5e_devices():
+  return aot.tpu_devices(V5E)
+
+
+def test_targets_name_the_compilers_devices_and_hbm(v5e_devices):
+  assert len(v5e_devices) == 8 and v5e_devices[0].device_kind == "TPU v5 lite"
+  # The usable HBM in TARGETS is the figure XLA:TPU's own refusal states.
+  mesh = jax.sharding.Mesh(np.array(v5e_devices), ("x",))
+  sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+  too_big = jax.ShapeDtypeStruct((8 * 2**33,), jnp.float32, sharding=sh)  # 32 GiB/device
+  with pytest.raises(aot.OutOfMemory, match=re.escape(f"({V5E.hbm_gib}G)")):
+    aot.compile_program(jax.jit(lambda x: x * 2 + 1), too_big, what="probe")
+
+
+def _kv_model(**overrides):
+  """A small bf16 model whose KV cache, not its weights or logits, is the pool's bulk."""
+  fields = dict(
+    num_layers=4, embed_dim=256, num_heads=8, num_kv_heads=8, head_dim=128, mlp_dim=512,
+    vocab_size=1024, dtype="bfloat16",
+  )  # fmt: skip
+  return model_lib.preset("tiny-llama", **(fields | overrides))
+
+
+def test_pool_cache_stays_in_place_under_xla_tpu(v5e_devices):
+  config = _kv_model()
+  mesh = sharding_lib.make_mesh(8, 1, 1, devices=v5e_devices)
+  smp = sampler_lib.Sampler(
+    config, max_new_tokens=1024, stop_ids=(1,), chunk_rows=64, prompts_per_chunk=8,
+    prompt_buckets=(128,), mesh=mesh,
+  )  # fmt: skip
+  params = aot.abstract_params(config, mesh)
+  out = aot.pool_programs(smp, params, what="pool")
+  kv = out["slot_cache"]
+  assert kv == 2 * 4 * (64 // 8) * 8 * (128 + 1024) * 128 * 2  # bf16 K and V per device
+  segment = out["segment"]
+  # No second copy of the cache (a scatter's or a transposed layout's): temporaries are a
+  # small fraction of it, and the donated cache aliases its output.
+  assert segment.temp <= 0.25 * kv, segment.largest
+  assert segment.alias >= kv
+  assert not any(b["bytes"] >= kv // 8 and "f32" in b["shape"] for b in segment.largest)
+
+
+def test_decode_loop_moves_no_cache_sized_operand_between_devices(v5e_devices):
+  """From the TPU HLO text: no all-gather or all-to-all of a KV-cache-sized operand."""
+  config = _kv_model(num_kv_heads=4, num_heads=8)
+  mesh = sharding_lib.make_mesh(4, 1, 2, devices=v5e_devices)
+  smp = sampler_lib.Sampler(
+    config, max_new_tokens=512, stop_ids=(1,), chunk_rows=32, prompts_per_chunk=4,
+    prompt_buckets=(64,), mesh=mesh,
+  )  # fmt: skip
+  params = aot.abstract_params(config, mesh)
+  fns = smp.programs(64)
+  state, prompts = aot.abstract_outputs(fns.init), aot.abstract_outputs(fns.empty_prompts)
+  queue = jax.eval_shape(
+    lambda: sampler_lib.pool_lib.Queue(
+      prompt=jnp.zeros(128, jnp.int32), position=jnp.zeros(128, jnp.int32),
+      row_id=jnp.zeros(128, jnp.int32), count=jnp.int32(0), more=jnp.bool_(False),
+      cancel=jnp.zeros(32, bool),
+    )
+  )  # fmt: skip
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  text = fns.run.lower(params, state, prompts, queue, key).compile().as_text()
+  layer_shard = (32 // 4) * (4 // 2) * 512 * 128 * 2  # one layer's ring K per device
+  dtype_bytes = {"bf16": 2, "f32": 4, "s32": 4, "pred": 1, "u32": 4}
+  moved = []
+  for m in re.finditer(r"= (\w+)\[([\d,]*)\][^=]*? (all-gather|all-to-all)\(", text):
+    dims = [int(d) for d in m.group(2).split(",") if d]
+    moved.append(dtype_bytes.get(m.group(1), 4) * int(np.prod(dims)))
+  assert all(b < layer_shard for b in moved), sorted(moved)[-3:]
+
+
+def test_tiny_run_compiles_for_v5e_and_fits(v5e_devices):
+  cfg = config_lib.parse(_tiny_arith())
+  result = plan.plan(cfg, "v5e-8", progress=lambda _: None)
+  assert result["device_kind"] == "TPU v5 lite"
+  assert set(result["phases"]) == {"train", "sample", "prefill", "eval"}
+  assert result["fits"] and all(p["fits"] and p["gib"] > 0 for p in result["phases"].values())
+  for name in ("train", "pool_segment", "prefill", "eval_segment", "decode_step"):
+    assert result["programs"][name]["peak_gib"] > 0, name
+  r = result["roofline"]
+  assert r["decode_bytes_ratio"] >= 1.0  # a step reads at least its weights and cache
+  # 6 P T (+ 2 P T with remat), plus attention: close to 1 for this short-sequence model.
+  assert 0.95 <= r["train_flops_ratio"] <= 1.5
+
+
+def test_plan_refuses_a_config_that_does_not_fit(v5e_devices):
+  c = _tiny_arith()
+  c.sampler.chunk_rows = 2**21  # slots whose KV cache takes 16.9 GiB per device
+  result = plan.plan(config_lib.parse(c), "v5e-8", progress=lambda _: None)
+  assert not result["fits"]
+  assert not result["phases"]["sample"]["fits"]
+  assert "DOES NOT FIT" in plan.report(result)
+
+
+def _plan_cli(*args):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+  return subprocess.run(
+    [sys.executable, "-m", "ada_jax.plan", *args], cwd=ROOT, env=env, capture_output=True,
+    text=True, timeout=600,
+  )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+  "args, field",
+  [
+    (["--topology=v9z-8"], "--topology=v9z-8"),
+    (["--topology=v5e-8", "--config.mesh.tensor=3"], "config.mesh"),
+    (["--topology=v5e-8", "--config.rl.batchsize=3"], "batchsize"),
+  ],
+)
+def test_plan_command_names_a_bad_flag_with_exit_2(args, field):
+  proc = _plan_cli("--config=configs/tiny_arith_pos.py", *args)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert field in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_plan_command_exit_codes(tmp_path):
+  ok = _plan_cli(
+    "--config=configs/tiny_arith_pos.py", "--topology=v5e-8", f"--json={tmp_path}/p.json"
+  )
+  assert ok.returncode == 0, ok.stderr[-2000:]
+  assert "FITS" in ok.stdout and (tmp_path / "p.json").is_file()
+  big = _plan_cli(
+    "--config=configs/tiny_arith_pos.py", "--topology=v5e-8", f"--config.sampler.chunk_rows={2**21}"
+  )
+  assert big.returncode == 1, big.stderr[-2000:]
+  assert "DOES NOT FIT" in big.stdout
