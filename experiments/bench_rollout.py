@@ -27,6 +27,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import pathlib
 import statistics
 import subprocess
@@ -130,6 +131,77 @@ def chunk_counts(packing, lengths, chunk_rows, cache_len, prompt_len):
   }
 
 
+def _setup(args):
+  rng = np.random.default_rng(0)
+  prompts = rng.integers(START + 1, 8, (args.prompts, args.prompt_len)).tolist()
+  for p in prompts:
+    p[-1] = START
+  rows = np.repeat(np.arange(args.prompts), args.rows)
+  common = dict(
+    max_new_tokens=args.budget,
+    chunk_rows=args.slots,
+    prompts_per_chunk=max(1, args.slots // args.rows),
+    prompt_buckets=(args.prompt_len,),
+  )
+  return prompts, rows, common
+
+
+def pool_only(args) -> None:
+  """One process's pool: a warm-up, then one timed `generate` per schedule (JSON line)."""
+  prompts, rows, common = _setup(args)
+  out = {}
+  for schedule in args.schedules.split(","):
+    config, params, stop = counter_model(schedule, args.budget, args.dim, args.layers)
+    pool = sampler_lib.Sampler(
+      config, rule=sampler_lib.SamplingRule(temperature=1.0), stop_ids=[stop], **common
+    )
+    pool.generate(params, prompts, rows, jax.random.key(0))
+    start = time.perf_counter()
+    res, _ = pool.generate(params, prompts, rows, jax.random.key(1))
+    out[schedule] = {"wall_s": time.perf_counter() - start, "tokens": int(res["lengths"].sum())}
+  print(json.dumps(out))
+
+
+def pool_vs(args) -> None:
+  """This tree's pool (B) against COMMIT's (A): each run a fresh process (compiles outside
+  the timed call), A B A B ..., medians and the per-pair ratio B / A."""
+  import shutil
+
+  base = pathlib.Path(tempfile.mkdtemp(prefix="pool_vs_"))
+  archive = subprocess.run(
+    ["git", "-C", str(ROOT), "archive", args.pool_vs, "ada_jax"], check=True, capture_output=True
+  ).stdout
+  subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
+  trees = {"baseline": str(base), "this": str(ROOT)}
+  keep = ["--prompts", "--rows", "--budget", "--prompt_len", "--slots", "--dim", "--layers"]
+  flags = [f"{k}={getattr(args, k[2:])}" for k in keep] + [f"--schedules={args.schedules}"]
+  runs = {name: [] for name in trees}
+  for k in range(args.alternations):
+    for name in trees if k % 2 == 0 else reversed(list(trees)):
+      env = dict(os.environ, PYTHONPATH=trees[name])
+      child = subprocess.run(
+        [sys.executable, __file__, "--pool_only", *flags], env=env, capture_output=True, text=True,
+        check=True, cwd=trees[name],
+      )  # fmt: skip
+      runs[name].append(json.loads(child.stdout.strip().splitlines()[-1]))
+      print(f"{name}: {runs[name][-1]}", file=sys.stderr, flush=True)
+  shutil.rmtree(base, ignore_errors=True)
+  result = {"git_commit": metrics.git_commit(), "baseline_commit": args.pool_vs, "args": vars(args)}
+  for schedule in args.schedules.split(","):
+    wall = {n: [r[schedule]["wall_s"] for r in runs[n]] for n in trees}
+    result[schedule] = {
+      "wall_s": {n: [round(t, 3) for t in w] for n, w in wall.items()},
+      "wall_s_median": {n: round(statistics.median(w), 3) for n, w in wall.items()},
+      "ratio_this_over_baseline_median": round(
+        statistics.median(b / a for a, b in zip(wall["baseline"], wall["this"], strict=True)), 3
+      ),
+      "tokens": {n: runs[n][0][schedule]["tokens"] for n in trees},
+    }
+  text = json.dumps(result, indent=1)
+  print(text)
+  pathlib.Path(args.out).write_text(text + "\n")
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--prompts", type=int, default=256)
@@ -143,7 +215,19 @@ def main():
   parser.add_argument("--schedules", default="lognormal,at_budget")
   parser.add_argument("--baseline", default=BASELINE)
   parser.add_argument("--out", default=str(ROOT / "experiments/results/bench_rollout.json"))
+  parser.add_argument(
+    "--pool_vs",
+    default="",
+    metavar="COMMIT",
+    help="instead: this tree's pool against the pool of COMMIT, each in its own process, "
+    "interleaved --alternations times; writes --out",
+  )
+  parser.add_argument("--pool_only", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args()
+  if args.pool_vs:
+    return pool_vs(args)
+  if args.pool_only:
+    return pool_only(args)
 
   chunked_lib = load_baseline(args.baseline)
   rng = np.random.default_rng(0)

@@ -9,9 +9,10 @@ import pathlib
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "ada_jax"
-# The command-line entry may import late on purpose: logging is quieted and the
-# multi-process runtime joined before JAX (and so the library) is first imported.
-LATE_IMPORTS_ALLOWED = {"ada_jax.main"}
+# These command-line entries may import late on purpose: logging is quieted, the
+# multi-process runtime joined (main) or JAX kept off the TPU it compiles for (plan)
+# before JAX, and so the library, is first imported.
+LATE_IMPORTS_ALLOWED = {"ada_jax.main", "ada_jax.plan"}
 
 # The layers, lowest first; a module imports only from its own layer or lower ones (the
 # most specific prefix places a module; a package's `__init__` imports nothing).
@@ -29,9 +30,13 @@ LAYERS = (
   ),
   (
     "run drivers",
-    ("ada_jax.loop", "ada_jax.eval.evaluation", "ada_jax.eval.policy", "ada_jax.eval.selection"),
+    ("ada_jax.loop", "ada_jax.eval.evaluation", "ada_jax.eval.policy", "ada_jax.eval.selection")
+    + ("ada_jax.aot",),
   ),
-  ("command lines", ("ada_jax.main", "ada_jax.evaluate", "ada_jax.select_prompts")),
+  (
+    "command lines",
+    ("ada_jax.main", "ada_jax.evaluate", "ada_jax.select_prompts", "ada_jax.plan"),
+  ),
 )
 PACKAGES = {"ada_jax", "ada_jax.models", "ada_jax.rewards", "ada_jax.data", "ada_jax.rl"}
 PACKAGES |= {"ada_jax.rollout", "ada_jax.eval"}

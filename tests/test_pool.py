@@ -156,3 +156,22 @@ def test_prompts_of_different_lengths_in_one_pool(tiny):
   np.testing.assert_array_equal(out["tokens"], ref)
   short, _ = smp.generate(params, prompts, [2, 0], jax.random.key(0))  # the 8 bucket
   np.testing.assert_array_equal(short["tokens"], ref[[1, 2]])
+
+
+def test_slot_cache_draws_the_tokens_of_the_engine_before_it():
+  """The ring slot cache changes where keys sit, not what attention computes: in float32
+  the pool draws exactly the tokens the per-row-scatter cache of commit 67c6509 drew
+  (recorded there with this call), at two pool sizes and attention blocks."""
+  golden = np.load(pathlib.Path(__file__).parent / "data" / "pool_tokens_67c6509.npz")
+  prompts = [[5, 6, 7, 8, 9], [11, 12], [13], [20, 21, 22, 23, 24, 25, 26], list(range(30, 50))]
+  config = model_lib.preset("tiny-llama", dtype="float32")
+  params = model_lib.init_params(config, jax.random.key(1))
+  for slots, block in ((4, 0), (8, 8)):
+    smp = sampler_lib.Sampler(
+      config, max_new_tokens=40, stop_ids=tuple(range(3, 512, 37)), chunk_rows=slots,
+      prompts_per_chunk=2, prompt_buckets=(8, 32), attention_block=block,
+    )  # fmt: skip
+    out, _ = smp.generate(params, prompts, np.repeat(np.arange(5), 6), jax.random.key(7))
+    np.testing.assert_array_equal(out["tokens"], golden[f"float32_{slots}_tokens"])
+    np.testing.assert_array_equal(out["lengths"], golden[f"float32_{slots}_lengths"])
+    np.testing.assert_allclose(out["logprobs"], golden[f"float32_{slots}_logprobs"], atol=1e-5)
