@@ -36,12 +36,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.tokenizer.eos_ids = ()  # stop ids overriding the folder's (e.g. Llama 3: 128001, 128009)
 
   c.data = ml_collections.ConfigDict()
-  c.data.source = "math_train"  # 'arith', a data.SETS name, or 'jsonl'
+  c.data.source = "math_train"  # 'arith', a data.SETS name, 'jsonl' or 'verl'
   c.data.split = "train"  # split of a data.SETS source
   # Folder with the maths JSONL files; '' = download. Default: shared/data beside the checkout.
   c.data.manual_dir = shared_path("data")
   c.data.data_dir = ""  # TFDS data dir; '' = TFDS default
   c.data.jsonl_paths = ()  # the user's JSONL prompt files (source 'jsonl')
+  c.data.verl_set = ""  # source 'verl': Hub data set id, or a Parquet/JSONL file or folder
   c.data.problem_field = "problem"  # field of the problem text in those files
   c.data.answer_field = "answer"  # field of the reference answer
   c.data.answer_format = "plain"  # 'plain', 'boxed' or 'gsm8k'

@@ -18,6 +18,8 @@ from configs import llama3b_pos
 def get_config() -> ml_collections.ConfigDict:
   c = llama3b_pos.get_config()
   c.model.hf_dir = "Qwen/Qwen2.5-Math-7B"  # local folder or Hub id
+  # The authors' released hard set (their easy set: RLHFlow/reinforce_ada_easy_prompt).
+  c.data.verl_set = "RLHFlow/reinforce_ada_hard_prompt"
   c.tokenizer.eos_ids = (151643, 151645)  # <|endoftext|>, <|im_end|>
   # The released script's override (config.json: 4,096), so that 1,024 + 4,096 evaluates.
   c.model.overrides.max_position_embeddings = 32768
