@@ -100,7 +100,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.optim.grad_clip = 1.0  # global gradient-norm clip
 
   c.train = ml_collections.ConfigDict()
-  c.train.num_minibatches = 4  # k optimizer updates per RL step, 1 epoch (paper: 4)
+  # Prompts per mini-batch (verl's ppo_mini_batch_size, released: 128): mini-batches of
+  # 128 × ada.n rows, so updates per step = training rows / that (Est 8, Seq 4); 0 = one.
+  c.train.mini_batch_prompts = 128
   c.train.micro_batch_size = 0  # rows per gradient-accumulation step; 0 = whole mini-batch
   c.train.remat = False  # rematerialise each block in the backward pass
 

@@ -75,7 +75,13 @@ class TrainConfig:
     loss: the policy loss.
     optim: the optimizer.
     num_minibatches: k, optimizer updates per RL step (the batch is cut into k
-      mini-batches of consecutive rows; 1 epoch).
+      mini-batches of consecutive rows; 1 epoch). In a run it is derived from
+      `mini_batch_prompts` (`config.RunConfig`), as verl derives it.
+    mini_batch_prompts: a mini-batch in prompts, verl's `ppo_mini_batch_size` (released
+      script: 128): it holds `mini_batch_prompts × ada.n` rows (verl: × rollout.n), so
+      k = training rows / that, and Est's K·B rows give more updates than B·n (paper
+      batch: Est 8, GRPO n = 8 4, Seq 4); 0 = the whole batch, one update. Read by
+      `config.RunConfig` only.
     micro_batch_size: rows per micro-batch (gradient accumulation inside the jit);
       0 = the whole mini-batch at once.
     remat: rematerialise each transformer block in the backward pass.
@@ -87,6 +93,7 @@ class TrainConfig:
   loss: LossConfig = LossConfig()
   optim: OptimConfig = OptimConfig()
   num_minibatches: int = 4
+  mini_batch_prompts: int = 0
   micro_batch_size: int = 0
   remat: bool = False
   temperature: float = 1.0
@@ -94,6 +101,10 @@ class TrainConfig:
   def __post_init__(self):
     if self.num_minibatches < 1:
       raise ValueError(f"TrainConfig.num_minibatches must be >= 1, got {self.num_minibatches}")
+    if self.mini_batch_prompts < 0:
+      raise ValueError(
+        f"TrainConfig.mini_batch_prompts must be >= 0, got {self.mini_batch_prompts}"
+      )
     if self.micro_batch_size < 0:
       raise ValueError(f"TrainConfig.micro_batch_size must be >= 0, got {self.micro_batch_size}")
     if not self.temperature > 0:

@@ -1,11 +1,13 @@
 """One RL step's policy update: the RL batch cut into k mini-batches and k optimizer updates
 of the jitted train step (`train.make_train_step`), metrics fetched to the host once.
 
-k is `TrainConfig.num_minibatches` (default 4, the released code's `ppo_mini_batch_size =
-B/4`); mini-batches are consecutive rows, which keeps each prompt's group together, like
-verl's `data.split`; 1 epoch. Every process holds the whole RL batch (the rollouts are
-identical everywhere) and passes the mesh only the rows its devices hold: this module is
-the one place that knows both the cut and those rows (`minibatches`).
+k is `TrainConfig.num_minibatches`, which a run derives as verl does from the mini-batch
+size in prompts (`train.mini_batch_prompts` × n rows; released: 128 × 4 of 2,048 rows, 4
+updates; Est's 4,096 rows, 8); mini-batches are consecutive rows, which keeps each
+prompt's group together, like verl's `data.split`; 1 epoch. Every process holds the
+whole RL batch (the rollouts are identical everywhere) and passes the mesh only the rows
+its devices hold: this module is the one place that knows both the cut and those rows
+(`minibatches`).
 """
 
 from __future__ import annotations
