@@ -128,7 +128,8 @@ class RLConfig:
   Attributes:
     steps: RL steps to run.
     batch_prompts: B, prompts per RL step.
-    judge: reward function (`rewards.JUDGES`: 'math' or 'exact').
+    judge: reward function (`rewards.judges.JUDGES`): 'math' (ours), 'exact', or
+      'released' (the authors' training reward: last `\\boxed{`, stock math-verify).
     verifier_workers: reward worker processes (0 = all cores); 'exact' runs in-process.
     verifier_timeout_s: hard per-response timeout (seconds).
     log_samples: print this many decoded responses every `eval.every_steps` steps.

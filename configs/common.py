@@ -82,7 +82,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl = ml_collections.ConfigDict()
   c.rl.steps = 300  # RL steps
   c.rl.batch_prompts = 512  # B: prompts per RL step (paper: 512)
-  c.rl.judge = "math"  # reward: 'math' (math-verify) or 'exact'
+  c.rl.judge = "math"  # reward: 'math' (ours), 'exact', 'released' (the authors')
   c.rl.verifier_workers = 0  # reward worker processes; 0 = all cores
   c.rl.verifier_timeout_s = 5.0  # hard per-response timeout, seconds
 

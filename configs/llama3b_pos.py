@@ -27,7 +27,9 @@ def get_config() -> ml_collections.ConfigDict:
   c = common.get_config()
   c.model.hf_dir = "meta-llama/Llama-3.2-3B-Instruct"  # local folder or Hub id
   c.model.dtype = "bfloat16"
-  c.tokenizer.eos_ids = (128001, 128009)  # <|end_of_text|>, <|eot_id|>
+  # Stop ids from the model folder's generation_config.json, as released (Llama 3.2
+  # Instruct: 128001 <|end_of_text|>, 128008 <|eom_id|>, 128009 <|eot_id|>).
+  c.tokenizer.eos_ids = ()
 
   c.data.source = "verl"  # the released prompt set; 'math_train' = MATH outside MATH500
   c.data.verl_set = "RLHFlow/reinforce_ada_hard_prompt_llama"  # Hub id (offline: manual_dir/<name>)
@@ -37,6 +39,8 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.rl.steps = 400
   c.rl.batch_prompts = 512
+  c.rl.judge = "released"  # the authors' reward (last \boxed{, stock math-verify); ours: 'math'
+  c.rl.verifier_timeout_s = 20.0  # the released reward's limit per response
 
   c.sampler.chunk_rows = 192  # KV cache of 192 rows × 3072 slots: 7.9 GiB/device on 8 chips
   # Q = S queued rows: the prompt cache holds Q/S × P prompts of 1,024 tokens, and XLA

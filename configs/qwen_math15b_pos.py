@@ -20,7 +20,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.hf_dir = "Qwen/Qwen2.5-Math-1.5B"  # local folder or Hub id
   # The authors' released hard set (their easy set: RLHFlow/reinforce_ada_simple_prompt_1-5b).
   c.data.verl_set = "RLHFlow/reinforce_ada_hard_prompt_1-5b"
-  c.tokenizer.eos_ids = (151643, 151645)  # <|endoftext|>, <|im_end|>
+  c.tokenizer.eos_ids = ()  # the folder's stop ids (generation_config.json), as released
   # The released script's override (config.json: 4,096), so that 1,024 + 4,096 evaluates.
   c.model.overrides.max_position_embeddings = 32768
   c.sampler.max_new_tokens = 2048  # training response budget (released script: 2,048)
