@@ -214,6 +214,8 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
   )
   if first == 0:
     writer.add_scalars(0, host.get("before_rl", {}))
+  # The stop ids end responses in training and evaluation; the folder's are the default.
+  writer.log_text(f"stop ids {list(tokenizer.eos_ids)} (training and evaluation samplers)")
   verifier_cfg = VerifierConfig(
     judge=cfg.rl.judge, num_workers=cfg.rl.verifier_workers, timeout_s=cfg.rl.verifier_timeout_s
   )
@@ -256,6 +258,7 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
     "source": source,
     "warmstart": host.get("warmstart"),
     "before_rl": host.get("before_rl", {}),
+    "stop_ids": list(tokenizer.eos_ids),
   }
   if stopped_by is not None:
     summary["stopped_by"] = stopped_by
