@@ -85,6 +85,9 @@ class TrainConfig:
     micro_batch_size: rows per micro-batch (gradient accumulation inside the jit);
       0 = the whole mini-batch at once.
     remat: rematerialise each transformer block in the backward pass.
+    old_logprobs: the PPO old log-probs: 'sampler' (the rollout's, recorded while sampling:
+      same params, the sampler's numerics) or 'recompute' (released: verl recomputes them
+      with the trainer before the update, `update.make_logprob_step`).
     temperature: T at which log-probs and entropy are recomputed, softmax(logits / T); it
       must be the sampler's (`sampler.SamplingRule.logprob_temperature`, which
       `config.RunConfig` fills in), else the PPO ratio is off from the start.
@@ -96,6 +99,7 @@ class TrainConfig:
   mini_batch_prompts: int = 0
   micro_batch_size: int = 0
   remat: bool = False
+  old_logprobs: str = "sampler"
   temperature: float = 1.0
 
   def __post_init__(self):
@@ -107,6 +111,10 @@ class TrainConfig:
       )
     if self.micro_batch_size < 0:
       raise ValueError(f"TrainConfig.micro_batch_size must be >= 0, got {self.micro_batch_size}")
+    if self.old_logprobs not in ("sampler", "recompute"):
+      raise ValueError(
+        f"TrainConfig.old_logprobs={self.old_logprobs!r}: expected 'sampler' or 'recompute'"
+      )
     if not self.temperature > 0:
       raise ValueError(f"TrainConfig.temperature must be > 0, got {self.temperature}")
 
