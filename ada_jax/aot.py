@@ -249,17 +249,12 @@ def abstract_params(model_cfg: model_lib.ModelConfig, mesh) -> model_lib.Params:
   return _placed(model_lib.param_shapes(model_cfg), sharding_lib.param_shardings(model_cfg, mesh))
 
 
-def mini_batch_rows(cfg: config_lib.RunConfig) -> int:
-  """Rows of one policy update (one compiled train-step call)."""
-  return cfg.train_rows // cfg.train.num_minibatches
-
-
 def train_program(cfg: config_lib.RunConfig, model_cfg, mesh) -> tuple[Program, dict]:
   """The train step on one mini-batch; (program, its resident state bytes and layout)."""
   with_ref = cfg.loss.kl_coeff > 0
   train.check_batch_layout(cfg.train_rows, cfg.train, mesh)
   state = train.abstract_state(model_cfg, cfg.train, mesh, with_ref=with_ref)
-  rows = mini_batch_rows(cfg)
+  rows = cfg.mini_batch_rows
   length = max(cfg.sampler.prompt_buckets) + cfg.sampler.max_new_tokens
   rows_sharding = sharding_lib.batch_sharding(mesh)
   sds = lambda dtype: jax.ShapeDtypeStruct((rows, length), dtype, sharding=rows_sharding)

@@ -128,7 +128,8 @@ class RLConfig:
   Attributes:
     steps: RL steps to run.
     batch_prompts: B, prompts per RL step.
-    judge: reward function (`rewards.JUDGES`: 'math' or 'exact').
+    judge: reward function (`rewards.judges.JUDGES`): 'math' (ours), 'exact', or
+      'released' (the authors' training reward: last `\\boxed{`, stock math-verify).
     verifier_workers: reward worker processes (0 = all cores); 'exact' runs in-process.
     verifier_timeout_s: hard per-response timeout (seconds).
     log_samples: print this many decoded responses every `eval.every_steps` steps.
@@ -143,12 +144,13 @@ class RLConfig:
 
 
 # Fields of a module's config that the run fills from another group (one source each):
-# the trainer's loss, optimizer and log-prob temperature.
+# the trainer's loss, optimizer and log-prob temperature, and its number of updates.
 _FILLED = {
   "train": {
     "loss": "config.loss",
     "optim": "config.optim",
     "temperature": "config.sampler.temperature",
+    "num_minibatches": "config.train.mini_batch_prompts (updates = rows / (it × ada.n))",
   }
 }
 
@@ -157,7 +159,8 @@ _FILLED = {
 class RunConfig:
   """A whole experiment, checked. Groups mirror the config file's; each is the frozen
   config dataclass of the module that uses it (`train.loss`, `train.optim` and
-  `train.temperature` are filled from the `loss`, `optim` and `sampler` groups)."""
+  `train.temperature` are filled from the `loss`, `optim` and `sampler` groups, and
+  `train.num_minibatches` is derived from `train.mini_batch_prompts`)."""
 
   seed: int = 0
   model: ModelSpec = ModelSpec(preset="tiny-llama")
@@ -182,6 +185,7 @@ class RunConfig:
       loss=self.loss,
       optim=self.optim,
       temperature=self.sampler.rule.logprob_temperature,
+      num_minibatches=max(1, self.train_rows // self.mini_batch_rows),
     )
     object.__setattr__(self, "train", train)
     if self.ada.schedule == "stream" and not self.sampler.segment_steps:
@@ -194,6 +198,14 @@ class RunConfig:
   def train_rows(self) -> int:
     """Rows of the RL training batch: B·n, or K·B for est (`AdaConfig.train_rows`)."""
     return self.ada.train_rows(self.rl.batch_prompts)
+
+  @property
+  def mini_batch_rows(self) -> int:
+    """Rows of one mini-batch: `train.mini_batch_prompts` × `ada.n` (verl's
+    ppo_mini_batch_size × rollout.n), or the whole training batch when that is 0."""
+    if not self.train.mini_batch_prompts:
+      return self.train_rows
+    return self.train.mini_batch_prompts * self.ada.n
 
   @property
   def prompts_per_chunk(self) -> int:
@@ -210,10 +222,11 @@ class RunConfig:
       raise ConfigError(f"config.rl.steps must be >= 1, got {self.rl.steps}")
     if self.rl.batch_prompts < 1:
       raise ConfigError(f"config.rl.batch_prompts must be >= 1, got {self.rl.batch_prompts}")
-    if self.train_rows % self.train.num_minibatches:
+    if self.train_rows % self.mini_batch_rows:
       raise ConfigError(
-        f"config.train.num_minibatches ({self.train.num_minibatches}) must divide the "
-        f"training batch ({self.train_rows} rows = rl.batch_prompts × responses per prompt)"
+        f"config.train.mini_batch_prompts ({self.train.mini_batch_prompts}) × ada.n "
+        f"({self.ada.n}) = {self.mini_batch_rows} rows must divide the training batch "
+        f"({self.train_rows} rows: rl.batch_prompts × ada.n, or est's K·B); 0 = one update"
       )
     rows = self.ada.min_rows_per_prompt
     if self.prompts_per_chunk * rows < self.sampler.chunk_rows:

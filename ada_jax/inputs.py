@@ -16,7 +16,7 @@ from absl import logging
 
 from ada_jax import config as config_lib
 from ada_jax.config import ConfigError
-from ada_jax.data import arith, prompts, sources
+from ada_jax.data import arith, prompts, sources, verl
 from ada_jax.data import sets as data
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import weights
@@ -77,6 +77,9 @@ def load_prompts(cfg: config_lib.RunConfig, tokenizer: Tokenizer) -> prompts.Pro
   if d.source == "arith":
     examples = arith.examples(d.arith, "train", d.arith_prompts, seed=cfg.seed)
     style = "raw"
+  elif d.source == "verl":
+    examples = _verl_examples(d)
+    style = d.prompt_style
   else:
     if d.source == "jsonl":
       try:
@@ -94,7 +97,8 @@ def load_prompts(cfg: config_lib.RunConfig, tokenizer: Tokenizer) -> prompts.Pro
       spec = d.source
     else:
       raise ConfigError(
-        f"config.data.source {d.source!r}: use 'arith', 'jsonl' or one of {sorted(sources.SETS)}"
+        f"config.data.source {d.source!r}: use 'arith', 'jsonl', 'verl' or one of "
+        f"{sorted(sources.SETS)}"
       )
     data_dir = (
       d.data_dir
@@ -123,6 +127,29 @@ def load_prompts(cfg: config_lib.RunConfig, tokenizer: Tokenizer) -> prompts.Pro
       f"{len(ps)} usable training prompts"
     )
   return ps
+
+
+def _verl_examples(d: prompts.DataConfig) -> list[dict]:
+  """The examples of `d.verl_set` (source 'verl'), every failure a ConfigError."""
+  if not d.verl_set:
+    raise ConfigError("config.data.verl_set: empty; source 'verl' needs a Hub id or a path")
+  if d.prompt_style != "chat":
+    raise ConfigError(
+      f"config.data.prompt_style {d.prompt_style!r}: source 'verl' renders each row's own "
+      "chat messages through the chat template; use 'chat'"
+    )
+  try:
+    return verl.load_examples(d.verl_set, d.split, manual_dir=d.manual_dir or None)
+  except (OSError, ValueError) as e:
+    hint = ""
+    if isinstance(e, ConnectionError):
+      name = d.verl_set.split("/")[-1]
+      hint = (
+        f"; download it where there is network (`huggingface-cli download {d.verl_set} "
+        f"--repo-type dataset --local-dir DIR/{name}`) and set config.data.manual_dir to DIR, "
+        "or config.data.verl_set to the folder"
+      )
+    raise ConfigError(f"config.data.verl_set: {' '.join(str(e).split())}{hint}") from None
 
 
 def _offline_hint(error: Exception, field: str) -> str:

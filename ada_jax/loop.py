@@ -212,11 +212,16 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
   np_rng = checkpoint.generator_from_state(host["np_rng"])
   first = int(host["step"])
   step_fn = train.make_train_step(model_cfg, train_cfg, mesh, with_ref=with_ref)
+  logprob_fn = None
+  if train_cfg.old_logprobs == "recompute":  # released: the trainer's old log-probs
+    logprob_fn = update.make_logprob_step(model_cfg, train_cfg, mesh)
   writer = metrics_lib.MetricsWriter(
     workdir, total_steps=cfg.rl.steps, start_step=first, primary=jax.process_index() == 0
   )
   if first == 0:
     writer.add_scalars(0, host.get("before_rl", {}))
+  # The stop ids end responses in training and evaluation; the folder's are the default.
+  writer.log_text(f"stop ids {list(tokenizer.eos_ids)} (training and evaluation samplers)")
   verifier_cfg = VerifierConfig(
     judge=cfg.rl.judge, num_workers=cfg.rl.verifier_workers, timeout_s=cfg.rl.verifier_timeout_s
   )
@@ -224,7 +229,7 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
   agreed = stopped_by = None
   with checkpoint.stop_signals() as stop, RewardPool(verifier_cfg) as pool:
     grader = distributed.SharedGrader(pool)  # identical rewards on every process
-    ctx = StepContext(cfg, ps, iterator, smp, step_fn, grader, tokenizer, mesh, np_rng)
+    ctx = StepContext(cfg, ps, iterator, smp, step_fn, grader, tokenizer, mesh, np_rng, logprob_fn)
     for step in range(first + 1, cfg.rl.steps + 1):
       state, est, m = rl_step(ctx, step, state, est, jax.random.fold_in(rollout_key, step))
       if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < cfg.rl.steps:
@@ -259,6 +264,7 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
     "source": source,
     "warmstart": host.get("warmstart"),
     "before_rl": host.get("before_rl", {}),
+    "stop_ids": list(tokenizer.eos_ids),
   }
   if stopped_by is not None:
     summary["stopped_by"] = stopped_by
@@ -299,6 +305,7 @@ class StepContext:
     tokenizer: the run's tokenizer.
     mesh: the device mesh.
     np_rng: the host Generator of the controller's draws (checkpointed; it advances).
+    logprob_fn: `update.make_logprob_step` under `train.old_logprobs='recompute'`, else None.
   """
 
   cfg: config_lib.RunConfig
@@ -310,6 +317,7 @@ class StepContext:
   tokenizer: Tokenizer
   mesh: jax.sharding.Mesh
   np_rng: np.random.Generator
+  logprob_fn: Any = None
 
 
 def rl_step(
@@ -377,7 +385,9 @@ def rl_step(
         rows=cfg.train_rows,
         buckets=cfg.sampler.prompt_buckets,
       )
-      state, tm = update.update_policy(ctx.step_fn, state, batch, config=cfg.train, mesh=ctx.mesh)
+      state, tm = update.update_policy(
+        ctx.step_fn, state, batch, config=cfg.train, mesh=ctx.mesh, logprob_fn=ctx.logprob_fn
+      )
     time_train = time.perf_counter() - start
   s = result.stats
   m = {
@@ -398,7 +408,15 @@ def rl_step(
   m.update(
     {
       k: tm[k]
-      for k in ("loss", "entropy", "clip_frac", "grad_norm", "approx_kl", "learning_rate")
+      for k in (
+        "loss",
+        "entropy",
+        "clip_frac",
+        "grad_norm",
+        "approx_kl",
+        "learning_rate",
+        "old_logprob_gap",  # sampler–trainer mismatch before the first update
+      )
       if k in tm
     }
   )

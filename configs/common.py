@@ -36,12 +36,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.tokenizer.eos_ids = ()  # stop ids overriding the folder's (e.g. Llama 3: 128001, 128009)
 
   c.data = ml_collections.ConfigDict()
-  c.data.source = "math_train"  # 'arith', a data.SETS name, or 'jsonl'
+  c.data.source = "math_train"  # 'arith', a data.SETS name, 'jsonl' or 'verl'
   c.data.split = "train"  # split of a data.SETS source
   # Folder with the maths JSONL files; '' = download. Default: shared/data beside the checkout.
   c.data.manual_dir = shared_path("data")
   c.data.data_dir = ""  # TFDS data dir; '' = TFDS default
   c.data.jsonl_paths = ()  # the user's JSONL prompt files (source 'jsonl')
+  c.data.verl_set = ""  # source 'verl': Hub data set id, or a Parquet/JSONL file or folder
   c.data.problem_field = "problem"  # field of the problem text in those files
   c.data.answer_field = "answer"  # field of the reference answer
   c.data.answer_format = "plain"  # 'plain', 'boxed' or 'gsm8k'
@@ -72,6 +73,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.ada.std_normalize = False  # divide advantages by the std (released Reinforce-Ada: off)
   c.ada.baseline = "global"  # 'global': mean over the whole pool (Reinforce-Ada); 'local'
   c.ada.inverse_p_weight = "none"  # 'none' (released) or f'(p̄): '1/p', '1/sqrt_p' (1/√p̄), α
+  c.ada.batch_order = "exit"  # Seq groups in exit order (released), or 'prompt' order
   c.ada.est_budget_per_prompt = 8.0  # K: est draws round(K·B) samples (released: 8)
   c.ada.est_weight = "1/p"  # est allocation f'(p̂): '1/p' (α=0, released), '1/sqrt_p' (α=0.5), α
   c.ada.est_estimator = "ema"  # p̂ from 'ema' counts (released), the learned 'head', 'head+ema'
@@ -80,7 +82,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl = ml_collections.ConfigDict()
   c.rl.steps = 300  # RL steps
   c.rl.batch_prompts = 512  # B: prompts per RL step (paper: 512)
-  c.rl.judge = "math"  # reward: 'math' (math-verify) or 'exact'
+  c.rl.judge = "math"  # reward: 'math' (ours), 'exact', 'released' (the authors')
   c.rl.verifier_workers = 0  # reward worker processes; 0 = all cores
   c.rl.verifier_timeout_s = 5.0  # hard per-response timeout, seconds
 
@@ -99,9 +101,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.optim.grad_clip = 1.0  # global gradient-norm clip
 
   c.train = ml_collections.ConfigDict()
-  c.train.num_minibatches = 4  # k optimizer updates per RL step, 1 epoch (paper: 4)
+  # Prompts per mini-batch (verl's ppo_mini_batch_size, released: 128): mini-batches of
+  # 128 × ada.n rows, so updates per step = training rows / that (Est 8, Seq 4); 0 = one.
+  c.train.mini_batch_prompts = 128
   c.train.micro_batch_size = 0  # rows per gradient-accumulation step; 0 = whole mini-batch
   c.train.remat = False  # rematerialise each block in the backward pass
+  c.train.old_logprobs = "sampler"  # PPO old log-probs: the sampler's, or 'recompute' (released)
 
   c.ckpt = ml_collections.ConfigDict()
   c.ckpt.every_steps = 10  # checkpoint period, RL steps (also at the end and on SIGTERM)

@@ -3,9 +3,12 @@
   python -m ada_jax.main --config=configs/llama3b_pos.py --workdir=/gcs/BUCKET/runs/l3b_pos
 
 Weights and tokenizer come from `model.hf_dir` (a local Hugging Face folder, or the Hub id,
-downloaded when online). Training prompts: the MATH problems outside MATH500 through the
-TFDS builder (offline: `shared/data` beside the checkout, or `--config.data.manual_dir=DIR`
-with the JSONL files).
+downloaded when online). Training prompts: the authors' released hard prompt set for this
+model (verl-format Parquet, ada_jax/data/verl.py), downloaded from the Hub when online;
+offline, put its folder in `data.manual_dir` (`DIR/reinforce_ada_hard_prompt_llama/`) or
+point `--config.data.verl_set` at it. `--config.data.source=math_train` trains on the
+4,500 MATH test problems outside MATH500 instead (JSONL through the TFDS builder, offline
+from `shared/data` beside the checkout): an easier mix than the paper's.
 
 Memory (experiments/memory_plan.py, results/memory_plan.json): 4-way tensor parallelism
 times FSDP over the remaining chips, remat, one sequence per data-parallel group per
@@ -24,15 +27,20 @@ def get_config() -> ml_collections.ConfigDict:
   c = common.get_config()
   c.model.hf_dir = "meta-llama/Llama-3.2-3B-Instruct"  # local folder or Hub id
   c.model.dtype = "bfloat16"
-  c.tokenizer.eos_ids = (128001, 128009)  # <|end_of_text|>, <|eot_id|>
+  # Stop ids from the model folder's generation_config.json, as released (Llama 3.2
+  # Instruct: 128001 <|end_of_text|>, 128008 <|eom_id|>, 128009 <|eot_id|>).
+  c.tokenizer.eos_ids = ()
 
-  c.data.source = "math_train"
+  c.data.source = "verl"  # the released prompt set; 'math_train' = MATH outside MATH500
+  c.data.verl_set = "RLHFlow/reinforce_ada_hard_prompt_llama"  # Hub id (offline: manual_dir/<name>)
   c.data.prompt_style = "chat"
 
   c.ada.method = "pos"
 
   c.rl.steps = 400
   c.rl.batch_prompts = 512
+  c.rl.judge = "released"  # the authors' reward (last \boxed{, stock math-verify); ours: 'math'
+  c.rl.verifier_timeout_s = 20.0  # the released reward's limit per response
 
   c.sampler.chunk_rows = 192  # KV cache of 192 rows × 3072 slots: 7.9 GiB/device on 8 chips
   # Q = S queued rows: the prompt cache holds Q/S × P prompts of 1,024 tokens, and XLA

@@ -2,9 +2,12 @@
 
   python -m ada_jax.main --config=configs/qwen_math15b_pos.py --workdir=/gcs/BUCKET/runs/q15b_pos
 
-Qwen2.5-Math has 4,096 positions: prompts take at most 1,024 tokens (the largest prompt
-bucket), responses 3,072, in training and evaluation alike (the authors' setting for
-Qwen2.5-Math; the shared 4,096-token evaluation budget would not fit).
+Budgets as the authors' training script sets them for every model: prompts take at most
+1,024 tokens (the largest prompt bucket), training responses 2,048, evaluation responses
+4,096 at temperature 1.0 (Avg@32). Qwen2.5-Math's config.json says 4,096 positions; the
+released script overrides `max_position_embeddings` to 32,768 for training and evaluation,
+and so does `model.overrides` here (RoPE without scaling: the override only lifts the
+length check, positions past 4,096 are ones the checkpoint was not trained on).
 """
 
 import ml_collections
@@ -15,7 +18,12 @@ from configs import llama3b_pos
 def get_config() -> ml_collections.ConfigDict:
   c = llama3b_pos.get_config()
   c.model.hf_dir = "Qwen/Qwen2.5-Math-1.5B"  # local folder or Hub id
-  c.tokenizer.eos_ids = (151643, 151645)  # <|endoftext|>, <|im_end|>
-  c.sampler.max_new_tokens = 3072  # 1024-token prompt bucket + 3072 = the 4096 positions
-  c.eval.max_new_tokens = 3072
+  # The authors' released hard set (their easy set: RLHFlow/reinforce_ada_simple_prompt_1-5b).
+  c.data.verl_set = "RLHFlow/reinforce_ada_hard_prompt_1-5b"
+  c.tokenizer.eos_ids = ()  # the folder's stop ids (generation_config.json), as released
+  # The released script's override (config.json: 4,096), so that 1,024 + 4,096 evaluates.
+  c.model.overrides.max_position_embeddings = 32768
+  c.sampler.max_new_tokens = 2048  # training response budget (released script: 2,048)
+  c.eval.max_new_tokens = 4096  # evaluation response budget (authors' evaluation: 4,096)
+  c.eval.temperature = 1.0  # Avg@32 sampled at T = 1 (authors' evaluation)
   return c

@@ -58,7 +58,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.optim.warmup_steps = 0
 
   c.ckpt.every_steps = 20
-  c.train.num_minibatches = 1  # one update per RL step (the calibrated setting)
+  c.train.mini_batch_prompts = 0  # one update per RL step, every method (the calibrated setting)
   c.ckpt.export_hf = False
 
   c.warmstart = ml_collections.ConfigDict(

@@ -120,6 +120,45 @@ def test_pos_retires_after_first_round_containing_a_positive():
   assert metrics["ada/samples_per_prompt"] == 16 and metrics["ada/rows_selected"] == 12
 
 
+@pytest.mark.parametrize("method", ["pos", "balance"])
+def test_seq_batch_in_exit_order_as_released_or_in_prompt_order(method):
+  """4 prompts, M = 4, R = 2, n = 2: prompt 0 never exits, 1 exits in round 2, 2 and 3 in
+  round 1. Released verl concatenates groups as prompts exit (never-exited last) and cuts
+  contiguous mini-batches: with 2 prompts per mini-batch the first update holds prompts
+  2 and 3 (all signal), the second 1 and 0 (prompt 0 uniform: zero advantage)."""
+  streams = [
+    [0] * 8,  # never a positive: never exits, zero advantage
+    [0, 0, 0, 0, 1, 0, 0, 0],  # exits in round 2 (both rules need a positive)
+    [1, 0, 0, 0] + [0] * 4,  # round 1
+    [0, 1, 0, 0] + [0] * 4,  # round 1
+  ]
+  base = dict(method=method, n=2, samples_per_round=4, max_rounds=2)
+  exit_res, _ = run_step(AdaConfig(**base), _ids(4), Scripted(streams), _rng())
+  np.testing.assert_array_equal(exit_res.prompt_index, [2, 2, 3, 3, 1, 1, 0, 0])
+  prompt_res, _ = run_step(
+    AdaConfig(**base, batch_order="prompt"), _ids(4), Scripted(streams), _rng()
+  )
+  np.testing.assert_array_equal(prompt_res.prompt_index, [0, 0, 1, 1, 2, 2, 3, 3])
+  # The same groups, handles and advantages either way, only laid out differently.
+  for p in range(4):
+    for a, b in zip(_group(exit_res, p), _group(prompt_res, p), strict=True):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # Per-mini-batch share of rows with a non-zero advantage (2 mini-batches of 4 rows).
+  share = lambda r: [float(np.mean(r.advantages[i : i + 4] != 0)) for i in (0, 4)]
+  assert share(exit_res) == [1.0, 0.5] and share(prompt_res) == [0.5, 1.0]
+
+
+def test_batch_order_ties_keep_prompt_order_and_never_exited_go_last():
+  cfg = AdaConfig(method="pos")
+  assert adaptive.batch_order(cfg, [None, 2, 1, 1]) == [2, 3, 1, 0]
+  assert adaptive.batch_order(cfg, [3, None, 0, None, 0]) == [2, 4, 0, 1, 3]
+  assert adaptive.batch_order(cfg, [None, None]) == [0, 1]
+  prompt = AdaConfig(method="pos", batch_order="prompt")
+  assert adaptive.batch_order(prompt, [None, 2, 1, 1]) == [0, 1, 2, 3]
+  with pytest.raises(ValueError, match="AdaConfig.batch_order"):
+    AdaConfig(method="pos", batch_order="shuffled")
+
+
 def test_pos_all_positive_first_round_exits_with_zero_signal():
   draw = Scripted([[1] * 32])
   res, _ = run_step(AdaConfig(method="pos"), _ids(1), draw, _rng())

@@ -56,9 +56,39 @@ def test_unknown_group_and_indivisible_minibatches():
   cfg = tiny_arith_pos.get_config().to_dict()
   with pytest.raises(ValueError, match=r"config\.optimizer: unknown group"):
     config_lib.parse({**cfg, "optimizer": {}})
-  cfg["train"]["num_minibatches"] = 3
-  with pytest.raises(ValueError, match=r"config\.train\.num_minibatches"):
+  cfg["train"]["mini_batch_prompts"] = 3  # 12 rows do not divide 64 × 4
+  with pytest.raises(ValueError, match=r"config\.train\.mini_batch_prompts \(3\) × ada\.n"):
     config_lib.parse(cfg)
+  cfg["train"]["mini_batch_prompts"] = 128  # more than the batch's 64 prompts
+  with pytest.raises(ValueError, match=r"config\.train\.mini_batch_prompts"):
+    config_lib.parse(cfg)
+  cfg["train"] = {"num_minibatches": 4}  # derived, so not a config field
+  with pytest.raises(ValueError, match=r"config\.train\.num_minibatches: set by .*mini_batch"):
+    config_lib.parse(cfg)
+
+
+@pytest.mark.parametrize(
+  "method,n,updates",
+  [("est", 4, 8), ("grpo", 8, 4), ("grpo", 4, 4), ("pos", 4, 4), ("balance", 4, 4)],
+)
+def test_updates_per_step_are_derived_from_the_mini_batch_as_released(method, n, updates):
+  """verl cuts mini-batches of 128 prompts × n rows: at the paper's batch (512 prompts),
+  Est's K·B = 4,096 rows give 8 updates, GRPO n = 8 and the Seq methods 4."""
+  from configs import llama3b_pos
+
+  cfg = llama3b_pos.get_config()
+  cfg.ada.method, cfg.ada.n = method, n
+  run = config_lib.parse(cfg)
+  assert run.rl.batch_prompts == 512 and run.train.mini_batch_prompts == 128
+  assert run.train.num_minibatches == updates
+  assert run.train_rows // run.train.num_minibatches == 128 * n
+
+
+@pytest.mark.parametrize("method", ["pos", "balance", "grpo", "est", "dapo"])
+def test_toy_configs_keep_one_update_per_step(method):
+  cfg = tiny_arith_pos.get_config()
+  cfg.ada.method = method
+  assert config_lib.parse(cfg).train.num_minibatches == 1
 
 
 def test_groups_are_the_modules_own_configs_and_train_is_filled_once():

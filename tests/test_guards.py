@@ -125,20 +125,34 @@ def test_prompt_selection_checks_the_context_first(tmp_path):
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_shipped_configs_fit_their_models(path):
-  """Training and evaluation contexts fit (Qwen2.5-Math: 1,024 + 3,072 = 4,096)."""
+  """Training and evaluation contexts fit. The Qwen2.5-Math configs run the released
+  budgets (1,024 + 2,048 in training, 4,096 new tokens at T = 1 in evaluation) on the
+  released position-limit override (32,768 instead of config.json's 4,096)."""
   cfg = config_lib.parse(
     config_flags.config_flags._LoadConfigModule(path.stem, str(path)).get_config()
   )
   spec = cfg.model
   if spec.hf_dir:
-    spec = weights.ModelSpec(preset=HUB_PRESETS[spec.hf_dir], dtype=spec.dtype)
+    spec = weights.ModelSpec(
+      preset=HUB_PRESETS[spec.hf_dir], dtype=spec.dtype, overrides=spec.overrides
+    )
   model = spec.model_config()
   cfg.check_model(model)
   config_lib.context_fits(
     model, cfg.eval.prompt_buckets, cfg.eval.max_new_tokens, "config.eval"
   )  # also when the config names no benchmark
-  if "qwen_math" in path.stem:
-    assert max(cfg.sampler.prompt_buckets) == 1024 and cfg.sampler.max_new_tokens == 3072
+  if path.stem.startswith(("qwen_math", "llama3b")):
+    assert max(cfg.sampler.prompt_buckets) == 1024 and cfg.sampler.max_new_tokens == 2048
+    assert cfg.eval.max_new_tokens == 4096 and cfg.eval.temperature == 1.0
+  if path.stem.startswith("qwen_math"):
+    assert model.max_position_embeddings == 32768
+    with pytest.raises(config_lib.ConfigError, match=r"config\.eval\.max_new_tokens"):
+      config_lib.context_fits(
+        weights.ModelSpec(preset=HUB_PRESETS[cfg.model.hf_dir]).model_config(),
+        cfg.eval.prompt_buckets,
+        cfg.eval.max_new_tokens,
+        "config.eval",
+      )  # without the override, 1,024 + 4,096 exceeds config.json's 4,096 positions
 
 
 # ----------------------------------------------------------------------- runs on the loop

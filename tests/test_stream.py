@@ -166,6 +166,21 @@ def test_retired_prompt_rows_are_cancelled_and_late_finishers_join_its_pool():
   assert ctl.rows_cancelled == 3
 
 
+@pytest.mark.parametrize("order,expected", [("exit", [1, 1, 0, 0]), ("prompt", [0, 0, 1, 1])])
+def test_stream_lays_seq_groups_out_in_exit_order(order, expected):
+  """Prompt 1 meets the rule at the second boundary; prompt 0 draws its R·M = 2 rows
+  without a positive (never exits): under 'exit' its group goes last, as `rounds` does."""
+  cfg = AdaConfig(method="pos", n=2, samples_per_round=2, max_rounds=1, batch_order=order)
+  ctl = StreamController(cfg, 2)
+  assert ctl.start()[0].tolist() == [0, 1, 2, 3]
+  ctl.boundary([0, 1, 2, 3], [])
+  d = ctl.boundary([], [0.0, 0.0, 1.0, 0.0])
+  assert sorted(d.exited.tolist()) == [0, 1] and ctl.done
+  assert ctl.exit_boundary == [None, 2]
+  res = ctl.result(np.random.default_rng(0))
+  assert res.prompt_index.tolist() == expected
+
+
 @pytest.mark.parametrize("method", ["grpo", "est"])
 def test_fixed_quota_methods_give_run_steps_result(method):
   """GRPO and Est through the stream engine: the same pools, selection and advantages as

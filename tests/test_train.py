@@ -227,3 +227,96 @@ def test_grad_clip_bounds_the_update():
   updates, _ = opt.update(grads, opt.init(params), params)
   # Clipped to norm 1 (0.6, -0.8), then Adam with b1=b2=0 normalises to the sign.
   np.testing.assert_allclose(np.asarray(updates["w"]), [-1.0, 1.0], rtol=1e-6)
+
+
+# ---------------------------------------------------------------- old log-probs
+
+
+def _gap_run(old_logprobs, noise, mesh_shape=(2, 2, 2), dtype="float32"):
+  """One update_policy call of 2 mini-batches on a batch whose old log-probs are the
+  model's own plus N(0, noise): (metrics, new params, the batch)."""
+  model = model_lib.preset("tiny-llama", dtype=dtype, param_dtype=dtype)
+  params = model_lib.init_params(model, jax.random.key(0))
+  prompts = np.random.default_rng(1).integers(1, 7, 16)
+  batch = testing.rl_batch(
+    model, params, prompts, [10, 3, 7, 9] * 4, prompt_len=6, response_len=10, noise=noise
+  )
+  config = train.TrainConfig(
+    optim=train.OptimConfig(learning_rate=1e-4, warmup_steps=0),
+    num_minibatches=2,
+    micro_batch_size=8,
+    old_logprobs=old_logprobs,
+  )
+  mesh = _mesh(*mesh_shape)
+  state = train.init_train_state(model, config, params, mesh)
+  step = train.make_train_step(model, config, mesh)
+  fn = update.make_logprob_step(model, config, mesh)
+  state, metrics = update.update_policy(step, state, batch, config=config, mesh=mesh, logprob_fn=fn)
+  return metrics, jax.device_get(state.params), batch
+
+
+def test_old_logprob_gap_is_the_first_mini_batchs_mismatch_before_any_update():
+  """Old log-probs off by N(0, 0.1): the gap is E|N(0, 0.1)| = 0.1·sqrt(2/pi) = 0.0798
+  over the first mini-batch's response tokens (here 116 of them)."""
+  metrics, _, batch = _gap_run("sampler", noise=0.1)
+  first = slice(0, 8)
+  mask = batch.loss_mask[first]
+  logp, _ = losses.token_logprobs(
+    CONFIG, PARAMS, batch.tokens[first], batch.positions[first], batch.attention_mask[first]
+  )
+  by_hand = np.abs(np.asarray(logp) - batch.old_logprobs[first])[mask].mean()
+  assert metrics["old_logprob_gap"] == pytest.approx(by_hand, rel=1e-5)
+  assert metrics["old_logprob_gap"] == pytest.approx(0.1 * np.sqrt(2 / np.pi), rel=0.25)
+
+
+def test_recomputed_old_logprobs_close_the_gap():
+  """'recompute' (released) replaces the noisy old log-probs by the trainer's before any
+  update: the gap is 0 within fp32 rounding, and the update differs from the sampler's."""
+  recomputed, p_re, _ = _gap_run("recompute", noise=0.1)
+  sampled, p_sa, _ = _gap_run("sampler", noise=0.1)
+  assert recomputed["old_logprob_gap"] <= 1e-6
+  assert recomputed["approx_kl"] != pytest.approx(sampled["approx_kl"], abs=1e-4)
+  assert _max_diff(p_re, p_sa) > 0
+  # Without noise the sampler's path has only the rounding gap as well.
+  assert _gap_run("sampler", noise=0.0)[0]["old_logprob_gap"] <= 1e-6
+
+
+def test_logprob_step_matches_the_unsharded_log_probs():
+  model_cfg = CONFIG
+  batch = _batch([1, 3, 10, 7, 2, 9, 5, 10])
+  config = train.TrainConfig(num_minibatches=1, micro_batch_size=4)
+  mesh = _mesh(2, 2, 2)
+  params = sharding.place_params(PARAMS, sharding.param_shardings(model_cfg, mesh))
+  got = update.make_logprob_step(model_cfg, config, mesh)(params, sharding.place_batch(batch, mesh))
+  want, _ = losses.token_logprobs(
+    model_cfg, PARAMS, batch.tokens, batch.positions, batch.attention_mask
+  )
+  want = np.where(batch.loss_mask, np.asarray(want), 0.0)
+  np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+
+
+def test_recompute_needs_the_logprob_step():
+  config = train.TrainConfig(num_minibatches=1, old_logprobs="recompute")
+  mesh = _mesh(1, 1, 1)
+  state = train.init_train_state(CONFIG, config, PARAMS, mesh)
+  with pytest.raises(ValueError, match="logprob_fn"):
+    update.update_policy(None, state, _batch([3] * 8), config=config, mesh=mesh)
+  with pytest.raises(ValueError, match="TrainConfig.old_logprobs='trainer'"):
+    train.TrainConfig(old_logprobs="trainer")
+
+
+@pytest.mark.slow
+def test_a_recompute_run_logs_a_zero_gap_every_step(tmp_path):
+  import json
+
+  from test_loop import tiny_config
+
+  from ada_jax import loop
+
+  c = tiny_config(2)
+  c.train.old_logprobs = "recompute"
+  c.eval.benchmarks = ()
+  loop.run(c, str(tmp_path))
+  lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  gaps = [line["old_logprob_gap"] for line in lines if line["step"] > 0]
+  assert len(gaps) == 2 and max(gaps) <= 1e-6

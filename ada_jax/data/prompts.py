@@ -7,7 +7,8 @@ by " Let's think step by step and output the final answer within \\boxed{}.", th
 tokenizer's chat template; base models without one get a plain template, the arithmetic
 task the bare problem. Prompts longer than `max_prompt_tokens` are dropped and counted.
 Examples come from `ada_jax.data` (or `ada_jax.arith`): dicts with `prompt_id`, `problem`,
-`answer` and optionally `source`.
+`answer` and optionally `source`; an example with chat `messages` (a verl-format set,
+`data.verl`) is rendered from them as given, through the chat template.
 """
 
 from __future__ import annotations
@@ -29,11 +30,14 @@ class DataConfig:
 
   Attributes:
     source: 'arith' (procedural task), a `data.sets.SETS` name (e.g. 'gsm8k',
-      'math_train'), or 'jsonl' (the user's files in `jsonl_paths`).
+      'math_train'), 'jsonl' (the user's files in `jsonl_paths`), or 'verl' (the
+      verl-format set `verl_set`, `data.verl`).
     split: split of a `SETS` source.
     manual_dir: folder with the maths JSONL files (offline TFDS preparation).
     data_dir: TFDS data directory; '' = TFDS's default.
     jsonl_paths: the user's JSONL files (source 'jsonl').
+    verl_set: source 'verl': a Hub data set id (offline: `<manual_dir>/<name>`), or a
+      local Parquet / JSONL file or folder of them (`data.verl.resolve`).
     problem_field, answer_field: field names in those files.
     answer_format: 'plain', 'boxed' or 'gsm8k' (how the answer field holds the answer).
     exclude_math500: drop MATH500 problems from the user's files (needs
@@ -49,6 +53,7 @@ class DataConfig:
   manual_dir: str = ""
   data_dir: str = ""
   jsonl_paths: tuple[str, ...] = ()
+  verl_set: str = ""
   problem_field: str = "problem"
   answer_field: str = "answer"
   answer_format: str = "plain"
@@ -131,7 +136,8 @@ def build_prompts(
   """Renders and tokenizes prompts; drops (and counts) those over `max_prompt_tokens`.
 
   Args:
-    examples: dicts with at least `prompt_id`, `problem`, `answer` (and optional `source`).
+    examples: dicts with at least `prompt_id`, `problem`, `answer` (and optional `source`,
+      and `messages`: chat messages rendered as given instead of `style`'s prompt).
     tokenizer: the model's tokenizer.
     style: key of `PROMPT_STYLES`: 'chat' (system + suffix through the chat template,
       docs/design.md "Algorithm"), 'chat_no_system', 'plain' (base models), 'raw' (the problem as
@@ -153,7 +159,14 @@ def build_prompts(
     for key in ("prompt_id", "problem", "answer"):
       if key not in ex:
         raise ValueError(f"examples[{i}] has no field {key!r}")
-    text, add_bos = render(ex["problem"], tokenizer)
+    if ex.get("messages"):
+      # verl renders a row's own messages through the chat template (no BOS of ours).
+      text, add_bos = (
+        tokenizer.apply_chat_template(ex["messages"], add_generation_prompt=True),
+        False,
+      )
+    else:
+      text, add_bos = render(ex["problem"], tokenizer)
     texts.append(text)
     bos.append(add_bos)
   # One batched call per BOS setting keeps the Rust tokenizer's parallelism.

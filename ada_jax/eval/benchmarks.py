@@ -43,7 +43,7 @@ from absl import logging
 from ada_jax.data import arith, prompts
 from ada_jax.data import sets as data
 from ada_jax.models.tokenizer import Tokenizer
-from ada_jax.rewards import grader as rewards
+from ada_jax.rewards import judges
 from ada_jax.rollout import sampler
 
 PAPER_BENCHMARKS = ("math500", "minerva_math", "olympiadbench", "aime24", "amc23")
@@ -75,7 +75,7 @@ class EvalConfig:
     greedy: also report greedy accuracy (one more generation pass, one row per problem).
     prompt_style: key of `prompts.PROMPT_STYLES`; '' = the benchmark's default ('chat' for
       the maths sets, 'raw' for arith).
-    judge: reward function (`rewards.JUDGES`); '' = the benchmark's default ('math' for the
+    judge: reward function (`rewards.judges.JUDGES`); '' = the benchmark's default ('math' for the
       maths sets, 'exact' for arith).
     max_prompt_tokens: longer prompts are dropped and counted (docs/design.md "Algorithm": 1024).
     limit: evaluate only the first `limit` problems of each benchmark; 0 = all.
@@ -151,7 +151,7 @@ class EvalConfig:
       "prompt_style",
       f"known: {sorted(prompts.PROMPT_STYLES)}",
     )
-    need(self.judge in ("", *rewards.JUDGES), "judge", f"known: {sorted(rewards.JUDGES)}")
+    need(self.judge in ("", *judges.JUDGES), "judge", f"known: {sorted(judges.JUDGES)}")
     for field in ("max_new_tokens", "chunk_rows", "problems_per_batch", "max_prompt_tokens"):
       need(getattr(self, field) >= 1, field, "must be >= 1")
     for field in ("limit", "prompts_per_chunk", "verifier_workers", "every_steps", "top_k"):
@@ -170,7 +170,7 @@ class EvalConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Benchmark:
-  """One evaluation set, tokenized. judge: key of `rewards.JUDGES` used to score it."""
+  """One evaluation set, tokenized. judge: key of `rewards.judges.JUDGES` used to score it."""
 
   name: str
   prompts: prompts.PromptSet

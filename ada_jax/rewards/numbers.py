@@ -125,6 +125,12 @@ def _numeric_eq(a, b, float_rounding: int, numeric_precision: int) -> bool:
     return False
 
 
+def stock_numeric_eq():
+  """math-verify's own numeric comparison once `patched_math_verify` has replaced it
+  (None before: then math-verify's is still in place)."""
+  return _MV_NUMERIC_EQ
+
+
 def patched_math_verify():
   """math_verify, with its numeric comparison replaced by `_numeric_eq` (once).
 

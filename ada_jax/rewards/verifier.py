@@ -3,7 +3,7 @@
 Symbolic maths on model output can run for hours inside C code (sympy evaluates
 `9^{9^{9^{9^{9}}}}` as a big-integer power; one multiplication of such numbers never looks at
 Python signals), exhaust memory or crash the parser. So the batched scorer
-`RewardPool.score` runs the judges of `ada_jax.rewards.JUDGES` in worker processes: each
+`RewardPool.score` runs the judges of `rewards.judges.JUDGES` in worker processes: each
 item gets a soft in-worker timer and a HARD deadline after which the parent SIGKILLs the
 worker, scores the item 0, starts a replacement and goes on with the batch (the worker
 side and its dispatcher thread are in `ada_jax.rewards.workers`).
@@ -20,7 +20,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ada_jax.rewards.grader import ERROR, JUDGES, MAX_ANSWER_CHARS, NO_BOX, TIMEOUT
+from ada_jax.rewards.grader import ERROR, MAX_ANSWER_CHARS, NO_BOX, TIMEOUT
+from ada_jax.rewards.judges import JUDGES
 from ada_jax.rewards.workers import Dispatcher
 
 
@@ -29,7 +30,7 @@ class VerifierConfig:
   """Reward pool settings.
 
   Attributes:
-    judge: reward function name in `JUDGES` ("math" or "exact").
+    judge: reward function name in `JUDGES` ("math", "exact" or the authors' "released").
     num_workers: worker processes; 0 means every core this process may use.
     timeout_s: hard per-item limit in seconds, from dispatch to result; the worker is killed
       and replaced when it passes, and the item scores 0.

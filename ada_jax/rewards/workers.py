@@ -1,6 +1,6 @@
 """The reward pool's worker processes and the thread that feeds them (`verifier.RewardPool`).
 
-Each worker runs a judge of `ada_jax.rewards.JUDGES` on one item at a time under a soft
+Each worker runs a judge of `rewards.judges.JUDGES` on one item at a time under a soft
 in-worker timer (SIGALRM); the dispatcher thread in the parent enforces the HARD deadline:
 past `VerifierConfig.timeout_s` from dispatch it SIGKILLs the worker, scores the item 0
 (outcome `TIMEOUT`) and starts a replacement. A worker that dies mid-item scores it 0
@@ -19,7 +19,8 @@ from collections import deque
 from multiprocessing import connection as mp_connection
 from typing import Any
 
-from ada_jax.rewards.grader import ERROR, JUDGES, TIMEOUT
+from ada_jax.rewards.grader import ERROR, TIMEOUT
+from ada_jax.rewards.judges import JUDGES
 
 
 class _SoftTimeout(BaseException):

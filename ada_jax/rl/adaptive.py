@@ -66,6 +66,7 @@ __all__ = [
   "StepResult",
   "StepStats",
   "allocate_budget",
+  "batch_order",
   "est_pass_rates",
   "est_step",
   "init_est_state",
@@ -85,6 +86,7 @@ SEQ_METHODS = tuple(EXIT_THRESHOLDS)
 METHODS = ("grpo", "dapo", *SEQ_METHODS, "est")
 SELECTIONS = ("first", "random")
 SCHEDULES = ("rounds", "stream")
+BATCH_ORDERS = ("exit", "prompt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +117,12 @@ class AdaConfig:
     inverse_p_weight: explicit weight f'(p̄) = p̄^(α−1) on advantages: 'none' (released
       code), '1/p' (α = 0, f'= 1/p̄: paper v3 Seq), '1/sqrt_p' (α = 0.5: paper v3 Est) or
       α in [0, 1] (`estimate.objective_weight`).
+    batch_order: how pos / balance lay the kept groups out in the training batch, whose
+      mini-batches are cut contiguously: 'exit' (released: verl concatenates the groups
+      as prompts exit, round 1's first, the never-exited last, so on a hard mix the last
+      mini-batches hold little signal; ties in prompt order, where the released code
+      iterates a Python set) or 'prompt' (the step's prompt order, which spreads every
+      round's exits over all mini-batches). Other methods keep prompt order.
     dapo_max_extra_passes: cap on extra generation passes after the first (dapo).
     dapo_prompts_per_pass: prompts requested from `more_prompts` per extra pass;
       None: B, the step's prompt count (verl draws a whole generation batch).
@@ -152,6 +160,7 @@ class AdaConfig:
   std_normalize: bool = False
   std_eps: float = 1e-6
   inverse_p_weight: str | float = "none"
+  batch_order: str = "exit"
   dapo_max_extra_passes: int = 4
   dapo_prompts_per_pass: int | None = None
   est_alpha: float = 1.0
@@ -207,6 +216,8 @@ class AdaConfig:
           "a pool could hold fewer than n responses; need M*R >= n and "
           "max(M, k_pos + k_neg) >= n",
         )
+    if self.batch_order not in BATCH_ORDERS:
+      bad("batch_order", f"expected one of {list(BATCH_ORDERS)}")
     if self.selection not in SELECTIONS:
       bad("selection", f"expected one of {list(SELECTIONS)}")
     if self.baseline not in adv_lib.BASELINES:
@@ -321,21 +332,48 @@ def pool_meets_exit(
   )
 
 
+def batch_order(config: AdaConfig, exit_round: Sequence[int | None]) -> list[int]:
+  """The order of a Seq step's B groups in the training batch (`AdaConfig.batch_order`).
+
+  Args:
+    config: a pos or balance config.
+    exit_round: per prompt, the round (or stream boundary) at whose end it exited; None
+      for a prompt that never met the exit rule.
+
+  Returns:
+    Prompt indices: 'exit' sorts by exit round, never-exited last, ties in prompt order
+    (released verl's `selected_pool_batches`, then a contiguous `data.split`); 'prompt'
+    is 0..B-1. Example: exit rounds [None, 2, 1, 1] give [2, 3, 1, 0] under 'exit'.
+  """
+  b = len(exit_round)
+  if config.batch_order == "prompt":
+    return list(range(b))
+  last = max([r for r in exit_round if r is not None], default=0) + 1
+  return sorted(range(b), key=lambda p: (last if exit_round[p] is None else exit_round[p], p))
+
+
 def _run_seq(config, prompt_ids, draw, rng, est_state, more_prompts):
   b = len(prompt_ids)
   pools = _Pools(b)
   active = np.arange(b)
-  for _ in range(config.max_rounds):
+  exit_round: list[int | None] = [None] * b
+  for r in range(config.max_rounds):
     if active.size == 0:
       break
     pools.draw_round(draw, np.repeat(active, config.samples_per_round))
     # Exit is checked only at the end of a round: every response of the round joins the
     # pool, even those drawn after the threshold was reached (they were already paid for).
-    still = [p for p in active.tolist() if not pool_meets_exit(pools.rewards[p], config)]
+    still = []
+    for p in active.tolist():
+      if pool_meets_exit(pools.rewards[p], config):
+        exit_round[p] = r
+      else:
+        still.append(p)
     active = np.asarray(still, np.int64)
   # Prompts that never exited stay in the batch; uniform pools get zero advantage.
   kept = {p: select_responses(config, pools.rewards[p], rng) for p in range(b)}
-  return _finish(config, pools, prompt_ids, b, kept), est_state
+  order = batch_order(config, exit_round)
+  return _finish(config, pools, prompt_ids, b, kept, order), est_state
 
 
 def _run_est(config, prompt_ids, draw, rng, est_state, more_prompts, features=None):

@@ -286,7 +286,9 @@ def policy_loss(
   Returns:
     (loss `f32[]`, sums) where sums are token sums over valid tokens, to be divided by
     the mini-batch's token count: 'tokens', 'pg_loss' (unnormalised surrogate sum),
-    'clipped', 'dual_clipped', 'approx_kl' (log π_old − log π, verl's `ppo_kl`), and
+    'clipped', 'dual_clipped', 'approx_kl' (log π_old − log π, verl's `ppo_kl`),
+    'abs_log_ratio' (|log π − log π_old|: before the first update, the sampler–trainer
+    mismatch), and
     'entropy' / 'kl' when given.
 
   Raises:
@@ -302,6 +304,7 @@ def policy_loss(
     "clipped": _token_sum(clipped.astype(jnp.float32), mask),
     "dual_clipped": _token_sum(dual.astype(jnp.float32), mask),
     "approx_kl": _token_sum(old_logprobs - logprobs, mask),
+    "abs_log_ratio": _token_sum(jnp.abs(logprobs - old_logprobs), mask),
   }
   if entropy is not None:
     sums["entropy"] = _token_sum(entropy, mask)
@@ -326,6 +329,7 @@ def finalize_sums(sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
     "clipped": "clip_frac",
     "dual_clipped": "dual_clip_frac",
     "approx_kl": "approx_kl",
+    "abs_log_ratio": "abs_log_ratio",
     "entropy": "entropy",
     "kl": "kl",
     "pg_loss": "pg_loss_token_mean",

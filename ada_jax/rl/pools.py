@@ -147,15 +147,21 @@ def finish(
   prompt_ids: Sequence[Any],
   num_base: int,
   kept: dict[int, np.ndarray],
+  order: Sequence[int] | None = None,
 ) -> StepResult:
   """Computes advantages for the kept responses and assembles the StepResult.
 
   Args:
     kept: prompt index -> int64[k] indices into that prompt's pool, in output order.
+    order: the prompts of `kept` in the order their groups are laid out in the training
+      batch (mini-batches are cut from it contiguously); None: ascending prompt index.
   """
   idx, handles, rewards, advs = [], [], [], []
   zero_groups = 0
-  for p in sorted(kept):
+  order = sorted(kept) if order is None else list(order)
+  if sorted(order) != sorted(kept):
+    raise ValueError(f"order {order} is not a permutation of the kept prompts {sorted(kept)}")
+  for p in order:
     pool = np.asarray(pools.rewards[p], np.float32)
     sel = kept[p]
     a = adv_lib.group_advantages(

@@ -143,6 +143,7 @@ class StreamController:
     self.awaiting: list[int] = []  # Rows finished in the last segment, to be graded.
     self.active: list[bool] = []
     self.mixed: list[int] = []  # dapo: prompts whose group was found mixed, in order.
+    self.exit_boundary: list[int | None] = []  # Seq: boundary of the exit rule; None: never
     self.groups_done = 0  # dapo: groups fully graded.
     self._awaiting_count: list[int] = []  # Per prompt: rows in `awaiting`.
     self.boundaries = 0
@@ -155,6 +156,7 @@ class StreamController:
     self.live.append(set())
     self.graded.append({})
     self.active.append(True)
+    self.exit_boundary.append(None)
     self._awaiting_count.append(0)
 
   def _new_rows(self, p: int, k: int, out: list[tuple[int, int]]) -> None:
@@ -268,6 +270,7 @@ class StreamController:
     if self.seq:
       graded = [self.graded[p][r] for r in sorted(self.graded[p])]
       if pool_meets_exit(graded, cfg, self.min_pool):
+        self.exit_boundary[p] = self.boundaries
         return True
       room = cfg.samples_per_round * cfg.max_rounds - self._issued(p)
       if room == 0 and pending == 0:
@@ -303,9 +306,10 @@ class StreamController:
   def result(self, rng: np.random.Generator) -> StepResult:
     """The step's training responses and statistics, as `adaptive.run_step` returns them.
 
-    Pools are each prompt's graded rows in row-id order (handles: the row ids). Selection
-    and advantages are `adaptive`'s own: pos / balance keep n by half-then-fill with the
-    whole pool as baseline, grpo / est keep every row, dapo the first B mixed groups.
+    Pools are each prompt's graded rows in row-id order (handles: the row ids). Selection,
+    advantages and the groups' batch order (Seq: by exit boundary) are `adaptive`'s own:
+    pos / balance keep n by half-then-fill with the whole pool as baseline, grpo / est keep
+    every row, dapo the first B mixed groups.
     `stats.samples_per_round` holds one entry (the rows graded), `first_round_pass_rate`
     each prompt's first min(window, quota) row ids that finished.
 
@@ -335,13 +339,15 @@ class StreamController:
     pools.samples_per_round.append(sum(len(r) for r in pools.rewards))
     pools.active_per_round.append(sum(1 for r in pools.rewards if r))
     pools.first_round_size = np.asarray(first_size, np.int64)
+    order = None
     if self.seq:
       kept = {p: adaptive.select_responses(cfg, pools.rewards[p], rng) for p in range(self.b)}
+      order = adaptive.batch_order(cfg, self.exit_boundary[: self.b])
     elif cfg.method == "dapo":
       kept = {p: np.arange(cfg.n) for p in self.mixed[: self.b]}
     else:
       kept = {p: np.arange(len(pools.rewards[p])) for p in range(self.b)}
-    return pools_lib.finish(cfg, pools, self.prompt_ids, self.b, kept)
+    return pools_lib.finish(cfg, pools, self.prompt_ids, self.b, kept, order)
 
 
 def run_step(

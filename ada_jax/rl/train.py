@@ -75,10 +75,19 @@ class TrainConfig:
     loss: the policy loss.
     optim: the optimizer.
     num_minibatches: k, optimizer updates per RL step (the batch is cut into k
-      mini-batches of consecutive rows; 1 epoch).
+      mini-batches of consecutive rows; 1 epoch). In a run it is derived from
+      `mini_batch_prompts` (`config.RunConfig`), as verl derives it.
+    mini_batch_prompts: a mini-batch in prompts, verl's `ppo_mini_batch_size` (released
+      script: 128): it holds `mini_batch_prompts × ada.n` rows (verl: × rollout.n), so
+      k = training rows / that, and Est's K·B rows give more updates than B·n (paper
+      batch: Est 8, GRPO n = 8 4, Seq 4); 0 = the whole batch, one update. Read by
+      `config.RunConfig` only.
     micro_batch_size: rows per micro-batch (gradient accumulation inside the jit);
       0 = the whole mini-batch at once.
     remat: rematerialise each transformer block in the backward pass.
+    old_logprobs: the PPO old log-probs: 'sampler' (the rollout's, recorded while sampling:
+      same params, the sampler's numerics) or 'recompute' (released: verl recomputes them
+      with the trainer before the update, `update.make_logprob_step`).
     temperature: T at which log-probs and entropy are recomputed, softmax(logits / T); it
       must be the sampler's (`sampler.SamplingRule.logprob_temperature`, which
       `config.RunConfig` fills in), else the PPO ratio is off from the start.
@@ -87,15 +96,25 @@ class TrainConfig:
   loss: LossConfig = LossConfig()
   optim: OptimConfig = OptimConfig()
   num_minibatches: int = 4
+  mini_batch_prompts: int = 0
   micro_batch_size: int = 0
   remat: bool = False
+  old_logprobs: str = "sampler"
   temperature: float = 1.0
 
   def __post_init__(self):
     if self.num_minibatches < 1:
       raise ValueError(f"TrainConfig.num_minibatches must be >= 1, got {self.num_minibatches}")
+    if self.mini_batch_prompts < 0:
+      raise ValueError(
+        f"TrainConfig.mini_batch_prompts must be >= 0, got {self.mini_batch_prompts}"
+      )
     if self.micro_batch_size < 0:
       raise ValueError(f"TrainConfig.micro_batch_size must be >= 0, got {self.micro_batch_size}")
+    if self.old_logprobs not in ("sampler", "recompute"):
+      raise ValueError(
+        f"TrainConfig.old_logprobs={self.old_logprobs!r}: expected 'sampler' or 'recompute'"
+      )
     if not self.temperature > 0:
       raise ValueError(f"TrainConfig.temperature must be > 0, got {self.temperature}")
 

@@ -1,11 +1,13 @@
 """One RL step's policy update: the RL batch cut into k mini-batches and k optimizer updates
 of the jitted train step (`train.make_train_step`), metrics fetched to the host once.
 
-k is `TrainConfig.num_minibatches` (default 4, the released code's `ppo_mini_batch_size =
-B/4`); mini-batches are consecutive rows, which keeps each prompt's group together, like
-verl's `data.split`; 1 epoch. Every process holds the whole RL batch (the rollouts are
-identical everywhere) and passes the mesh only the rows its devices hold: this module is
-the one place that knows both the cut and those rows (`minibatches`).
+k is `TrainConfig.num_minibatches`, which a run derives as verl does from the mini-batch
+size in prompts (`train.mini_batch_prompts` × n rows; released: 128 × 4 of 2,048 rows, 4
+updates; Est's 4,096 rows, 8); mini-batches are consecutive rows, which keeps each
+prompt's group together, like verl's `data.split`; 1 epoch. Every process holds the
+whole RL batch (the rollouts are identical everywhere) and passes the mesh only the rows
+its devices hold: this module is the one place that knows both the cut and those rows
+(`minibatches`).
 """
 
 from __future__ import annotations
@@ -14,10 +16,14 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
 from ada_jax.models import sharding as sharding_lib
+from ada_jax.models.decoder import ModelConfig, Params
+from ada_jax.rl import losses
+from ada_jax.rl import train as train_lib
 from ada_jax.rl.train import TrainBatch, TrainConfig, TrainState, check_batch_layout
 
 
@@ -49,8 +55,42 @@ def minibatches(batch: Any, num: int, mesh: Mesh) -> list[Any]:
   return [jax.tree.map(lambda x, i=i: np.asarray(x)[i * size + own], batch) for i in range(num)]
 
 
+def make_logprob_step(
+  model_config: ModelConfig, config: TrainConfig, mesh: Mesh
+) -> Callable[[Params, TrainBatch], jax.Array]:
+  """The trainer's log-probs of a placed mini-batch, jitted over `mesh`:
+  `(params, batch) -> float32[b, L]`, zero outside the loss mask (as the sampler's), in
+  micro-batches of `config.micro_batch_size` rows. `train.old_logprobs='recompute'` puts
+  them in place of the sampler's, as verl recomputes old log-probs with the actor before
+  its update (released; `compute_log_prob`)."""
+
+  def logprobs(params: Params, batch: TrainBatch) -> jax.Array:
+    params = sharding_lib.gather_embedding(params, mesh)
+    rows = batch.tokens.shape[0]
+    num = rows // (config.micro_batch_size or rows)
+    stacked = [
+      train_lib._micro_batches(x, num, mesh)
+      for x in (batch.tokens, batch.positions, batch.attention_mask)
+    ]
+
+    def one(mb):
+      return losses.token_logprobs(model_config, params, *mb, temperature=config.temperature)[0]
+
+    out = jax.lax.map(one, stacked)  # [num, b / num, L]: micro-batch j = rows j, j + num, ...
+    out = out.swapaxes(0, 1).reshape(rows, -1)
+    return jnp.where(batch.loss_mask, out, 0.0)
+
+  return jax.jit(logprobs, out_shardings=sharding_lib.batch_sharding(mesh))
+
+
 def update_policy(
-  step_fn: Callable, state: TrainState, batch: TrainBatch, *, config: TrainConfig, mesh: Mesh
+  step_fn: Callable,
+  state: TrainState,
+  batch: TrainBatch,
+  *,
+  config: TrainConfig,
+  mesh: Mesh,
+  logprob_fn: Callable[[Params, TrainBatch], jax.Array] | None = None,
 ) -> tuple[TrainState, dict[str, float]]:
   """One RL step's policy update: k = `num_minibatches` optimizer updates, 1 epoch.
 
@@ -60,20 +100,35 @@ def update_policy(
     batch: the whole RL batch, as host (numpy) arrays, identical on every process.
     config: the training configuration.
     mesh: the mesh.
+    logprob_fn: from `make_logprob_step`; needed by `config.old_logprobs='recompute'`,
+      which replaces every mini-batch's old log-probs by it before the first update.
 
   Returns:
-    (new state, metrics averaged over the k updates, 'tokens' summed), fetched to the
-    host once.
+    (new state, metrics averaged over the k updates, 'tokens' summed, and
+    'old_logprob_gap': mean |log π_trainer − log π_old| over the first mini-batch's
+    response tokens before any update, i.e. the sampler–trainer mismatch; 0 up to
+    rounding under 'recompute'), fetched to the host once.
 
   Raises:
-    ValueError: the batch does not split into mini- and micro-batches over the mesh.
+    ValueError: the batch does not split into mini- and micro-batches over the mesh, or
+      'recompute' without `logprob_fn`.
   """
   check_batch_layout(jax.tree.leaves(batch)[0].shape[0], config, mesh)
+  minis = (
+    sharding_lib.place_batch(mini, mesh, "mini-batch")
+    for mini in minibatches(batch, config.num_minibatches, mesh)
+  )
+  if config.old_logprobs == "recompute":
+    if logprob_fn is None:
+      raise ValueError("TrainConfig.old_logprobs='recompute' needs update_policy's logprob_fn")
+    # All of them under the step's params, before the first update moves (and donates) them.
+    minis = [m.replace(old_logprobs=logprob_fn(state.params, m)) for m in minis]
   history = []
-  for mini in minibatches(batch, config.num_minibatches, mesh):
-    state, metrics = step_fn(state, sharding_lib.place_batch(mini, mesh, "mini-batch"))
+  for mini in minis:
+    state, metrics = step_fn(state, mini)
     history.append(metrics)
   history = jax.device_get(history)
   out = {name: float(np.mean([m[name] for m in history])) for name in history[0]}
   out["tokens"] = float(np.sum([m["tokens"] for m in history]))
+  out["old_logprob_gap"] = float(history[0]["abs_log_ratio"])
   return state, out
