@@ -115,9 +115,7 @@ def test_tiny_run_compiles_for_v5e_and_fits(v5e_devices):
   for name in ("train", "pool_segment", "prefill", "eval_segment", "decode_step"):
     assert result["programs"][name]["peak_gib"] > 0, name
   r = result["roofline"]
-  assert r["decode_bytes_ratio"] >= 1.0  # a step reads at least its weights and cache
-  # 6 P T (+ 2 P T with remat), plus attention: close to 1 for this short-sequence model.
-  assert 0.95 <= r["train_flops_ratio"] <= 1.5
+  assert r["decode_bytes_ratio"] >= r["decode_bytes_ratio_gathered"] >= 1.0
 
 
 def test_plan_refuses_a_config_that_does_not_fit(v5e_devices):

@@ -314,3 +314,30 @@ def test_offline_benchmarks_fail_before_any_compile_naming_eval_manual_dir(tmp_p
     ):
       loop.run(c, str(tmp_path / "run"))
   assert compiles.count == 0 and not (tmp_path / "run").exists()
+
+
+def test_evaluation_samplers_are_on_the_run_mesh(tmp_path, monkeypatch):
+  """The held-out evaluation's samplers shard their slot cache over the run's mesh (rows
+  over data × fsdp) instead of holding a replicated copy on every device."""
+  from ada_jax.eval import sampling as eval_sampling
+
+  made, real = [], eval_sampling.EvalSamplers.make
+
+  def spy(*args, **kwargs):
+    made.append(real(*args, **kwargs))
+    return made[-1]
+
+  monkeypatch.setattr(eval_sampling.EvalSamplers, "make", spy)
+  c = tiny_config(steps=1)
+  c.warmstart.steps = 2
+  loop.run(c, str(tmp_path / "run"))
+  (samplers,) = made
+  for smp in (samplers.sampled, samplers.greedy):
+    if smp is None:
+      continue
+    assert smp.mesh is not None and smp.mesh.devices.size == 8
+    cache = smp.programs(max(smp.prompt_buckets)).init().cache
+    for leaf in (cache.k[0], cache.prompt_v[-1], cache.mask):
+      assert len(leaf.sharding.device_set) == 8 and not leaf.sharding.is_fully_replicated
+      shard = leaf.sharding.shard_shape(leaf.shape)
+      assert shard[0] == leaf.shape[0] // 8  # slots split over the 8 data-parallel devices
