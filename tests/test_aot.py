@@ -58,6 +58,7 @@ def _kv_model(**overrides):
   return model_lib.preset("tiny-llama", **(fields | overrides))
 
 
+@pytest.mark.slow
 def test_pool_cache_stays_in_place_under_xla_tpu(v5e_devices):
   config = _kv_model()
   mesh = sharding_lib.make_mesh(8, 1, 1, devices=v5e_devices)
@@ -77,6 +78,7 @@ def test_pool_cache_stays_in_place_under_xla_tpu(v5e_devices):
   assert not any(b["bytes"] >= kv // 8 and "f32" in b["shape"] for b in segment.largest)
 
 
+@pytest.mark.slow
 def test_decode_loop_moves_no_cache_sized_operand_between_devices(v5e_devices):
   """From the TPU HLO text: no all-gather or all-to-all of a KV-cache-sized operand."""
   config = _kv_model(num_kv_heads=4, num_heads=8)
@@ -106,6 +108,7 @@ def test_decode_loop_moves_no_cache_sized_operand_between_devices(v5e_devices):
   assert all(b < layer_shard for b in moved), sorted(moved)[-3:]
 
 
+@pytest.mark.slow
 def test_tiny_run_compiles_for_v5e_and_fits(v5e_devices):
   cfg = config_lib.parse(_tiny_arith())
   result = plan.plan(cfg, "v5e-8", progress=lambda _: None)
@@ -118,6 +121,7 @@ def test_tiny_run_compiles_for_v5e_and_fits(v5e_devices):
   assert r["decode_bytes_ratio"] >= r["decode_bytes_ratio_gathered"] >= 1.0
 
 
+@pytest.mark.slow
 def test_plan_refuses_a_config_that_does_not_fit(v5e_devices):
   c = _tiny_arith()
   c.sampler.chunk_rows = 2**21  # slots whose KV cache takes 16.9 GiB per device
