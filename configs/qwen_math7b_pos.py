@@ -26,4 +26,6 @@ def get_config() -> ml_collections.ConfigDict:
   c.sampler.max_new_tokens = 2048  # training response budget (released script: 2,048)
   c.eval.max_new_tokens = 4096  # evaluation response budget (authors' evaluation: 4,096)
   c.eval.temperature = 1.0  # Avg@32 sampled at T = 1 (authors' evaluation)
+  # Sized for a v4-32 (16 devices: tensor 4 × fsdp 4): one row per data-parallel group.
+  c.train.micro_batch_size = 4
   return c
