@@ -1,5 +1,5 @@
-"""Run state on disk: orbax checkpoints, resume order, preemption, final export (docs/design.md
-"Run state").
+"""Run state on disk: orbax checkpoints, resume order, final export (docs/design.md "Run
+state").
 
 A checkpoint holds the whole run, so that a restarted run continues exactly where the
 saved one was (same next batches, same samples, same updates):
@@ -16,31 +16,32 @@ saved one was (same next batches, same samples, same updates):
 
 Saves are atomic (orbax writes a temporary folder and renames it when complete), so a run
 killed at any moment, even by `kill -9`, restarts from its last complete checkpoint. The
-last `keep` checkpoints are kept.
-
-Preemption and Ctrl-C: `stop_signals` turns SIGTERM and a first SIGINT into a flag; the
-loop polls `stop_requested` at each step boundary, saves, waits for the write, and returns;
-`ada_jax.main` then exits with code 75 ("stopped, resumable").
+last `keep` checkpoints are kept. Nothing non-finite is saved or restored, so a NaN run
+never rotates its last finite checkpoint away. A checkpoint that does not restore (torn or
+missing files, garbage, NaN) is set aside as `<step>.unreadable` and an older one used
+(`resume`); a full disk is one `DiskFullError` (orbax's temporary folder removed).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import errno
 import os
 import pathlib
-import signal
-import sys
+import shutil
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
 from jax.experimental import multihost_utils
 
+from ada_jax import distributed
 from ada_jax.models import weights
 from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.models.tokenizer import Tokenizer
@@ -97,6 +98,22 @@ class RunState:
   host: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
+class NonFiniteError(RuntimeError):
+  """A NaN or infinity in what would be trained on or saved (step and quantity named)."""
+
+
+class UnreadableCheckpoint(RuntimeError):
+  """Checkpoint `step` does not restore: `path` (the file or item folder) and `reason`."""
+
+  def __init__(self, step: int, path: pathlib.Path, reason: str):
+    self.step, self.path, self.reason = step, path, reason
+    super().__init__(f"checkpoint {step} does not restore: {path}: {reason}")
+
+
+class DiskFullError(OSError):
+  """No space left for a checkpoint; the message names the directory and the bytes."""
+
+
 def make_manager(
   directory: str | os.PathLike, config: CheckpointConfig = CheckpointConfig()
 ) -> ocp.CheckpointManager:
@@ -119,9 +136,17 @@ def save(manager: ocp.CheckpointManager, step: int, run: RunState, *, force: boo
 
   Returns:
     Whether a save was started (False when `step` is already saved).
+
+  Raises:
+    NonFiniteError: a param, optimizer or reference array holds a NaN or infinity.
+    DiskFullError: no space left in the manager's directory (its temporary folder removed).
   """
   if step in manager.all_steps():
     return False
+  arrays = {"params": run.train.params, "opt": run.train.opt_state, "ref": run.train.ref_params}
+  bad = distributed.nonfinite_leaves(arrays)
+  if bad:
+    raise NonFiniteError(f"checkpoint {step} not saved: non-finite values in {', '.join(bad[:3])}")
   rng = run.rng
   typed = jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
   meta = {
@@ -140,7 +165,47 @@ def save(manager: ocp.CheckpointManager, step: int, run: RunState, *, force: boo
     items["ref_params"] = ocp.args.StandardSave(run.train.ref_params)
   if run.est is not None:
     items["est"] = ocp.args.StandardSave(_pad_est(run.est))
-  return manager.save(step, args=ocp.args.Composite(**items), force=force)
+  threads = threading.active_count()
+  try:
+    return manager.save(step, args=ocp.args.Composite(**items), force=force)
+  except Exception as e:
+    _raise_if_disk_full(e, manager, _nbytes(run), threads)
+    raise
+
+
+def _nbytes(run: RunState) -> int:
+  return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(run.train))
+
+
+def _raise_if_disk_full(
+  error: BaseException, manager: ocp.CheckpointManager, needed: int, threads: int
+) -> None:
+  """A `DiskFullError` in place of `error` when a cause in its chain is ENOSPC, once orbax's
+  unfinished temporary folders are removed (they would only take more space)."""
+  cause = error
+  while cause is not None and not (isinstance(cause, OSError) and cause.errno == errno.ENOSPC):
+    cause = cause.__cause__ or cause.__context__
+  if cause is None and "No space left on device" not in str(error):
+    return
+  directory = pathlib.Path(manager.directory)
+  # orbax's threads writing the other items run on after the first error and would
+  # recreate a folder removed at once: remove until they are gone (a few seconds at most).
+  deadline = time.monotonic() + 10
+  while jax.process_index() == 0 and time.monotonic() < deadline:
+    tmps = list(directory.glob("*.orbax-checkpoint-tmp*"))
+    for tmp in tmps:
+      shutil.rmtree(tmp, ignore_errors=True)
+    if not tmps and threading.active_count() <= threads:
+      break
+    time.sleep(0.1)
+  free = shutil.disk_usage(directory).free if directory.exists() else 0
+  size = f"it needs about {needed / 2**20:.1f} MiB ({needed} bytes), " if needed else ""
+  raise DiskFullError(
+    errno.ENOSPC,
+    f"no space left on device for a checkpoint in {directory}: {size}{free / 2**20:.1f} "
+    "MiB are free; free space and run the same command again (it resumes from checkpoint "
+    f"{manager.latest_step()})",
+  ) from None
 
 
 def _pad_est(est: EstState) -> EstState:
@@ -155,21 +220,30 @@ def _pad_est(est: EstState) -> EstState:
 
 
 def restore(
-  manager: ocp.CheckpointManager, target: TrainState, step: int | None = None
+  manager: ocp.CheckpointManager,
+  target: TrainState,
+  step: int | None = None,
+  *,
+  check_host: Callable[[dict[str, Any], int], None] | None = None,
 ) -> RunState:
   """Restores checkpoint `step` (default: the latest) onto the shardings of `target`.
+
+  Items are read one at a time (host JSON first), so a failure names its folder.
 
   Args:
     manager: from `make_manager`.
     target: `train.abstract_state(...)`, a `TrainState` of `jax.ShapeDtypeStruct`s with
       shardings; its `ref_params` must be set iff the checkpoint has reference params.
     step: which checkpoint; None = the latest.
+    check_host: called with the saved host state and `step` before any array is read (the
+      loop's resume-compatibility check, which may raise `config.ConfigError`).
 
   Returns:
     The `RunState` as saved (est arrays at their saved length P, rng with its key impl).
 
   Raises:
     FileNotFoundError: no checkpoint (or not `step`) in the manager's directory.
+    UnreadableCheckpoint: an item is missing, torn or unreadable, or holds NaN or infinity.
     ValueError: the checkpoint and `target` disagree on reference params.
   """
   step = manager.latest_step() if step is None else step
@@ -178,7 +252,24 @@ def restore(
       f"no checkpoint {'' if step is None else step} in "
       f"{manager.directory} (steps: {manager.all_steps()})"
     )
-  meta = manager.restore(step, args=ocp.args.Composite(host=ocp.args.JsonRestore()))["host"]
+  folder = pathlib.Path(manager.directory) / str(step)
+
+  def read(name: str, arg: Any) -> Any:
+    path = folder / name
+    if not path.is_dir():
+      raise UnreadableCheckpoint(step, path, "missing")
+    try:
+      return manager.restore(step, args=ocp.args.Composite(**{name: arg}))[name]
+    except MemoryError:
+      raise
+    except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many kinds
+      raise UnreadableCheckpoint(step, path, _reason(e)) from None
+
+  meta = read("host", ocp.args.JsonRestore())
+  if not {"user", "has_ref", "est_size", "rng_impl"} <= set(meta if isinstance(meta, dict) else ()):
+    raise UnreadableCheckpoint(step, folder / "host" / "metadata", "not a run-state record")
+  if check_host is not None:
+    check_host(meta["user"], step)
   if meta["has_ref"] != (target.ref_params is not None):
     raise ValueError(
       f"checkpoint {step} {'has' if meta['has_ref'] else 'has no'} reference "
@@ -194,7 +285,12 @@ def restore(
     items["ref_params"] = ocp.args.StandardRestore(target.ref_params)
   if meta["est_size"] is not None:
     items["est"] = ocp.args.StandardRestore()
-  out = manager.restore(step, args=ocp.args.Composite(**items))
+  out = {name: read(name, arg) for name, arg in items.items()}
+  for name in ("params", "opt", "ref_params"):
+    bad = distributed.nonfinite_leaves(out.get(name))
+    if bad:
+      more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+      raise UnreadableCheckpoint(step, folder / name, f"NaN or infinity in {bad[0]}{more}")
   key = np.asarray(out["rng"]["key"])
   rng = (
     jax.random.wrap_key_data(key, impl=meta["rng_impl"]) if meta["rng_impl"] else jnp.asarray(key)
@@ -212,6 +308,32 @@ def restore(
     ref_params=out["ref_params"] if meta["has_ref"] else None,
   )
   return RunState(train=train, rng=rng, est=est, host=meta["user"])
+
+
+def _reason(error: BaseException) -> str:
+  """The innermost cause's first line (tensorstore's names the array and the byte range),
+  without the spec dump orbax appends."""
+  while error.__cause__ is not None:  # orbax raises its own errors `from` tensorstore's
+    error = error.__cause__
+  text = (str(error).strip().splitlines() or [""])[0].split(" See full TensorStore")[0]
+  text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+  return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _set_aside(manager: ocp.CheckpointManager, skipped: list[UnreadableCheckpoint]) -> None:
+  """Renames the unreadable checkpoints to `<step>.unreadable[.<time>]` (kept for a look,
+  no longer a step: the run saves that step again and rotation ignores them)."""
+  if jax.process_index() == 0:
+    for e in skipped:
+      folder = pathlib.Path(manager.directory) / str(e.step)
+      aside = folder.with_name(f"{e.step}.unreadable")
+      if aside.exists():
+        aside = aside.with_name(f"{aside.name}.{time.time_ns()}")
+      folder.rename(aside)
+      logging.warning("%s; set aside as %s", e, aside)
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices("ada_jax: unreadable checkpoints set aside")
+  manager.reload()
 
 
 def params_step_dir(path: str | os.PathLike) -> pathlib.Path:
@@ -272,11 +394,13 @@ def resume(
   start: Callable[[Params | None], RunState],
   init_from: str | None = None,
   pretrained: str | None = None,
+  check_host: Callable[[dict[str, Any], int], None] | None = None,
 ) -> tuple[RunState, str]:
   """Where a run's state comes from, in this order (docs/design.md "Run state"):
 
-  1. the latest complete checkpoint in the run's own directory (a restart after
-     preemption or a crash continues the same run);
+  1. the latest complete checkpoint in the run's own directory that restores (a restart
+     after preemption or a crash continues the same run); newer ones that do not
+     (`UnreadableCheckpoint`) are set aside as `<step>.unreadable`, each named in a warning;
   2. else `init_from`: the params of another run's checkpoint, fresh optimizer and step 0;
   3. else `pretrained`: a Hugging Face folder (`weights.load_hf`), fresh optimizer;
   4. else `start(None)`, which makes the initial params itself (random or warm-started).
@@ -288,6 +412,7 @@ def resume(
       root key from the seed, empty Est, data position 0).
     init_from: path for step 2, or None.
     pretrained: HF folder (or Hub id) for step 3, or None.
+    check_host: see `restore`; its error ends the resume (no older checkpoint is tried).
 
   Returns:
     (run state, source) with source 'checkpoint:<step>', 'init_from:<path>',
@@ -296,10 +421,23 @@ def resume(
   Raises:
     weights.CheckpointError: the pretrained folder is missing or does not match `target`.
     FileNotFoundError: `init_from` holds no checkpoint.
+    UnreadableCheckpoint: checkpoints exist but none restores (the latest one's error,
+      nothing set aside).
   """
-  latest = manager.latest_step()
-  if latest is not None:
-    return restore(manager, target, latest), f"checkpoint:{latest}"
+  skipped = []
+  for step in sorted(manager.all_steps(), reverse=True):
+    try:
+      run = restore(manager, target, step, check_host=check_host)
+    except UnreadableCheckpoint as e:
+      skipped.append(e)
+      continue
+    if skipped:
+      _set_aside(manager, skipped)
+    return run, f"checkpoint:{step}"
+  if skipped:
+    e = skipped[0]
+    older = f" (nor do the {len(skipped) - 1} older ones)" if len(skipped) > 1 else ""
+    raise UnreadableCheckpoint(e.step, e.path, e.reason + older)
   if init_from:
     try:
       params = restore_params(init_from, target.params)
@@ -337,94 +475,16 @@ def export_hf(
     tokenizer.save(path)
 
 
-# ----------------------------------------------------------------------------- host state
-
-
-def generator_state(gen: np.random.Generator) -> dict[str, Any]:
-  """The JSON-able state of a numpy Generator (its `bit_generator.state`)."""
-  return gen.bit_generator.state
-
-
-def generator_from_state(state: dict[str, Any]) -> np.random.Generator:
-  """A numpy Generator continuing exactly from `generator_state`'s output.
+def close(manager: ocp.CheckpointManager) -> None:
+  """Waits for pending (async) saves to be complete on disk, then closes the manager.
 
   Raises:
-    ValueError: an unknown bit generator name.
+    DiskFullError: a pending save ran out of space (its temporary folder removed).
   """
-  name = state.get("bit_generator")
-  bit_gen_cls = getattr(np.random, str(name), None)
-  if bit_gen_cls is None or not isinstance(bit_gen_cls, type):
-    raise ValueError(f"generator state: unknown bit_generator {name!r}")
-  bit_gen = bit_gen_cls()
-  bit_gen.state = state
-  return np.random.Generator(bit_gen)
-
-
-# ----------------------------------------------------------------------------- preemption
-
-
-class StopRequest(threading.Event):
-  """The event `stop_signals` yields; `signal_name` is the first signal that set it
-  ('SIGTERM', 'SIGINT'), None while unset."""
-
-  signal_name: str | None = None
-
-  def request(self, signum: int) -> None:
-    if not self.is_set():
-      self.signal_name = signal.Signals(signum).name
-    self.set()
-
-
-@contextlib.contextmanager
-def stop_signals() -> Iterator[StopRequest]:
-  """While active, SIGTERM and a first Ctrl-C (SIGINT) set the yielded event instead of
-  killing the process; a second Ctrl-C interrupts at once (KeyboardInterrupt). The event
-  names the signal (`StopRequest.signal_name`). The previous handlers come back on exit (a
-  notebook's interrupt keeps working afterwards).
-
-  The loop polls `stop_requested(event)` between steps, saves a checkpoint, waits for it
-  (`close`) and returns; `ada_jax.main` then exits with its "stopped, resumable" code.
-  Outside the main thread, where Python cannot install handlers, the event is never set.
-  """
-  event = StopRequest()
-  if threading.current_thread() is not threading.main_thread():
-    yield event
-    return
-
-  def on_sigint(signum, frame):
-    if event.is_set():
-      raise KeyboardInterrupt
-    event.request(signum)
-    print(
-      "\nCtrl-C: stopping after this RL step with a checkpoint (Ctrl-C again to abort)",
-      file=sys.stderr,
-      flush=True,
-    )
-
-  previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-  signal.signal(signal.SIGTERM, lambda signum, frame: event.request(signum))
-  signal.signal(signal.SIGINT, on_sigint)
+  threads = threading.active_count()
   try:
-    yield event
-  finally:
-    for sig, handler in previous.items():
-      signal.signal(sig, handler)
-
-
-def stop_requested(event: threading.Event) -> bool:
-  """Whether any process has been asked to stop.
-
-  With several processes the flags are combined (an all-gather), so that every process
-  stops after the same step and all of them take part in the final save, even when the
-  signals arrive at different times.
-  """
-  flag = event.is_set()
-  if jax.process_count() > 1:
-    flag = bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
-  return flag
-
-
-def close(manager: ocp.CheckpointManager) -> None:
-  """Waits for pending (async) saves to be complete on disk, then closes the manager."""
-  manager.wait_until_finished()
+    manager.wait_until_finished()
+  except Exception as e:
+    _raise_if_disk_full(e, manager, 0, threads)
+    raise
   manager.close()

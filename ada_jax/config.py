@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import pathlib
 import sys
 import typing
@@ -25,6 +26,7 @@ from ada_jax.models.decoder import ModelConfig
 from ada_jax.models.sharding import MeshConfig
 from ada_jax.models.tokenizer import TokenizerConfig
 from ada_jax.models.weights import ModelSpec
+from ada_jax.rewards.grader import JUDGES
 from ada_jax.rl.adaptive import AdaConfig
 from ada_jax.rl.losses import LossConfig
 from ada_jax.rl.train import OptimConfig, TrainConfig
@@ -142,6 +144,15 @@ class RLConfig:
   verifier_timeout_s: float = 5.0
   log_samples: int = 0
 
+  def __post_init__(self):
+    if self.judge not in JUDGES:
+      raise ValueError(f"RLConfig.judge={self.judge!r}: not a judge; known: {sorted(JUDGES)}")
+    if not self.verifier_timeout_s > 0:
+      raise ValueError(f"RLConfig.verifier_timeout_s={self.verifier_timeout_s}: must be > 0")
+    for name in ("verifier_workers", "log_samples"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"RLConfig.{name}={getattr(self, name)}: must be >= 0")
+
 
 # Fields of a module's config that the run fills from another group (one source each):
 # the trainer's loss, optimizer and log-prob temperature, and its number of updates.
@@ -218,6 +229,22 @@ class RunConfig:
 
   def check(self) -> None:
     """Cross-group rules. Raises ConfigError naming the config field."""
+    if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+      raise ConfigError(f"config.seed must be an int in [0, 2**63), got {self.seed!r}")
+    if self.sampler.temperature == 0:
+      raise ConfigError(
+        "config.sampler.temperature=0 (greedy rollouts): every response of a prompt is the "
+        "same, so no group has mixed rewards and RL trains nothing; use a temperature > 0"
+      )
+    buckets = self.sampler.prompt_buckets
+    if not buckets or min(buckets) < 1:
+      raise ConfigError(f"config.sampler.prompt_buckets={buckets!r}: need lengths >= 1")
+    if max(buckets) < self.data.max_prompt_tokens:
+      raise ConfigError(
+        f"config.sampler.prompt_buckets (largest {max(buckets)}) must hold "
+        f"config.data.max_prompt_tokens ({self.data.max_prompt_tokens}), the longest prompt "
+        "kept: raise the largest bucket or lower max_prompt_tokens"
+      )
     if self.rl.steps < 1:
       raise ConfigError(f"config.rl.steps must be >= 1, got {self.rl.steps}")
     if self.rl.batch_prompts < 1:
@@ -241,6 +268,18 @@ class RunConfig:
         "config.warmstart (the arithmetic warm start) needs the arithmetic "
         "tokenizer: leave tokenizer.dir and model.hf_dir empty"
       )
+
+  def warnings(self) -> list[str]:
+    """Settings that run but are likely mistakes (the loop logs them before compiling)."""
+    out = []
+    m, n = self.ada.samples_per_round, self.ada.n
+    if self.ada.method in ("pos", "balance") and m > 16 * n:
+      out.append(
+        f"config.ada.samples_per_round={m} draws {m} responses per active prompt per round "
+        f"to keep n={n} ({m // n}x GRPO's rows per round; the paper: M=8, n=4): "
+        "each step costs that much more decoding"
+      )
+    return out
 
   def check_model(self, model: ModelConfig) -> None:
     """Rules that need the architecture: the rollout (and, when benchmarks are set, the
@@ -292,11 +331,21 @@ def build(cls, group: Mapping[str, Any] | None, path: str):
       value = tuple(value)
     elif isinstance(value, Mapping):
       value = dict(value)
+    _check_finite(value, f"config.{path}.{key}")
     kwargs[key] = value
   try:
     return cls(**kwargs)
   except (TypeError, ValueError) as e:
     raise ConfigError(f"config.{path}: {e}") from None
+
+
+def _check_finite(value: Any, name: str) -> None:
+  """NaN and infinities pass every `x <= 0` check (NaN compares false), so they are refused
+  here, for every float field alike."""
+  items = value if isinstance(value, tuple) else (value,)
+  for x in items:
+    if isinstance(x, float) and not math.isfinite(x):
+      raise ConfigError(f"{name}={value!r}: must be a finite number")
 
 
 def parse(config: Mapping[str, Any]) -> RunConfig:
@@ -314,6 +363,8 @@ def parse(config: Mapping[str, Any]) -> RunConfig:
       if isinstance(value, Mapping) and name in value:
         raise ConfigError(f"config.{key}.{name}: set by {source}, not here")
     sub = _dataclass_of(fields[key])
+    if sub is None:
+      _check_finite(value, f"config.{key}")
     kwargs[key] = build(sub, value, key) if sub is not None else value
   run = RunConfig(**kwargs)
   run.check()

@@ -19,7 +19,7 @@ from ada_jax import checkpoint as checkpoint_lib
 from ada_jax import config as config_lib
 from ada_jax.eval import benchmarks as benchmarks_lib
 from ada_jax.eval.benchmarks import EvalConfig
-from ada_jax.eval.evaluation import checkpoint_tag, report_text, run
+from ada_jax.eval.evaluation import report_text, run
 from ada_jax.eval.policy import load_model
 from ada_jax.models import sharding
 
@@ -98,8 +98,7 @@ def main(argv: Sequence[str], flag_values=None) -> dict[str, Any]:
     except FileNotFoundError as e:
       raise config_lib.ConfigError(f"--checkpoint={fv.checkpoint}: {e}") from None
     model = load_model(cfg, mesh, checkpoint_path=ckpt, tokenizer_dir=fv.tokenizer_dir)
-    # The training loop's tag for the same step: its cached results are reused.
-    tag, name = checkpoint_tag(directory, fv.checkpoint), f"step_{fv.checkpoint}"
+    tag, name = model.tag, f"step_{fv.checkpoint}"
   return run(
     config,
     fv.workdir,

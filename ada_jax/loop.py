@@ -9,7 +9,10 @@ selected responses and their advantages become a
 fixed-shape training batch (`rollout.make_train_batch`); `rl.update.update_policy` runs k
 mini-batch updates; metrics go to JSONL/TensorBoard/console; the whole run state is
 checkpointed every `ckpt.every_steps` steps, at the end, and on SIGTERM or Ctrl-C (the
-summary then names the signal, `stopped_by`, and has no `after_rl`).
+summary then names the signal, `stopped_by`, and has no `after_rl`). Outside the RL loop
+(set-up, warm start, held-out evaluations) SIGTERM and Ctrl-C stop at once
+(`runstate.Stopped`); a non-finite step stops the run before it is saved
+(`runstate.check_step`); the workdir is held by one run (`runstate.hold_workdir`).
 
 Determinism: the rollout key of step s is `fold_in(rollout_key, s)`; the root key it comes
 from, the host Generator, the prompt position and the Est statistics are checkpointed and
@@ -19,6 +22,7 @@ uninterrupted run would take.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import pathlib
@@ -29,7 +33,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from ada_jax import checkpoint, distributed, inputs
+from ada_jax import checkpoint, distributed, inputs, runstate
 from ada_jax import config as config_lib
 from ada_jax import metrics as metrics_lib
 from ada_jax.config import ConfigError
@@ -78,7 +82,7 @@ def _heldout_eval(cfg, workdir, tokenizer, params, model_cfg, step, samplers) ->
     model_config=model_cfg,
     tokenizer=tokenizer,
     samplers=samplers,
-    model_tag=evaluate.run_model_tag(workdir, step),
+    model_tag=evaluate.weights_tag(params, model_cfg),
     name=f"step_{step}",
     progress=primary,
   )["results"]
@@ -104,8 +108,23 @@ def run(config, workdir: str) -> dict[str, Any]:
 
 
 def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
-  """`run` on a parsed config."""
+  """`run` on a parsed config.
+
+  Raises:
+    runstate.Stopped: SIGTERM or Ctrl-C outside the RL loop (the same command resumes).
+    checkpoint.NonFiniteError: a non-finite loss, gradient norm or update (nothing of it
+      saved).
+    checkpoint.UnreadableCheckpoint: the workdir has checkpoints but none restores.
+    checkpoint.DiskFullError: a checkpoint did not fit on the disk.
+  """
   workdir = str(pathlib.Path(workdir).absolute())
+  with runstate.stop_signals("the set-up") as stop, contextlib.ExitStack() as stack:
+    return _train(cfg, workdir, stop, stack)
+
+
+def _train(cfg, workdir: str, stop: runstate.StopRequest, stack: contextlib.ExitStack):
+  for warning in cfg.warnings():
+    logging.warning("%s", warning)
   model_dir, model_cfg, tokenizer = inputs.load_model_files(cfg.model, cfg.tokenizer)
   cfg.check_model(model_cfg)
   try:
@@ -146,21 +165,24 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
       checkpoint.params_step_dir(cfg.ckpt.init_from)
     except FileNotFoundError as e:
       raise ConfigError(f"config.ckpt.init_from: {e}") from None
-  pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
+  stack.enter_context(runstate.hold_workdir(workdir))  # one run per workdir
   with_ref = cfg.loss.kl_coeff > 0
   target = train.abstract_state(model_cfg, train_cfg, mesh, with_ref=with_ref)
   root = jax.random.key(cfg.seed)
   init_key = jax.random.split(root, 3)[0]  # [1]: rollouts, from the run state's root
   iterator = prompts.PromptIterator(len(ps), cfg.rl.batch_prompts, seed=cfg.seed)
+  record = runstate.config_record(cfg, model_cfg)
 
   def start(params):
     host: dict[str, Any] = {}
     if params is None:
       params = model_lib.init_params(model_cfg, init_key)
       if cfg.warmstart is not None:
+        stop.enter("the warm start")
         params, ws = warmstart_lib.warm_start(
           model_cfg, params, tokenizer, cfg.warmstart, progress=jax.process_index() == 0
         )
+        stop.enter("the set-up")
         metrics_lib.console(warmstart_lib.describe(ws, cfg.warmstart))
         host["warmstart"] = {
           "wall_s": float(ws["wall_s"]),
@@ -168,58 +190,69 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
           "steps_run": int(ws["steps_run"]),
           "reached_target": bool(ws["reached_target"]),
         }
-    host["before_rl"] = _heldout_eval(cfg, workdir, tokenizer, params, model_cfg, 0, eval_samplers)
     state = train.init_train_state(
       model_cfg, train_cfg, params, mesh, ref_params=params if with_ref else None
     )
     host.update(
       step=0,
       iterator=_jsonable(iterator.state()),
-      np_rng=checkpoint.generator_state(np.random.default_rng(cfg.seed)),
+      np_rng=runstate.generator_state(np.random.default_rng(cfg.seed)),
     )
     return checkpoint.RunState(train=state, rng=root, est=None, host=host)
 
-  # Resume order (`checkpoint.resume`): 1. the latest checkpoint in this workdir (the
-  # whole run state: params, optimizer, root key, Est statistics, prompt position, host
-  # Generator); 2. `ckpt.init_from` (another run's params, fresh optimizer); 3. the
-  # pretrained weights of `model.hf_dir`; 4. `start(None)`: random init, then the warm
-  # start. 2-4 go through `start`, which also runs the held-out evaluation before RL.
+  # Resume order (`checkpoint.resume`): 1. the latest checkpoint in this workdir that
+  # restores (the whole run state: params, optimizer, root key, Est statistics, prompt
+  # position, host Generator), if it was made with a compatible config
+  # (`runstate.check_resume`); 2. `ckpt.init_from` (another run's params, fresh
+  # optimizer); 3. the pretrained weights of `model.hf_dir`; 4. `start(None)`: random
+  # init, then the warm start. 2-4 go through `start`.
   manager = checkpoint.make_manager(pathlib.Path(workdir) / "checkpoints", cfg.ckpt)
+  stack.callback(_close, manager)
   run_state, source = checkpoint.resume(
     manager,
     target,
     start=start,
     init_from=cfg.ckpt.init_from or None,
     pretrained=str(model_dir) if model_dir else None,
+    check_host=lambda host, step: runstate.check_resume(host.get("config"), record, step),
   )
   logging.info("run state from %s", source)
+  host = run_state.host
+  host["config"] = record  # with any change a resume may make
+  stop.enter(None)  # signals are polled from here: a save is never cut
   if source.startswith("checkpoint"):
-    resumed = int(run_state.host["step"])
+    resumed = int(host["step"])
     metrics_lib.console(
       f"resuming from step {resumed} (checkpoint {workdir}/checkpoints/{resumed})"
     )
   else:
-    # Step 0 (the warm-started policy, its held-out score) is saved at once, so a restart
-    # never repeats the warm start and other runs can `init_from` this folder's step 0.
+    # Step 0 (the warm-started policy) is saved at once, so a restart never repeats the
+    # warm start and other runs can `init_from` this folder's step 0.
     checkpoint.save(manager, 0, run_state)
-  host = run_state.host
   state, est = run_state.train, run_state.est
+  first = int(host["step"])
+  writer = metrics_lib.MetricsWriter(
+    workdir, total_steps=cfg.rl.steps, start_step=first, primary=jax.process_index() == 0
+  )
+  stack.callback(writer.close)
+  if first == 0 and "before_rl" not in host:  # also after a stop during it: cached batches
+    stop.enter("the held-out evaluation before RL")
+    host["before_rl"] = _heldout_eval(
+      cfg, workdir, tokenizer, state.params, model_cfg, 0, eval_samplers
+    )
+    stop.enter(None)
+  if first == 0:
+    writer.add_scalars(0, host["before_rl"])
   # The checkpoint's root key, not the config's seed: a resumed run draws the keys the saved
   # run would have drawn (tests/test_guards.py).
   root = run_state.rng
   rollout_key = jax.random.split(root, 3)[1]
   iterator.restore(host["iterator"])
-  np_rng = checkpoint.generator_from_state(host["np_rng"])
-  first = int(host["step"])
+  np_rng = runstate.generator_from_state(host["np_rng"])
   step_fn = train.make_train_step(model_cfg, train_cfg, mesh, with_ref=with_ref)
   logprob_fn = None
   if train_cfg.old_logprobs == "recompute":  # released: the trainer's old log-probs
     logprob_fn = update.make_logprob_step(model_cfg, train_cfg, mesh)
-  writer = metrics_lib.MetricsWriter(
-    workdir, total_steps=cfg.rl.steps, start_step=first, primary=jax.process_index() == 0
-  )
-  if first == 0:
-    writer.add_scalars(0, host.get("before_rl", {}))
   # The stop ids end responses in training and evaluation; the folder's are the default.
   writer.log_text(f"stop ids {list(tokenizer.eos_ids)} (training and evaluation samplers)")
   verifier_cfg = VerifierConfig(
@@ -227,24 +260,25 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
   )
   step = first
   agreed = stopped_by = None
-  with checkpoint.stop_signals() as stop, RewardPool(verifier_cfg) as pool:
+  with RewardPool(verifier_cfg) as pool:
     grader = distributed.SharedGrader(pool)  # identical rewards on every process
     ctx = StepContext(cfg, ps, iterator, smp, step_fn, grader, tokenizer, mesh, np_rng, logprob_fn)
     for step in range(first + 1, cfg.rl.steps + 1):
       state, est, m = rl_step(ctx, step, state, est, jax.random.fold_in(rollout_key, step))
+      runstate.check_step(step, m, state.params)  # before anything of it is saved
       if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < cfg.rl.steps:
         m.update(
           _heldout_eval(cfg, workdir, tokenizer, state.params, model_cfg, step, eval_samplers)
         )
       writer.write(step, m)
       host.update(
-        step=step, iterator=_jsonable(iterator.state()), np_rng=checkpoint.generator_state(np_rng)
+        step=step, iterator=_jsonable(iterator.state()), np_rng=runstate.generator_state(np_rng)
       )
       agreed = distributed.assert_same(
         f"controller state after RL step {step}",
         [host["iterator"], host["np_rng"], est, [m.get(k) for k in _AGREED]],
       )
-      stopping = checkpoint.stop_requested(stop)
+      stopping = runstate.stop_requested(stop)
       if (
         stopping
         or step == cfg.rl.steps
@@ -274,6 +308,7 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
       "params": distributed.local_fingerprint(state.params),
     }
   if step == cfg.rl.steps and stopped_by is None:  # stopped: the rerun evaluates
+    stop.enter("the held-out evaluation after RL")
     summary["after_rl"] = _heldout_eval(
       cfg, workdir, tokenizer, state.params, model_cfg, step, eval_samplers
     )
@@ -284,10 +319,19 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
         checkpoint.export_hf(
           model_cfg, params, pathlib.Path(workdir) / "hf_final", tokenizer=tokenizer
         )
-  writer.close()
+    stop.enter(None)
   if jax.process_index() == 0:
     (pathlib.Path(workdir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
   return summary
+
+
+def _close(manager) -> None:
+  """The manager's last wait and close, on every way out (a stop, an error): a save in
+  flight completes. Once closed, closing again is a no-op."""
+  try:
+    checkpoint.close(manager)
+  except Exception as e:  # noqa: BLE001 - an error on the way out must not hide the first
+    logging.warning("closing the checkpoint manager: %s", e)
 
 
 @dataclasses.dataclass(frozen=True)

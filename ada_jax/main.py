@@ -5,16 +5,24 @@ is one
 (`ada_jax.distributed`, configured by environment variables), log the process/device
 facts, hand over to `ada_jax.loop.run`.
 
-Exit codes, for scripts and job schedulers:
+Exit codes, for scripts and job schedulers (README.md's table):
   0  (`EXIT_FINISHED`) all RL steps and the held-out evaluation after RL are done.
-  75 (`EXIT_STOPPED`, EX_TEMPFAIL) stopped by SIGTERM or a first Ctrl-C after an RL step,
-     with a checkpoint of it: run the same command again to resume.
-  2  (`EXIT_USAGE`) a bad flag or config field (one line naming it); nothing was run.
-  1  a failure (a traceback; with several processes, one line per process): the run
-     resumes from its last periodic checkpoint when started again.
+  75 (`EXIT_STOPPED`, EX_TEMPFAIL) stopped by SIGTERM or a first Ctrl-C: after an RL step
+     with a checkpoint of it, or at once outside the RL loop (set-up, warm start, held-out
+     evaluation; nothing there is lost but the unfinished part): run the same command
+     again to resume.
+  2  (`EXIT_USAGE`) a bad flag or config field, a resume with a changed config, or a
+     workdir held by another run (one line naming it); nothing was run.
+  3  (`EXIT_NONFINITE`) a NaN or infinite loss, gradient norm or update: stopped before
+     saving it (one line naming the step and the quantity); the checkpoints are finite.
+  1  a failure: one line for a checkpoint that no longer restores or a full disk, else a
+     traceback (with several processes, one line per process); the run resumes from its
+     last good checkpoint when started again.
 A second Ctrl-C interrupts at once without a new checkpoint (Python's KeyboardInterrupt,
 exit status 130 in a shell).
 """
+
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -22,6 +30,8 @@ from ml_collections import config_flags
 EXIT_FINISHED = 0
 EXIT_STOPPED = 75
 EXIT_USAGE = 2
+EXIT_NONFINITE = 3
+EXIT_FAILED = 1
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config", None, "Experiment config file.", lock_config=True
@@ -45,10 +55,20 @@ def main(argv):
     jax.device_count(),
     jax.devices()[0].platform,
   )
-  from ada_jax import loop
+  from ada_jax import checkpoint, loop, runstate
 
   with distributed.exit_on_failure(), config.exit_on_config_error():
-    summary = loop.run(_CONFIG.value, _WORKDIR.value)
+    try:
+      summary = loop.run(_CONFIG.value, _WORKDIR.value)
+    except runstate.Stopped as e:
+      summary = {"stopped_by": e.signal_name, "phase": e.phase}
+    except (
+      checkpoint.NonFiniteError,
+      checkpoint.UnreadableCheckpoint,
+      checkpoint.DiskFullError,
+    ) as e:
+      print(f"ada_jax: {e}", file=sys.stderr, flush=True)
+      return EXIT_NONFINITE if isinstance(e, checkpoint.NonFiniteError) else EXIT_FAILED
   text, code = report(summary, _WORKDIR.value)
   if jax.process_index() == 0:
     print(text, flush=True)
@@ -56,7 +76,14 @@ def main(argv):
 
 
 def report(summary: dict, workdir: str) -> tuple[str, int]:
-  """The closing lines on stdout and the exit code of a run with `loop.run`'s `summary`."""
+  """The closing lines on stdout and the exit code of a run with `loop.run`'s `summary`
+  (or, for a stop outside the RL loop, `{'stopped_by': signal, 'phase': what ran}`)."""
+  if "phase" in summary:
+    return (
+      f"stopped by {summary['stopped_by']} during {summary['phase']}; run the same command "
+      f"again to resume from the latest checkpoint, if any (exit code {EXIT_STOPPED}). "
+      f"Files: {workdir}"
+    ), EXIT_STOPPED
   if "after_rl" not in summary:  # stopped early: say so, not "done"
     return (
       f"stopped by {summary.get('stopped_by', 'a signal')} after RL step "

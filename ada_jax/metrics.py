@@ -1,8 +1,8 @@
 """Per-step metrics: one JSONL line, TensorBoard scalars and a tqdm bar; curves as PNG.
 
 Only the primary process (process 0) writes. On resume, lines of steps after the restored
-checkpoint (written before a crash, about to be recomputed) are moved to
-`metrics.orphaned.jsonl` rather than deleted, so the main file has one line per step and
+checkpoint (written before a crash, about to be recomputed) and a torn last line are moved
+to `metrics.orphaned.jsonl` rather than deleted, so the main file has one line per step and
 nothing written is lost; the TensorBoard writer starts with a `purge_step`, so TensorBoard
 hides those steps' events of the earlier event file and every curve has one point per step.
 """
@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from absl import logging
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
@@ -38,11 +39,33 @@ def _scalar(value: Any) -> float | int | None:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-  """Metrics lines of a run (`[]` if the file does not exist)."""
+  """Metrics lines of a run (`[]` if the file does not exist); a line that is not a JSON
+  object (a torn last line, after a kill mid-append) is left out with a warning naming it."""
+  records, unreadable = _read_lines(path)
+  for lineno, _ in unreadable:
+    logging.warning("%s:%d: not a JSON object (a torn write?), left out", path, lineno)
+  return records
+
+
+def _read_lines(path: str | os.PathLike) -> tuple[list[dict[str, Any]], list[tuple[int, str]]]:
+  """(records, [(line number, text)] of the lines that are not JSON objects)."""
   path = pathlib.Path(path)
   if not path.exists():
-    return []
-  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [], []
+  records, unreadable = [], []
+  text = path.read_bytes().decode("utf-8", errors="replace")
+  for lineno, line in enumerate(text.splitlines(), 1):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError:
+      record = None
+    if isinstance(record, dict):
+      records.append(record)
+    else:
+      unreadable.append((lineno, line))
+  return records, unreadable
 
 
 class MetricsWriter:
@@ -74,11 +97,19 @@ class MetricsWriter:
     if not primary:
       return
     self.path.parent.mkdir(parents=True, exist_ok=True)
-    lines = read_jsonl(self.path)
+    lines, unreadable = _read_lines(self.path)
     stale = [line for line in lines if line.get("step", 0) > start_step]
+    # A line that is not JSON (the torn tail of an append cut by a kill) is set aside too,
+    # as its text: the file then ends with a whole line again.
+    stale += [{"unreadable_line": n, "text": text} for n, text in unreadable]
+    for n, _ in unreadable:
+      logging.warning("%s:%d: torn line moved to metrics.orphaned.jsonl", self.path, n)
     if stale:
       with open(self.path.with_name("metrics.orphaned.jsonl"), "a") as f:
         f.writelines(json.dumps(line) + "\n" for line in stale)
+    # Rewritten whole also when its last line lacks its newline, or the next append would
+    # be glued to it.
+    if stale or (lines and not self.path.read_bytes().endswith(b"\n")):
       tmp = self.path.with_suffix(".tmp")
       tmp.write_text(
         "".join(json.dumps(line) + "\n" for line in lines if line.get("step", 0) <= start_step)

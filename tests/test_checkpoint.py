@@ -1,8 +1,10 @@
 """Run-state checkpoints: exact round trip, keep-last-k, resume order, SIGTERM / Ctrl-C,
 kill -9."""
 
+import dataclasses
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -14,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ada_jax import checkpoint
+from ada_jax import checkpoint, runstate
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding, weights
 from ada_jax.rl import train
@@ -61,7 +63,7 @@ def test_round_trip_is_exact_and_keeps_last_k(tmp_path, async_save):
       train=_state(mesh, shift=step),
       rng=jax.random.split(jax.random.key(step))[1],
       est=_est(size, step),
-      host={"rl_step": step, "data_pos": 10 * step, "gen": checkpoint.generator_state(gen)},
+      host={"rl_step": step, "data_pos": 10 * step, "gen": runstate.generator_state(gen)},
     )
     assert checkpoint.save(manager, step, run)
     saved[step] = run
@@ -88,7 +90,7 @@ def test_round_trip_is_exact_and_keeps_last_k(tmp_path, async_save):
       assert back.est[name].dtype == want.est[name].dtype
       np.testing.assert_array_equal(back.est[name], want.est[name])
     assert back.host["rl_step"] == step and back.host["data_pos"] == 10 * step
-  restored_gen = checkpoint.generator_from_state(back.host["gen"])
+  restored_gen = runstate.generator_from_state(back.host["gen"])
   np.testing.assert_array_equal(restored_gen.random(4), gen.random(4))
   assert checkpoint.restore(manager, target).host["rl_step"] == 3  # default: latest
   with pytest.raises(FileNotFoundError, match="no checkpoint 1"):
@@ -186,7 +188,7 @@ def test_bad_config_names_the_field():
   with pytest.raises(ValueError, match="CheckpointConfig.keep"):
     checkpoint.CheckpointConfig(keep=0)
   with pytest.raises(ValueError, match="unknown bit_generator"):
-    checkpoint.generator_from_state({"bit_generator": "NoSuchGen"})
+    runstate.generator_from_state({"bit_generator": "NoSuchGen"})
 
 
 # A worker process: saves steps in a tight loop (params = base + step); SIGTERM makes it
@@ -194,7 +196,7 @@ def test_bad_config_names_the_field():
 _WORKER = textwrap.dedent("""
   import sys, time
   import jax
-  from ada_jax import checkpoint
+  from ada_jax import checkpoint, runstate
   from ada_jax.models import decoder as model
   from ada_jax.models import sharding
   from ada_jax.rl import train
@@ -205,7 +207,7 @@ _WORKER = textwrap.dedent("""
   every = int(sys.argv[2])
   state = train.init_train_state(config, train.TrainConfig(), base, mesh)
   step = 0
-  with checkpoint.stop_signals() as stop:
+  with runstate.stop_signals() as stop:
     print("ready", flush=True)
     while True:
       step += 1
@@ -213,7 +215,7 @@ _WORKER = textwrap.dedent("""
       run = checkpoint.RunState(
         train=state.replace(params=jax.tree.map(lambda x: x + step, base)),
         rng=jax.random.key(step), host={"rl_step": step})
-      if checkpoint.stop_requested(stop):
+      if runstate.stop_requested(stop):
         checkpoint.save(manager, step, run)
         checkpoint.close(manager)
         print("preempted", step, flush=True)
@@ -269,7 +271,7 @@ def test_stop_signal_saves_and_exits_zero(tmp_path, sig):
 def test_stop_signals_restores_the_previous_handlers():
   """After the block a Ctrl-C interrupts again (e.g. a notebook kernel's interrupt)."""
   before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-  with checkpoint.stop_signals() as stop:
+  with runstate.stop_signals() as stop:
     assert signal.getsignal(signal.SIGINT) is not before[0]
     signal.raise_signal(signal.SIGINT)  # the first one only asks to stop
     assert stop.is_set() and stop.signal_name == "SIGINT"
@@ -279,7 +281,7 @@ def test_stop_signals_restores_the_previous_handlers():
 
 
 def test_stop_request_names_the_first_signal():
-  with checkpoint.stop_signals() as stop:
+  with runstate.stop_signals() as stop:
     assert stop.signal_name is None
     signal.raise_signal(signal.SIGTERM)
     signal.raise_signal(signal.SIGTERM)
@@ -301,4 +303,129 @@ def test_kill_9_mid_save_leaves_the_last_complete_checkpoint(tmp_path):
   mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
   checkpoint.save(manager, step + 1, checkpoint.RunState(train=_state(mesh), rng=jax.random.key(0)))
   assert manager.latest_step() == step + 1
+  manager.close()
+
+
+# ----------------------------------------------------------------------------- bad files
+
+
+def _largest_file(folder):
+  return max((p for p in folder.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def _truncate(step_dir):
+  f = _largest_file(step_dir / "params")
+  f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+  return "params", "OUT_OF_RANGE|not valid"
+
+
+def _garbage(step_dir):
+  f = _largest_file(step_dir / "params")
+  data = bytearray(f.read_bytes())
+  data[len(data) // 4 : len(data) // 2] = os.urandom(len(data) // 2 - len(data) // 4)
+  f.write_bytes(bytes(data))
+  return "params", "Error|error"
+
+
+def _no_params(step_dir):
+  import shutil
+
+  shutil.rmtree(step_dir / "params")
+  return "params", "missing"
+
+
+def _no_rng(step_dir):
+  import shutil
+
+  shutil.rmtree(step_dir / "rng")
+  return "rng", "missing"
+
+
+def _bad_host(step_dir):
+  (step_dir / "host" / "metadata").write_bytes(b"\x00garbage{")
+  return "host", "JSONDecodeError"
+
+
+def _nan_params(step_dir):
+  """Values that decode but are NaN (what garbage in an uncompressed chunk reads as)."""
+  import shutil
+
+  import orbax.checkpoint as ocp
+
+  with ocp.StandardCheckpointer() as c:
+    params = c.restore(step_dir / "params")
+    shutil.rmtree(step_dir / "params")
+    c.save(step_dir / "params", jax.tree.map(lambda x: np.asarray(x) * np.nan, params))
+  return "params", "NaN or infinity in"
+
+
+CORRUPTIONS = [_truncate, _garbage, _no_params, _no_rng, _bad_host, _nan_params]
+
+
+def _saved_run(tmp_path, steps=(1, 2, 3)):
+  mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  manager = checkpoint.make_manager(tmp_path / "ckpt", checkpoint.CheckpointConfig(keep=5))
+  for step in steps:
+    run = checkpoint.RunState(train=_state(mesh, shift=step), rng=jax.random.key(step))
+    checkpoint.save(manager, step, dataclasses.replace(run, host={"step": step}))
+  checkpoint.close(manager)
+  return mesh, train.abstract_state(CONFIG, TRAIN, mesh)
+
+
+def _start(params):
+  raise AssertionError("a readable checkpoint exists: start() must not run")
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS, ids=lambda f: f.__name__.strip("_"))
+def test_resume_skips_an_unreadable_checkpoint_naming_it(tmp_path, corrupt, caplog):
+  """The latest checkpoint that restores is used; the skipped one is named with its file
+  and why, set aside as `<step>.unreadable` (nothing deleted), and the run saves that step
+  again."""
+  mesh, target = _saved_run(tmp_path)
+  item, why = corrupt(tmp_path / "ckpt" / "3")
+  manager = checkpoint.make_manager(tmp_path / "ckpt")
+  with caplog.at_level("WARNING"):
+    run, source = checkpoint.resume(manager, target, start=_start)
+  assert source == "checkpoint:2" and run.host == {"step": 2}
+  warning = " ".join(r.getMessage() for r in caplog.records)
+  assert f"checkpoint 3 does not restore: {tmp_path / 'ckpt' / '3' / item}" in warning
+  assert re.search(why, warning) and "3.unreadable" in warning
+  assert (tmp_path / "ckpt" / "3.unreadable").is_dir() and manager.all_steps() == [1, 2]
+  state = checkpoint.RunState(train=_state(mesh), rng=jax.random.key(0), host={"step": 3})
+  assert checkpoint.save(manager, 3, state)
+  checkpoint.close(manager)
+
+
+def test_no_readable_checkpoint_is_one_line_naming_step_and_file(tmp_path):
+  _, target = _saved_run(tmp_path, steps=(4,))
+  _no_params(tmp_path / "ckpt" / "4")
+  manager = checkpoint.make_manager(tmp_path / "ckpt")
+  with pytest.raises(checkpoint.UnreadableCheckpoint) as e:
+    checkpoint.resume(manager, target, start=_start)
+  assert (
+    str(e.value) == f"checkpoint 4 does not restore: {tmp_path / 'ckpt' / '4' / 'params'}: missing"
+  )
+  assert (tmp_path / "ckpt" / "4").is_dir()  # nothing set aside when nothing is left
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_temporary_folder(tmp_path, monkeypatch):
+  import errno
+
+  from orbax.checkpoint._src.handlers import json_checkpoint_handler
+
+  async def no_space(self, x, directory):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
+
+  mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  manager = checkpoint.make_manager(tmp_path / "ckpt")
+  run = checkpoint.RunState(train=_state(mesh), rng=jax.random.key(0), host={"step": 1})
+  checkpoint.save(manager, 1, run)
+  monkeypatch.setattr(json_checkpoint_handler.JsonCheckpointHandler, "_save_fn", no_space)
+  with pytest.raises(checkpoint.DiskFullError) as e:
+    checkpoint.save(manager, 2, run)
+  text = str(e.value)
+  assert f"no space left on device for a checkpoint in {tmp_path / 'ckpt'}" in text
+  assert re.search(r"needs about [\d.]+ MiB \(\d+ bytes\)", text) and "\n" not in text
+  assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["1"]
+  monkeypatch.undo()
   manager.close()

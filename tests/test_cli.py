@@ -219,3 +219,103 @@ def test_kill9_and_resume_leave_each_tensorboard_step_once(tmp_path):
   names = set(_metrics(workdir)[0])
   assert "reward_mean" in names and "zero_signal_frac" in names
   assert not {"ada/reward_mean", "ada/zero_signal_fraction", "ada/rows_requested"} & names
+
+
+class _Reader:
+  """Collects a pipe's text in a thread (tqdm bars end lines with \\r, not \\n)."""
+
+  def __init__(self, pipe):
+    import threading
+
+    self.text = ""
+    self._pipe = pipe
+    self._thread = threading.Thread(target=self._read, daemon=True)
+    self._thread.start()
+
+  def _read(self):
+    while chunk := self._pipe.read(1):
+      self.text += chunk
+
+  def wait_for(self, needle, timeout=300):
+    deadline = time.monotonic() + timeout
+    while needle not in self.text:
+      assert time.monotonic() < deadline, self.text[-3000:]
+      time.sleep(0.2)
+
+  def join(self):
+    self._thread.join(timeout=60)
+    return self.text
+
+
+def test_a_second_main_on_a_running_workdir_exits_2_naming_the_holder(tmp_path):
+  """Two `main`s on one workdir: the second is refused in one line naming the first (its
+  pid and host) and writes nothing; the first goes on and stops cleanly on SIGTERM."""
+  workdir = tmp_path / "run"
+  first = _main(tmp_path, workdir, 200, popen=True)
+  err = _Reader(first.stderr)
+  try:
+    err.wait_for("RL steps")
+    second = _main(tmp_path, workdir, 200)
+    assert second.returncode == 2, second.stderr[-3000:]
+    line = [x for x in second.stderr.splitlines() if x.startswith("ada_jax:")]
+    assert len(line) == 1 and f"in use by pid {first.pid} on host" in line[0], second.stderr
+    assert "Traceback" not in second.stderr
+  finally:
+    first.send_signal(signal.SIGTERM)
+    out, _ = first.communicate(timeout=300)
+  assert first.returncode == 75, err.join()[-3000:]
+  steps = [m["step"] for m in _metrics(workdir)]
+  assert steps == sorted(set(steps))  # one writer: every step once, in order
+
+
+def test_sigterm_during_the_warm_start_exits_75_without_a_trace(tmp_path):
+  workdir = tmp_path / "run"
+  proc = _main(tmp_path, workdir, 2, "--config.warmstart.steps=5000", popen=True)
+  err = _Reader(proc.stderr)
+  err.wait_for("warm start")
+  time.sleep(1.0)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=300)
+  text = err.join()
+  assert proc.returncode == 75, text[-3000:]
+  assert "stopped by SIGTERM during the warm start" in out
+  assert "Traceback" not in text and "Fatal" not in text and "SIGTERM received" not in text
+
+
+NAN_CONFIG = """
+import sys
+sys.path.insert(0, {root!r})
+sys.path.insert(0, {tests!r})
+from ada_jax.rl import update
+from test_loop import tiny_config
+
+_real = update.update_policy
+
+
+def _nan_loss(*args, **kwargs):  # a policy update whose loss is NaN from step 2 on
+  state, metrics = _real(*args, **kwargs)
+  _nan_loss.calls = getattr(_nan_loss, "calls", 0) + 1
+  return state, {{**metrics, "loss": float("nan")}} if _nan_loss.calls >= 2 else metrics
+
+
+update.update_policy = _nan_loss
+
+
+def get_config():
+  c = tiny_config(4)
+  c.ckpt.every_steps = 1
+  c.ckpt.keep = 1
+  return c
+"""
+
+
+def test_a_nan_loss_exits_3_in_one_line_keeping_the_last_finite_checkpoint(tmp_path):
+  config = tmp_path / "nan.py"
+  config.write_text(NAN_CONFIG.format(root=str(ROOT), tests=str(ROOT / "tests")))
+  workdir = tmp_path / "run"
+  proc = _run(["-m", "ada_jax.main", f"--config={config}", f"--workdir={workdir}"], cwd=ROOT)
+  assert proc.returncode == 3, proc.stderr[-3000:]
+  lines = [x for x in proc.stderr.splitlines() if x.startswith("ada_jax:")]
+  assert len(lines) == 1 and "RL step 2: the loss is nan" in lines[0]
+  assert "Traceback" not in proc.stderr and "done" not in proc.stdout
+  assert _steps_saved(workdir) == [1]  # keep=1: the last finite one, never rotated away

@@ -1,9 +1,12 @@
 """Every experiment config loads and parses; the parser names bad fields."""
 
 import dataclasses
+import math
 import pathlib
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from ml_collections import config_flags
 
 from ada_jax import config as config_lib
@@ -175,3 +178,82 @@ def test_stream_derives_its_segment_from_the_budget(budget, segment, expected):
   assert config_lib.parse(c).sampler.segment_steps == expected
   c.ada.schedule = "rounds"  # the sampler's own default: one call per budget
   assert config_lib.parse(c).sampler.segment_steps == segment
+
+
+# ----------------------------------------------------------------------------- late errors
+
+
+def _float_fields():
+  """(group, field) of every float-typed field the config groups have (NaN passes every
+  `x <= 0` check, so each of them needs the finite check)."""
+  import typing
+
+  out = []
+  for group in dataclasses.fields(config_lib.RunConfig):
+    cls = config_lib._dataclass_of(typing.get_type_hints(config_lib.RunConfig)[group.name])
+    if cls is None or group.name == "train":
+      continue
+    for name, hint in config_lib._fields(cls).items():
+      if float in (hint, *typing.get_args(hint)) and name not in config_lib._FILLED.get(
+        group.name, {}
+      ):
+        out.append((group.name, name))
+  return out
+
+
+FLOAT_FIELDS = _float_fields()
+
+
+def test_the_float_fields_are_found():
+  assert ("optim", "learning_rate") in FLOAT_FIELDS and ("sampler", "temperature") in FLOAT_FIELDS
+  assert len(FLOAT_FIELDS) > 20
+
+
+@settings(max_examples=60, deadline=None)
+@given(field=st.sampled_from(FLOAT_FIELDS), bad=st.sampled_from([math.nan, math.inf, -math.inf]))
+def test_a_non_finite_value_is_refused_naming_the_field(field, bad):
+  group, name = field
+  cfg = tiny_arith_pos.get_config().to_dict()
+  cfg.setdefault(group, {})
+  if cfg[group] is None:
+    cfg[group] = {}
+  cfg[group][name] = bad
+  with pytest.raises(config_lib.ConfigError, match=rf"config\.{group}\.{name}=.*finite"):
+    config_lib.parse(cfg)
+
+
+@pytest.mark.parametrize(
+  "edit,match",
+  [
+    (lambda c: c["rl"].update(judge="foo"), r"config\.rl: RLConfig\.judge='foo'"),
+    (lambda c: c["rl"].update(verifier_timeout_s=0), r"RLConfig\.verifier_timeout_s=0"),
+    (lambda c: c["rl"].update(verifier_workers=-1), r"RLConfig\.verifier_workers"),
+    (lambda c: c["eval"].update(verifier_timeout_s=0.0), r"eval\.verifier_timeout_s"),
+    (lambda c: c["sampler"].update(prompt_buckets=()), r"config\.sampler\.prompt_buckets=\(\)"),
+    (lambda c: c["sampler"].update(prompt_buckets=(8,)), r"prompt_buckets \(largest 8\).*16"),
+    (lambda c: c["sampler"].update(prompt_buckets=(0, 16)), r"config\.sampler\.prompt_buckets"),
+    (lambda c: c.update(seed=-1), r"config\.seed must be an int in \[0, 2\*\*63\), got -1"),
+    (lambda c: c.update(seed=2**63), r"config\.seed"),
+    (lambda c: c.update(seed=1.5), r"config\.seed"),
+    (lambda c: c["sampler"].update(temperature=0.0), r"config\.sampler\.temperature=0"),
+  ],
+)
+def test_late_found_errors_are_refused_at_parse(edit, match):
+  """Each of these passed the checks and failed only after the warm start and the first
+  evaluation (or trained nothing); `loop.run` parses before anything compiles."""
+  cfg = tiny_arith_pos.get_config().to_dict()
+  edit(cfg)
+  with pytest.raises(config_lib.ConfigError, match=match):
+    config_lib.parse(cfg)
+
+
+@settings(max_examples=20, deadline=None)
+@given(m=st.integers(1, 2000), n=st.integers(2, 16))
+def test_absurd_samples_per_round_is_warned(m, n):
+  cfg = tiny_arith_pos.get_config().to_dict()
+  cfg["ada"].update(samples_per_round=max(m, n), n=n, max_rounds=4)
+  cfg["sampler"]["prompts_per_chunk"] = cfg["sampler"]["chunk_rows"]  # full chunks for any M
+  warnings = config_lib.parse(cfg).warnings()
+  assert bool(warnings) == (max(m, n) > 16 * n)
+  if warnings:
+    assert f"config.ada.samples_per_round={max(m, n)}" in warnings[0]

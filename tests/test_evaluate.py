@@ -2,6 +2,7 @@
 runs on a tiny random Llama (real Llama 3 tokenizer, MATH500) and on the arithmetic task,
 with full experiment configs built on `configs/common.py` as the training runs use."""
 
+import dataclasses
 import json
 import pathlib
 import sys
@@ -57,14 +58,69 @@ def test_a_report_never_replaces_one_of_other_weights_or_settings(tmp_path):
   )
 
 
-def test_loop_and_cli_share_the_cache_identity_of_a_step(tmp_path):
-  """The training loop tags step s of `workdir` as the CLI's `--checkpoint=s` does (with
-  the default `<workdir>/checkpoints`), whichever spelling of the folder is used."""
-  work = tmp_path / "run"
-  assert evaluate.run_model_tag(work, 7) == evaluate.checkpoint_tag(work / "checkpoints", 7)
-  assert evaluate.checkpoint_tag(work / "checkpoints", 7) != evaluate.checkpoint_tag(
-    work / "checkpoints", 8
+def _tiny_params(seed=0):
+  config = model_lib.preset("tiny-llama", vocab_size=128, max_position_embeddings=64)
+  return config, model_lib.init_params(config, jax.random.key(seed))
+
+
+def test_the_cache_identity_is_the_weights_not_their_folder_or_layout():
+  """Equal values give equal tags on any mesh (the loop's and the CLI's); one changed
+  element of any leaf, or another architecture, gives another."""
+  from ada_jax.models import sharding
+
+  config, params = _tiny_params()
+  tag = evaluate.weights_tag(params, config)
+  mesh = sharding.make_mesh(1, 2, 4)
+  placed = jax.device_put(params, sharding.param_shardings(config, mesh))
+  assert evaluate.weights_tag(placed, config) == tag and tag.startswith("weights:")
+  leaves, tree = jax.tree.flatten(params)
+  for i in range(0, len(leaves), 5):
+    bumped = list(leaves)
+    bumped[i] = bumped[i].reshape(-1).at[i % bumped[i].size].add(1e-3).reshape(bumped[i].shape)
+    assert evaluate.weights_tag(jax.tree.unflatten(tree, bumped), config) != tag
+  other = dataclasses.replace(config, rope_theta=config.rope_theta * 2)
+  assert evaluate.weights_tag(params, other) != tag
+
+
+def test_a_reused_workdir_never_answers_for_other_weights(tmp_path):
+  """A result is reused only for the same weights: other weights under the same report
+  name and workdir sample again (the cache grows); the same weights again do not."""
+  from ada_jax.data import arith
+  from ada_jax.eval.benchmarks import EvalConfig
+
+  eval_cfg = EvalConfig(
+    benchmarks=("arith",),
+    k=2,
+    max_new_tokens=8,
+    prompt_buckets=(16,),
+    max_prompt_tokens=16,
+    arith_problems=4,
+    verifier_workers=1,
+    chunk_rows=8,
   )
+  tokenizer = arith.load_tokenizer()
+
+  def run(seed):
+    config, params = _tiny_params(seed)
+    return evaluate.run(
+      eval_cfg,
+      tmp_path,
+      params=params,
+      model_config=config,
+      tokenizer=tokenizer,
+      model_tag=evaluate.weights_tag(params, config),
+      name="step_8",
+      progress=False,
+    )
+
+  cache = tmp_path / "eval" / "cache.jsonl"
+  first = run(0)
+  lines = cache.read_text().count("\n")
+  second = run(1)
+  assert cache.read_text().count("\n") == 2 * lines  # sampled again
+  assert second["model"] != first["model"] and second["name"] == "step_8.2"
+  again = run(0)
+  assert cache.read_text().count("\n") == 2 * lines and again["results"] == first["results"]
 
 
 # --------------------------------------------------------------------------- CLI
@@ -186,7 +242,7 @@ def test_math500_tiny_llama_cli_writes_reports_and_resumes(shared_dir, tmp_path,
   m = report["results"]["math500"]
   assert m["num_problems"] == 16 and 0.0 <= m["avg@4"] <= m["pass@4"] <= 1.0
   assert 1 <= m["response_tokens"] <= 64
-  assert report["settings"]["k"] == 4 and report["model"].startswith(f"hf:{folder}")
+  assert report["settings"]["k"] == 4 and report["model"].startswith("weights:")
   assert report["dropped_over_max_prompt_tokens"] == {"math500": 0}
   assert "| math500 | 16 |" in (workdir / "eval" / "hf_tiny-llama3.md").read_text()
   lines = [json.loads(line) for line in cache.read_text().splitlines()]
@@ -229,11 +285,14 @@ def test_arith_from_orbax_checkpoint_equals_hf_folder(tmp_path):
   work = tmp_path / "work"
   flags_ = [f"--workdir={work}", "--benchmarks=arith", "--k=4", "--limit=24"]
   from_ckpt = _cli([f"--config={cfg_preset}", *flags_, "--checkpoint=3"])
-  from_hf = _cli([f"--config={cfg_hf}", *flags_, f"--hf_dir={folder}"])
+  # In another workdir, so that the folder's numbers are computed, not read from the cache.
+  hf_work = tmp_path / "work_hf"
+  from_hf = _cli([f"--config={cfg_hf}", f"--workdir={hf_work}", *flags_[1:], f"--hf_dir={folder}"])
   # Flag overrides name the report apart from the run's own eval/step_3.* (never replaced).
   assert (work / "eval" / "step_3_arith_k4_limit24.json").exists()
-  assert (work / "eval" / "hf_hf_arith_k4_limit24.md").exists()
-  assert from_ckpt["model"] != from_hf["model"]  # cached apart, computed twice
+  assert (hf_work / "eval" / "hf_hf_arith_k4_limit24.md").exists()
+  # The same weights are one identity in the cache, whichever folder holds them.
+  assert from_ckpt["model"] == from_hf["model"]
   m = from_ckpt["results"]["arith"]
   assert m == from_hf["results"]["arith"]
   assert m["num_problems"] == 24 and set(m) >= {"avg@4", "pass@4", "greedy"}

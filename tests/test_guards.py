@@ -224,8 +224,9 @@ def test_run_exports_a_loadable_folder(no_signal_run):
 
 
 def test_resumed_run_draws_the_saved_runs_keys(no_signal_run, tmp_path):
-  """The root key comes from the checkpoint: resuming at step 2, even with another seed in
-  the config, step 3 draws the uninterrupted run's key."""
+  """The root key comes from the checkpoint: resuming at step 2, step 3 draws the
+  uninterrupted run's key; another seed in the config is refused (`runstate.check_resume`),
+  as it would draw other prompts from the same iterator position."""
   workdir, _, keys, _ = no_signal_run
   assert len({json.dumps(k) for k in keys}) == 3
   resumed = tmp_path / "resumed"
@@ -234,6 +235,9 @@ def test_resumed_run_draws_the_saved_runs_keys(no_signal_run, tmp_path):
     shutil.copytree(workdir / "checkpoints" / step, resumed / "checkpoints" / step)
   c = _no_signal_config(3)
   c.seed = 7
+  with pytest.raises(config_lib.ConfigError, match=r"config\.seed: 0 -> 7"):
+    loop.run(c, str(resumed))
+  c.seed = 0
   got = []
   real = loop.rl_step
 

@@ -241,6 +241,13 @@ def test_sigterm_saves_and_exits_75(tmp_path):
     (lambda c: (c.ada.__setitem__("method", "balance"), c.ada.__setitem__("n", 3)), "n"),
     (lambda c: c.ada.__setitem__("method", "reinforce"), "method"),
     (lambda c: c.ada.__setitem__("schedule", "streaming"), "config.ada.*schedule"),
+    (lambda c: c.rl.__setitem__("judge", "foo"), r"config\.rl: RLConfig\.judge='foo'"),
+    (lambda c: c.rl.__setitem__("verifier_timeout_s", 0.0), r"verifier_timeout_s=0"),
+    (lambda c: c.sampler.__setitem__("prompt_buckets", ()), r"config\.sampler\.prompt_buckets"),
+    (lambda c: c.sampler.__setitem__("prompt_buckets", (8,)), r"data\.max_prompt_tokens \(16\)"),
+    (lambda c: c.__setitem__("seed", -1), r"config\.seed"),
+    (lambda c: c.sampler.__setitem__("temperature", 0.0), r"config\.sampler\.temperature=0"),
+    (lambda c: c.optim.__setitem__("learning_rate", float("nan")), r"learning_rate=nan"),
   ],
 )
 def test_bad_config_fails_before_any_compile(tmp_path, edit, match):

@@ -3,6 +3,8 @@
 import json
 
 import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ada_jax import metrics
 
@@ -99,3 +101,34 @@ def test_a_list_is_one_jsonl_field_and_a_tensorboard_scalar_per_entry(tmp_path):
   assert metrics.read_jsonl(tmp_path / "metrics.jsonl")[0]["active_prompts_per_round"] == [8, 3]
   assert _tensorboard_steps(tmp_path / "tensorboard", "active_prompts_per_round/2") == [1]
   assert _tensorboard_steps(tmp_path / "tensorboard", "eval/arith/avg_at_4") == [1]
+
+
+@settings(
+  max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(cut=st.integers(0, 200), start=st.integers(0, 3))
+def test_a_torn_last_line_is_set_aside_and_the_run_resumes(tmp_path_factory, cut, start):
+  """A kill mid-append leaves a partial last line (any prefix of it, its newline
+  included): the reader leaves it out, the writer moves it to metrics.orphaned.jsonl, and
+  the next appends are whole lines again."""
+  workdir = tmp_path_factory.mktemp("torn")
+  w = metrics.MetricsWriter(workdir, total_steps=9)
+  for step in (1, 2, 3):
+    w.write(step, {"loss": 0.5 * step, "pass_rate": [0.1, 0.2]})
+  w.close()
+  path = workdir / "metrics.jsonl"
+  text = path.read_text()
+  last = text.rstrip("\n").rsplit("\n", 1)[1] + "\n"
+  torn = last[: min(cut, len(last) - 1)]
+  path.write_text(text[: len(text) - len(last)] + torn)
+  parsed = [1, 2, 3] if torn == last[:-1] else [1, 2]  # only its newline lost: readable
+  assert [m["step"] for m in metrics.read_jsonl(path)] == parsed
+  w = metrics.MetricsWriter(workdir, total_steps=9, start_step=start)
+  w.write(start + 1, {"loss": 1.0})
+  w.close()
+  kept = [s for s in parsed if s <= start]
+  assert [m["step"] for m in metrics.read_jsonl(path)] == [*kept, start + 1]
+  assert path.read_text().endswith("}\n") and path.read_text().count("\n") == len(kept) + 1
+  orphaned = metrics.read_jsonl(workdir / "metrics.orphaned.jsonl")
+  if torn.strip() and parsed == [1, 2]:
+    assert {"unreadable_line": 3, "text": torn} in orphaned

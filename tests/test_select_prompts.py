@@ -316,7 +316,7 @@ def test_cli_model_from_hf_folder_or_checkpoint_gives_the_same_rows(tmp_path):
   flags_ = [f"--config={config}", f"--workdir={tmp_path / 'work'}", "--k=2", "--limit=12"]
   from_hf = _cli([*flags_, f"--hf_dir={folder}", "--seed=4"])
   from_ckpt = _cli([*flags_, "--checkpoint=3", "--seed=4"])
-  assert from_hf["model"].startswith("hf:") and from_hf["init_from"] == ""
+  assert from_hf["model"].startswith("weights:") and from_hf["init_from"] == ""
   assert from_ckpt["init_from"] == str(tmp_path / "work" / "checkpoints" / "3")
   assert from_hf["num_prompts"] == 12 and from_hf["k"] == 2 and from_hf["settings"]["seed"] == 4
   assert from_hf["settings"]["max_new_tokens"] == 12

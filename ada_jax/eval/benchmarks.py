@@ -156,6 +156,7 @@ class EvalConfig:
       need(getattr(self, field) >= 1, field, "must be >= 1")
     for field in ("limit", "prompts_per_chunk", "verifier_workers", "every_steps", "top_k"):
       need(getattr(self, field) >= 0, field, "must be >= 0")
+    need(self.verifier_timeout_s > 0, "verifier_timeout_s", "must be > 0")
     need(
       bool(self.prompt_buckets) and max(self.prompt_buckets) >= self.max_prompt_tokens,
       "prompt_buckets",

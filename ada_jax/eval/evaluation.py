@@ -3,9 +3,9 @@
 `run` loads the benchmarks, starts one verifier pool per judge, evaluates with the resumable
 results cache `<workdir>/eval/cache.jsonl` and writes `<workdir>/eval/<name>.json` and `.md`
 (never over a report of other weights or settings); the training loop calls it before RL,
-every `eval.every_steps` steps and at the end. A run's checkpoint at step s has one cache
-identity (`checkpoint_tag`) whether the loop or the CLI evaluates it, so either reuses the
-other's finished batches.
+every `eval.every_steps` steps and at the end. The cache knows a model by its weights'
+values (`weights_tag`), so the loop and the CLI reuse each other's finished batches, and
+nothing cached answers for other weights.
 
 The CLI evaluates a Hugging Face folder (or Hub id) or an orbax checkpoint of a run. The
 experiment config (`--config`, parsed by `config.parse` as for training) gives the `eval`
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import pathlib
@@ -36,6 +37,7 @@ import jax
 from absl import logging
 
 from ada_jax import config as config_lib
+from ada_jax import distributed
 from ada_jax.eval import benchmarks as benchmarks_lib
 from ada_jax.eval import sampling as eval_sampling
 from ada_jax.eval.benchmarks import EvalConfig
@@ -66,17 +68,14 @@ def markdown_table(results: Mapping[str, Mapping[str, float]], title: str = "") 
   return "\n".join(lines) + "\n"
 
 
-def checkpoint_tag(directory: str | os.PathLike, step: int) -> str:
-  """The cache identity of the weights of checkpoint `step` in the orbax folder
-  `directory` (the step apart from its folder, as the cache has always keyed it)."""
-  return f"checkpoint:{pathlib.Path(directory).absolute()}:{int(step)}"
-
-
-def run_model_tag(workdir: str | os.PathLike, step: int) -> str:
-  """The cache identity of a training run's policy after RL step `step` (its checkpoint
-  `<workdir>/checkpoints/<step>`): the training loop's held-out evaluations and the CLI's
-  `--checkpoint=step` share it, so one reuses the other's results."""
-  return checkpoint_tag(pathlib.Path(workdir) / "checkpoints", step)
+def weights_tag(params: Params, model_config: ModelConfig) -> str:
+  """The cache identity of a model: a digest of its weights' values
+  (`distributed.content_digest`) and of its architecture, whatever folder or step they came
+  from. The loop's held-out evaluations and the CLI's `--checkpoint` / `--hf_dir` share it,
+  so one reuses the other's results, and a reused workdir's cache never answers for other
+  weights. A collective with several processes."""
+  arch = hashlib.sha256(json.dumps(dataclasses.asdict(model_config), default=str).encode())
+  return f"weights:{distributed.content_digest(params)}:{arch.hexdigest()[:8]}"
 
 
 def report_name(
@@ -121,7 +120,7 @@ def run(
     config: settings.
     workdir: run directory.
     params, model_config, tokenizer: the model.
-    model_tag: identity of the model in the cache (path and version of its weights).
+    model_tag: identity of the model in the cache (`weights_tag`).
     name: file name stem of the reports, e.g. 'step_1000' or 'hf_Llama-3.2-3B-Instruct';
       `report_name` adds '.2', '.3', ... where a report of other weights or settings has it.
     mesh: sampler mesh or None.

@@ -24,21 +24,12 @@ from absl import logging
 from ada_jax import checkpoint as checkpoint_lib
 from ada_jax import config as config_lib
 from ada_jax import inputs
+from ada_jax.eval.evaluation import weights_tag
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding, weights
 from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.models.tokenizer import Tokenizer
 from ada_jax.rl import warmstart as warmstart_lib
-
-
-def _files_tag(folder: pathlib.Path) -> str:
-  # Path alone would reuse stale cache entries after the folder's weights are replaced.
-  stats = [
-    (p.name, p.stat().st_size, p.stat().st_mtime_ns)
-    for p in sorted(folder.glob("*"))
-    if p.suffix in (".json", ".safetensors")
-  ]
-  return hashlib.sha256(repr(stats).encode()).hexdigest()[:12]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +41,8 @@ class LoadedModel:
       `init_dir` was given (the caller initialises them).
     model_config: the architecture.
     tokenizer: `inputs.load_tokenizer`'s, checked against `model_config.vocab_size`.
-    tag: identity of the weights in results caches: 'hf:<folder>:<files hash>',
-      'checkpoint:<absolute path>', 'init:<recipe hash>', or '' when params is None.
+    tag: identity of the weights in results caches (`evaluation.weights_tag`: their
+      values' digest, wherever they came from), or '' when params is None.
     init_from: a checkpoint folder that `ckpt.init_from` accepts for training from these
       params, or '' (a Hugging Face model: use `model.hf_dir`; or no params).
   """
@@ -117,11 +108,11 @@ def load_model(
     path = pathlib.Path(checkpoint_path).absolute()
     target = sharding.abstract_params(model_config, mesh)
     params = checkpoint_lib.restore_params(path, target)
-    return LoadedModel(params, model_config, tok, f"checkpoint:{path}", str(path))
+    return LoadedModel(params, model_config, tok, weights_tag(params, model_config), str(path))
   if model_dir is not None:
     shardings = sharding.param_shardings(model_config, mesh)
     _, params = weights.load_hf(model_dir, dtype=model_config.param_dtype, shardings=shardings)
-    return LoadedModel(params, model_config, tok, f"hf:{model_dir}:{_files_tag(model_dir)}")
+    return LoadedModel(params, model_config, tok, weights_tag(params, model_config))
   if init_dir is None:
     return LoadedModel(None, model_config, tok, "")
   return _initial_policy(cfg, mesh, model_config, tok, pathlib.Path(init_dir), progress)
@@ -146,4 +137,6 @@ def _initial_policy(cfg, mesh, model_config, tokenizer, init_dir, progress) -> L
       )
     params = jax.device_put(params, sharding.param_shardings(model_config, mesh))
     checkpoint_lib.save_params(folder, params)
-  return LoadedModel(params, model_config, tokenizer, f"init:{digest[:16]}", str(folder))
+  return LoadedModel(
+    params, model_config, tokenizer, weights_tag(params, model_config), str(folder)
+  )

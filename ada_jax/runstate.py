@@ -1,0 +1,307 @@
+"""Guards around a run's state (docs/design.md "Run state"): one process per workdir, a
+resume that keeps the config the run was started with, finite numbers only, and a clean
+stop on SIGTERM or Ctrl-C in every phase.
+
+- `hold_workdir`: an exclusive `fcntl.flock` on `<workdir>/.lock.p<process index>`. The
+  kernel drops the lock when its process ends, however it ends (a `kill -9` included), so
+  it is never left stale; the file names the holder (pid, host, start time) for the
+  refusal message. With several processes each takes its own index's file, so a second
+  multi-host job on the same workdir is refused on every host.
+- `config_record` / `check_resume`: the run's config (with the resolved architecture) is
+  saved in every checkpoint; a resume compares it with the current one and refuses a
+  change of anything but `RESUMABLE`.
+- `check_step`: a non-finite loss, gradient norm or update stops the run before it is
+  saved (`checkpoint.save` refuses non-finite state too).
+- `stop_signals`: SIGTERM and a first Ctrl-C during the RL loop set a flag that the loop
+  polls between steps (save, then exit 75); during a phase with nothing to save (set-up,
+  warm start, held-out evaluations: `StopRequest.enter`) they stop at once with `Stopped`
+  (exit 75 too). The flag is also checked at every phase boundary, so a Ctrl-C whose
+  exception was swallowed (e.g. raised inside a garbage-collection callback) still stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import fcntl
+import json
+import math
+import os
+import pathlib
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+from jax.experimental import multihost_utils
+
+from ada_jax import checkpoint, distributed
+from ada_jax.config import ConfigError
+
+# ----------------------------------------------------------------------------- the lock
+
+
+@contextlib.contextmanager
+def hold_workdir(
+  workdir: str | os.PathLike, process_index: int | None = None
+) -> Iterator[pathlib.Path]:
+  """Holds `workdir` for this process while the block runs (see module docstring).
+
+  Args:
+    workdir: the run directory (created if missing).
+    process_index: whose lock file; default `jax.process_index()`.
+
+  Yields:
+    The lock file.
+
+  Raises:
+    ConfigError: another live process holds it; the message names the holder.
+  """
+  index = jax.process_index() if process_index is None else process_index
+  path = pathlib.Path(workdir) / f".lock.p{index}"
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = os.pread(fd, 1000, 0).decode(errors="replace").strip() or "another process"
+      raise ConfigError(
+        f"--workdir={workdir} is in use by {holder} (lock {path.name}): one run per workdir; "
+        "wait for it to end, stop it, or use another --workdir"
+      ) from None
+    except OSError as e:  # a file system without flock (some network mounts)
+      logging.warning("%s: cannot lock (%s); not guarding against a second run", path, e)
+    now = datetime.datetime.now().isoformat(timespec="seconds")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()} since {now}\n".encode(), 0)
+    yield path
+  finally:
+    os.close(fd)  # releases the lock
+
+
+# ----------------------------------------------------------------------------- resume
+
+# Config fields a resumed run may change (prefixes of dotted names): how long it runs, how
+# often it logs, saves and evaluates, how many checkpoints it keeps, its held-out
+# evaluation, the verifier's worker count and the device layout. Anything else changes
+# what the run is and needs a new workdir (docs/design.md "Run state").
+RESUMABLE = (
+  "rl.steps",
+  "rl.log_samples",
+  "rl.verifier_workers",
+  "ckpt.every_steps",
+  "ckpt.keep",
+  "ckpt.async_save",
+  "ckpt.export_hf",
+  "eval",
+  "mesh",
+)
+# `train`'s loss, optimizer and temperature are copies of other groups (`config._FILLED`).
+_COPIES = ("train.loss", "train.optim", "train.temperature")
+
+
+def config_record(cfg: Any, architecture: Any) -> dict[str, Any]:
+  """The run's config as flat JSON: `{'optim.learning_rate': 3e-4, ...}`, plus the model
+  the run built (`architecture.<field>` of its `ModelConfig`).
+
+  Args:
+    cfg: the `config.RunConfig`.
+    architecture: the resolved `decoder.ModelConfig`.
+  """
+  tree = {**dataclasses.asdict(cfg), "architecture": dataclasses.asdict(architecture)}
+  flat = _flatten(json.loads(json.dumps(tree, default=str)))
+  return {k: v for k, v in flat.items() if not k.startswith(_COPIES)}
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict) and value:
+      out.update(_flatten(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = value
+  return out
+
+
+def check_resume(saved: Mapping[str, Any] | None, current: Mapping[str, Any], step: int) -> None:
+  """Refuses to resume checkpoint `step` (made with config `saved`) under `current` when
+  a field outside `RESUMABLE` differs. Fields only one side has (a newer or older code
+  version's) are not compared; a checkpoint without a record is accepted with a warning.
+
+  Raises:
+    ConfigError: naming every changed field with its old and new value.
+  """
+  if saved is None:
+    logging.warning("checkpoint %d has no saved config: resuming without comparing", step)
+    return
+  changed = [k for k in sorted(set(saved) & set(current)) if saved[k] != current[k]]
+  refused = [k for k in changed if not any(k == p or k.startswith(p + ".") for p in RESUMABLE)]
+  if refused:
+    diffs = "; ".join(
+      f"{'config.model, architecture ' if k.startswith('architecture.') else 'config.'}"
+      f"{k.removeprefix('architecture.')}: {saved[k]!r} -> {current[k]!r}"
+      for k in refused
+    )
+    raise ConfigError(
+      f"the workdir's checkpoint {step} is of a run with another config ({diffs}); a "
+      f"resume may change only {', '.join(RESUMABLE)}: restore the other fields, or "
+      "start a new run in another --workdir (ckpt.init_from=<this workdir>/checkpoints "
+      "starts it from these weights)"
+    )
+
+
+# ----------------------------------------------------------------------------- numbers
+
+
+def check_step(step: int, metrics: Mapping[str, Any], params: Any) -> None:
+  """Stops the run at RL step `step` when its loss or gradient norm (in `metrics`, absent
+  for a skipped update) is NaN or infinite, or its update left a non-finite param.
+
+  Raises:
+    checkpoint.NonFiniteError: naming the step and the quantity.
+  """
+  for name in ("loss", "grad_norm"):
+    value = metrics.get(name)
+    if value is not None and not math.isfinite(float(value)):
+      raise checkpoint.NonFiniteError(_nonfinite_message(step, f"the {name} is {value}"))
+  bad = distributed.nonfinite_leaves(params)
+  if bad:
+    more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+    what = f"the update left non-finite params ({bad[0]}{more})"
+    raise checkpoint.NonFiniteError(_nonfinite_message(step, what))
+
+
+def _nonfinite_message(step: int, what: str) -> str:
+  return (
+    f"RL step {step}: {what}; stopped before saving it (the checkpoints on disk are "
+    "finite). A rerun would repeat it: start a new run with a smaller "
+    "optim.learning_rate (or other data) in another --workdir, with "
+    "ckpt.init_from=<this workdir>/checkpoints to keep the weights trained so far"
+  )
+
+
+# ----------------------------------------------------------------------------- host state
+
+
+def generator_state(gen: np.random.Generator) -> dict[str, Any]:
+  """The JSON-able state of a numpy Generator (its `bit_generator.state`)."""
+  return gen.bit_generator.state
+
+
+def generator_from_state(state: dict[str, Any]) -> np.random.Generator:
+  """A numpy Generator continuing exactly from `generator_state`'s output.
+
+  Raises:
+    ValueError: an unknown bit generator name.
+  """
+  name = state.get("bit_generator")
+  bit_gen_cls = getattr(np.random, str(name), None)
+  if bit_gen_cls is None or not isinstance(bit_gen_cls, type):
+    raise ValueError(f"generator state: unknown bit_generator {name!r}")
+  bit_gen = bit_gen_cls()
+  bit_gen.state = state
+  return np.random.Generator(bit_gen)
+
+
+# ----------------------------------------------------------------------------- signals
+
+
+class Stopped(BaseException):  # noqa: N818 -- like KeyboardInterrupt, not an error
+  """A signal stopped the run in a phase with nothing to save (set-up, warm start, held-out
+  evaluation); the same command resumes. A BaseException, as KeyboardInterrupt is, so
+  that no `except Exception` on the way out swallows it.
+
+  Attributes:
+    signal_name: 'SIGTERM' or 'SIGINT'.
+    phase: what was running, e.g. 'the warm start'.
+  """
+
+  def __init__(self, signal_name: str | None, phase: str):
+    self.signal_name, self.phase = signal_name or "a signal", phase
+    super().__init__(f"stopped by {self.signal_name} during {phase}")
+
+
+class StopRequest(threading.Event):
+  """The event `stop_signals` yields. `signal_name`: the first signal that set it ('SIGTERM',
+  'SIGINT'), None while unset. `phase`: while not None, a signal raises `Stopped(phase)` at
+  once; None (the RL loop), it only sets the event."""
+
+  signal_name: str | None = None
+  phase: str | None = None
+
+  def request(self, signum: int) -> None:
+    if not self.is_set():
+      self.signal_name = signal.Signals(signum).name
+    self.set()
+    if self.phase is not None:
+      raise Stopped(self.signal_name, self.phase)
+
+  def enter(self, phase: str | None) -> None:
+    """Starts `phase` (None: a part where signals only set the event, to be polled).
+
+    Raises:
+      Stopped: the event was set before (a signal whose exception was swallowed, or one
+        that came while signals were only polled), naming the phase it came in.
+    """
+    if self.is_set():
+      raise Stopped(self.signal_name, self.phase or phase or "the run")
+    self.phase = phase
+
+
+@contextlib.contextmanager
+def stop_signals(phase: str | None = None) -> Iterator[StopRequest]:
+  """While active, SIGTERM and a first Ctrl-C (SIGINT) set the yielded event instead of
+  killing the process (and raise `Stopped` while `event.phase` is set, starting at
+  `phase`); a second Ctrl-C interrupts at once (KeyboardInterrupt). The previous handlers
+  come back on exit (a notebook's interrupt keeps working afterwards).
+
+  The loop polls `stop_requested(event)` between steps, saves a checkpoint, waits for it
+  (`checkpoint.close`) and returns; `ada_jax.main` then exits with its "stopped, resumable"
+  code. Outside the main thread, where Python cannot install handlers, the event is never
+  set.
+  """
+  event = StopRequest()
+  if threading.current_thread() is not threading.main_thread():
+    yield event
+    return
+
+  def on_sigint(signum, frame):
+    if event.is_set():
+      raise KeyboardInterrupt
+    if event.phase is None:
+      print(
+        "\nCtrl-C: stopping after this RL step with a checkpoint (Ctrl-C again to abort)",
+        file=sys.stderr,
+        flush=True,
+      )
+    event.request(signum)
+
+  previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+  event.phase = phase
+  signal.signal(signal.SIGTERM, lambda signum, frame: event.request(signum))
+  signal.signal(signal.SIGINT, on_sigint)
+  try:
+    yield event
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
+
+
+def stop_requested(event: threading.Event) -> bool:
+  """Whether any process has been asked to stop.
+
+  With several processes the flags are combined (an all-gather), so that every process
+  stops after the same step and all of them take part in the final save, even when the
+  signals arrive at different times.
+  """
+  flag = event.is_set()
+  if jax.process_count() > 1:
+    flag = bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
+  return flag
