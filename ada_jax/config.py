@@ -26,7 +26,7 @@ from ada_jax.models.decoder import ModelConfig
 from ada_jax.models.sharding import MeshConfig
 from ada_jax.models.tokenizer import TokenizerConfig
 from ada_jax.models.weights import ModelSpec
-from ada_jax.rewards.grader import JUDGES
+from ada_jax.rewards.judges import JUDGES
 from ada_jax.rl.adaptive import AdaConfig
 from ada_jax.rl.losses import LossConfig
 from ada_jax.rl.train import OptimConfig, TrainConfig
