@@ -91,6 +91,7 @@ def compiler(target: aot.Target) -> tuple[str, list | None]:
 
 def main() -> None:
   t = aot.target(ARGS.target)
+  commit = metrics.git_commit()  # the code compiled, whatever is committed meanwhile
   name_of_compiler, devices = compiler(t)
   rows, start = [], time.perf_counter()
   for name in ARGS.configs.split(","):
@@ -106,7 +107,7 @@ def main() -> None:
     "compiler": name_of_compiler,
     "target": t.name,
     "overrides": ARGS.set,
-    "git_commit": metrics.git_commit(),
+    "git_commit": commit,
     "jax": jax.__version__,
     "wall_s": round(time.perf_counter() - start, 1),
     "rows": rows,
