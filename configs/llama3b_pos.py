@@ -10,12 +10,12 @@ point `--config.data.verl_set` at it. `--config.data.source=math_train` trains o
 4,500 MATH test problems outside MATH500 instead (JSONL through the TFDS builder, offline
 from `shared/data` beside the checkout): an easier mix than the paper's.
 
-Memory (experiments/memory_plan.py, results/memory_plan.json): 4-way tensor parallelism
-times FSDP over the remaining chips, remat, one sequence per data-parallel group per
-micro-batch and 192-row sampler chunks keep the paper's batch (512 prompts × 4 responses,
-1024 + 2048 tokens) at a 12.0 GiB peak per device on 8 devices (fits v5e-8). On a larger
-slice set
-`--config.train.micro_batch_size` to data × fsdp (e.g. 8 on 32 devices); see docs/tpu.md.
+Memory (XLA:TPU, `python -m ada_jax.plan --topology=v5e-8`; results/memory_plan_v5e-8.json):
+4-way tensor parallelism times FSDP over the remaining chips, remat, one sequence per
+data-parallel group per micro-batch and 192 rollout slots keep the paper's batch (512
+prompts × 4 responses, 1024 + 2048 tokens) at a 13.0 GiB peak per device on a v5e-8 (15.75
+usable). On a larger slice set `--config.train.micro_batch_size` to data × fsdp (e.g. 8 on
+32 devices) and run the plan; see docs/tpu.md.
 """
 
 import ml_collections
@@ -42,10 +42,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.judge = "released"  # the authors' reward (last \boxed{, stock math-verify); ours: 'math'
   c.rl.verifier_timeout_s = 20.0  # the released reward's limit per response
 
-  c.sampler.chunk_rows = 192  # KV cache of 192 rows × 3072 slots: 7.9 GiB/device on 8 chips
-  # Q = S queued rows: the prompt cache holds Q/S × P prompts of 1,024 tokens, and XLA
-  # copies it in a pool segment (experiments/memory_plan.py: 4 × S peaks at 16.8 GiB/device
-  # on 8 chips with the optimizer state, S at 11.8: v5e fits).
+  c.sampler.chunk_rows = 192  # slots: a KV cache of 192 × 3,072 columns, 7.9 GiB/device on 8 chips
+  # Q = S queued rows: the prompt cache holds Q/S × P prompts of 1,024 tokens (0.33 GiB/device).
   c.sampler.queue_rows = c.sampler.get_ref("chunk_rows")
 
   c.train.micro_batch_size = 2  # rows per accumulation step: 1 per data-parallel group on 8 chips
