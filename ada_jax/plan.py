@@ -242,45 +242,49 @@ def report(result: dict) -> str:
   return "\n".join(lines)
 
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
-_TOPOLOGY = flags.DEFINE_string("topology", None, "TPU slice: v5e-8, v4-8, v4-32, v5p-8, v6e-8.")
-_JSON = flags.DEFINE_string("json", None, "Also write the whole plan as JSON here.")
+def define_flags() -> None:
+  """The command's flags, on absl's global FLAGS (only when run as the command: importing
+  this module defines none, so it sits beside other entry points in one process)."""
+  config_flags.DEFINE_config_file("config", None, "Experiment config file.")
+  flags.DEFINE_string("topology", None, "TPU slice: v5e-8, v4-8, v4-32, v5p-8, v6e-8.")
+  flags.DEFINE_string("json", None, "Also write the whole plan as JSON here.")
 
 
 def main(argv) -> int:
   del argv
+  topology, json_path = flags.FLAGS.topology, flags.FLAGS.json
   from ada_jax import aot, metrics
   from ada_jax import config as config_lib
 
   with config_lib.exit_on_config_error():
-    if _TOPOLOGY.value not in aot.TARGETS:
+    if topology not in aot.TARGETS:
       raise config_lib.ConfigError(
-        f"--topology={_TOPOLOGY.value}: unknown TPU slice; known: {', '.join(aot.TARGETS)}"
+        f"--topology={topology}: unknown TPU slice; known: {', '.join(aot.TARGETS)}"
       )
-    cfg = config_lib.parse(_CONFIG.value)
+    cfg = config_lib.parse(flags.FLAGS.config)
     try:
       model_of(cfg)
     except ValueError as e:
       raise config_lib.ConfigError(str(e)) from None
     try:
-      devices = aot.tpu_devices(aot.TARGETS[_TOPOLOGY.value])
+      devices = aot.tpu_devices(aot.TARGETS[topology])
     except RuntimeError as e:
-      raise config_lib.ConfigError(f"--topology={_TOPOLOGY.value}: {e}") from None
+      raise config_lib.ConfigError(f"--topology={topology}: {e}") from None
     try:
       aot.mesh_for(cfg, devices)
     except ValueError as e:
-      raise config_lib.ConfigError(f"config.mesh on {_TOPOLOGY.value}: {e}") from None
-  print(f"compiling for {_TOPOLOGY.value} with XLA:TPU (minutes on a laptop)", flush=True)
+      raise config_lib.ConfigError(f"config.mesh on {topology}: {e}") from None
+  print(f"compiling for {topology} with XLA:TPU (minutes on a laptop)", flush=True)
   try:
-    result = plan(cfg, _TOPOLOGY.value, progress=lambda line: print(line, flush=True))
+    result = plan(cfg, topology, progress=lambda line: print(line, flush=True))
   except ValueError as e:  # a batch or chunk that does not divide over this mesh
     print(f"ada_jax: {e}", file=sys.stderr)
     return EXIT_USAGE
   result["git_commit"] = metrics.git_commit()
   result["config"] = dataclasses.asdict(cfg)
   print(report(result), flush=True)
-  if _JSON.value:
-    with open(_JSON.value, "w") as f:
+  if json_path:
+    with open(json_path, "w") as f:
       json.dump(result, f, indent=1, default=str)
   return EXIT_FITS if result["fits"] else EXIT_DOES_NOT_FIT
 
@@ -291,5 +295,6 @@ if __name__ == "__main__":
   from ada_jax import config
 
   config.make_configs_importable()
+  define_flags()
   flags.mark_flags_as_required(["config", "topology"])
   app.run(main, flags_parser=config.parse_flags)
