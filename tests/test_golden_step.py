@@ -89,9 +89,10 @@ def test_golden_set_covers_every_method_seed_and_schedule():
       for schedule in adaptive.SCHEDULES:
         assert f"stream_sim/{name}/{schedule}/seed{seed}" in GOLDEN["runs"]
       assert f"bernoulli/{name}/rounds/seed{seed}" in GOLDEN["runs"]
-  for method in adaptive.METHODS:
-    for schedule in adaptive.SCHEDULES:
-      key = f"tiny/{method}/{schedule}/seed{record_golden.TINY_SEED}"
+  assert set(record_golden.TINY_SEEDS[0]) == set(adaptive.METHODS)
+  for seed, methods in record_golden.TINY_SEEDS.items():
+    for method, schedule in [(m, s) for m in methods for s in adaptive.SCHEDULES]:
+      key = f"tiny/{method}/{schedule}/seed{seed}"
       steps = GOLDEN["runs"][key]["steps"]
       assert len(steps) == record_golden.TINY_STEPS
       assert all(s["rows"] and len(s["response_hashes"]) == len(s["rows"]) for s in steps)
