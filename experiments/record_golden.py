@@ -56,7 +56,10 @@ SCHEDULES = ("rounds", "stream")
 # row): every method once, and again those whose rows depend on earlier grades (DAPO's
 # extra prompts, the Seq methods' later rounds / top-ups).
 TINY_METHODS = ("grpo", "dapo", "pos", "balance", "est")
-TINY_SEEDS = {0: TINY_METHODS, 1: ("dapo", "pos", "balance")}
+# Variants run like methods: Est with its learned head, whose features are the prompts'
+# hidden states (the model's, unlike the simulator's toy features).
+TINY_VARIANTS = {"est_head": ("est", {"est_estimator": "head"})}
+TINY_SEEDS = {0: (*TINY_METHODS, *TINY_VARIANTS), 1: ("dapo", "pos", "balance")}
 TINY_STEPS = 2
 # metrics.jsonl figures that depend on the clock or on what this process compiled before.
 TIMING_METRICS = ("tokens_per_s", "time_sample_s", "time_grade_wait_s", "time_train_s", "compiles")
@@ -259,14 +262,16 @@ class TextRewardPool:
 
 def tiny_run_config(method: str, schedule: str, seed: int):
   """`tests/test_loop.tiny_config` for `TINY_STEPS` RL steps: random init (no warm start),
-  no evaluation, `method` under `schedule`."""
+  no evaluation, `method` (or a `TINY_VARIANTS` name) under `schedule`."""
   if str(ROOT / "tests") not in sys.path:
     sys.path.insert(0, str(ROOT / "tests"))
   from test_loop import tiny_config
 
   c = tiny_config(steps=TINY_STEPS, schedule=schedule)
   c.seed = seed
+  method, overrides = TINY_VARIANTS.get(method, (method, {}))
   c.ada.method = method
+  c.ada.update(overrides)
   c.warmstart = None
   c.eval.benchmarks = ()
   return c
