@@ -10,8 +10,8 @@ Records what the step decides, so that a restructure of the controller (one cont
   responses by row id, their prompt index, rewards and advantages, the `StepStats` and the
   simulator's cost figures; per run the totals (`ScheduleResult`, `SimResult`).
 * The tiny model (`loop.run` on `tests/test_loop.tiny_config`, 2 RL steps, random init,
-  no warm start or evaluation) for each method under both schedules (seed 0; DAPO, pos
-  and balance also seed 1): per step the same
+  no warm start or evaluation) for each method, and Est with its learned head, under
+  both schedules (seed 0; DAPO, pos and balance also seed 1): per step the same
   selection record, a hash of each selected response's tokens, the training batch's
   advantages, and `metrics.jsonl` without its timing figures. Rewards there come from
   `text_reward`, a deterministic rule on the response text and the reference answer, in

@@ -89,7 +89,7 @@ def test_golden_set_covers_every_method_seed_and_schedule():
       for schedule in adaptive.SCHEDULES:
         assert f"stream_sim/{name}/{schedule}/seed{seed}" in GOLDEN["runs"]
       assert f"bernoulli/{name}/rounds/seed{seed}" in GOLDEN["runs"]
-  assert set(record_golden.TINY_SEEDS[0]) == set(adaptive.METHODS)
+  assert set(adaptive.METHODS) <= set(record_golden.TINY_SEEDS[0])
   for seed, methods in record_golden.TINY_SEEDS.items():
     for method, schedule in [(m, s) for m in methods for s in adaptive.SCHEDULES]:
       key = f"tiny/{method}/{schedule}/seed{seed}"
