@@ -22,7 +22,7 @@ and a seed fixes the result. Outputs, in `<workdir>/select/`:
   base_params_<tag>/ the base policy when it was built here (random init + the config's
                      warm start): pass it as `ckpt.init_from` to train from the same model
 
-  python -m ada_jax.select_prompts --config=configs/x.py --workdir=DIR [--hf_dir=PATH |
+  python -m ada_jax.select_prompts --config=configs/<experiment>.py --workdir=DIR [--hf_dir=PATH |
       --checkpoint=STEP] [--k=16] [--rules=hard:0.125:1,easy:0.3125:1] [--limit=N]
 
 The prompts are the config's training prompts (`data` group, `inputs.load_prompts`: same
