@@ -2,6 +2,7 @@
 `rl.stream.run_step`): the tokens are the seeds' own, the decisions do not depend on the
 grader's speed, exited prompts' rows are cancelled, and every method runs through it."""
 
+import contextlib
 import threading
 import time
 
@@ -79,17 +80,20 @@ def tiny():
   return config, params, smp
 
 
-def _run(tiny, config: AdaConfig, grader=None, batch=6, seed=0, num=24):
+def _run(tiny, config: AdaConfig, grader=None, batch=6, seed=0, num=24, guard=None):
+  """One stream step; under `guard()` (the `no_implicit_transfers` fixture) if given."""
   _, params, smp = tiny
   ps = _prompt_set(num)
   batches = iter(np.arange(num).reshape(-1, batch))
   prompts = draw_lib.StepPrompts(ps, batches, batch)
-  drive = draw_lib.StreamRollouts(
-    smp, params, _Tokens(), grader or _Grader(), prompts, jax.random.key(seed), prompt_len=8
-  )
-  result, _ = stream.run_step(
-    config, prompts.ids, drive, np.random.default_rng(0), more_prompts=prompts.more_prompts
-  )
+  key = jax.random.key(seed)
+  with guard() if guard else contextlib.nullcontext():
+    drive = draw_lib.StreamRollouts(
+      smp, params, _Tokens(), grader or _Grader(), prompts, key, prompt_len=8
+    )
+    result, _ = stream.run_step(
+      config, prompts.ids, drive, np.random.default_rng(0), more_prompts=prompts.more_prompts
+    )
   return result, drive, prompts
 
 
@@ -123,12 +127,13 @@ def test_decisions_do_not_depend_on_the_graders_speed(tiny, method):
     np.testing.assert_array_equal(fast_drive.responses()[k], slow_drive.responses()[k])
 
 
-def test_graded_rows_are_the_seeds_tokens_whatever_was_cancelled(tiny):
+def test_graded_rows_are_the_seeds_tokens_whatever_was_cancelled(tiny, no_implicit_transfers):
   # Every prompt exits on its first n graded rows (all rewards 1): rows of exited prompts
   # are cancelled mid-decode, and no other row's tokens change.
   _, params, smp = tiny
   config = AdaConfig(method="pos", n=2, samples_per_round=4, max_rounds=2)
-  result, drive, prompts = _run(tiny, config, _Grader(reward=lambda t: 1.0))
+  grader = _Grader(reward=lambda t: 1.0)
+  result, drive, prompts = _run(tiny, config, grader, guard=no_implicit_transfers)
   out = drive.responses()
   graded = out["lengths"] > 0
   assert drive.counters.tokens_cancelled > 0 and (~graded).any()
