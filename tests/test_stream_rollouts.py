@@ -166,7 +166,7 @@ def test_est_quota_is_its_budget(tiny):
   [AdaConfig(method="grpo", n=4), AdaConfig(method="est", est_budget_per_prompt=3.0)],
   ids=["grpo", "est"],
 )
-def test_fixed_quotas_give_the_rounds_step_exactly(tiny, config):
+def test_fixed_quotas_give_the_rounds_step_exactly(tiny, config, no_implicit_transfers):
   # One pass of fixed quotas: `stream` only overlaps grading, so the step is `rounds`' own.
   _, params, smp = tiny
   ps = _prompt_set(6)
@@ -174,13 +174,14 @@ def test_fixed_quotas_give_the_rounds_step_exactly(tiny, config):
   for schedule in ("rounds", "stream"):
     prompts = draw_lib.StepPrompts(ps, iter([np.arange(6)]), 6)
     key = jax.random.key(3)
-    if schedule == "rounds":
-      grader = _Grader()
-      drive = draw_lib.Rollouts(smp, params, _Tokens(), grader_score(grader), prompts, key)
-      result, est = adaptive.run_step(config, prompts.ids, drive, np.random.default_rng(0))
-    else:
-      drive = draw_lib.StreamRollouts(smp, params, _Tokens(), _Grader(), prompts, key, 8)
-      result, est = stream.run_step(config, prompts.ids, drive, np.random.default_rng(0))
+    with no_implicit_transfers():
+      if schedule == "rounds":
+        grader = _Grader()
+        drive = draw_lib.Rollouts(smp, params, _Tokens(), grader_score(grader), prompts, key)
+        result, est = adaptive.run_step(config, prompts.ids, drive, np.random.default_rng(0))
+      else:
+        drive = draw_lib.StreamRollouts(smp, params, _Tokens(), _Grader(), prompts, key, 8)
+        result, est = stream.run_step(config, prompts.ids, drive, np.random.default_rng(0))
     out = drive.responses()
     steps[schedule] = (result, est, out["tokens"][np.asarray(result.handles)], drive.counters)
   (a, est_a, tok_a, ca), (b, est_b, tok_b, cb) = steps["rounds"], steps["stream"]
