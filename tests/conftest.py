@@ -41,7 +41,7 @@ def _offline(monkeypatch):
     monkeypatch.setattr(data, "reachable", lambda url, timeout_s=3.0: False)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def no_implicit_transfers():
   """A context manager under which an implicit host-to-device or device-to-device
   transfer (a numpy array or Python scalar fed to a jitted step, `x + 1` on a device

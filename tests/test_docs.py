@@ -120,6 +120,11 @@ def test_patterns_find_names_and_paths():
     "ada_jax/config.py",
     "tests/test_x.py",
   ]
+  assert SHORT.findall("`rl.judge` and `loop.rl_step` but not rl.judge") == [
+    "rl.judge",
+    "loop.rl_step",
+  ]
+  assert _is_setting("rl.judge") and _is_setting("data.source") and not _is_setting("rl.stream")
 
 
 def test_dotted_names_resolve():
@@ -143,15 +148,34 @@ def test_file_paths_exist():
   assert not stale, "paths to no file:\n" + "\n".join(stale)
 
 
-# Names written relative to the package (`rollout.draw.Rollouts`): only for the
-# subpackages that share no name with a config group (`data.source`, `rl.judge` and
-# `eval.judge` are settings).
-SHORT = re.compile(r"`((?:models|rewards|rollout)(?:\.[A-Za-z_]\w*)+)`")
+# Names written relative to the package (`rollout.draw.Rollouts`, `loop.rl_step`). `data`,
+# `rl` and `eval` are also config groups: `data.source` may be the setting.
+SHORT = re.compile(
+  r"`((?:models|rewards|rollout|data|rl|eval|inputs|checkpoint|distributed|metrics|loop|aot"
+  r"|plan|testing|evaluate|select_prompts)(?:\.[A-Za-z_]\w*)+)`"
+)
+FILE_NAME = re.compile(r"\.(?:py|md|json|jsonl|npz|png)$")
+
+
+def _is_setting(name: str) -> bool:
+  """`name` is `group.field` of the run config (`config.RunConfig`)."""
+  from ada_jax import config
+
+  value = config.RunConfig()
+  for part in name.split("."):
+    if not dataclasses.is_dataclass(value) or part not in {
+      f.name for f in dataclasses.fields(value)
+    }:
+      return False
+    value = getattr(value, part)
+  return True
 
 
 def test_short_names_resolve():
   stale = []
   for where, name in _mentions(SHORT):
+    if FILE_NAME.search(name) or _is_setting(name):
+      continue
     try:
       resolve(f"ada_jax.{name}")
     except LookupError as e:
