@@ -163,7 +163,7 @@ def _offline_hint(error: Exception, field: str) -> str:
 
 def check_eval_data(cfg: config_lib.RunConfig) -> None:
   """Fails before any compile when a maths benchmark of `cfg.eval` can neither be read
-  from `eval.manual_dir` nor downloaded (`data.check_available`).
+  from `eval.manual_dir` nor downloaded (`data.sets.check_available`).
 
   Raises:
     ConfigError: naming `config.eval.manual_dir` (offline) or `config.eval.benchmarks`.

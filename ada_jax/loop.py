@@ -2,11 +2,11 @@
 
 Per RL step (docs/design.md, "One RL step"): the prompt iterator yields B prompts; under
 `ada.schedule = 'rounds'` `adaptive.run_step` asks for responses round by round through
-`draw` (`rollout.Rollouts`), which decodes each round on the slot-pool sampler and grades it
+`draw` (`rollout.draw.Rollouts`), which decodes each round on the slot-pool sampler and grades it
 with the verifier pool; under 'stream' `stream.run_step` runs its controller on one slot
-pool (`rollout.StreamRollouts`), grading each segment's rows while the next decodes; the
+pool (`rollout.draw.StreamRollouts`), grading each segment's rows while the next decodes; the
 selected responses and their advantages become a
-fixed-shape training batch (`rollout.make_train_batch`); `rl.update.update_policy` runs k
+fixed-shape training batch (`rollout.draw.make_train_batch`); `rl.update.update_policy` runs k
 mini-batch updates; metrics go to JSONL/TensorBoard/console; the whole run state is
 checkpointed every `ckpt.every_steps` steps, at the end, and on SIGTERM or Ctrl-C (the
 summary then names the signal, `stopped_by`, and has no `after_rl`). Outside the RL loop

@@ -1,4 +1,4 @@
-"""Will this config fit that TPU slice? `python -m ada_jax.plan --config=configs/X.py
+"""Will this config fit that TPU slice? `python -m ada_jax.plan --config=configs/<experiment>.py
 --topology=v5e-8 [--config.group.field=value ...] [--json=PATH]`, on a laptop, before
 creating the TPU VM.
 

@@ -1,5 +1,5 @@
 """Command line of training-prompt selection: `python -m ada_jax.select_prompts
---config=configs/x.py --workdir=DIR [--hf_dir=PATH | --checkpoint=STEP] [--k=16]
+--config=configs/<experiment>.py --workdir=DIR [--hf_dir=PATH | --checkpoint=STEP] [--k=16]
 [--rules=hard:0.125:1,easy:0.3125:1] [--limit=N]`.
 
 Thin on purpose: flags, then `eval.selection` (what the outputs in `<workdir>/select/`

@@ -1,8 +1,9 @@
 """Shared defaults of every experiment: the paper's / released code's hyper-parameters.
 
 Experiment files call `get_config()` here and change what differs. Groups: seed, model,
-tokenizer, data, sampler, ada, rl, loss, optim, train, ckpt, warmstart, eval, mesh (see
-`ada_jax/config.py` for each field's meaning and checks).
+tokenizer, data, sampler, ada, rl, loss, optim, train, ckpt, warmstart, eval, mesh; each
+group's fields are documented and checked by the dataclass that `ada_jax.config.RunConfig`
+names for it.
 """
 
 import pathlib
@@ -10,7 +11,7 @@ import pathlib
 import ml_collections
 
 # A `shared` folder beside the checkout (the repository's parent folder) holding `data/`
-# (the maths JSONL files, see ada_jax/data.py) and `tokenizers/`: configs read it when it
+# (the maths JSONL files, see ada_jax/data/sources.py) and `tokenizers/`: configs read it when it
 # is there, so that a run needs no network and no extra flag.
 SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"
 

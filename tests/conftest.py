@@ -39,3 +39,16 @@ def _offline(monkeypatch):
   data = sys.modules.get("ada_jax.data.sets")
   if data is not None:
     monkeypatch.setattr(data, "reachable", lambda url, timeout_s=3.0: False)
+
+
+@pytest.fixture(scope="session")
+def no_implicit_transfers():
+  """A context manager under which an implicit host-to-device or device-to-device
+  transfer (a numpy array or Python scalar fed to a jitted step, `x + 1` on a device
+  array) fails and explicit ones (`jax.device_put`, `jax.device_get`) pass; big_vision
+  runs its whole training under this level. The step paths are exercised under it, so an
+  accidental transfer in a step fails a test instead of slowing a TPU run. (On CPU a
+  device-to-host read is zero-copy and never trips it.)"""
+  import jax
+
+  return lambda: jax.transfer_guard("disallow")

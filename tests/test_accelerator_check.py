@@ -110,8 +110,8 @@ def test_tiny_train_rl_agreement(tiny_report):
     assert rl["ok"] and rl["run_config"]["ada"]["schedule"] == schedule
     assert [s["step"] for s in rl["steps"]] == [1, 2]
     assert rl["compiles_step_1"] >= 1 and rl["compiles_after_step_1"] == 0
-    for key in ("time_sample_s", "time_grade_wait_s", "time_train_s"):
-      assert _is_num(rl["after_step_1_mean_s"][key]) and rl["after_step_1_mean_s"][key] >= 0
+    for key in ("time_sample_s", "time_grade_wait_s", "time_train_s"):  # each step measures all
+      assert _is_num(rl["after_step_1_mean_s"][key]) and rl["after_step_1_mean_s"][key] > 0
   a = p["agreement"]
   assert a["tokens_compared"] == a["rows"] * a["sampler"]["max_new_tokens"]
   assert 0 <= a["gap_mean"] <= a["gap_p99"] <= a["gap_max"]
@@ -191,7 +191,7 @@ def test_a_failing_part_is_recorded(script):
 
   out = script.guarded(fails)
   assert out["ok"] is False and out["error"].startswith("RuntimeError: RESOURCE_EXHAUSTED")
-  assert "fails" in out["traceback"] and out["part_wall_s"] >= 0
+  assert "fails" in out["traceback"] and out["part_wall_s"] > 0
   assert script.guarded(lambda: {"x": 1}) == {
     "x": 1,
     "ok": True,

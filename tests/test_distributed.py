@@ -6,6 +6,7 @@ host-side helpers of `ada_jax.distributed` in one process."""
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -184,7 +185,9 @@ def test_two_processes_end_identical(tmp_path, schedule):
   # Params are replicated over both processes (mesh data=8): equal digests = equal bits.
   assert s0["fingerprints"]["params"] == s1["fingerprints"]["params"]
   assert s0["fingerprints"]["controller"] == s1["fingerprints"]["controller"]
-  assert s0["fingerprints"]["controller"] is not None
+  # A digest of the last step's controller state (16 bytes), not of the params.
+  assert re.fullmatch("[0-9a-f]{32}", s0["fingerprints"]["controller"])
+  assert s0["fingerprints"]["controller"] != s0["fingerprints"]["params"]
   # One metrics file and one checkpoint set, written by process 0 / collectively.
   lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert [m["step"] for m in lines] == [1, 2]

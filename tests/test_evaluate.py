@@ -241,7 +241,11 @@ def test_math500_tiny_llama_cli_writes_reports_and_resumes(shared_dir, tmp_path,
   assert saved["results"] == report["results"]
   m = report["results"]["math500"]
   assert m["num_problems"] == 16 and 0.0 <= m["avg@4"] <= m["pass@4"] <= 1.0
-  assert 1 <= m["response_tokens"] <= 64
+  records = [json.loads(line) for line in cache.read_text().splitlines()]
+  assert len(records) == 16  # one a problem: the first batch's kept, the second's added
+  lengths = [n for r in records for n in r["lengths"]]
+  assert len(lengths) == 16 * 4 and max(lengths) <= 64  # k = 4, max_new_tokens = 64
+  assert m["response_tokens"] == pytest.approx(sum(lengths) / len(lengths))
   assert report["settings"]["k"] == 4 and report["model"].startswith("weights:")
   assert report["dropped_over_max_prompt_tokens"] == {"math500": 0}
   assert "| math500 | 16 |" in (workdir / "eval" / "hf_tiny-llama3.md").read_text()

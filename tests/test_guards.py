@@ -39,7 +39,7 @@ HUB_PRESETS = {
 @pytest.mark.parametrize(
   "edit,match",
   [
-    # The example: 16-token prompt bucket + 60 new tokens > 64 positions.
+    # A 16-token prompt bucket + 60 new tokens > 64 positions.
     (
       lambda c: c.sampler.__setitem__("max_new_tokens", 60),
       r"config\.sampler\.prompt_buckets .*config\.sampler\.max_new_tokens \(60\) = 76 .*"

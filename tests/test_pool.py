@@ -111,26 +111,27 @@ def test_queue_longer_than_many_refills(tiny, pools, rows, seed):
   assert stats.chunks >= len(rows) / 2  # at least one device call per 2 queued rows
 
 
-def test_cancelled_prompt_frees_its_slots_at_once(tiny):
+def test_cancelled_prompt_frees_its_slots_at_once(tiny, no_implicit_transfers):
   config, params = tiny
   smp = sampler_lib.Sampler(
     config, max_new_tokens=12, stop_ids=[-1], chunk_rows=2, prompts_per_chunk=2,
     prompt_buckets=(8,), segment_steps=3,
   )  # fmt: skip
   key = jax.random.key(5)
-  pool = smp.pool(params, key, 8)
-  (a, b), hidden = pool.prefill([PROMPTS[0], PROMPTS[1]])
-  assert hidden.shape == (2, config.embed_dim) and hidden.dtype == np.float32
-  pool.add_rows(a, [0, 1, 2])
-  pool.add_rows(b, [3, 4])
-  pool.run()  # 3 steps: rows 0 and 1 hold both slots, mid-decode
-  assert pool.collect() == [] and len(pool.started) == 2
-  assert sorted(pool.cancel(a)) == [0, 1, 2]
-  pool.run()  # the cancelled rows' slots go to rows 3 and 4 at the first step
-  assert sorted(r.row_id for r in pool.started.values()) == [3, 4]
-  assert int(np.asarray(pool.state.length).min()) == 3  # both started at this call's step 0
-  while pool.busy:
-    pool.run()
+  with no_implicit_transfers():
+    pool = smp.pool(params, key, 8)
+    (a, b), hidden = pool.prefill([PROMPTS[0], PROMPTS[1]])
+    assert hidden.shape == (2, config.embed_dim) and hidden.dtype == np.float32
+    pool.add_rows(a, [0, 1, 2])
+    pool.add_rows(b, [3, 4])
+    pool.run()  # 3 steps: rows 0 and 1 hold both slots, mid-decode
+    assert pool.collect() == [] and len(pool.started) == 2
+    assert sorted(pool.cancel(a)) == [0, 1, 2]
+    pool.run()  # the cancelled rows' slots go to rows 3 and 4 at the first step
+    assert sorted(r.row_id for r in pool.started.values()) == [3, 4]
+    assert int(np.asarray(pool.state.length).min()) == 3  # both started at this call's step 0
+    while pool.busy:
+      pool.run()
   done = {row: (tokens, n) for row, tokens, _, n in pool.collect()}
   assert sorted(done) == [3, 4] and all(n == 12 for _, n in done.values())
   # The same rows in a fresh pool without the cancelled prompt: the same tokens.

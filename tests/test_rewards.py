@@ -129,7 +129,7 @@ def test_math_reward(response, reference, expected):
 
 
 # Answer forms of MATH, Minerva Math and OlympiadBench that math-verify alone grades wrongly
-# (the first five: the table), with their neighbours.
+# (the first five), with their neighbours.
 NUMBERS_AND_CONSTANTS = [
   ("\\boxed{2^{-98}}", "2^{-99}", 0.0),
   ("\\boxed{1\\times10^{-7}}", "2\\times10^{-7}", 0.0),

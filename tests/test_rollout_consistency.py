@@ -62,7 +62,7 @@ def _first_update_metrics(config, params, batch, temperature):
 
 
 def test_trainer_recomputes_the_sampler_logprobs_at_temperature(tiny):
-  """T = 0.5 (the issue's example): gap <= 1e-5, no clipped token on the first update."""
+  """T = 0.5: gap <= 1e-5, no clipped token on the first update."""
   config, params = tiny
   rule = sampler_lib.SamplingRule(temperature=0.5)
   batch = _rollout_batch(config, params, rule)
@@ -161,7 +161,8 @@ def test_draw_stays_in_kept_set_and_records_full_tempered_logprob(
   ],
 )
 def test_a_token_outside_the_kept_set_is_never_drawn(rule, logits, allowed, u):
-  """The issue's example: top_k=1 on [0, 1, 2, 5] drew token 0 when u was exactly 0."""
+  """A token the rule masks out (top_k, top_p, -inf logits) is never drawn, also at the
+  edges of the uniform u (u exactly 0: top_k=1 on [0, 1, 2, 5] draws token 3, not 0)."""
   logits = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (3, len(logits)))
   tokens, logprobs = jax.jit(rule.draw)(logits, jnp.full((3,), u, jnp.float32))
   assert set(np.asarray(tokens).tolist()) <= allowed
@@ -245,8 +246,8 @@ def _check_mesh_runs(cases, capfd):
 
 
 def test_fewer_kv_heads_than_tensor_shards_without_rematerialization(capfd):
-  """The issue's example: 2 kv heads on tensor = 4 (Qwen2.5-Math-1.5B with its configs'
-  mesh) printed 8 rematerialization warnings."""
+  """2 kv heads on tensor = 4 (Qwen2.5-Math-1.5B with its configs' mesh): no
+  rematerialization warning."""
   _check_mesh_runs({2: (4,)}, capfd)
 
 

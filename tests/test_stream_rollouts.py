@@ -2,6 +2,7 @@
 `rl.stream.run_step`): the tokens are the seeds' own, the decisions do not depend on the
 grader's speed, exited prompts' rows are cancelled, and every method runs through it."""
 
+import contextlib
 import threading
 import time
 
@@ -79,17 +80,20 @@ def tiny():
   return config, params, smp
 
 
-def _run(tiny, config: AdaConfig, grader=None, batch=6, seed=0, num=24):
+def _run(tiny, config: AdaConfig, grader=None, batch=6, seed=0, num=24, guard=None):
+  """One stream step; under `guard()` (the `no_implicit_transfers` fixture) if given."""
   _, params, smp = tiny
   ps = _prompt_set(num)
   batches = iter(np.arange(num).reshape(-1, batch))
   prompts = draw_lib.StepPrompts(ps, batches, batch)
-  drive = draw_lib.StreamRollouts(
-    smp, params, _Tokens(), grader or _Grader(), prompts, jax.random.key(seed), prompt_len=8
-  )
-  result, _ = stream.run_step(
-    config, prompts.ids, drive, np.random.default_rng(0), more_prompts=prompts.more_prompts
-  )
+  key = jax.random.key(seed)
+  with guard() if guard else contextlib.nullcontext():
+    drive = draw_lib.StreamRollouts(
+      smp, params, _Tokens(), grader or _Grader(), prompts, key, prompt_len=8
+    )
+    result, _ = stream.run_step(
+      config, prompts.ids, drive, np.random.default_rng(0), more_prompts=prompts.more_prompts
+    )
   return result, drive, prompts
 
 
@@ -123,12 +127,13 @@ def test_decisions_do_not_depend_on_the_graders_speed(tiny, method):
     np.testing.assert_array_equal(fast_drive.responses()[k], slow_drive.responses()[k])
 
 
-def test_graded_rows_are_the_seeds_tokens_whatever_was_cancelled(tiny):
+def test_graded_rows_are_the_seeds_tokens_whatever_was_cancelled(tiny, no_implicit_transfers):
   # Every prompt exits on its first n graded rows (all rewards 1): rows of exited prompts
   # are cancelled mid-decode, and no other row's tokens change.
   _, params, smp = tiny
   config = AdaConfig(method="pos", n=2, samples_per_round=4, max_rounds=2)
-  result, drive, prompts = _run(tiny, config, _Grader(reward=lambda t: 1.0))
+  grader = _Grader(reward=lambda t: 1.0)
+  result, drive, prompts = _run(tiny, config, grader, guard=no_implicit_transfers)
   out = drive.responses()
   graded = out["lengths"] > 0
   assert drive.counters.tokens_cancelled > 0 and (~graded).any()
@@ -161,7 +166,7 @@ def test_est_quota_is_its_budget(tiny):
   [AdaConfig(method="grpo", n=4), AdaConfig(method="est", est_budget_per_prompt=3.0)],
   ids=["grpo", "est"],
 )
-def test_fixed_quotas_give_the_rounds_step_exactly(tiny, config):
+def test_fixed_quotas_give_the_rounds_step_exactly(tiny, config, no_implicit_transfers):
   # One pass of fixed quotas: `stream` only overlaps grading, so the step is `rounds`' own.
   _, params, smp = tiny
   ps = _prompt_set(6)
@@ -169,13 +174,14 @@ def test_fixed_quotas_give_the_rounds_step_exactly(tiny, config):
   for schedule in ("rounds", "stream"):
     prompts = draw_lib.StepPrompts(ps, iter([np.arange(6)]), 6)
     key = jax.random.key(3)
-    if schedule == "rounds":
-      grader = _Grader()
-      drive = draw_lib.Rollouts(smp, params, _Tokens(), grader_score(grader), prompts, key)
-      result, est = adaptive.run_step(config, prompts.ids, drive, np.random.default_rng(0))
-    else:
-      drive = draw_lib.StreamRollouts(smp, params, _Tokens(), _Grader(), prompts, key, 8)
-      result, est = stream.run_step(config, prompts.ids, drive, np.random.default_rng(0))
+    with no_implicit_transfers():
+      if schedule == "rounds":
+        grader = _Grader()
+        drive = draw_lib.Rollouts(smp, params, _Tokens(), grader_score(grader), prompts, key)
+        result, est = adaptive.run_step(config, prompts.ids, drive, np.random.default_rng(0))
+      else:
+        drive = draw_lib.StreamRollouts(smp, params, _Tokens(), _Grader(), prompts, key, 8)
+        result, est = stream.run_step(config, prompts.ids, drive, np.random.default_rng(0))
     out = drive.responses()
     steps[schedule] = (result, est, out["tokens"][np.asarray(result.handles)], drive.counters)
   (a, est_a, tok_a, ca), (b, est_b, tok_b, cb) = steps["rounds"], steps["stream"]

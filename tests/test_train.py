@@ -121,7 +121,7 @@ def test_micro_batches_and_remat_do_not_change_the_gradient():
   assert float(whole[2]["tokens"]) == float(micro[2]["tokens"]) == 43
 
 
-def test_update_policy_runs_k_updates_without_recompiling():
+def test_update_policy_runs_k_updates_without_recompiling(no_implicit_transfers):
   config = train.TrainConfig(
     optim=train.OptimConfig(learning_rate=1e-4, warmup_steps=2),
     num_minibatches=2,
@@ -140,7 +140,8 @@ def test_update_policy_runs_k_updates_without_recompiling():
     for rl_step, batch in enumerate(batches):
       if rl_step == 1:
         compiles.clear()
-      state, metrics = update.update_policy(step_fn, state, batch, config=config, mesh=mesh)
+      with no_implicit_transfers():
+        state, metrics = update.update_policy(step_fn, state, batch, config=config, mesh=mesh)
       history.append(metrics)
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)

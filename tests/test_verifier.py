@@ -333,7 +333,7 @@ def test_interleaved_submits_collect_each_item_its_own_reward(pool, batches, ord
 
 # ------------------------------------------------------------------------- real data
 
-# The bar for MATH500 is >= 499/500 correct and <= 3/498 other answers accepted;
+# The bar for MATH500 is >= 499/500 correct and <= 3/498 other answers accepted;
 # the other sets get the same rates.
 DATASETS = [
   pytest.param("math500", "math500_test.jsonl", id="math500"),

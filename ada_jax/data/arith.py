@@ -14,7 +14,7 @@ The tokenizer is a real tokenizer.json (character-level WordLevel model from the
 `tokenizers` library, with `\\boxed{` as one token, BOS/EOS/PAD/UNK and chat-turn tokens,
 a one-line chat template), written deterministically by `write_tokenizer` and shipped in
 `ada_jax/data/assets/arith_tokenizer/`, so it loads through the normal `Tokenizer.from_dir`.
-Regenerate with `python -m ada_jax.arith`.
+Regenerate with `python -m ada_jax.data.arith`.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def response_text(answer: str) -> str:
 def prompt_ids(tok: Tokenizer, problem: str) -> list[int]:
   """Token ids of a problem's prompt: BOS then the bare problem ('<bos>12+345=').
 
-  This is the `raw` prompt style of `ada_jax.data.build_prompts`: a tiny model trained from
+  This is the `raw` prompt style of `ada_jax.data.prompts.build_prompts`: a tiny model trained from
   scratch has no use for the maths sets' instructions, and short prompts keep the CPU job
   fast. The supervised warm start and the RL prompts both use this one format.
   """

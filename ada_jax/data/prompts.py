@@ -6,7 +6,7 @@ reason step by step, and put your final answer within \\boxed{}." and the proble
 by " Let's think step by step and output the final answer within \\boxed{}.", through the
 tokenizer's chat template; base models without one get a plain template, the arithmetic
 task the bare problem. Prompts longer than `max_prompt_tokens` are dropped and counted.
-Examples come from `ada_jax.data` (or `ada_jax.arith`): dicts with `prompt_id`, `problem`,
+Examples come from `ada_jax.data.sets` (or `ada_jax.data.arith`): dicts with `prompt_id`, `problem`,
 `answer` and optionally `source`; an example with chat `messages` (a verl-format set,
 `data.verl`) is rendered from them as given, through the chat template.
 """

@@ -444,7 +444,7 @@ def evaluate_policy(
 def load_examples(name: str, config: EvalConfig) -> list[dict[str, str]]:
   """The examples of one benchmark (the first `config.limit` if set).
 
-  Maths sets are read through their TFDS builders (`data.load_examples`, test split); 'arith'
+  Maths sets are read through their TFDS builders (`data.sets.load_examples`, test split); 'arith'
   is the held-out split of `arith.ArithConfig(levels=config.arith_levels)`, drawn with
   `config.seed`.
 

@@ -1,4 +1,4 @@
-"""Evaluation reports and the evaluation CLI, on top of `ada_jax.benchmarks` (the core).
+"""Evaluation reports and the evaluation CLI, on top of `ada_jax.eval.benchmarks` (the core).
 
 `run` loads the benchmarks, starts one verifier pool per judge, evaluates with the resumable
 results cache `<workdir>/eval/cache.jsonl` and writes `<workdir>/eval/<name>.json` and `.md`
@@ -13,7 +13,7 @@ settings, the architecture (`model`), the tokenizer and the mesh; `--benchmarks`
 `--limit` override its `eval` group. Without `--config`: the paper's evaluation settings
 (`EvalConfig()`) and `RunConfig`'s other defaults.
 
-  python -m ada_jax.evaluate --config=configs/x.py --workdir=DIR --checkpoint=STEP
+  python -m ada_jax.evaluate --config=configs/<experiment>.py --workdir=DIR --checkpoint=STEP
   python -m ada_jax.evaluate --workdir=DIR --hf_dir=PATH --benchmarks=math500,aime24 --k=32
 
 The CLI prints the results table (Markdown) on stdout, or the report as JSON with `--json`;

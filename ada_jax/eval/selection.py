@@ -4,7 +4,7 @@ Reinforce-Ada (arXiv 2510.04996) trains on prompt sets built by sampling the bas
 K responses per prompt (default 16, temperature 1.0); a prompt is kept when its pass rate
 is at most a threshold AND at least one response is correct, so that no kept prompt is
 hopeless and none is already solved (docs/design.md "Data": prompts at pass rate 0 teach nothing).
-The two sets of the issue are `hard` (pass rate <= 0.125, i.e. 1-2 correct of 16) and
+The two sets built in are `hard` (pass rate <= 0.125, i.e. 1-2 correct of 16) and
 `easy` (pass rate <= 0.3125, 1-5 correct of 16); any `FilterRule` can be added.
 
 The K-samples pass is `benchmarks.run_benchmark` (the evaluation's chunked sampler, verifier
@@ -22,7 +22,7 @@ and a seed fixes the result. Outputs, in `<workdir>/select/`:
   base_params_<tag>/ the base policy when it was built here (random init + the config's
                      warm start): pass it as `ckpt.init_from` to train from the same model
 
-  python -m ada_jax.select_prompts --config=configs/x.py --workdir=DIR [--hf_dir=PATH |
+  python -m ada_jax.select_prompts --config=configs/<experiment>.py --workdir=DIR [--hf_dir=PATH |
       --checkpoint=STEP] [--k=16] [--rules=hard:0.125:1,easy:0.3125:1] [--limit=N]
 
 The prompts are the config's training prompts (`data` group, `inputs.load_prompts`: same

@@ -49,7 +49,7 @@ class KVCache:
   that line up), while each row carries its own RoPE positions. Keys and values share the
   layout `[B, K, S, H]`, the one XLA:TPU keeps in place under a `dynamic_update_slice`
   (a `[B, K, H, S]` key layout made it hold a transposed second copy of every layer's keys).
-  The rollout pool keeps its own slot cache (`rollout.pool.SlotCache`).
+  The rollout pool keeps its own slot cache (`rollout.slots.SlotCache`).
 
   Attributes:
     k: per layer, keys after RoPE, `dtype[B, K, S, H]`.

@@ -51,7 +51,7 @@ one do:
   statistic.
 
 `math_reward` runs the judge in-process, for trusted input and tests; untrusted model output
-is scored by `ada_jax.verifier.RewardPool`, which runs the `JUDGES` in worker processes
+is scored by `ada_jax.rewards.verifier.RewardPool`, which runs the `JUDGES` in worker processes
 under a hard timeout. `rewards.references` extracts the reference of a data-set row.
 """
 

@@ -9,7 +9,7 @@ worker, scores the item 0, starts a replacement and goes on with the batch (the 
 side and its dispatcher thread are in `ada_jax.rewards.workers`).
 Grading can also overlap other work: `RewardPool.submit` queues items and returns at once,
 `RewardPool.collect` waits for chosen items; `score` is exactly those two calls.
-`ada_jax.rewards.math_reward` is the same judge in-process, for trusted input and tests.
+`ada_jax.rewards.grader.math_reward` is the same judge in-process, for trusted input and tests.
 """
 
 import dataclasses

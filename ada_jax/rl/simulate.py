@@ -2,7 +2,7 @@
 
 Illustrates the paper's argument (arXiv 2510.04996, §3: GRPO's groups carry no signal on
 prompts that are too hard or too easy; adaptive sampling with global normalization is the
-fix) with the REAL controller `ada_jax.adaptive.run_step`, but with a Bernoulli verifier:
+fix) with the REAL controller `ada_jax.rl.adaptive.run_step`, but with a Bernoulli verifier:
 prompt i has a fixed pass rate p_i and each response is correct with probability p_i,
 independently.
 Nothing here is a separate implementation of GRPO, DAPO or Reinforce-Ada: `simulate` only

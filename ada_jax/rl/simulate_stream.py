@@ -415,7 +415,7 @@ def method_rows(n: int = 4, samples_per_round: int = 8, max_rounds: int = 4) -> 
 
 
 def done_when(rows: Mapping[str, Mapping[str, ScheduleResult]]) -> dict[str, dict[str, Any]]:
-  """The issue's simulator bar for `ada_pos` and `ada_balance`: stream's signal fraction
+  """The simulator's bar for `stream` under `ada_pos` and `ada_balance`: its signal fraction
   within 0.01 of rounds' with <= 0.8x its tokens per prompt.
 
   Args:

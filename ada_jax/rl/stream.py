@@ -368,7 +368,7 @@ def run_step(
 
   `drive(controller)` runs a `StreamController` to `done`: it queues `start()`'s rows,
   decodes in segments, grades the rows that finish and calls `boundary` after each
-  segment (`ada_jax.rollout.streaming.StreamRollouts` on the slot pool;
+  segment (`ada_jax.rollout.draw.StreamRollouts` on the slot pool;
   `simulate_stream` without a model). Handles in the result are the controller's row ids.
   Est plans its quotas first and folds the outcomes after (`adaptive.est_step`).
 

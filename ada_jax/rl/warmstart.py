@@ -1,7 +1,7 @@
 """Supervised warm start: teacher-forced training on arithmetic before RL (docs/design.md "Data").
 
 RL from a random tiny model learns nothing (every group is all-wrong, so every advantage is
-zero). A short supervised phase on `ada_jax.arith` problems, in exactly the format the RL
+zero). A short supervised phase on `ada_jax.data.arith` problems, in exactly the format the RL
 prompts and rewards use (prompt `<bos>12+345=`, response `\\boxed{357}<eos>`), gives a
 policy whose pass rates sit between 0 and 1 on the RL prompts. How far to train, and on
 which levels, is what `experiments/calibrate_arith.py` measures; `RECOMMENDED` is its

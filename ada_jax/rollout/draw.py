@@ -115,6 +115,12 @@ class RolloutCounters:
     }
 
 
+def _fold_in(key: jax.Array, data: int) -> jax.Array:
+  """`jax.random.fold_in(key, data)` with `data` put on the device explicitly: the tests run
+  the rollouts under `jax_transfer_guard='disallow'`, where an implicit one fails."""
+  return jax.random.fold_in(key, jax.device_put(np.uint32(data)))
+
+
 @dataclasses.dataclass
 class Rollouts:
   """The step's `draw` callable for `adaptive.run_step` (`rounds`): sampler + verifier,
@@ -147,7 +153,7 @@ class Rollouts:
       (rewards float32[len(rows)], handles): handles index `responses()`.
     """
     out, stats = self.sampler.generate(
-      self.params, self.prompts.tokens, rows, jax.random.fold_in(self.key, self.calls)
+      self.params, self.prompts.tokens, rows, _fold_in(self.key, self.calls)
     )
     self.calls += 1
     start = time.perf_counter()
@@ -223,7 +229,7 @@ class StreamRollouts:
     )
     # `Rollouts`' first key: the first rows (all of GRPO's and Est's, a Seq method's first
     # window) carry the row ids, so the tokens, that `rounds` draws for them.
-    pool = self.sampler.pool(self.params, jax.random.fold_in(self.key, 0), lp)
+    pool = self.sampler.pool(self.params, _fold_in(self.key, 0), lp)
     c = self.counters
     pending: collections.deque[int] = collections.deque(ctl.start()[0].tolist())
     entry_of: dict[int, int] = {}

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.rollout import pool as pool_lib
@@ -318,10 +319,25 @@ class Sampler:
   def _empty_prompts(self, prompt_len):
     return self.programs(prompt_len).empty_prompts()
 
+  def _put(self, host):
+    """Host inputs of a program (numpy arrays, the key), put explicitly where it reads them
+    (replicated over the mesh): the tests run the step paths under
+    `jax_transfer_guard='disallow'`, so an implicit transfer in the decode loop fails a test
+    instead of costing a TPU run. Over several processes they are passed as they are (jit
+    takes a host value as the same global value on every process; `device_put` to a
+    sharding with other processes' devices would all-gather each value to compare it)."""
+    if self.mesh is None:
+      return jax.device_put(host)
+    if self.mesh.devices.size != len(self.mesh.local_devices):
+      return host
+    return jax.device_put(host, NamedSharding(self.mesh, PartitionSpec()))
+
   def _prefill(self, params, prompts, tokens, mask, entries):
+    tokens, mask, entries = self._put((tokens, mask, entries))
     return self.programs(tokens.shape[1]).prefill(params, prompts, tokens, mask, entries)
 
   def _run(self, params, state, prompts, queue, key):
+    queue = self._put(queue)
     return self.programs(prompts.mask.shape[1]).run(params, state, prompts, queue, key)
 
   def pool(self, params: Params, key: jax.Array, prompt_len: int) -> RolloutPool:
@@ -330,7 +346,7 @@ class Sampler:
       raise ValueError(
         f"prompt_len ({prompt_len}) is not one of prompt_buckets {self.prompt_buckets}"
       )
-    return RolloutPool(self, params, key, prompt_len)
+    return RolloutPool(self, params, self._put(key), prompt_len)
 
   def generate(
     self,
