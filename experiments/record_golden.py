@@ -267,7 +267,13 @@ def tiny_run_config(method: str, schedule: str, seed: int):
     sys.path.insert(0, str(ROOT / "tests"))
   from test_loop import tiny_config
 
+  from configs import tiny_arith_pos
+
   c = tiny_config(steps=TINY_STEPS, schedule=schedule)
+  # Pinned here, not by test_loop: its stream runs count every response positive.
+  if "positive_threshold" not in tiny_arith_pos.get_config().ada:
+    if "positive_threshold" in c.ada:
+      del c.ada["positive_threshold"]
   c.seed = seed
   method, overrides = TINY_VARIANTS.get(method, (method, {}))
   c.ada.method = method
