@@ -22,6 +22,7 @@ A second Ctrl-C interrupts at once without a new checkpoint (Python's KeyboardIn
 exit status 130 in a shell).
 """
 
+import os
 import sys
 
 from absl import app, flags, logging
@@ -72,6 +73,12 @@ def main(argv):
   text, code = report(summary, _WORKDIR.value)
   if jax.process_index() == 0:
     print(text, flush=True)
+  if "phase" in summary:
+    # Stopped outside the RL loop, possibly between a jitted call and its result: the
+    # interpreter's teardown of JAX's runtime threads then crashed (SIGSEGV) after this
+    # clean stop. Nothing is left to write (no checkpoint is open in these phases).
+    sys.stderr.flush()
+    os._exit(code)
   return code
 
 
