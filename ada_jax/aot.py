@@ -32,7 +32,6 @@ import types
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ada_jax import config as config_lib
 from ada_jax.eval import sampling as eval_sampling
@@ -351,13 +350,10 @@ def decode_step_program(smp: sampler_lib.Sampler, params) -> Program:
 
 
 def shard_counts(mesh) -> dict[str, int]:
+  """The mesh's axis sizes, e.g. {'data': 1, 'fsdp': 2, 'tensor': 4}."""
   return {k: int(v) for k, v in mesh.shape.items()}
 
 
 def mesh_for(cfg: config_lib.RunConfig, devices) -> jax.sharding.Mesh:
   """The config's mesh over `devices`. Raises ValueError as `sharding.make_mesh`."""
   return sharding_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
-
-
-def data_parallel(mesh) -> int:
-  return int(np.prod([mesh.shape[a] for a in ("data", "fsdp")]))
