@@ -5,7 +5,7 @@ cache, its output position, its row id) feeds them: when a row ends (stop token 
 token budget), the next pending row takes its slot at the next step, its prompt's keys and
 values copied from the prompt cache, which `prefill_prompts` fills once per distinct prompt
 (rows of one prompt share that prefill). Decode attention reads only the cache blocks up
-to the longest live row (`_slot_attention`), and a row's tokens depend only on
+to the longest live row (`slots.slot_attention`), and a row's tokens depend only on
 (rollout key, row id, token index), never on its slot, the pool size or the device count.
 
 Every shape is static (S, queue length Q, prompt-cache entries P, prompt bucket Lp,
