@@ -132,6 +132,7 @@ def chunk_counts(packing, lengths, chunk_rows, cache_len, prompt_len):
 
 
 def _setup(args):
+  """(prompts, row -> prompt, the engines' shared `Sampler` arguments) of `args`."""
   rng = np.random.default_rng(0)
   prompts = rng.integers(START + 1, 8, (args.prompts, args.prompt_len)).tolist()
   for p in prompts:
@@ -230,17 +231,7 @@ def main():
     return pool_only(args)
 
   chunked_lib = load_baseline(args.baseline)
-  rng = np.random.default_rng(0)
-  prompts = rng.integers(START + 1, 8, (args.prompts, args.prompt_len)).tolist()
-  for p in prompts:
-    p[-1] = START
-  rows = np.repeat(np.arange(args.prompts), args.rows)
-  common = dict(
-    max_new_tokens=args.budget,
-    chunk_rows=args.slots,
-    prompts_per_chunk=max(1, args.slots // args.rows),
-    prompt_buckets=(args.prompt_len,),
-  )
+  prompts, rows, common = _setup(args)
   result = {
     "git_commit": metrics.git_commit(),
     "baseline_commit": args.baseline,
