@@ -294,14 +294,14 @@ def eval_sampler(cfg: config_lib.RunConfig, model_cfg, mesh) -> sampler_lib.Samp
   return eval_sampling.make_sampler(model_cfg, ids, cfg.eval, mesh=mesh)
 
 
-def pool_programs(smp: sampler_lib.Sampler, params, *, what: str) -> dict[str, Program | int]:
-  """One segment and one prefill launch of `smp`'s pool at its largest prompt bucket, and
-  the per-device bytes of its slot and prompt caches."""
-  lp = max(smp.prompt_buckets)
-  fns = smp.programs(lp)
+def segment_args(smp: sampler_lib.Sampler, params, *, what: str = "pool"):
+  """`smp`'s jitted pool functions at its largest prompt bucket and the abstract arguments
+  of one segment: (programs, (params, state, prompt cache, queue, key)). Raises
+  OutOfMemory when even the empty pool does not fit."""
+  fns = smp.programs(max(smp.prompt_buckets))
   state = abstract_outputs(fns.init, what=f"{what} slot cache")
   prompts = abstract_outputs(fns.empty_prompts, what=f"{what} prompt cache")
-  q, s, n = smp.queue_rows, smp.slots, smp.prompts_per_chunk
+  q, s = smp.queue_rows, smp.slots
   i32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   queue = pool_lib.Queue(
     prompt=i32((q,)),
@@ -312,7 +312,17 @@ def pool_programs(smp: sampler_lib.Sampler, params, *, what: str) -> dict[str, P
     cancel=jax.ShapeDtypeStruct((s,), bool),
   )
   key = jax.eval_shape(lambda: jax.random.key(0))
-  segment = compile_program(fns.run, params, state, prompts, queue, key, what=f"{what} segment")
+  return fns, (params, state, prompts, queue, key)
+
+
+def pool_programs(smp: sampler_lib.Sampler, params, *, what: str) -> dict:
+  """One segment and one prefill launch of `smp`'s pool at its largest prompt bucket, the
+  per-device bytes of its slot and prompt caches, and the pool state's shapes (`state`)."""
+  fns, args = segment_args(smp, params, what=what)
+  _, state, prompts, _, _ = args
+  lp, n = max(smp.prompt_buckets), smp.prompts_per_chunk
+  i32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  segment = compile_program(fns.run, *args, what=f"{what} segment")
   prefill = compile_program(
     fns.prefill,
     params,
@@ -329,14 +339,14 @@ def pool_programs(smp: sampler_lib.Sampler, params, *, what: str) -> dict[str, P
     + per_device_bytes((state.cache.k, state.cache.v)),
     "pool_state": per_device_bytes(state),
     "prompt_cache": per_device_bytes(prompts),
+    "state": state,
   }
 
 
-def decode_step_program(smp: sampler_lib.Sampler, params) -> Program:
-  """One decode step of `smp`'s pool that reads every cache column (the roofline's
-  worst case: every slot at the budget), compiled alone."""
-  lp = max(smp.prompt_buckets)
-  state = abstract_outputs(smp.programs(lp).init)
+def decode_step_program(smp: sampler_lib.Sampler, params, state) -> Program:
+  """One decode step of `smp`'s pool (`state`: its abstract `PoolState`, from
+  `pool_programs`) that reads every cache column (the roofline's worst case: every slot at
+  the budget), compiled alone."""
   s = smp.slots
   step = jax.jit(
     lambda params, state, token, still: pool_lib.decode_step(

@@ -110,30 +110,32 @@ def plan(cfg, target_name: str, *, devices=None, progress=print) -> dict:
       "seq_len": layout["seq_len"],
     }
     phases["train"] = {"bytes": program.peak}
-  smp = aot.rollout_sampler(cfg, model_cfg, mesh)
-  pool = timed("sample", lambda: aot.pool_programs(smp, params, what="rollout pool"))
-  if pool is not None:
-    programs["pool_segment"] = pool["segment"].as_dict() | {
+
+  def segment_figures(smp, pool):
+    return pool["segment"].as_dict() | {
       "slots": smp.slots,
       "kv_cache_gib": gib(pool["slot_cache"]),
       "prompt_cache_gib": gib(pool["prompt_cache"]),
       "temp_over_kv": round(pool["segment"].temp / pool["slot_cache"], 4),
     }
+
+  smp = aot.rollout_sampler(cfg, model_cfg, mesh)
+  pool = timed("sample", lambda: aot.pool_programs(smp, params, what="rollout pool"))
+  if pool is not None:
+    programs["pool_segment"] = segment_figures(smp, pool)
     programs["prefill"] = pool["prefill"].as_dict()
     phases["sample"] = {"bytes": pool["segment"].peak + resident}
     phases["prefill"] = {"bytes": pool["prefill"].peak + pool["pool_state"] + resident}
-    step = timed("decode step (roofline)", lambda: aot.decode_step_program(smp, params))
+    step = timed(
+      "decode step (roofline)", lambda: aot.decode_step_program(smp, params, pool["state"])
+    )
     if step is not None:
       programs["decode_step"] = step.as_dict()
   if cfg.eval.benchmarks:
     ev = aot.eval_sampler(cfg, model_cfg, mesh)
     ev_pool = timed("eval", lambda: aot.pool_programs(ev, params, what="evaluation pool"))
     if ev_pool is not None:
-      programs["eval_segment"] = ev_pool["segment"].as_dict() | {
-        "slots": ev.slots,
-        "kv_cache_gib": gib(ev_pool["slot_cache"]),
-        "temp_over_kv": round(ev_pool["segment"].temp / ev_pool["slot_cache"], 4),
-      }
+      programs["eval_segment"] = segment_figures(ev, ev_pool)
       phases["eval"] = {"bytes": ev_pool["segment"].peak + resident}
   if cfg.ada.method == "est" and cfg.ada.est_estimator == "head":
     notes.append(
@@ -178,6 +180,8 @@ def roofline(cfg, model_cfg, t, mesh, programs, smp) -> dict:
   once (the micro-batch and block scans), so its figure is one body's, not the step's
   (`train_flops_per_loop_body`); `experiments/accelerator_check.py` measures MFU.
   """
+  import jax
+
   from ada_jax import aot
   from ada_jax.models import decoder as model_lib
 
@@ -187,7 +191,7 @@ def roofline(cfg, model_cfg, t, mesh, programs, smp) -> dict:
   if step and step.get("bytes_accessed"):
     shapes = model_lib.param_shapes(model_cfg)
     params = aot.per_device_bytes(aot.abstract_params(model_cfg, mesh))
-    total = sum(x.size * x.dtype.itemsize for x in aot.jax.tree.leaves(shapes))
+    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
     gathered = total / mesh.shape["tensor"]
     kv = programs["pool_segment"]["kv_cache_gib"] * aot.GIB
     seconds = step["bytes_accessed"] / (t.hbm_gbs * 1e9)

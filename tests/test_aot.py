@@ -87,18 +87,8 @@ def test_decode_loop_moves_no_cache_sized_operand_between_devices(v5e_devices):
     config, max_new_tokens=512, stop_ids=(1,), chunk_rows=32, prompts_per_chunk=4,
     prompt_buckets=(64,), mesh=mesh,
   )  # fmt: skip
-  params = aot.abstract_params(config, mesh)
-  fns = smp.programs(64)
-  state, prompts = aot.abstract_outputs(fns.init), aot.abstract_outputs(fns.empty_prompts)
-  queue = jax.eval_shape(
-    lambda: sampler_lib.pool_lib.Queue(
-      prompt=jnp.zeros(128, jnp.int32), position=jnp.zeros(128, jnp.int32),
-      row_id=jnp.zeros(128, jnp.int32), count=jnp.int32(0), more=jnp.bool_(False),
-      cancel=jnp.zeros(32, bool),
-    )
-  )  # fmt: skip
-  key = jax.eval_shape(lambda: jax.random.key(0))
-  text = fns.run.lower(params, state, prompts, queue, key).compile().as_text()
+  fns, args = aot.segment_args(smp, aot.abstract_params(config, mesh))
+  text = fns.run.lower(*args).compile().as_text()
   layer_shard = (32 // 4) * (4 // 2) * 512 * 128 * 2  # one layer's ring K per device
   dtype_bytes = {"bf16": 2, "f32": 4, "s32": 4, "pred": 1, "u32": 4}
   moved = []

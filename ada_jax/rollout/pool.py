@@ -202,18 +202,7 @@ def init_pool(
 ) -> PoolState:
   """An empty pool: S = `slots` free slots, `outputs` output positions, a `SlotCache` of
   `prompt_len` prompt and `max_new_tokens` ring columns per slot."""
-  prompt = model_lib.init_cache(config, slots, prompt_len)
-  ring = model_lib.init_cache(config, slots, max_new_tokens)
-  cache = slots_lib.SlotCache(
-    prompt_k=prompt.k,
-    prompt_v=prompt.v,
-    prompt_mask=prompt.mask,
-    k=ring.k,
-    v=ring.v,
-    mask=ring.mask,
-    column=jnp.zeros((), jnp.int32),
-  )
-  cache = slots_lib.constrain(config, cache, mesh)
+  cache = slots_lib.init_slot_cache(config, slots, prompt_len, max_new_tokens, mesh)
   zeros = lambda shape, dtype=jnp.int32: jnp.zeros(shape, dtype)
   return PoolState(
     cache=cache,

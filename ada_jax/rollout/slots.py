@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from ada_jax.models import decoder as model_lib
 from ada_jax.models import layers as layers_lib
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.decoder import ModelConfig
@@ -54,7 +55,12 @@ def slot_cache_shardings(
   """Shardings of a `SlotCache`: slots over ('data', 'fsdp'), kv heads over 'tensor'
   (`sharding.kv_cache_shardings`), the ring column replicated."""
   prompt = sharding_lib.kv_cache_shardings(config, mesh, slots, prompt_len)
-  ring = sharding_lib.kv_cache_shardings(config, mesh, slots, max_new_tokens)
+  return _join(prompt, sharding_lib.kv_cache_shardings(config, mesh, slots, max_new_tokens))
+
+
+def _join(prompt: model_lib.KVCache, ring: model_lib.KVCache) -> SlotCache:
+  """A `SlotCache` (or its shardings) of a prompt part and a ring part; the ring's index
+  is the shared write column."""
   return SlotCache(
     prompt_k=prompt.k,
     prompt_v=prompt.v,
@@ -64,6 +70,20 @@ def slot_cache_shardings(
     mask=ring.mask,
     column=ring.index,
   )
+
+
+def init_slot_cache(
+  config: ModelConfig,
+  slots: int,
+  prompt_len: int,
+  max_new_tokens: int,
+  mesh: jax.sharding.Mesh | None = None,
+) -> SlotCache:
+  """An empty cache of `slots` slots, `prompt_len` prompt and `max_new_tokens` ring
+  columns each, the ring at column 0 (sharded by `slot_cache_shardings` with a mesh)."""
+  prompt = model_lib.init_cache(config, slots, prompt_len)
+  ring = model_lib.init_cache(config, slots, max_new_tokens)
+  return constrain(config, _join(prompt, ring), mesh)
 
 
 def constrain(config: ModelConfig, cache: SlotCache, mesh) -> SlotCache:
