@@ -23,10 +23,8 @@ uninterrupted run would take.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import pathlib
-import time
 from typing import Any
 
 import jax
@@ -43,12 +41,11 @@ from ada_jax.eval import evaluation as evaluate
 from ada_jax.eval import sampling as eval_sampling
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding as sharding_lib
-from ada_jax.models.tokenizer import Tokenizer
 from ada_jax.rewards.verifier import RewardPool, VerifierConfig
-from ada_jax.rl import adaptive, estimate, pass_rate_head, stream, train, update
+from ada_jax.rl import train, update
 from ada_jax.rl import warmstart as warmstart_lib
-from ada_jax.rollout import draw as rollout
 from ada_jax.rollout import sampler
+from ada_jax.step import StepContext, rl_step
 
 # Controller outputs that must be identical on every process (`distributed.assert_same`).
 _AGREED = (
@@ -332,139 +329,6 @@ def _close(manager) -> None:
     checkpoint.close(manager)
   except Exception as e:  # noqa: BLE001 - an error on the way out must not hide the first
     logging.warning("closing the checkpoint manager: %s", e)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepContext:
-  """What every RL step of a run uses and none changes: built once by `train_run`.
-
-  Attributes:
-    cfg: the run config.
-    prompt_set: the training prompts.
-    iterator: the prompt iterator (its position is checkpointed; it advances each step).
-    sampler: the rollout engine.
-    step_fn: the jitted train step (`train.make_train_step`).
-    grader: the verifier pool's grades, identical on every process
-      (`distributed.SharedGrader`).
-    tokenizer: the run's tokenizer.
-    mesh: the device mesh.
-    np_rng: the host Generator of the controller's draws (checkpointed; it advances).
-    logprob_fn: `update.make_logprob_step` under `train.old_logprobs='recompute'`, else None.
-  """
-
-  cfg: config_lib.RunConfig
-  prompt_set: prompts.PromptSet
-  iterator: prompts.PromptIterator
-  sampler: sampler.Sampler
-  step_fn: Any
-  grader: distributed.SharedGrader
-  tokenizer: Tokenizer
-  mesh: jax.sharding.Mesh
-  np_rng: np.random.Generator
-  logprob_fn: Any = None
-
-
-def rl_step(
-  ctx: StepContext, step: int, state: train.TrainState, est: Any, key: jax.Array
-) -> tuple[train.TrainState, Any, dict[str, Any]]:
-  """One RL step: prompts -> adaptive rollouts -> training batch -> policy update.
-
-  Args:
-    ctx: the run's fixed parts.
-    step: the RL step (1-based; for log lines).
-    state: the train state before the step.
-    est: Est's per-prompt statistics (None for the other methods / before the first step).
-    key: the step's rollout key, `fold_in(rollout_key, step)`.
-
-  Returns:
-    (state, est, metrics): the updated state and statistics and the step's metrics.
-  """
-  cfg = ctx.cfg
-  with metrics_lib.CompileCounter() as compiles:
-    step_prompts = rollout.StepPrompts(ctx.prompt_set, ctx.iterator, cfg.rl.batch_prompts)
-    features = None
-    if estimate.needs_features(cfg.ada):  # Est's pass-rate head reads the prompts' states
-      features = pass_rate_head.prompt_hidden_states(
-        ctx.sampler.config,
-        state.params,
-        step_prompts.tokens,
-        cfg.sampler.prompt_buckets,
-        ctx.tokenizer.pad_id,
-      )
-    if cfg.ada.schedule == "stream":
-      lp = None  # the step's bucket; DAPO's extra prompts may come from anywhere in the set
-      if cfg.ada.method == "dapo":
-        lp = sampler.bucket_length(ctx.prompt_set.max_length, cfg.sampler.prompt_buckets)
-      draw = rollout.StreamRollouts(
-        ctx.sampler, state.params, ctx.tokenizer, ctx.grader, step_prompts, key, lp
-      )
-      run_step = stream.run_step
-    else:  # the controller asks `draw` for rows round by round
-      draw = rollout.Rollouts(
-        ctx.sampler, state.params, ctx.tokenizer, ctx.grader.score, step_prompts, key
-      )
-      run_step = adaptive.run_step
-    result, est = run_step(
-      cfg.ada, step_prompts.ids, draw, ctx.np_rng, est, step_prompts.more_prompts, features
-    )
-    responses = draw.responses()
-    # Batch and update.
-    start = time.perf_counter()
-    skipped = len(result.handles) == 0
-    if skipped:
-      # dapo when no group is mixed even after its extra passes: there is nothing to train
-      # on, and an update on an empty batch would still move the params (Adam's momentum).
-      logging.warning(
-        "RL step %d: no response selected for training (%s found no group "
-        "with mixed rewards); the policy update is skipped",
-        step,
-        cfg.ada.method,
-      )
-      tm = {}
-    else:
-      batch = rollout.make_train_batch(
-        result,
-        responses,
-        step_prompts.tokens,
-        rows=cfg.train_rows,
-        buckets=cfg.sampler.prompt_buckets,
-      )
-      state, tm = update.update_policy(
-        ctx.step_fn, state, batch, config=cfg.train, mesh=ctx.mesh, logprob_fn=ctx.logprob_fn
-      )
-    time_train = time.perf_counter() - start
-  s = result.stats
-  m = {
-    "reward_mean": s.reward_mean,
-    # Over every response drawn: biased upward for pos/balance, which stop after
-    # successes. The first-round rate is the unbiased one, whichever the method.
-    "pass_rate": float(np.mean(s.pool_pass_rate[: cfg.rl.batch_prompts])),
-    "first_round_pass_rate": s.first_round_pass_rate,
-    "samples_drawn": s.rows_requested,
-    "active_prompts_per_round": list(s.active_per_round),
-    "zero_signal_frac": s.zero_signal_fraction,
-    **draw.counters.metrics(),
-    "time_train_s": time_train,
-    "compiles": compiles.count,  # XLA compilations during the step
-    "update_skipped": float(skipped),  # 1: no response to train on, params unchanged
-  }
-  m.update(s.as_metrics())
-  m.update(
-    {
-      k: tm[k]
-      for k in (
-        "loss",
-        "entropy",
-        "clip_frac",
-        "grad_norm",
-        "approx_kl",
-        "learning_rate",
-        "old_logprob_gap",  # sampler–trainer mismatch before the first update
-      )
-      if k in tm
-    }
-  )
-  return state, est, m
 
 
 def _jsonable(state: dict) -> dict:

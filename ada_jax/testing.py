@@ -17,7 +17,7 @@ from ada_jax import checkpoint
 from ada_jax.data import arith
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding, weights
-from ada_jax.rl import losses, train
+from ada_jax.rl import controller, losses, train
 
 # transformers config kwargs of one tiny checkpoint per family; the Llama one uses the
 # llama3 rope scaling (factor 32, as Llama-3.2-3B) and tied embeddings.
@@ -212,3 +212,20 @@ def save_arith_model(
     for f in dataclasses.fields(config)
     if f.name not in ("dtype", "param_dtype")
   }
+
+
+def rounds_step(config, prompt_ids, draw, rng, **kwargs):
+  """`controller.run_step` under `rounds` on a scripted `draw(prompts) -> (rewards,
+  handles)` (`controller.DrawEngine`), the result's handles (row ids, which under `rounds`
+  number the rows in draw order) mapped to `draw`'s own. Keyword arguments go to
+  `run_step`."""
+  served = []
+
+  def rewards_only(prompts):
+    rewards, handles = draw(prompts)
+    served.extend(handles)
+    return rewards
+
+  engine = controller.DrawEngine(rewards_only)
+  result, est = controller.run_step(config, prompt_ids, engine, rng, schedule="rounds", **kwargs)
+  return dataclasses.replace(result, handles=[served[h] for h in result.handles]), est

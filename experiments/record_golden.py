@@ -19,11 +19,10 @@ Records what the step decides, so that a restructure of the controller (one cont
   rule gives prompts pass rates of 0, 1/4, 1/2 and 3/4, so groups are mixed, uniform,
   exit early or never (the verifier has its own tests).
 
-Row ids: under `stream` the controller's (`StreamController`), under `rounds` the
-response's position in the step's draw order (round after round, each round's rows as
-`adaptive.run_step` lays them out: `rollout.Rollouts`' handles). The capture wraps today's
-entry points (`adaptive.run_step`, `stream.run_step`, `rollout.draw.make_train_batch`,
-`loop.RewardPool`); code that moves them re-points the capture, not the data.
+Row ids are the controller's (`controller.Controller`), in queue order: under `rounds`
+round after round, each round's rows prompt-major. The capture wraps the step's entry
+points (`controller.run_step`, `update.make_train_batch`, `loop.RewardPool`); code that moves
+them re-points the capture, not the data.
 
   python experiments/record_golden.py            # rewrites tests/data/golden_step.json
 
@@ -119,40 +118,18 @@ def selection_record(result) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def capture_steps(records: list[dict[str, Any]], modules: list[Any]) -> Iterator[None]:
-  """Records every step's `StepResult` of `adaptive.run_step` (as the given modules call it)
-  and `stream.run_step`. Under `rounds` a draw's handles are replaced by the row ids of
-  the step's draw order when the draw gave none (the simulators' `None` handles)."""
-  from ada_jax.rl import adaptive, stream
+def capture_steps(records: list[dict[str, Any]]) -> Iterator[None]:
+  """Records the `StepResult` of every `controller.run_step` call in the block."""
+  from ada_jax.rl import controller
 
-  rounds_fn, stream_fn = adaptive.run_step, stream.run_step
+  run_step = controller.run_step
 
-  def rounds_step(config, prompt_ids, draw, *args, **kwargs):
-    issued = 0
-
-    def numbered(rows):
-      nonlocal issued
-      rewards, handles = draw(rows)
-      if all(h is None for h in handles):
-        handles = list(range(issued, issued + len(handles)))
-      issued += len(handles)
-      return rewards, handles
-
-    result, est = rounds_fn(config, prompt_ids, numbered, *args, **kwargs)
+  def recorded(*args, **kwargs):
+    result, est = run_step(*args, **kwargs)
     records.append(selection_record(result))
     return result, est
 
-  def stream_step(*args, **kwargs):
-    result, est = stream_fn(*args, **kwargs)
-    records.append(selection_record(result))
-    return result, est
-
-  with contextlib.ExitStack() as stack:
-    for m in modules:
-      if getattr(m, "run_step", None) is rounds_fn:
-        stack.enter_context(patched(m, "run_step", rounds_step))
-    stack.enter_context(patched(adaptive, "run_step", rounds_step))
-    stack.enter_context(patched(stream, "run_step", stream_step))
+  with patched(controller, "run_step", recorded):
     yield
 
 
@@ -196,15 +173,14 @@ def record_bernoulli(seeds=SEEDS) -> dict[str, Any]:
       for schedule in SCHEDULES:
         steps: list[dict[str, Any]] = []
         costs: list[dict[str, Any]] = []
-        fn_name = "_rounds_step" if schedule == "rounds" else "_stream_step"
-        step_fn = getattr(simulate_stream, fn_name)
+        step_fn = simulate_stream._step
 
         def costed(*args, step_fn=step_fn, costs=costs):
           res, est_state, stats = step_fn(*args)
           costs.append(_jsonable(stats))
           return res, est_state, stats
 
-        with capture_steps(steps, []), patched(simulate_stream, fn_name, costed):
+        with capture_steps(steps), patched(simulate_stream, "_step", costed):
           total = simulate_stream.simulate_schedule(cfg, schedule, sim)
         for s, c in zip(steps, costs, strict=True):
           s["sim"] = c
@@ -214,7 +190,7 @@ def record_bernoulli(seeds=SEEDS) -> dict[str, Any]:
         }
       steps = []
       rates = simulate.sample_pass_rates(np.random.default_rng([seed, 7]), 12)
-      with capture_steps(steps, [simulate]):
+      with capture_steps(steps):
         total = simulate.simulate(cfg, rates, batch=6, epochs=2, warmup_epochs=1, seed=seed)
       out[f"bernoulli/{name}/rounds/seed{seed}"] = {
         "steps": steps,
@@ -293,14 +269,14 @@ def record_tiny(seeds: dict[int, tuple[str, ...]] = TINY_SEEDS, schedules=SCHEDU
   advantages and the non-timing metrics."""
   from ada_jax import loop
   from ada_jax.metrics import read_jsonl
-  from ada_jax.rollout import draw as rollout
+  from ada_jax.rl import update
 
   out: dict[str, Any] = {}
   for seed, method in [(seed, m) for seed, methods in seeds.items() for m in methods]:
     for schedule in schedules:
       steps: list[dict[str, Any]] = []
       batches: list[dict[str, Any]] = []
-      make_batch = rollout.make_train_batch
+      make_batch = update.make_train_batch
 
       def recording_batch(result, responses, *args, batches=batches, make_batch=make_batch, **kw):
         batch = make_batch(result, responses, *args, **kw)
@@ -318,8 +294,8 @@ def record_tiny(seeds: dict[int, tuple[str, ...]] = TINY_SEEDS, schedules=SCHEDU
         return batch
 
       with tempfile.TemporaryDirectory() as workdir, contextlib.ExitStack() as stack:
-        stack.enter_context(capture_steps(steps, [loop]))
-        stack.enter_context(patched(rollout, "make_train_batch", recording_batch))
+        stack.enter_context(capture_steps(steps))
+        stack.enter_context(patched(update, "make_train_batch", recording_batch))
         stack.enter_context(patched(loop, "RewardPool", TextRewardPool))
         loop.run(tiny_run_config(method, schedule, seed), workdir)
         metrics = read_jsonl(pathlib.Path(workdir) / "metrics.jsonl")

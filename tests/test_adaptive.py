@@ -1,4 +1,5 @@
-"""Tests for the Reinforce-Ada sampling controller (ada_jax.adaptive, ada_jax.advantages).
+"""Tests for the Reinforce-Ada sampling methods under `rounds` (ada_jax.rl.rules, the
+controller, ada_jax.rl.advantages).
 
 Hand-worked cases from docs/design.md "Algorithm" with scripted reward streams, then hypothesis
 property tests on random reward streams.
@@ -11,9 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ada_jax.rl import adaptive
 from ada_jax.rl import advantages as adv_lib
-from ada_jax.rl.adaptive import AdaConfig, run_step
+from ada_jax.rl import estimate, rules
+from ada_jax.rl.adaptive import AdaConfig
+from ada_jax.testing import rounds_step as run_step
 
 
 class Scripted:
@@ -150,11 +152,11 @@ def test_seq_batch_in_exit_order_as_released_or_in_prompt_order(method):
 
 def test_batch_order_ties_keep_prompt_order_and_never_exited_go_last():
   cfg = AdaConfig(method="pos")
-  assert adaptive.batch_order(cfg, [None, 2, 1, 1]) == [2, 3, 1, 0]
-  assert adaptive.batch_order(cfg, [3, None, 0, None, 0]) == [2, 4, 0, 1, 3]
-  assert adaptive.batch_order(cfg, [None, None]) == [0, 1]
+  assert rules.batch_order(cfg, [None, 2, 1, 1]) == [2, 3, 1, 0]
+  assert rules.batch_order(cfg, [3, None, 0, None, 0]) == [2, 4, 0, 1, 3]
+  assert rules.batch_order(cfg, [None, None]) == [0, 1]
   prompt = AdaConfig(method="pos", batch_order="prompt")
-  assert adaptive.batch_order(prompt, [None, 2, 1, 1]) == [0, 1, 2, 3]
+  assert rules.batch_order(prompt, [None, 2, 1, 1]) == [0, 1, 2, 3]
   with pytest.raises(ValueError, match="AdaConfig.batch_order"):
     AdaConfig(method="pos", batch_order="shuffled")
 
@@ -307,32 +309,32 @@ def test_random_selection_is_deterministic_per_seed():
 
 def test_allocation_hand_cases():
   # Released: one each, the other 8 - 2 = 6 by weight: 6 * [1/6, 5/6] = [1, 5] -> [2, 6].
-  np.testing.assert_array_equal(adaptive.allocate_budget(np.array([21 / 5, 21]), 8), [2, 6])
+  np.testing.assert_array_equal(estimate.allocate_budget(np.array([21 / 5, 21]), 8), [2, 6])
   # One factor for all, floor 1 (the clipped rule) gives [1.33, 6.67] -> [1, 7] instead.
   np.testing.assert_array_equal(
-    adaptive.allocate_budget(np.array([21 / 5, 21]), 8, split="clipped"), [1, 7]
+    estimate.allocate_budget(np.array([21 / 5, 21]), 8, split="clipped"), [1, 7]
   )
   # 1 + 5 * [1/4, 1/4, 1/2] = [2.25, 2.25, 3.5] -> [2, 2, 3], the leftover to the 0.5.
-  np.testing.assert_array_equal(adaptive.allocate_budget(np.array([1.0, 1, 2]), 8), [2, 2, 4])
+  np.testing.assert_array_equal(estimate.allocate_budget(np.array([1.0, 1, 2]), 8), [2, 2, 4])
   # Equal fractional parts: the leftover goes to the lower index.
-  np.testing.assert_array_equal(adaptive.allocate_budget(np.array([1.0, 1, 1]), 10), [4, 3, 3])
+  np.testing.assert_array_equal(estimate.allocate_budget(np.array([1.0, 1, 1]), 10), [4, 3, 3])
   # 1 + 8 * [1/101, 100/101] = [1.08, 8.92] -> [1, 9].
-  np.testing.assert_array_equal(adaptive.allocate_budget(np.array([1.0, 100]), 10), [1, 9])
+  np.testing.assert_array_equal(estimate.allocate_budget(np.array([1.0, 100]), 10), [1, 9])
   # Clipping at n_max moves the surplus to the other prompts.
   np.testing.assert_array_equal(
-    adaptive.allocate_budget(np.array([1.0, 1, 100]), 12, 1, 6, "clipped"), [3, 3, 6]
+    estimate.allocate_budget(np.array([1.0, 1, 100]), 12, 1, 6, "clipped"), [3, 3, 6]
   )
   np.testing.assert_array_equal(
-    adaptive.allocate_budget(np.array([1.0, 50, 100]), 12, 2, 6, "clipped"), [2, 4, 6]
+    estimate.allocate_budget(np.array([1.0, 50, 100]), 12, 2, 6, "clipped"), [2, 4, 6]
   )
   with pytest.raises(ValueError, match="cannot be split"):
-    adaptive.allocate_budget(np.ones(3), 2)
+    estimate.allocate_budget(np.ones(3), 2)
   with pytest.raises(ValueError, match="cannot be split"):
-    adaptive.allocate_budget(np.ones(3), 20, 1, 6, "clipped")
+    estimate.allocate_budget(np.ones(3), 20, 1, 6, "clipped")
   with pytest.raises(ValueError, match="no per-prompt maximum"):
-    adaptive.allocate_budget(np.ones(3), 6, 1, 6)
+    estimate.allocate_budget(np.ones(3), 6, 1, 6)
   with pytest.raises(ValueError, match="split"):
-    adaptive.allocate_budget(np.ones(3), 6, split="even")
+    estimate.allocate_budget(np.ones(3), 6, split="even")
 
 
 @settings(max_examples=150, deadline=None)
@@ -346,9 +348,9 @@ def test_allocation_sums_to_budget_within_bounds(w, n_min, extra, n_max_extra):
   w = np.asarray(w)
   n_max = None if n_max_extra is None else n_min + n_max_extra
   budget = w.size * n_min + (extra if n_max is None else min(extra, w.size * (n_max - n_min)))
-  counts = adaptive.allocate_budget(w, budget, n_min, n_max, "clipped")
+  counts = estimate.allocate_budget(w, budget, n_min, n_max, "clipped")
   if n_max is None:
-    released = adaptive.allocate_budget(w, budget, n_min)
+    released = estimate.allocate_budget(w, budget, n_min)
     assert released.sum() == budget and released.min() >= n_min
     # Largest remainder: each count is its exact share rounded down or up.
     share = n_min + (budget - w.size * n_min) * w / w.sum()
@@ -368,9 +370,9 @@ def test_est_state_updates_and_steers_the_budget():
   res, state = run_step(cfg, ids, Scripted([[1, 1, 1, 1], [0, 0, 0, 0]]), _rng())
   assert res.stats.samples_per_round == (8,)  # unseen prompts share the prior: 4 + 4
   assert res.stats.rows_selected == res.rewards.size == 8
-  keys = adaptive.prompt_keys(ids)
+  keys = estimate.prompt_keys(ids)
   np.testing.assert_allclose(
-    adaptive.est_pass_rates(state, keys, 1.0, 16.0), [5 / 21, 1 / 21], rtol=1e-12
+    estimate.est_pass_rates(state, keys, 1.0, 16.0), [5 / 21, 1 / 21], rtol=1e-12
   )
   # Released rule w = 1/p̂: weights 21/5 and 21, budget 8: 1 each, then 6 * [1/6, 5/6].
   draw = Scripted([[1] * 8, [0, 0, 0, 0, 0, 1, 0, 0]])
@@ -397,8 +399,8 @@ def test_est_released_defaults_and_single_sample_advantage():
   assert cfg.train_rows(64) == 512 == AdaConfig(method="grpo", n=8).train_rows(64)
   # p̂ = 41/57 (easy) vs 1/17 (unseen): weights 1.39 and 17, budget 16: 1 each, then
   # 14 * [0.076, 0.924] = [1.06, 12.94] -> [2, 13], the leftover to the 0.94 -> [2, 14].
-  state = adaptive.update_est_state(
-    adaptive.init_est_state(), adaptive.prompt_keys(["e"]), np.array([40.0]), np.array([40.0]), 1.0
+  state = estimate.update_est_state(
+    estimate.init_est_state(), estimate.prompt_keys(["e"]), np.array([40.0]), np.array([40.0]), 1.0
   )
   res, _ = run_step(cfg, ["e", "new"], Scripted([[1] * 2, [0] * 14]), _rng(), est_state=state)
   np.testing.assert_array_equal(res.stats.pool_size, [2, 14])
@@ -411,7 +413,7 @@ def test_est_released_defaults_and_single_sample_advantage():
 
 
 def test_est_paper_variant_clips_and_weights():
-  assert AdaConfig(method="est", **adaptive.EST_PAPER).train_rows(10) == 80
+  assert AdaConfig(method="est", **estimate.EST_PAPER).train_rows(10) == 80
   cfg = AdaConfig(
     method="est",
     est_weight="1/sqrt_p",
@@ -421,9 +423,9 @@ def test_est_paper_variant_clips_and_weights():
     est_budget_per_prompt=4,
     inverse_p_weight="1/sqrt_p",
   )
-  state = adaptive.update_est_state(
-    adaptive.init_est_state(),
-    adaptive.prompt_keys(["a", "b", "c"]),
+  state = estimate.update_est_state(
+    estimate.init_est_state(),
+    estimate.prompt_keys(["a", "b", "c"]),
     np.array([40.0, 0, 20]),
     np.array([40.0, 40, 40]),
     1.0,

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from ada_jax.rl import estimate
 from ada_jax.rl import pass_rate_head as head_lib
 from ada_jax.rl import simulate as sim
-from ada_jax.rl.adaptive import AdaConfig, run_step
+from ada_jax.rl.adaptive import AdaConfig
+from ada_jax.testing import rounds_step as run_step
 
 # --- The power objective f(p) = (p^α − 1)/α, f'(p) = p^(α−1) --------------------------
 
@@ -211,7 +212,7 @@ def test_run_step_with_a_head(estimator):
   before = head_lib.params_from_state({}, features.shape[1], cfg)
   after = head_lib.params_from_state(state, features.shape[1], cfg)
   assert not np.array_equal(before["w2"], after["w2"])  # it trained on the step's rewards
-  res2, state2 = run_step(cfg, ids, _draw(rates, rng), rng, state, features=features)
+  res2, state2 = run_step(cfg, ids, _draw(rates, rng), rng, est_state=state, features=features)
   assert res2.stats.pool_size.sum() == 24 and state2["keys"].size == 6
 
 

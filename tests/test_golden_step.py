@@ -79,19 +79,21 @@ def _keys(prefix: tuple[str, ...]) -> list[str]:
 
 
 def test_golden_set_covers_every_method_seed_and_schedule():
-  from ada_jax.rl import adaptive, simulate_stream
+  from ada_jax.rl import controller, rules, simulate_stream
+
+  methods_all = set(rules.RULES)
 
   names = simulate_stream.method_rows()
   methods = {c.method for c in names.values()}
-  assert methods == set(adaptive.METHODS)
+  assert methods == methods_all
   for name in names:
     for seed in record_golden.SEEDS:
-      for schedule in adaptive.SCHEDULES:
+      for schedule in controller.SCHEDULES:
         assert f"stream_sim/{name}/{schedule}/seed{seed}" in GOLDEN["runs"]
       assert f"bernoulli/{name}/rounds/seed{seed}" in GOLDEN["runs"]
-  assert set(adaptive.METHODS) <= set(record_golden.TINY_SEEDS[0])
+  assert methods_all <= set(record_golden.TINY_SEEDS[0])
   for seed, methods in record_golden.TINY_SEEDS.items():
-    for method, schedule in [(m, s) for m in methods for s in adaptive.SCHEDULES]:
+    for method, schedule in [(m, s) for m in methods for s in controller.SCHEDULES]:
       key = f"tiny/{method}/{schedule}/seed{seed}"
       steps = GOLDEN["runs"][key]["steps"]
       assert len(steps) == record_golden.TINY_STEPS
@@ -99,7 +101,7 @@ def test_golden_set_covers_every_method_seed_and_schedule():
   # The set pins decisions, not only zeros: selected groups with signal, under every
   # method, in the simulator and on the model.
   for prefix in ("stream_sim/", "tiny/"):
-    for method in adaptive.METHODS:
+    for method in methods_all:
       steps = [
         s
         for k in _keys((prefix,))

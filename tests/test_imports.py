@@ -20,14 +20,15 @@ LAYERS = (
   ("models", ("ada_jax.models",)),
   ("rewards", ("ada_jax.rewards",)),
   ("data", ("ada_jax.data",)),
+  ("rollout engine", ("ada_jax.rollout",)),
   ("rl", ("ada_jax.rl",)),
-  ("rollout", ("ada_jax.rollout",)),
   ("evaluation core", ("ada_jax.eval.benchmarks", "ada_jax.eval.sampling")),
   (
     "run foundation",
     ("ada_jax.config", "ada_jax.checkpoint", "ada_jax.distributed", "ada_jax.metrics")
     + ("ada_jax.inputs", "ada_jax.testing", "ada_jax.runstate"),
   ),
+  ("the RL step", ("ada_jax.step",)),
   (
     "run drivers",
     ("ada_jax.loop", "ada_jax.eval.evaluation", "ada_jax.eval.policy", "ada_jax.eval.selection")
@@ -163,6 +164,19 @@ def test_imports_only_go_down_the_layers():
   # command line, would be refused.
   planted = {"ada_jax.models.decoder": {"ada_jax.loop"}, "ada_jax.config": {"ada_jax.main"}}
   assert len(_upward({**edges, **planted})) == 2
+
+
+def test_the_rollout_engine_needs_only_the_model():
+  """`rollout/` is self-contained: it imports the model and itself, nothing of the RL
+  algorithm or the run (the step module, above both, joins them)."""
+  top, late = _imports()
+  for module in [m for m in top if m.startswith("ada_jax.rollout")]:
+    outside = {
+      t
+      for t in top[module] | late[module]
+      if not t.startswith(("ada_jax.models", "ada_jax.rollout"))
+    }
+    assert outside == set(), f"{module} imports {sorted(outside)}"
 
 
 def test_every_module_is_at_most_max_lines():

@@ -1,6 +1,8 @@
 """The rollout engine against the full (no-cache) forward, sampling-rule statistics (on the
 rule and through the pool), prompt sharing, compile counts, the mesh and bad input."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -206,8 +208,9 @@ def test_rows_of_one_prompt_share_a_prefill(tiny):
   config, params = tiny
   smp = _greedy(config, max_new_tokens=4, stop_ids=[-1], chunk_rows=4, prompts_per_chunk=1)
   prefills = []
-  real = smp._prefill
-  smp._prefill = lambda *a: prefills.append(1) or real(*a)
+  programs = smp.programs(8)  # PROMPTS' bucket: the engine the pool is handed
+  counted = lambda *a: prefills.append(1) or programs.prefill(*a)
+  smp._fns[8] = dataclasses.replace(programs, prefill=counted)
   out, _ = smp.generate(params, PROMPTS, [0, 0, 1, 1, 2, 3], jax.random.key(0))
   np.testing.assert_array_equal(out["tokens"][0], out["tokens"][1])  # greedy, one prompt
   assert len(prefills) == 4  # one per prompt (one prompt a launch), never one per row

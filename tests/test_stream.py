@@ -1,4 +1,4 @@
-"""The stream schedule's controller: the exit rule shared with `rounds`, the boundary
+"""The controller under the stream schedule: the exit rule shared with `rounds`, the boundary
 contract (decisions on rows finished by the previous boundary), and the step it returns."""
 
 import numpy as np
@@ -8,8 +8,15 @@ from hypothesis import strategies as st
 
 from ada_jax.rl import advantages as adv_lib
 from ada_jax.rl import simulate as sim
-from ada_jax.rl.adaptive import AdaConfig, pool_meets_exit, run_step
-from ada_jax.rl.stream import StreamController
+from ada_jax.rl.adaptive import AdaConfig
+from ada_jax.rl.controller import Controller
+from ada_jax.rl.rules import pool_meets_exit
+from ada_jax.testing import rounds_step as run_step
+
+
+def StreamController(*args, **kwargs):  # noqa: N802 - the controller under `stream`
+  return Controller(*args, schedule="stream", **kwargs)
+
 
 SEQ = [
   AdaConfig(method="pos"),
@@ -44,8 +51,8 @@ def test_exit_rule_by_hand_and_bad_method():
   seed=st.integers(0, 1000),
 )
 def test_rounds_retires_exactly_the_prompts_that_meet_the_exit_rule(cfg, rates, seed):
-  """`rounds` (adaptive.run_step) samples a prompt again after a round iff its pool does
-  not meet `pool_meets_exit`: one rule for both schedules."""
+  """`rounds` (the controller's `drive_rounds`) samples a prompt again after a round iff
+  its pool does not meet `pool_meets_exit`: one rule for both schedules."""
   _, rounds = sim.trace_step(cfg, rates, seed=seed)
   pools = [[] for _ in rates]
   for j, table in enumerate(rounds):
@@ -59,7 +66,7 @@ def test_rounds_retires_exactly_the_prompts_that_meet_the_exit_rule(cfg, rates, 
 
 
 def _run(cfg, rates, seed, finish_prob=0.4, shuffle=False, **kw):
-  """Drives a StreamController with a fake engine: each live row finishes in a segment
+  """Drives the controller under `stream` with a fake engine: each live row finishes in a segment
   with probability `finish_prob`; the k-th row of prompt p has a fixed reward."""
   rng, order_rng = np.random.default_rng(seed), np.random.default_rng(seed + 2)
   table = np.random.default_rng(seed + 1).random((256, 256))

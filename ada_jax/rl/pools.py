@@ -1,22 +1,20 @@
 """One step's response pools and what the sampling controller returns from them.
 
-`Pools` collects each prompt's (reward, handle) pairs over the rounds of a step; `finish`
+`Pools` holds each prompt's graded (reward, row id) pairs at the end of a step; `finish`
 turns the kept responses into advantages (`advantages.group_advantages`) and assembles the
 `StepResult` with its `StepStats` (docs/design.md "Algorithm"). Host-side numpy only; used
-by `ada_jax.rl.adaptive.run_step`.
+by `ada_jax.rl.controller.Controller.result`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from ada_jax.rl import advantages as adv_lib
-
-DrawFn = Callable[[np.ndarray], tuple[np.ndarray, Sequence[Any]]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +85,7 @@ class StepResult:
 
   Attributes:
     prompt_index: int32[S] index of each response's prompt in `prompt_ids`.
-    handles: S opaque response handles, as returned by `draw`.
+    handles: S row ids of the controller (the engine's responses are stored by them).
     rewards: float32[S].
     advantages: float32[S].
     prompt_ids: the step's prompts, followed (dapo) by those `more_prompts` returned.
@@ -103,7 +101,8 @@ class StepResult:
 
 
 class Pools:
-  """Per-prompt pools of (reward, handle) built up over the rounds of one step."""
+  """Per-prompt pools of one step: rewards and handles (row ids) in row-id order, the rows
+  and prompts of each round (`stream`: one entry) and each prompt's first-round size."""
 
   def __init__(self, num_prompts: int):
     self.rewards: list[list[float]] = [[] for _ in range(num_prompts)]
@@ -111,34 +110,6 @@ class Pools:
     self.samples_per_round: list[int] = []
     self.active_per_round: list[int] = []
     self.first_round_size: np.ndarray | None = None
-
-  def grow(self, num_prompts: int):
-    self.rewards += [[] for _ in range(num_prompts - len(self.rewards))]
-    self.handles += [[] for _ in range(num_prompts - len(self.handles))]
-
-  def draw_round(self, draw: DrawFn, rows: np.ndarray):
-    """Makes one `draw` call for `rows` (prompt index per row) and files the results."""
-    rows = np.asarray(rows, np.int64)
-    rewards, handles = draw(rows)
-    rewards = np.asarray(rewards, np.float32)
-    if rewards.shape != rows.shape:
-      raise ValueError(f"draw returned rewards of shape {rewards.shape} for {rows.size} rows")
-    if not np.all(np.isfinite(rewards)):
-      raise ValueError("draw returned a non-finite reward")
-    if len(handles) != rows.size:
-      raise ValueError(f"draw returned {len(handles)} handles for {rows.size} rows")
-    for p, r, h in zip(rows.tolist(), rewards.tolist(), handles, strict=True):
-      self.rewards[p].append(r)
-      self.handles[p].append(h)
-    self.samples_per_round.append(int(rows.size))
-    self.active_per_round.append(int(np.unique(rows).size))
-    if self.first_round_size is None:
-      self.first_round_size = np.asarray([len(r) for r in self.rewards], np.int64)
-
-
-def has_spread(rewards: list[float]) -> bool:
-  # DAPO's filter (as in verl): drop groups whose rewards are all equal (std 0).
-  return len(set(rewards)) > 1
 
 
 def finish(

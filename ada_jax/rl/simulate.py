@@ -2,11 +2,11 @@
 
 Illustrates the paper's argument (arXiv 2510.04996, §3: GRPO's groups carry no signal on
 prompts that are too hard or too easy; adaptive sampling with global normalization is the
-fix) with the REAL controller `ada_jax.rl.adaptive.run_step`, but with a Bernoulli verifier:
-prompt i has a fixed pass rate p_i and each response is correct with probability p_i,
-independently.
-Nothing here is a separate implementation of GRPO, DAPO or Reinforce-Ada: `simulate` only
-feeds `run_step` prompts and Bernoulli rewards and totals its `StepStats`.
+fix) with the REAL controller `ada_jax.rl.controller.run_step` under `rounds`, but with a
+Bernoulli verifier: prompt i has a fixed pass rate p_i and each response is correct with
+probability p_i, independently. Nothing here is a separate implementation of GRPO, DAPO
+or Reinforce-Ada: `simulate` only feeds `run_step` prompts and Bernoulli rewards
+(`controller.DrawEngine`) and totals its `StepStats`.
 
 Learning signal: a prompt has signal when its training group holds a non-zero advantage
 (for 0/1 rewards: its kept group, or for the global baseline its pool, is mixed).
@@ -41,7 +41,9 @@ from typing import Any
 
 import numpy as np
 
-from ada_jax.rl.adaptive import EST_PAPER, AdaConfig, StepResult, run_step
+from ada_jax.rl import controller
+from ada_jax.rl.adaptive import EST_PAPER, AdaConfig
+from ada_jax.rl.pools import StepResult
 
 __all__ = [
   "PASS_RATE_MIX",
@@ -221,12 +223,11 @@ def method_table(
 
 def _bernoulli_draw(
   rates: list[float], rng: np.random.Generator
-) -> Callable[[np.ndarray], tuple[np.ndarray, list[None]]]:
-  """`run_step`'s draw: float32[N] 0/1 rewards, reward i ~ Bernoulli(rates[rows[i]])."""
+) -> Callable[[np.ndarray], np.ndarray]:
+  """`DrawEngine`'s draw: float32[N] 0/1 rewards, reward i ~ Bernoulli(rates[prompts[i]])."""
 
-  def draw(rows: np.ndarray):
-    rewards = (rng.random(rows.size) < np.asarray(rates)[rows]).astype(np.float32)
-    return rewards, [None] * rows.size
+  def draw(prompts: np.ndarray):
+    return (rng.random(prompts.size) < np.asarray(rates)[prompts]).astype(np.float32)
 
   return draw
 
@@ -286,11 +287,11 @@ def simulate(
   """Runs the controller `cfg` on Bernoulli prompts for several epochs; totals its cost.
 
   Each epoch visits the prompts in a fresh random order, B = `batch` prompts per step (a
-  last partial batch is skipped), and calls `adaptive.run_step` with a draw that returns
-  Bernoulli(p) rewards. Est's pass-rate statistics carry over from step to step, keyed by
-  the prompt's index; the first `warmup_epochs` epochs fill them and are not scored (the
-  other methods have no state, so for them warm-up epochs only cost time). DAPO's extra
-  prompts are fresh pass rates drawn from `mix`.
+  last partial batch is skipped), and calls `controller.run_step` (`rounds`) with a draw
+  that returns Bernoulli(p) rewards. Est's pass-rate statistics carry over from step to
+  step, keyed by the prompt's index; the first `warmup_epochs` epochs fill them and are
+  not scored (the other methods have no state, so for them warm-up epochs only cost time).
+  DAPO's extra prompts are fresh pass rates drawn from `mix`.
 
   Args:
     cfg: the controller configuration (e.g. a `method_table` row).
@@ -333,14 +334,15 @@ def simulate(
         rates.extend(sample_pass_rates(extra_rng, k, mix))
         return [f"extra{len(rates) - k + i}" for i in range(k)]
 
-      res, est_state = run_step(
+      res, est_state = controller.run_step(
         cfg,
         [f"p{i}" for i in ids],
-        _bernoulli_draw(rates, rng),
+        controller.DrawEngine(_bernoulli_draw(rates, rng)),
         rng,
         est_state,
         more_prompts=more_prompts,
         features=features[ids],
+        schedule="rounds",
       )
       if epoch < warmup_epochs:
         continue
@@ -396,27 +398,25 @@ def trace_step(
   Returns:
     (the `StepResult`, one float32[B, draws] array per round: prompt i's rewards of that
     round in arrival order, NaN where it drew fewer, e.g. after it exited).
-
-  Raises:
-    ValueError: bad `pass_rates`, or a dapo `cfg`.
+  Raises ValueError on bad `pass_rates` or a dapo `cfg`.
   """
   p = _check_pass_rates(pass_rates)
   if cfg.method == "dapo":
     raise ValueError("cfg: trace_step does not support method='dapo' (no extra prompts)")
-  rng = np.random.default_rng(seed)
+  rng, rounds = np.random.default_rng(seed), []
   draw = _bernoulli_draw(list(p), rng)
-  rounds = []
 
-  def recording_draw(rows: np.ndarray):
-    rewards, handles = draw(rows)
-    per_prompt = [rewards[rows == i] for i in range(p.size)]
+  def recording_draw(prompts: np.ndarray):
+    rewards = draw(prompts)
+    per_prompt = [rewards[prompts == i] for i in range(p.size)]
     table = np.full((p.size, max(len(r) for r in per_prompt)), np.nan, np.float32)
     for i, r in enumerate(per_prompt):
       table[i, : len(r)] = r
     rounds.append(table)
-    return rewards, handles
+    return rewards
 
-  result, _ = run_step(cfg, [f"p{i}" for i in range(p.size)], recording_draw, rng)
+  engine, ids = controller.DrawEngine(recording_draw), [f"p{i}" for i in range(p.size)]
+  result, _ = controller.run_step(cfg, ids, engine, rng, schedule="rounds")
   return result, rounds
 
 

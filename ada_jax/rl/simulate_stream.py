@@ -8,12 +8,11 @@ row's slot taking the next queued row at once (continuous batching). Counts only
 * Lengths: lognormal with median `median_length`, sigma set so that a fraction `at_budget`
   reaches the token budget, truncated at the budget (a truncated response ends there).
   Lengths and rewards are independent.
-* `rounds`: `adaptive.run_step` (the released controller) with a draw that decodes the
-  round's rows on the slot pool to the last row: a round costs its makespan in decode steps.
-* `stream`: `stream.StreamController` on the same slot pool, decoded in segments of
-  `segment` decode steps; rows finished in a segment are decided on one boundary later.
-  A boundary at which nothing was left to decode costs no decode step (the decoder only
-  waits for grades) and is counted as idle.
+* Both schedules run the one controller (`controller.run_step`) on `SimEngine`, the slot
+  pool below. `rounds`: each round's rows are decoded to the last one: a round costs its
+  makespan in decode steps. `stream`: segments of `segment` decode steps; rows finished
+  in a segment are decided on one boundary later. A boundary at which nothing was left to
+  decode costs no decode step (the decoder only waits for grades) and is counted as idle.
 * Common random numbers: the k-th response drawn for prompt i has the same reward and
   length under both schedules, so their difference is measured with little noise.
 
@@ -32,14 +31,14 @@ from typing import Any
 
 import numpy as np
 
-from ada_jax.rl import adaptive, stream
+from ada_jax.rl import controller
 from ada_jax.rl.adaptive import AdaConfig
 from ada_jax.rl.simulate import PASS_RATE_MIX, _check_pass_rates, method_table, sample_pass_rates
-from ada_jax.rl.stream import StreamController
 
 __all__ = [
   "PAPER_WALL_TIME_RATIO",
   "ScheduleResult",
+  "SimEngine",
   "SlotPool",
   "StreamSimConfig",
   "length_sigma",
@@ -51,7 +50,7 @@ __all__ = [
 
 # Paper (arXiv 2510.04996, 1.5B model): wall time per step relative to GRPO.
 PAPER_WALL_TIME_RATIO = {"pos": 2.2, "balance": 2.8}
-SCHEDULES = ("rounds", "stream")
+SCHEDULES = controller.SCHEDULES
 
 
 def length_sigma(median: float, budget: int, at_budget: float) -> float:
@@ -237,65 +236,65 @@ class _Totals:
   capped_tokens: int = 0
 
 
-def _rounds_step(cfg, ids, draws: _Draws, sim, rng, est_state):
-  pool = SlotPool(sim.slots)
-  decode = 0
+class SimEngine:
+  """The controller's `Engine` on a `SlotPool`: a row's reward and length are drawn when
+  it is queued (`_Draws`, the same k-th response of a prompt under both schedules); a
+  decode runs the pool to its end (`rounds`) or one segment (`stream`).
 
-  def draw(rows: np.ndarray):
-    nonlocal decode
-    rewards, lengths = draws.draw(rows)
-    pool.enqueue(np.arange(rows.size), lengths)
-    decode += pool.run(None)[1]  # The round's makespan: its barrier.
-    return rewards, [None] * rows.size
+  Attributes:
+    stats: the step's cost figures (tokens, decode steps, boundaries, ...), filled by
+      `finish`.
+  """
 
-  res, est_state = adaptive.run_step(
-    cfg, ids, draw, rng, est_state, more_prompts=draws.more_prompts
-  )
-  stats = dict(tokens=pool.tokens, decode_steps=decode, boundaries=len(res.stats.samples_per_round))
-  return res, est_state, stats
+  def __init__(self, draws: _Draws, sim: StreamSimConfig):
+    self.draws, self.sim, self.pool = draws, sim, SlotPool(sim.slots)
+    self.reward_of: dict[int, float] = {}
+    self.decode_steps = self.idle = self.updates = self.rows_cancelled = 0
 
+  def enqueue(self, rows, prompts):
+    rewards, lengths = self.draws.draw(prompts)
+    self.reward_of.update(zip(rows.tolist(), rewards.tolist(), strict=True))
+    self.pool.enqueue(rows, lengths)
 
-def _stream_step(cfg, ids, draws: _Draws, sim, rng, est_state):
-  stats: dict[str, int] = {}
+  def update(self, decision):
+    self.updates += 1
+    self.rows_cancelled += decision.cancel.size
+    self.pool.cancel(decision.cancel)
+    self.enqueue(decision.enqueue, decision.enqueue_prompt)
 
-  def drive(ctl: StreamController) -> None:
-    pool = SlotPool(sim.slots)
-    reward_of: dict[int, float] = {}
+  def decode(self, *, to_end):
+    finished, busy = self.pool.run(None if to_end else self.sim.segment)
+    self.decode_steps += busy
+    self.idle += busy == 0
+    return finished
 
-    def enqueue(rows, prompts):
-      rewards, lengths = draws.draw(prompts)
-      reward_of.update(zip(rows.tolist(), rewards.tolist(), strict=True))
-      pool.enqueue(rows, lengths)
+  def submit(self, rows):
+    return [self.reward_of[r] for r in rows]
 
-    enqueue(*ctl.start())
-    decode = idle = 0
-    while not ctl.done:
-      finished, busy = pool.run(sim.segment)
-      decode += busy
-      idle += busy == 0
-      d = ctl.boundary(finished, [reward_of[r] for r in ctl.awaiting_grades.tolist()])
-      pool.cancel(d.cancel)
-      enqueue(d.enqueue, d.enqueue_prompt)
-    stats.update(
-      tokens=pool.tokens,
-      tokens_cancelled=pool.tokens_cancelled,
-      rows_cancelled=ctl.rows_cancelled,
-      decode_steps=decode,
-      boundaries=ctl.boundaries,
-      idle_boundaries=idle,
+  def collect(self, ticket):
+    return ticket
+
+  def stats(self, schedule: str, result) -> dict[str, int]:
+    if schedule == "rounds":  # a round's makespan is its barrier
+      rounds = len(result.stats.samples_per_round)
+      return dict(tokens=self.pool.tokens, decode_steps=self.decode_steps, boundaries=rounds)
+    return dict(
+      tokens=self.pool.tokens,
+      tokens_cancelled=self.pool.tokens_cancelled,
+      rows_cancelled=self.rows_cancelled,
+      decode_steps=self.decode_steps,
+      boundaries=self.updates,
+      idle_boundaries=self.idle,
     )
 
-  res, est_state = stream.run_step(
-    cfg,
-    ids,
-    drive,
-    rng,
-    est_state,
-    draws.more_prompts,
-    window=sim.window,
-    min_pool=sim.min_pool,
+
+def _step(cfg, schedule, ids, draws: _Draws, sim, rng, est_state):
+  engine = SimEngine(draws, sim)
+  options = dict(window=sim.window, min_pool=sim.min_pool) if schedule == "stream" else {}
+  res, est_state = controller.run_step(
+    cfg, ids, engine, rng, est_state, draws.more_prompts, schedule=schedule, **options
   )
-  return res, est_state, stats
+  return res, est_state, engine.stats(schedule, res)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -366,7 +365,6 @@ def simulate_schedule(
   p_all = _check_pass_rates(pass_rates)
   if p_all.size < sim.batch:
     raise ValueError(f"pass_rates: {p_all.size} prompts, fewer than batch={sim.batch}")
-  step_fn = _rounds_step if schedule == "rounds" else _stream_step
   tot, est_state, step = _Totals(), None, 0
   cap = cfg.samples_per_round * cfg.max_rounds
   order_rng = np.random.default_rng([sim.seed, 1])
@@ -376,7 +374,9 @@ def simulate_schedule(
       ids = order[start : start + sim.batch]
       draws = _Draws(p_all[ids], sim, step, mix)
       rng = np.random.default_rng([sim.seed, step, 1])
-      res, est_state, stats = step_fn(cfg, [f"p{i}" for i in ids], draws, sim, rng, est_state)
+      res, est_state, stats = _step(
+        cfg, schedule, [f"p{i}" for i in ids], draws, sim, rng, est_state
+      )
       step += 1
       if epoch < sim.warmup_epochs:
         continue
@@ -386,7 +386,7 @@ def simulate_schedule(
       tot.signal += res.stats.signal_fraction * sim.batch
       for k, v in stats.items():
         setattr(tot, k, getattr(tot, k) + v)
-      if cfg.method in adaptive.SEQ_METHODS:  # Prompts that drew R·M without exiting.
+      if cfg.is_seq:  # Prompts that drew R·M without exiting.
         capped = np.flatnonzero(res.stats.pool_size[: sim.batch] >= cap)
         tot.capped_prompts += capped.size
         tot.capped_tokens += sum(int(draws.length[p][: draws.count[p]].sum()) for p in capped)

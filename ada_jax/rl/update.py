@@ -1,4 +1,5 @@
-"""One RL step's policy update: the RL batch cut into k mini-batches and k optimizer updates
+"""One RL step's policy update: the selected responses laid out as a fixed-shape batch
+(`make_train_batch`), the RL batch cut into k mini-batches and k optimizer updates
 of the jitted train step (`train.make_train_step`), metrics fetched to the host once.
 
 k is `TrainConfig.num_minibatches`, which a run derives as verl does from the mini-batch
@@ -12,7 +13,7 @@ its devices hold: this module is the one place that knows both the cut and those
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -20,10 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.decoder import ModelConfig, Params
+from ada_jax.models.tokenizer import pad_left
 from ada_jax.rl import losses
 from ada_jax.rl import train as train_lib
+from ada_jax.rl.pools import StepResult
 from ada_jax.rl.train import TrainBatch, TrainConfig, TrainState, check_batch_layout
 
 
@@ -132,3 +136,66 @@ def update_policy(
   out["tokens"] = float(np.sum([m["tokens"] for m in history]))
   out["old_logprob_gap"] = float(history[0]["abs_log_ratio"])
   return state, out
+
+
+def make_train_batch(
+  result: StepResult,
+  responses: dict[str, np.ndarray],
+  prompt_tokens: Sequence[np.ndarray],
+  *,
+  rows: int,
+  buckets: Sequence[int],
+  pad_id: int = 0,
+) -> TrainBatch:
+  """Lays the selected responses out as a fixed-shape training batch.
+
+  Row i: its prompt left-padded to the bucket Lp (`tokenizer.pad_left`), then its response
+  (Lr tokens, mask after the stop token); rows beyond the selection are padding with an
+  empty loss mask (they add nothing to a token mean). Old log-probs sit at the response
+  tokens' columns, as `losses.token_logprobs` aligns them.
+
+  Args:
+    result: the controller's selection (handles: row ids, indexing `responses`).
+    responses: the step's response store by row id (`PoolEngine.responses`):
+      `tokens int32[N, Lr]`, `logprobs float32[N, Lr]`, `mask bool[N, Lr]`.
+    prompt_tokens: token ids of the step's prompts (indexed by `result.prompt_index`).
+    rows: the batch's fixed row count (>= number selected).
+    buckets: allowed prompt lengths.
+    pad_id: id written into padding (masked out).
+
+  Returns:
+    A `TrainBatch` of numpy arrays, `[rows, Lp + Lr]`.
+
+  Raises:
+    ValueError: more responses selected than `rows`, or a prompt longer than every bucket.
+  """
+  sel = np.asarray(result.handles, np.int64)
+  if len(sel) > rows:
+    raise ValueError(f"{len(sel)} responses selected for a {rows}-row batch")
+  lr = responses["tokens"].shape[1]
+  selected = [prompt_tokens[p] for p in result.prompt_index]
+  # No selection (dapo without a mixed group) gives an all-padding batch of the smallest
+  # bucket, padded to `rows` below like any short selection.
+  prompt_ids, prompt_mask = pad_left(selected or [[pad_id]], pad_id, buckets=buckets)
+  lp = prompt_ids.shape[1]
+  tokens = np.full((rows, lp + lr), pad_id, np.int32)
+  attention = np.zeros((rows, lp + lr), bool)
+  loss_mask = np.zeros((rows, lp + lr), bool)
+  old = np.zeros((rows, lp + lr), np.float32)
+  adv = np.zeros((rows,), np.float32)
+  n = len(sel)
+  if n:
+    tokens[:n, :lp], attention[:n, :lp] = prompt_ids, prompt_mask
+    tokens[:n, lp:] = responses["tokens"][sel]
+    attention[:n, lp:] = loss_mask[:n, lp:] = responses["mask"][sel]
+    old[:n, lp:] = responses["logprobs"][sel]
+    adv[:n] = result.advantages
+  positions = model_lib.positions_from_mask(attention)
+  return TrainBatch(
+    tokens=tokens,
+    positions=positions,
+    attention_mask=attention,
+    loss_mask=loss_mask,
+    advantages=adv,
+    old_logprobs=old,
+  )

@@ -7,6 +7,11 @@ head, from the same forward pass that fills the cache), `add_rows` of a prefille
 prompt, `cancel` every row of a prompt (its live slots are refilled at the next step),
 `run` one segment, `collect` the rows that finished. A controller can prefill, decide
 row counts from the hidden states, then queue rows, with no extra forward pass.
+
+`advance` is the one admit / run / collect step every caller drives: `drain` loops it to
+the last row (`Sampler.generate`, evaluation, a `rounds` round), a `stream` step calls it
+once per segment (`ada_jax.step.PoolEngine`). `take_counters` is the one account of what
+the decode loop cost.
 """
 
 from __future__ import annotations
@@ -29,27 +34,30 @@ class _Row:
   row_id: int
   entry: int
   position: int
+  draw_id: int  # the id its tokens are drawn with (`pool.row_uniforms`)
 
 
 class RolloutPool:
   """Host driver of one pool (`pool.run_segment`) for prompts of one bucket length.
 
   Args:
-    engine: the `sampler.Sampler` whose compiled functions and sizes it uses (not imported
-      here: `sampler` imports this module).
+    programs: the bucket's jitted programs and sizes (`sampler.PoolPrograms`).
     params: model parameters.
-    key: the rollout key (a row's tokens are `fold_in(fold_in(key, row_id), index)` draws).
-    prompt_len: Lp, the padded prompt length (a prompt bucket).
+    key: the rollout key (a row's tokens are `fold_in(fold_in(key, draw id), index)`
+      draws; the draw id is the row id unless `rekey` says otherwise).
 
   Output positions: a row holds one from `add_rows` until `collect` returns it (or it is
   cancelled); at most S rows are live and Q queued, so S + Q positions never run out.
   """
 
-  def __init__(self, engine: Any, params: Params, key: jax.Array, prompt_len: int):
-    self.engine, self.params, self.key, self.prompt_len = engine, params, key, prompt_len
-    e = engine
-    self.state = e._init(prompt_len)
-    self.prompts = e._empty_prompts(prompt_len)
+  def __init__(self, programs: Any, params: Params, key: jax.Array):
+    self.programs, self.params, self.key = programs, params, key
+    self.prompt_len = programs.prompt_len
+    e = programs
+    self.state = e.init()
+    self.prompts = e.empty_prompts()
+    self.draw_base = 0
+    self._counted: dict[str, float] = {"steps": 0, "kv_read": 0.0, "kv_useful": 0.0}
     self.free_entries = list(range(e.prompt_entries))
     self.free_positions = list(range(e.slots + e.queue_rows))
     self.queued: collections.deque[_Row] = collections.deque()
@@ -62,7 +70,7 @@ class RolloutPool:
   @property
   def room(self) -> int:
     """Rows `add_rows` can take now (queue space and output positions)."""
-    return min(self.engine.queue_rows - len(self.queued), len(self.free_positions))
+    return min(self.programs.queue_rows - len(self.queued), len(self.free_positions))
 
   @property
   def busy(self) -> bool:
@@ -79,7 +87,7 @@ class RolloutPool:
     Raises:
       ValueError: more prompts than free entries, an empty prompt, or one longer than Lp.
     """
-    e = self.engine
+    e = self.programs
     if len(prompts) > len(self.free_entries):
       raise ValueError(f"{len(prompts)} prompts for {len(self.free_entries)} free prompt entries")
     if any(len(p) == 0 for p in prompts):
@@ -95,9 +103,9 @@ class RolloutPool:
       tokens, mask = pad_left(
         chunk + [[e.pad_id]] * (n - len(chunk)), e.pad_id, length=self.prompt_len
       )
-      self.prompts, h = e._prefill(self.params, self.prompts, tokens, mask, where)
+      self.prompts, h = e.prefill(self.params, self.prompts, *e.put((tokens, mask, where)))
       hidden.append(np.asarray(h)[: len(chunk)])
-    d = self.engine.config.embed_dim
+    d = self.programs.embed_dim
     return entries, np.concatenate(hidden) if hidden else np.zeros((0, d), np.float32)
 
   def add_rows(self, entry: int, row_ids: Sequence[int]) -> list[int]:
@@ -106,11 +114,13 @@ class RolloutPool:
     Raises:
       ValueError: the entry holds no prompt, or more rows than `room`.
     """
-    if entry in self.free_entries or not 0 <= entry < self.engine.prompt_entries:
+    if entry in self.free_entries or not 0 <= entry < self.programs.prompt_entries:
       raise ValueError(f"prompt entry {entry} holds no prefilled prompt")
     if len(row_ids) > self.room:
       raise ValueError(f"{len(row_ids)} rows exceed the pool's room ({self.room})")
-    rows = [_Row(int(r), entry, self.free_positions.pop(0)) for r in row_ids]
+    rows = [
+      _Row(int(r), entry, self.free_positions.pop(0), int(r) - self.draw_base) for r in row_ids
+    ]
     self.queued.extend(rows)
     self.refs[entry] += len(rows)
     self.released.discard(entry)
@@ -184,6 +194,10 @@ class RolloutPool:
       entry_of: prompt index -> its entry, for prompts prefilled and not yet freed
         (updated here; `release_idle` drops the freed ones).
     """
+    front = [int(row_prompt[r]) for r in list(pending)[: self.room]]
+    missing = {p for p in front if p not in entry_of}
+    if len(missing) > len(self.free_entries):  # the cache is kept until an entry is needed
+      self.release_idle(entry_of, keep=set(front))
     take, new = [], []
     free = len(self.free_entries)
     while pending and len(take) < self.room:
@@ -208,31 +222,33 @@ class RolloutPool:
     if run_rows:
       self.add_rows(run_entry, run_rows)
 
-  def release_idle(self, entry_of: dict[int, int]) -> None:
+  def release_idle(self, entry_of: dict[int, int], keep: set[int] = frozenset()) -> None:
     """Frees the entries of `entry_of` that no queued row needs (their rows have all
-    started: a slot copies its prompt's columns when it starts) and drops them from it; a
-    prompt that gets rows later is prefilled again."""
-    for entry in [e for e in entry_of.values() if self.refs[e] <= 0]:
-      self.release(entry)
+    started: a slot copies its prompt's columns when it starts), except those of the
+    prompts in `keep`, and drops them from it; a prompt that gets rows later is prefilled
+    again."""
+    for p, entry in list(entry_of.items()):
+      if self.refs[entry] <= 0 and p not in keep:
+        self.release(entry)
     for p in [p for p, e in entry_of.items() if e in self.free_entries]:
       del entry_of[p]
 
   def run(self, more: bool = False) -> None:
     """One segment: at most `segment_steps` decode steps; returns early when every row is
     done or, with `more` (the caller has further rows to add), once the queue is drained."""
-    e = self.engine
+    e = self.programs
     q = e.queue_rows
     sent = list(self.queued)[:q]
     arr = lambda f: np.array([f(r) for r in sent] + [0] * (q - len(sent)), np.int32)
     queue = pool_lib.Queue(
       prompt=arr(lambda r: r.entry),
       position=arr(lambda r: r.position),
-      row_id=arr(lambda r: r.row_id),
+      row_id=arr(lambda r: r.draw_id),
       count=np.int32(len(sent)),
       more=np.bool_(more or len(self.queued) > q),
       cancel=self.cancel_mask,
     )
-    self.state, head = e._run(self.params, self.state, self.prompts, queue, self.key)
+    self.state, head = e.run(self.params, self.state, self.prompts, e.put(queue), self.key)
     self.cancel_mask = np.zeros_like(self.cancel_mask)
     self.segments += 1
     for _ in range(int(head)):
@@ -274,3 +290,55 @@ class RolloutPool:
       "kv_read": float(s.kv_read),
       "kv_useful": float(s.kv_useful),
     }
+
+  def take_counters(self) -> dict[str, float]:
+    """What the decode loop cost since the last call (or the pool's start): decode `steps`,
+    `slot_steps` (slots × steps), `rows_computed` (slot-steps ÷ the budget Lr, rounded up:
+    a row that holds a slot for the whole budget counts 1), `kv_read` and `kv_useful`
+    cache columns. A `rounds` step takes them once per round, a `stream` step once."""
+    now = self.counters()
+    delta = {k: now[k] - self._counted[k] for k in self._counted}
+    self._counted = {k: now[k] for k in self._counted}
+    slot_steps = int(delta["steps"]) * self.programs.slots
+    return {
+      "steps": int(delta["steps"]),
+      "slot_steps": slot_steps,
+      "rows_computed": -(-slot_steps // self.programs.max_new_tokens),
+      "kv_read": delta["kv_read"],
+      "kv_useful": delta["kv_useful"],
+    }
+
+  def rekey(self, key: jax.Array, base: int) -> None:
+    """Rows added from now on draw their tokens from `key` with draw ids `row id − base`
+    (a `rounds` round keys its rows apart, numbered from 0 as `Sampler.generate` numbers
+    a call's rows). Raises RuntimeError while rows are queued or live."""
+    if self.busy:
+      raise RuntimeError("RolloutPool.rekey: rows are still queued or decoding")
+    self.key, self.draw_base = self.programs.put(key), base
+
+  def advance(
+    self,
+    prompts: Sequence[Sequence[int]],
+    row_prompt: Sequence[int] | dict[int, int],
+    pending: collections.deque,
+    entry_of: dict[int, int],
+  ) -> list[tuple[int, np.ndarray, np.ndarray, int]]:
+    """One admit / run / collect step: queues rows from `pending` (`admit`), decodes one
+    segment (returning early once the queue drains while `pending` has more) and returns
+    the rows that finished (`collect`)."""
+    self.admit(prompts, row_prompt, pending, entry_of)
+    self.run(more=bool(pending))
+    return self.collect()
+
+  def drain(
+    self,
+    prompts: Sequence[Sequence[int]],
+    row_prompt: Sequence[int] | dict[int, int],
+    pending: collections.deque,
+    entry_of: dict[int, int],
+  ) -> list[tuple[int, np.ndarray, np.ndarray, int]]:
+    """`advance` until every row of `pending` has finished; returns them all."""
+    finished = []
+    while pending or self.busy:
+      finished += self.advance(prompts, row_prompt, pending, entry_of)
+    return finished

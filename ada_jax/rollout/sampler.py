@@ -65,7 +65,8 @@ class SampleStats:
 
 @dataclasses.dataclass(frozen=True)
 class PoolPrograms:
-  """The jitted pool functions of one prompt bucket (`Sampler.programs`).
+  """One prompt bucket's rollout engine: its jitted pool functions and the sizes they were
+  built for (`Sampler.programs`), all a `queue.RolloutPool` needs.
 
   Attributes:
     init: `() -> pool.PoolState`, an empty pool (`pool.init_pool`).
@@ -74,12 +75,43 @@ class PoolPrograms:
       (`pool.prefill_prompts`; the prompt cache is donated).
     run: `(params, state, prompts, queue, key) -> (state, started)` (`pool.run_segment`;
       the state is donated).
+    prompt_len: Lp, the bucket (tokens).
+    slots: S, rows decoding at once.
+    queue_rows: Q, rows queued per segment.
+    prompt_entries: P, prompts the prompt cache holds.
+    prompts_per_chunk: prompts per prefill launch.
+    max_new_tokens: Lr, the response budget (tokens).
+    pad_id: the padding token.
+    embed_dim: the model's hidden size (of the prefill's hidden states).
+    mesh: the mesh the programs run on, or None.
   """
 
   init: Any
   empty_prompts: Any
   prefill: Any
   run: Any
+  prompt_len: int
+  slots: int
+  queue_rows: int
+  prompt_entries: int
+  prompts_per_chunk: int
+  max_new_tokens: int
+  pad_id: int
+  embed_dim: int
+  mesh: jax.sharding.Mesh | None = None
+
+  def put(self, host):
+    """Host inputs of a program (numpy arrays, the key), put explicitly where it reads them
+    (replicated over the mesh): the tests run the step paths under
+    `jax_transfer_guard='disallow'`, so an implicit transfer in the decode loop fails a test
+    instead of costing a TPU run. Over several processes they are passed as they are (jit
+    takes a host value as the same global value on every process; `device_put` to a
+    sharding with other processes' devices would all-gather each value to compare it)."""
+    if self.mesh is None:
+      return jax.device_put(host)
+    if self.mesh.devices.size != len(self.mesh.local_devices):
+      return host
+    return jax.device_put(host, NamedSharding(self.mesh, PartitionSpec()))
 
 
 def check_context_length(
@@ -310,35 +342,22 @@ class Sampler:
       ),
       donate_argnums=(1,),
     )
-    self._fns[prompt_len] = PoolPrograms(init, empty, prefill, run)
+    self._fns[prompt_len] = PoolPrograms(
+      init,
+      empty,
+      prefill,
+      run,
+      prompt_len=prompt_len,
+      slots=self.slots,
+      queue_rows=self.queue_rows,
+      prompt_entries=self.prompt_entries,
+      prompts_per_chunk=self.prompts_per_chunk,
+      max_new_tokens=self.max_new_tokens,
+      pad_id=self.pad_id,
+      embed_dim=cfg.embed_dim,
+      mesh=mesh,
+    )
     return self._fns[prompt_len]
-
-  def _init(self, prompt_len):
-    return self.programs(prompt_len).init()
-
-  def _empty_prompts(self, prompt_len):
-    return self.programs(prompt_len).empty_prompts()
-
-  def _put(self, host):
-    """Host inputs of a program (numpy arrays, the key), put explicitly where it reads them
-    (replicated over the mesh): the tests run the step paths under
-    `jax_transfer_guard='disallow'`, so an implicit transfer in the decode loop fails a test
-    instead of costing a TPU run. Over several processes they are passed as they are (jit
-    takes a host value as the same global value on every process; `device_put` to a
-    sharding with other processes' devices would all-gather each value to compare it)."""
-    if self.mesh is None:
-      return jax.device_put(host)
-    if self.mesh.devices.size != len(self.mesh.local_devices):
-      return host
-    return jax.device_put(host, NamedSharding(self.mesh, PartitionSpec()))
-
-  def _prefill(self, params, prompts, tokens, mask, entries):
-    tokens, mask, entries = self._put((tokens, mask, entries))
-    return self.programs(tokens.shape[1]).prefill(params, prompts, tokens, mask, entries)
-
-  def _run(self, params, state, prompts, queue, key):
-    queue = self._put(queue)
-    return self.programs(prompts.mask.shape[1]).run(params, state, prompts, queue, key)
 
   def pool(self, params: Params, key: jax.Array, prompt_len: int) -> RolloutPool:
     """An empty `RolloutPool` for prompts padded to `prompt_len` (a prompt bucket)."""
@@ -346,7 +365,8 @@ class Sampler:
       raise ValueError(
         f"prompt_len ({prompt_len}) is not one of prompt_buckets {self.prompt_buckets}"
       )
-    return RolloutPool(self, params, self._put(key), prompt_len)
+    programs = self.programs(prompt_len)
+    return RolloutPool(programs, params, programs.put(key))
 
   def generate(
     self,
@@ -392,20 +412,13 @@ class Sampler:
       return out, stats
     lp = bucket_length(max(len(prompts[p]) for p in set(row_prompt.tolist())), self.prompt_buckets)
     pool = self.pool(params, rng, lp)
-    pending = collections.deque(range(r))
-    entry_of: dict[int, int] = {}
-    while True:
-      pool.admit(prompts, row_prompt, pending, entry_of)
-      pool.run(more=bool(pending))
-      pool.release_idle(entry_of)
-      for row, tokens, logprobs, n in pool.collect():
-        out["tokens"][row], out["logprobs"][row], out["lengths"][row] = tokens, logprobs, n
-      if not pending and not pool.busy:
-        break
+    for row, tokens, logprobs, n in pool.drain(
+      prompts, row_prompt, collections.deque(range(r)), {}
+    ):
+      out["tokens"][row], out["logprobs"][row], out["lengths"][row] = tokens, logprobs, n
     out["mask"] = np.arange(lr) < out["lengths"][:, None]
-    c = pool.counters()
-    stats.slot_steps = self.slots * c["steps"]
-    stats.rows_computed = -(-stats.slot_steps // lr)
+    c = pool.take_counters()
+    stats.slot_steps, stats.rows_computed = c["slot_steps"], c["rows_computed"]
     stats.kv_read, stats.kv_useful = c["kv_read"], c["kv_useful"]
     stats.chunks = pool.segments
     stats.tokens = int(out["lengths"].sum())

@@ -1,6 +1,7 @@
-"""The `stream` schedule on the slot pool (`rollout.draw.StreamRollouts` driving
-`rl.stream.run_step`): the tokens are the seeds' own, the decisions do not depend on the
-grader's speed, exited prompts' rows are cancelled, and every method runs through it."""
+"""The controller on the slot pool (`step.PoolEngine` under `rl.controller.run_step`): the
+tokens are the seeds' own, `stream`'s decisions do not depend on the grader's speed,
+exited prompts' rows are cancelled, every method runs through it, and a fixed-quota step
+is the same under both schedules."""
 
 import contextlib
 import threading
@@ -10,12 +11,11 @@ import jax
 import numpy as np
 import pytest
 
-from ada_jax import distributed
+from ada_jax import distributed, step
 from ada_jax.data.prompts import PromptSet
 from ada_jax.models import decoder as model_lib
-from ada_jax.rl import adaptive, stream
+from ada_jax.rl import controller
 from ada_jax.rl.adaptive import AdaConfig
-from ada_jax.rollout import draw as draw_lib
 from ada_jax.rollout import sampler as sampler_lib
 
 STOPS = tuple(range(3, 512, 16))  # ~6% of the vocabulary: lengths vary row to row
@@ -80,21 +80,30 @@ def tiny():
   return config, params, smp
 
 
+def _step(tiny, config, prompts, key, grader, schedule):
+  """(result, est state, engine) of one step of `config` under `schedule`."""
+  _, params, smp = tiny
+  engine = step.PoolEngine(smp, params, _Tokens(), grader, prompts, key, prompt_len=8)
+  result, est = controller.run_step(
+    config,
+    prompts.ids,
+    engine,
+    np.random.default_rng(0),
+    more_prompts=prompts.more_prompts,
+    schedule=schedule,
+  )
+  engine.finish()
+  return result, est, engine
+
+
 def _run(tiny, config: AdaConfig, grader=None, batch=6, seed=0, num=24, guard=None):
   """One stream step; under `guard()` (the `no_implicit_transfers` fixture) if given."""
-  _, params, smp = tiny
   ps = _prompt_set(num)
-  batches = iter(np.arange(num).reshape(-1, batch))
-  prompts = draw_lib.StepPrompts(ps, batches, batch)
+  prompts = step.StepPrompts(ps, iter(np.arange(num).reshape(-1, batch)), batch)
   key = jax.random.key(seed)
   with guard() if guard else contextlib.nullcontext():
-    drive = draw_lib.StreamRollouts(
-      smp, params, _Tokens(), grader or _Grader(), prompts, key, prompt_len=8
-    )
-    result, _ = stream.run_step(
-      config, prompts.ids, drive, np.random.default_rng(0), more_prompts=prompts.more_prompts
-    )
-  return result, drive, prompts
+    result, _, engine = _step(tiny, config, prompts, key, grader or _Grader(), "stream")
+  return result, engine, prompts
 
 
 def test_fixed_quota_rows_are_the_tokens_generate_draws(tiny):
@@ -102,7 +111,7 @@ def test_fixed_quota_rows_are_the_tokens_generate_draws(tiny):
   _, params, smp = tiny
   result, drive, prompts = _run(tiny, AdaConfig(method="grpo", n=4))
   out = drive.responses()
-  key = jax.random.fold_in(jax.random.key(0), 0)  # `Rollouts`' first call
+  key = jax.random.fold_in(jax.random.key(0), 0)  # the pool's key: round 0's
   ref, _ = smp.generate(params, prompts.tokens, np.repeat(np.arange(6), 4), key)
   for k in ("tokens", "logprobs", "lengths"):
     np.testing.assert_array_equal(out[k], ref[k], err_msg=k)
@@ -138,7 +147,8 @@ def test_graded_rows_are_the_seeds_tokens_whatever_was_cancelled(tiny, no_implic
   graded = out["lengths"] > 0
   assert drive.counters.tokens_cancelled > 0 and (~graded).any()
   key = jax.random.fold_in(jax.random.key(0), 0)
-  ref, _ = smp.generate(params, prompts.tokens, drive.row_prompt, key)
+  row_prompt = [drive.row_prompt[r] for r in range(len(drive.row_prompt))]
+  ref, _ = smp.generate(params, prompts.tokens, row_prompt, key)
   np.testing.assert_array_equal(out["tokens"][graded], ref["tokens"][graded])
   np.testing.assert_array_equal(out["lengths"][graded], ref["lengths"][graded])
   # Each prompt's pool holds n..M rows, all positive: advantages 0, pools from the front.
@@ -168,20 +178,13 @@ def test_est_quota_is_its_budget(tiny):
 )
 def test_fixed_quotas_give_the_rounds_step_exactly(tiny, config, no_implicit_transfers):
   # One pass of fixed quotas: `stream` only overlaps grading, so the step is `rounds`' own.
-  _, params, smp = tiny
   ps = _prompt_set(6)
   steps = {}
   for schedule in ("rounds", "stream"):
-    prompts = draw_lib.StepPrompts(ps, iter([np.arange(6)]), 6)
+    prompts = step.StepPrompts(ps, iter([np.arange(6)]), 6)
     key = jax.random.key(3)
     with no_implicit_transfers():
-      if schedule == "rounds":
-        grader = _Grader()
-        drive = draw_lib.Rollouts(smp, params, _Tokens(), grader_score(grader), prompts, key)
-        result, est = adaptive.run_step(config, prompts.ids, drive, np.random.default_rng(0))
-      else:
-        drive = draw_lib.StreamRollouts(smp, params, _Tokens(), _Grader(), prompts, key, 8)
-        result, est = stream.run_step(config, prompts.ids, drive, np.random.default_rng(0))
+      result, est, drive = _step(tiny, config, prompts, key, _Grader(), schedule)
     out = drive.responses()
     steps[schedule] = (result, est, out["tokens"][np.asarray(result.handles)], drive.counters)
   (a, est_a, tok_a, ca), (b, est_b, tok_b, cb) = steps["rounds"], steps["stream"]
@@ -192,7 +195,3 @@ def test_fixed_quotas_give_the_rounds_step_exactly(tiny, config, no_implicit_tra
   assert ca.tokens == cb.tokens and ca.decode_steps == cb.decode_steps
   if est_a is not None:
     assert distributed.fingerprint(est_a) == distributed.fingerprint(est_b)
-
-
-def grader_score(grader):
-  return lambda texts, answers: grader.collect(grader.submit(texts, answers))

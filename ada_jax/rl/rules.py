@@ -1,0 +1,275 @@
+"""The sampling methods as rules: one entry of `RULES` per method (docs/design.md "Adding a
+sampling method").
+
+A rule answers the questions the one controller (`controller.Controller`) asks about a
+prompt, the same under both schedules:
+
+* `first_rows`: how many rows a prompt gets before anything about it is known;
+* `decide`: given its graded pool, does it retire now, or how many more rows does it get;
+* `after_boundary`: the step-level move once every prompt has been decided on (DAPO asks
+  for extra prompts, or stops the search);
+* `select`: which responses of each pool are trained on, in which batch order;
+* `plan` / `fold`: before the step (per-prompt quotas: Est's budget split) and after it
+  (the outcomes folded into Est's statistics).
+
+The pure maths stays in its modules: the exit rule (`pool_meets_exit`), selection
+(`advantages.select_group`), the batch order (`batch_order`) and Est's estimates and split
+(`estimate`). Host-side numpy; every decision is a function of the rewards and the row
+order alone, never of timing, so every process of a multi-host run decides the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ada_jax.rl import advantages as adv_lib
+from ada_jax.rl import estimate
+
+Thresholds = Callable[[int], tuple[int, int]]
+
+
+def thresholds(config) -> tuple[int, int]:
+  """(k_pos, k_neg) of a config: its fields, or where None its Seq rule's defaults as
+  functions of n (`Seq.exit_thresholds`; `balance`'s for a method without them)."""
+  rule = RULES.get(config.method)
+  default = (rule if isinstance(rule, Seq) else RULES["balance"]).exit_thresholds(config.n)
+  k_pos = default[0] if config.k_pos is None else config.k_pos
+  k_neg = default[1] if config.k_neg is None else config.k_neg
+  return k_pos, k_neg
+
+
+def pool_meets_exit(
+  rewards: Sequence[float] | np.ndarray, config, min_pool: int | None = None
+) -> bool:
+  """The Reinforce-Ada-Seq exit rule on one prompt's pool of graded responses.
+
+  True when the pool holds >= `min_pool` responses, >= k_pos positives and >= k_neg
+  negatives (positive: reward > `positive_threshold`). Under `rounds` the pool is checked
+  at the end of each round and the size condition always holds when the others do
+  (`AdaConfig` requires max(M, k_pos + k_neg) >= n), so this is the released rule there;
+  under `stream` it keeps a prompt from exiting on fewer than n responses.
+  Reference: paper §3 (successive elimination); released `pos` k = (1, 0), `balance`
+  (n/2, n/2).
+
+  Args:
+    rewards: float[P] rewards of the prompt's graded responses (any order).
+    config: an `AdaConfig` of a Seq method (its thresholds, n and positive_threshold).
+    min_pool: the fewest responses an exiting pool holds; None: n.
+
+  Raises:
+    ValueError: `config.method` has no exit rule.
+  """
+  if not isinstance(RULES.get(config.method), Seq):
+    seq = [m for m, r in RULES.items() if isinstance(r, Seq)]
+    raise ValueError(f"config.method={config.method!r}: the exit rule is for {seq}")
+  r = np.asarray(rewards, np.float64)
+  k_pos, k_neg = thresholds(config)
+  n_pos = int(np.count_nonzero(r > config.positive_threshold))
+  return (
+    r.size >= (config.n if min_pool is None else min_pool)
+    and n_pos >= k_pos
+    and r.size - n_pos >= k_neg
+  )
+
+
+def batch_order(config, exit_round: Sequence[int | None]) -> list[int]:
+  """The order of a Seq step's B groups in the training batch (`AdaConfig.batch_order`).
+
+  Args:
+    config: a pos or balance config.
+    exit_round: per prompt, the round (or stream boundary) at whose end it exited; None
+      for a prompt that never met the exit rule.
+
+  Returns:
+    Prompt indices: 'exit' sorts by exit round, never-exited last, ties in prompt order
+    (released verl's `selected_pool_batches`, then a contiguous `data.split`); 'prompt'
+    is 0..B-1. Example: exit rounds [None, 2, 1, 1] give [2, 3, 1, 0] under 'exit'.
+  """
+  b = len(exit_round)
+  if config.batch_order == "prompt":
+    return list(range(b))
+  last = max([r for r in exit_round if r is not None], default=0) + 1
+  return sorted(range(b), key=lambda p: (last if exit_round[p] is None else exit_round[p], p))
+
+
+def select_responses(config, pool: Sequence[float], rng: np.random.Generator) -> np.ndarray:
+  """The n training responses of a prompt's pool (`advantages.select_group`: half
+  positives, half negatives, the rest filled), in pool order; `rng` is used only by
+  `selection='random'`. Returns int64[n] indices into `pool`."""
+  return adv_lib.select_group(
+    np.asarray(pool),
+    config.n,
+    config.positive_threshold,
+    rng if config.selection == "random" else None,
+  )
+
+
+class Rule:
+  """A fixed quota per prompt, retired once all its rows are graded, every row trained on
+  with its group's statistics: GRPO (quota n). The base of the other rules.
+
+  `ctl` below is the `controller.Controller` asking: a rule reads its pools
+  (`ctl.graded[p]`: row id -> reward), its counts (`ctl.pending(p)`, `ctl.issued(p)`) and
+  config, and adds rows with `ctl.new_rows(p, k, new)`.
+  """
+
+  def train_rows(self, config, num_prompts: int) -> int:
+    """Rows a step trains on at most (the training batch's fixed size): B·n."""
+    return num_prompts * config.n
+
+  def min_rows(self, config) -> int:
+    """The fewest rows issued to a prompt at once (sizes the sampler's prompt chunks)."""
+    return config.n
+
+  def plan(self, config, prompt_ids, est_state, features) -> tuple[np.ndarray | None, Any]:
+    """(int64[B] rows per prompt or None for n each, what `fold` needs)."""
+    return None, None
+
+  def first_rows(self, ctl, p: int) -> int:
+    """Rows prompt p gets before anything about it is known."""
+    return ctl.config.n
+
+  def decide(self, ctl, p: int, new: list) -> bool:
+    """Whether prompt p (with new grades) retires now; may queue rows into `new`."""
+    return ctl.pending(p) == 0
+
+  def after_boundary(self, ctl, new: list) -> list[int]:
+    """Prompts retired by the step as a whole (beyond `decide`'s); may queue rows."""
+    return []
+
+  def select(self, ctl, pools, rng) -> tuple[dict[int, np.ndarray], list[int] | None]:
+    """(prompt -> indices into its pool kept, the prompts' batch order or None: ascending)."""
+    return {p: np.arange(len(pools.rewards[p])) for p in range(ctl.b)}, None
+
+  def fold(self, config, prompt_ids, est_state, features, plan, result):
+    """(the step's result, est_state after the step)."""
+    return result, est_state
+
+
+@dataclasses.dataclass(frozen=True)
+class Seq(Rule):
+  """Reinforce-Ada-Seq (paper §3): a window of rows per active prompt; a prompt retires at
+  the first boundary whose graded pool meets the exit rule (`pool_meets_exit`), or with R·M
+  rows drawn; n kept by half-then-fill, advantages from the whole pool.
+
+  Attributes:
+    exit_thresholds: n -> (k_pos, k_neg) when the config leaves them None.
+  """
+
+  exit_thresholds: Thresholds = lambda n: (n // 2, n - n // 2)
+
+  def min_rows(self, config):
+    return config.samples_per_round
+
+  def first_rows(self, ctl, p):
+    cfg = ctl.config
+    return min(ctl.window, cfg.samples_per_round * cfg.max_rounds)
+
+  def decide(self, ctl, p, new):
+    cfg = ctl.config
+    graded = [ctl.graded[p][r] for r in sorted(ctl.graded[p])]
+    if pool_meets_exit(graded, cfg, ctl.min_pool):
+      ctl.exit_boundary[p] = ctl.boundaries
+      return True
+    pending = ctl.pending(p)
+    room = cfg.samples_per_round * cfg.max_rounds - ctl.issued(p)
+    if room == 0 and pending == 0:
+      return True  # R·M responses and no exit: trained on as it is (zero advantage if uniform)
+    ctl.new_rows(p, max(0, min(ctl.window - pending, room)), new)
+    return False
+
+  def select(self, ctl, pools, rng):
+    kept = {p: select_responses(ctl.config, pools.rewards[p], rng) for p in range(ctl.b)}
+    return kept, batch_order(ctl.config, ctl.exit_boundary[: ctl.b])
+
+
+class Dapo(Rule):
+  """DAPO dynamic sampling: n per prompt; a group with uniform rewards is filtered out and
+  extra prompts are drawn until B groups are mixed or the cap on extra prompts is reached;
+  the first B mixed groups are trained on (as in verl, surplus ones are dropped).
+
+  Extra prompts: under `rounds`, a pass of `dapo_prompts_per_pass` (None: B) prompts once a
+  pass is graded, at most `dapo_max_extra_passes` passes (verl's generation batches); under
+  `stream`, as soon as groups are found uniform, as many as the mixed rate seen so far says
+  are needed (floored at 1/8, so a run of uniform groups cannot ask for an unbounded
+  number), within the same total.
+  """
+
+  def decide(self, ctl, p, new):
+    if ctl.pending(p):
+      return False
+    ctl.groups_done += 1
+    if len(set(ctl.graded[p].values())) > 1:  # DAPO's filter: std > 0
+      ctl.mixed.append(p)
+    return True
+
+  def after_boundary(self, ctl, new):
+    if len(ctl.mixed) >= ctl.b:
+      return [p for p in range(len(ctl.active)) if ctl.active[p]]
+    if ctl.more_prompts is None or not ctl.groups_done:
+      return []
+    cfg = ctl.config
+    per_pass = cfg.dapo_prompts_per_pass or ctl.b
+    extra = len(ctl.active) - ctl.b
+    if ctl.schedule == "rounds":
+      k = per_pass if extra < cfg.dapo_max_extra_passes * per_pass else 0
+    else:
+      rate = max(len(ctl.mixed) / ctl.groups_done, 0.125)
+      target = int(np.ceil((ctl.b - len(ctl.mixed)) / rate))
+      k = min(target - sum(ctl.active), cfg.dapo_max_extra_passes * per_pass - extra)
+    if k > 0:
+      for pid in list(ctl.more_prompts(k))[:k]:
+        ctl.new_rows(ctl.add_prompt(pid), cfg.n, new)
+    return []
+
+  def select(self, ctl, pools, rng):
+    return {p: np.arange(ctl.config.n) for p in ctl.mixed[: ctl.b]}, None
+
+
+class Est(Rule):
+  """Reinforce-Ada-Est (paper §3.3, `estimate`): per-prompt quotas from the pass-rate
+  estimates and the K·B budget split before the step, every row trained on, the outcomes
+  folded into the statistics after it."""
+
+  def first_rows(self, ctl, p):
+    return ctl.quota[p]
+
+  def train_rows(self, config, num_prompts):
+    # Est draws exactly its budget and trains on all of it, so its batch has a fixed size.
+    return int(round(config.est_budget_per_prompt * num_prompts))
+
+  def min_rows(self, config):
+    return config.est_n_min
+
+  def plan(self, config, prompt_ids, est_state, features):
+    state = estimate.init_est_state() if est_state is None else est_state
+    keys = estimate.prompt_keys(prompt_ids)
+    counts, p_head, metrics = estimate.plan_budget(
+      config, state, keys, config.train_rows(len(prompt_ids)), features
+    )
+    return counts, (state, keys, counts, p_head, metrics)
+
+  def fold(self, config, prompt_ids, est_state, features, plan, result):
+    state, keys, counts, p_head, metrics = plan
+    positive = result.rewards > config.positive_threshold
+    n_pos = np.bincount(result.prompt_index, weights=positive, minlength=len(prompt_ids))
+    new_state, fold = estimate.fold_step(
+      config, state, keys, n_pos.astype(np.float64), counts.astype(np.float64), features, p_head
+    )
+    stats = dataclasses.replace(result.stats, est_metrics={**metrics, **fold})
+    return dataclasses.replace(result, stats=stats), new_state
+
+
+# The sampling methods, by `AdaConfig.method`. A new method is an entry here (a rule
+# above or a subclass) plus its config fields: docs/design.md "Adding a sampling method".
+RULES: dict[str, Rule] = {
+  "grpo": Rule(),
+  "dapo": Dapo(),
+  "pos": Seq(lambda n: (1, 0)),  # one positive suffices
+  "balance": Seq(),  # half positives, half negatives
+  "est": Est(),
+}
