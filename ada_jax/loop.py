@@ -1,18 +1,13 @@
-"""The one stateful loop: prompts -> adaptive rollouts -> policy update -> log -> checkpoint.
+"""The run: set-up, the loop over RL steps, evaluations, checkpoints.
 
-Per RL step (docs/design.md, "One RL step"): the prompt iterator yields B prompts; under
-`ada.schedule = 'rounds'` `adaptive.run_step` asks for responses round by round through
-`draw` (`rollout.draw.Rollouts`), which decodes each round on the slot-pool sampler and grades it
-with the verifier pool; under 'stream' `stream.run_step` runs its controller on one slot
-pool (`rollout.draw.StreamRollouts`), grading each segment's rows while the next decodes; the
-selected responses and their advantages become a
-fixed-shape training batch (`rollout.draw.make_train_batch`); `rl.update.update_policy` runs k
-mini-batch updates; metrics go to JSONL/TensorBoard/console; the whole run state is
-checkpointed every `ckpt.every_steps` steps, at the end, and on SIGTERM or Ctrl-C (the
-summary then names the signal, `stopped_by`, and has no `after_rl`). Outside the RL loop
-(set-up, warm start, held-out evaluations) SIGTERM and Ctrl-C stop at once
-(`runstate.Stopped`); a non-finite step stops the run before it is saved
-(`runstate.check_step`); the workdir is held by one run (`runstate.hold_workdir`).
+Per RL step `step.rl_step` runs prompts -> the one controller's rollouts -> training batch
+-> policy update (docs/design.md, "One RL step"); here the step's metrics go to
+JSONL/TensorBoard/console and the whole run state is checkpointed every
+`ckpt.every_steps` steps, at the end, and on SIGTERM or Ctrl-C (the summary then names
+the signal, `stopped_by`, and has no `after_rl`). Outside the RL loop (set-up, warm start,
+held-out evaluations) SIGTERM and Ctrl-C stop at once (`runstate.Stopped`); a non-finite
+step stops the run before it is saved (`runstate.check_step`); the workdir is held by one
+run (`runstate.hold_workdir`).
 
 Determinism: the rollout key of step s is `fold_in(rollout_key, s)`; the root key it comes
 from, the host Generator, the prompt position and the Est statistics are checkpointed and

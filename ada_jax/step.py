@@ -175,18 +175,9 @@ class PoolEngine:
 
   def features(self) -> np.ndarray:
     """float32[B, D] the step's prompts' final-normed hidden states at their last token,
-    from the prefill that fills the pool's prompt cache (Est's learned head reads them):
-    the prompts stay cached for their rows, as many as the cache holds."""
-    tokens, hidden = self.prompts.tokens, []
-    todo = list(range(len(tokens)))
-    while todo:
-      if not self.pool.free_entries:
-        self.pool.release_idle(self.entry_of)
-      chunk, todo = todo[: len(self.pool.free_entries)], todo[len(self.pool.free_entries) :]
-      entries, h = self.pool.prefill([tokens[p] for p in chunk])
-      self.entry_of.update(zip(chunk, entries, strict=True))
-      hidden.append(h)
-    return np.concatenate(hidden)
+    from the prefill that fills the pool's prompt cache (`RolloutPool.prefill_all`; Est's
+    learned head reads them): the prompts stay cached for their rows."""
+    return self.pool.prefill_all(self.prompts.tokens, self.entry_of)
 
   def enqueue(self, rows, prompts):
     self.row_prompt.update(zip(rows.tolist(), prompts.tolist(), strict=True))

@@ -196,20 +196,22 @@ class Check:
 def capture_segment(smp: sampler_lib.Sampler, prompt_len: int) -> dict:
   """Arms a one-shot hook that lowers the sampler's segment program with the arguments of
   its next call; returns the dict that will hold the `Lowered` (or the error). The segment
-  program is `Sampler.programs(...).run`; the hook wraps the pool's call of it (`_run`) to
-  see its arguments, and the lowering reuses the program the call compiles."""
+  program is `Sampler.programs(...).run`; the hook swaps the bucket's `PoolPrograms` for
+  one whose `run` sees its arguments first, and the lowering reuses the program the call
+  compiles."""
   box: dict = {}
   try:
-    run, segment = smp._run, smp.programs(prompt_len).run
+    programs = smp.programs(prompt_len)
+    segment = programs.run
   except (AttributeError, TypeError) as e:
     return {"error": f"the sampler's segment program is out of reach: {e!r}"}
 
   def spy(*args):
     if "lowered" not in box:
       box["lowered"] = segment.lower(*args)
-    return run(*args)
+    return segment(*args)
 
-  smp._run = spy
+  smp._fns[prompt_len] = dataclasses.replace(programs, run=spy)
   return box
 
 

@@ -100,7 +100,7 @@ METHODS: dict[str, tuple[str, dict[str, object]]] = {
     ADA,
     {"ada.method": "est", "ada.est_budget_per_prompt": 8.0, "ada.est_estimator": "head"},
   ),
-  # The streaming schedule (`ada_jax.rl.stream`). Responses here are ~6 tokens, so a segment
+  # The streaming schedule (`controller.drive_stream`). Responses are ~6 tokens, so a segment
   # is 1 decode step (the decision lag costs a sixth of a response; at 2 steps the stream
   # ran 43 decode steps per pos step against 38, and 1.6-1.8 s sampling against 1.2-1.5).
   "GRPO n=4 stream": (BASELINE, STREAM),
@@ -184,7 +184,7 @@ def summarize(runs: dict[str, list[pathlib.Path]]) -> dict:
           "zero_signal": float(np.mean([m["zero_signal_frac"] for m in lines])),
           **{f"{k}_s": float(np.median([m[f"time_{k}_s"] for m in steady])) for k in PARTS},
           "step_s": float(np.median([sum(m[f"time_{k}_s"] for k in PARTS) for m in steady])),
-          # The streaming figures (`rollout.draw.RolloutCounters`).
+          # The streaming figures (`step.RolloutCounters`).
           "grade_wait_frac": float(
             np.median([m["time_grade_wait_s"] / max(m["time_sample_s"], 1e-9) for m in steady])
           ),

@@ -11,7 +11,7 @@ the arithmetic task's held-out split (never trained on, never sampled by the run
 digit counts as training):
 
 * the head predicts each prompt's pass rate p̂ from the policy's hidden state at the
-  prompt's last token (`rl.pass_rate_head.prompt_hidden_states`);
+  prompt's last token (the sampler's prefill, `RolloutPool.prefill_all`);
 * the policy draws --k responses per prompt at the training temperature; the label of a
   prompt is "at least one of k correct", the outcome of a response is its reward.
 
@@ -91,12 +91,6 @@ def evaluate_run(workdir: pathlib.Path, config: str, overrides: dict, args) -> d
   tok = inputs.load_tokenizer(cfg.tokenizer, None)
   problems = arith.examples(cfg.data.arith, "test", args.heldout, seed=args.heldout_seed)
   prompts = [np.asarray(arith.prompt_ids(tok, p["problem"]), np.int32) for p in problems]
-  features = pass_rate_head.prompt_hidden_states(
-    model_cfg, params, prompts, cfg.sampler.prompt_buckets, tok.pad_id
-  )
-  p_head = pass_rate_head.predict(
-    pass_rate_head.params_from_state(run.est, features.shape[1], cfg.ada), features
-  )
   smp = sampler.Sampler.from_spec(
     model_cfg,
     cfg.sampler,
@@ -104,6 +98,11 @@ def evaluate_run(workdir: pathlib.Path, config: str, overrides: dict, args) -> d
     prompts_per_chunk=cfg.sampler.chunk_rows // args.k,
     pad_id=tok.pad_id,
     mesh=mesh,
+  )
+  lp = sampler.bucket_length(max(len(p) for p in prompts), smp.prompt_buckets)
+  features = smp.pool(params, jax.random.key(0), lp).prefill_all(prompts, {})
+  p_head = pass_rate_head.predict(
+    pass_rate_head.params_from_state(run.est, features.shape[1], cfg.ada), features
   )
   rows = np.repeat(np.arange(len(prompts)), args.k)
   out, _ = smp.generate(params, prompts, rows, jax.random.key(args.heldout_seed))

@@ -3,7 +3,7 @@
 A thin CLI over `ada_jax.rl.simulate` (see its docstring for the model and the closed forms):
 every prompt has a fixed pass rate p drawn from a mix of Beta shapes with many hard
 prompts, a response is correct with probability p, and each method of
-`simulate.method_table` runs through the real controller (`ada_jax.rl.adaptive.run_step`)
+`simulate.method_table` runs through the real controller (`ada_jax.rl.controller.run_step`)
 over several epochs of the same prompts (Est needs its statistics from earlier epochs;
 the first epoch is a warm-up and is not scored). For each method we report samples drawn
 per prompt and the fraction of prompts whose training group carries a learning signal (a

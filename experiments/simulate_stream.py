@@ -3,8 +3,8 @@
 A thin CLI over `ada_jax.rl.simulate_stream` (see its docstring for the model): B = 512
 prompts per step, a 2,048-token budget, lognormal response lengths (median 512, ~3 % at the
 budget), the Beta-mix pass rates of `ada_jax.rl.simulate`, and a pool of 1,024 decode slots.
-Each method runs under the `rounds` schedule (the released controller, a barrier at the end
-of each round) and the `stream` schedule (`ada_jax.rl.stream.StreamController`: exits at
+Each method runs in the one controller (`ada_jax.rl.controller`) under the `rounds` schedule
+(the released barrier at the end of each round) and the `stream` schedule (exits at
 segment boundaries, retired prompts' rows cancelled). Counts only, no model.
 
   python experiments/simulate_stream.py --out_dir experiments/results

@@ -46,8 +46,8 @@ class AdaConfig:
 
   Attributes:
     method: 'grpo' | 'dapo' | 'pos' | 'balance' | 'est'.
-    schedule: 'rounds' (`run_step`: the released barriers, a prompt retires only at the
-      end of a round) or 'stream' (`ada_jax.rl.stream`: exits decided as responses
+    schedule: 'rounds' (`controller.drive_rounds`: the released barriers, a prompt retires at the
+      end of a round) or 'stream' (`controller.drive_stream`: exits decided as responses
       finish, grading overlapped with decoding).
     n: responses kept per prompt (grpo/dapo: drawn per prompt). Not used by est.
     samples_per_round: M, responses drawn per active prompt per round (pos/balance).

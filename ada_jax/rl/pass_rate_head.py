@@ -6,9 +6,10 @@ The paper's Est takes p̂_x "from an estimator: a small value network, or Ada-EM
 until it has been sampled; this head reads the policy's own representation of the prompt,
 so a prompt seen for the first time gets an estimate of its own.
 
-* Input: float32[P, d_model], the final-normed hidden state at each prompt's last token
-  (`prompt_hidden_states`). Gradients never flow into the policy: the head trains on
-  host copies of those features (stop-gradient by construction).
+* Input: float32[P, d_model], the final-normed hidden state at each prompt's last token,
+  from the rollout pool's own prefill (`rollout.queue.RolloutPool.prefill_all`): no
+  second forward pass. Gradients never flow into the policy: the head trains on host
+  copies of those features (stop-gradient by construction).
 * Head: one hidden layer of `WIDTH` GELU units, then a logit; p = sigmoid(logit). The
   output weights start at zero and the output bias at logit(a/(a + b)), so an untrained
   head predicts the Est prior's mean for every prompt.
@@ -29,9 +30,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-
-from ada_jax.models import decoder as model_lib
-from ada_jax.models import sharding as sharding_lib
 
 WIDTH = 64  # hidden units; the head is a probe, not a second model
 STATE_PREFIX = "head_"
@@ -206,54 +204,3 @@ def calibration(
     if tot[m].sum() > 0:
       ece += abs(pos[m].sum() - (p[m] * tot[m]).sum()) / total
   return {"brier": brier, "ece": float(ece)}
-
-
-@functools.lru_cache(maxsize=4)
-def _hidden_fn(config: model_lib.ModelConfig):
-  def last_hidden(params, tokens, lengths):
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    mask = positions < lengths[:, None]
-    hidden, _ = model_lib.hidden_states(config, params, tokens, positions, mask)
-    last = hidden[jnp.arange(tokens.shape[0]), lengths - 1]
-    return jax.lax.stop_gradient(last).astype(jnp.float32)
-
-  return jax.jit(last_hidden)
-
-
-def prompt_hidden_states(
-  config: model_lib.ModelConfig,
-  params,
-  prompts: Sequence[np.ndarray],
-  buckets: Sequence[int] = (),
-  pad_id: int = 0,
-) -> np.ndarray:
-  """Final-normed hidden states at each prompt's last token: float32[P, d_model].
-
-  A prompt-only forward (`decoder.hidden_states`), right-padded so that every real token
-  sits at its own position 0..len−1 (causal attention: padding after a token never
-  changes it). The rollout engine's per-prompt prefill computes the same vectors; once it
-  exposes them, they replace this extra forward.
-
-  Args:
-    config: the policy's architecture.
-    params: the policy's parameters (any sharding).
-    prompts: P int token arrays, each non-empty.
-    buckets: padded lengths to choose from (the smallest that fits; one compile each),
-      else the longest prompt's length.
-    pad_id: the padding token.
-
-  With several processes this is a collective (every process calls it, as the loop does).
-
-  Raises:
-    ValueError: an empty prompt.
-  """
-  lengths = np.asarray([len(t) for t in prompts], np.int32)
-  if lengths.size == 0 or lengths.min() < 1:
-    raise ValueError("prompt_hidden_states needs non-empty prompts")
-  longest = int(lengths.max())
-  width = min([b for b in buckets if b >= longest], default=longest)
-  tokens = np.full((lengths.size, width), pad_id, np.int32)
-  for i, t in enumerate(prompts):
-    tokens[i, : len(t)] = t
-  out = _hidden_fn(config)(params, jnp.asarray(tokens), jnp.asarray(lengths))
-  return np.asarray(sharding_lib.host_copy(out))  # whole on every process

@@ -108,6 +108,21 @@ class RolloutPool:
     d = self.programs.embed_dim
     return entries, np.concatenate(hidden) if hidden else np.zeros((0, d), np.float32)
 
+  def prefill_all(self, prompts: Sequence[Sequence[int]], entry_of: dict[int, int]) -> np.ndarray:
+    """Prefills every prompt (index i of `prompts` -> `entry_of[i]`), as many at a time as
+    there are free entries, freeing idle ones when none is left: the last ones prefilled
+    stay cached for their rows. Returns `float32[len(prompts), D]` their hidden states
+    (`prefill`'s), e.g. the features of Est's learned pass-rate head."""
+    hidden, todo = [], list(range(len(prompts)))
+    while todo:
+      if not self.free_entries:
+        self.release_idle(entry_of)
+      chunk, todo = todo[: len(self.free_entries)], todo[len(self.free_entries) :]
+      entries, h = self.prefill([prompts[p] for p in chunk])
+      entry_of.update(zip(chunk, entries, strict=True))
+      hidden.append(h)
+    return np.concatenate(hidden) if hidden else np.zeros((0, self.programs.embed_dim), np.float32)
+
   def add_rows(self, entry: int, row_ids: Sequence[int]) -> list[int]:
     """Queues rows of the prompt in `entry`; returns their output positions.
 
