@@ -184,7 +184,7 @@ def summarize(runs: dict[str, list[pathlib.Path]]) -> dict:
           "zero_signal": float(np.mean([m["zero_signal_frac"] for m in lines])),
           **{f"{k}_s": float(np.median([m[f"time_{k}_s"] for m in steady])) for k in PARTS},
           "step_s": float(np.median([sum(m[f"time_{k}_s"] for k in PARTS) for m in steady])),
-          # The streaming figures (`step.RolloutCounters`).
+          # The streaming figures (`rollout.engine.RolloutCounters`).
           "grade_wait_frac": float(
             np.median([m["time_grade_wait_s"] / max(m["time_sample_s"], 1e-9) for m in steady])
           ),

@@ -7,7 +7,7 @@ answers with a `Decision` (rows to cancel, rows to queue, prompts retired), and
 is its rule (`rules.RULES`); the controller only keeps the books.
 
 The schedules are two drivers of the same controller over an `Engine` (the slot pool with
-the verifier, `ada_jax.step.PoolEngine`; or a simulator's, `simulate`, `simulate_stream`):
+the verifier, `ada_jax.rollout.engine.PoolEngine`; or a simulator's, `simulate`, `simulate_stream`):
 
 * `rounds` (`drive_rounds`, the released barriers): every queued row is decoded to its
   end and graded before the boundary, so a prompt retires only at the end of a round.

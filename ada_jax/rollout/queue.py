@@ -10,7 +10,7 @@ row counts from the hidden states, then queue rows, with no extra forward pass.
 
 `advance` is the one admit / run / collect step every caller drives: `drain` loops it to
 the last row (`Sampler.generate`, evaluation, a `rounds` round), a `stream` step calls it
-once per segment (`ada_jax.step.PoolEngine`). `take_counters` is the one account of what
+once per segment (`ada_jax.rollout.engine.PoolEngine`). `take_counters` is the one account of what
 the decode loop cost.
 """
 
