@@ -273,7 +273,7 @@ class RunConfig:
     """Settings that run but are likely mistakes (the loop logs them before compiling)."""
     out = []
     m, n = self.ada.samples_per_round, self.ada.n
-    if self.ada.method in ("pos", "balance") and m > 16 * n:
+    if self.ada.is_seq and m > 16 * n:
       out.append(
         f"config.ada.samples_per_round={m} draws {m} responses per active prompt per round "
         f"to keep n={n} ({m // n}x GRPO's rows per round; the paper: M=8, n=4): "

@@ -139,8 +139,8 @@ def plan(cfg, target_name: str, *, devices=None, progress=print) -> dict:
       phases["eval"] = {"bytes": ev_pool["segment"].peak + resident}
   if cfg.ada.method == "est" and cfg.ada.est_estimator == "head":
     notes.append(
-      "est head: its features come from a prompt-only forward of prompts_per_chunk "
-      "prompts (smaller than the prefill phase's) and its parameters are D + 1 floats"
+      "est head: its features come from the rollout pool's own prefill (the prefill "
+      "phase) and its parameters are D + 1 floats"
     )
   limit = t.hbm_gib * aot.GIB
   for phase in phases.values():

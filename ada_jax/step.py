@@ -33,7 +33,7 @@ from ada_jax import metrics as metrics_lib
 from ada_jax.data import prompts
 from ada_jax.data.prompts import PromptSet
 from ada_jax.models.tokenizer import Tokenizer
-from ada_jax.rl import controller, estimate, train, update
+from ada_jax.rl import controller, estimate, rules, train, update
 from ada_jax.rollout import engine as rollout_engine
 from ada_jax.rollout import sampler
 
@@ -131,7 +131,7 @@ def rl_step(
   with metrics_lib.CompileCounter() as compiles:
     step_prompts = StepPrompts(ctx.prompt_set, ctx.iterator, cfg.rl.batch_prompts)
     longest = max(len(t) for t in step_prompts.tokens)
-    if cfg.ada.method == "dapo":  # its extra prompts may come from anywhere in the set
+    if rules.RULES[cfg.ada.method].adds_prompts:  # DAPO's may come from anywhere in the set
       longest = ctx.prompt_set.max_length
     engine = rollout_engine.PoolEngine(
       ctx.sampler,

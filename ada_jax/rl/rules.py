@@ -112,10 +112,16 @@ class Rule:
   """A fixed quota per prompt, retired once all its rows are graded, every row trained on
   with its group's statistics: GRPO (quota n). The base of the other rules.
 
+  Attributes:
+    adds_prompts: the rule may ask for prompts beyond the step's B (`more_prompts`), so
+      the step's prompt bucket must fit any prompt of the set.
+
   `ctl` below is the `controller.Controller` asking: a rule reads its pools
   (`ctl.graded[p]`: row id -> reward), its counts (`ctl.pending(p)`, `ctl.issued(p)`) and
   config, and adds rows with `ctl.new_rows(p, k, new)`.
   """
+
+  adds_prompts = False
 
   def train_rows(self, config, num_prompts: int) -> int:
     """Rows a step trains on at most (the training batch's fixed size): B·n."""
@@ -198,6 +204,8 @@ class Dapo(Rule):
   are needed (floored at 1/8, so a run of uniform groups cannot ask for an unbounded
   number), within the same total.
   """
+
+  adds_prompts = True
 
   def decide(self, ctl, p, new):
     if ctl.pending(p):
