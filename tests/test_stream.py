@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ada_jax.rl import advantages as adv_lib
+from ada_jax.rl import controller
 from ada_jax.rl import simulate as sim
 from ada_jax.rl.adaptive import AdaConfig
 from ada_jax.rl.controller import Controller
@@ -257,3 +258,16 @@ def test_grpo_quotas_are_checked():
     StreamController(AdaConfig(method="est"), 2, quotas=[4, 0])
   with pytest.raises(RuntimeError, match="start"):
     StreamController(AdaConfig(method="grpo"), 2).boundary([], [])
+
+
+def test_an_engine_that_never_finishes_a_row_fails_instead_of_hanging():
+  class Lost(controller.DrawEngine):
+    def decode(self, *, to_end):
+      self.queued = []  # drops the rows without reporting them
+      return []
+
+  with pytest.raises(RuntimeError, match="nothing to decode or grade"):
+    controller.run_step(
+      AdaConfig(method="grpo"), ["a"], Lost(lambda p: p * 0.0), np.random.default_rng(0),
+      schedule="stream",
+    )  # fmt: skip

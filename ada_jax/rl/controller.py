@@ -301,8 +301,11 @@ class Engine(Protocol):
 
   Row ids are the controller's. `decode` returns the rows that finished (any order);
   `submit` starts grading rows (by id) and returns a ticket, `collect` waits for its float
-  rewards, in the submitted order.
+  rewards, in the submitted order; `busy` says rows are queued or decoding.
   """
+
+  @property
+  def busy(self) -> bool: ...
 
   def enqueue(self, rows: np.ndarray, prompts: np.ndarray) -> None: ...
 
@@ -331,6 +334,8 @@ def drive_stream(ctl: Controller, engine: Engine) -> None:
   ticket = engine.submit([])
   while not ctl.done:
     finished = sorted(int(r) for r in engine.decode(to_end=False))
+    if not finished and not ctl.awaiting and not engine.busy:
+      raise RuntimeError("drive_stream: nothing to decode or grade, but the step is not done")
     rewards = engine.collect(ticket)
     ticket = engine.submit(finished)
     engine.update(ctl.boundary(finished, rewards))
@@ -402,6 +407,10 @@ class DrawEngine:
 
   def __init__(self, draw: Callable[[np.ndarray], Sequence[float]]):
     self.draw, self.queued, self.rewards = draw, [], {}
+
+  @property
+  def busy(self):
+    return bool(self.queued)
 
   def enqueue(self, rows, prompts):
     self.queued += list(zip(np.asarray(rows).tolist(), np.asarray(prompts).tolist(), strict=True))

@@ -256,6 +256,10 @@ class SimEngine:
     self.reward_of.update(zip(rows.tolist(), rewards.tolist(), strict=True))
     self.pool.enqueue(rows, lengths)
 
+  @property
+  def busy(self):
+    return bool(self.pool.queue or self.pool.start)
+
   def update(self, decision):
     self.updates += 1
     self.rows_cancelled += decision.cancel.size

@@ -120,6 +120,11 @@ class PoolEngine:
     learned head reads them): the prompts stay cached for their rows."""
     return self.pool.prefill_all(self.prompts.tokens, self.entry_of)
 
+  @property
+  def busy(self) -> bool:
+    """Rows are waiting for the pool, queued in it or decoding."""
+    return bool(self.pending) or self.pool.busy
+
   def enqueue(self, rows, prompts):
     self.row_prompt.update(zip(rows.tolist(), prompts.tolist(), strict=True))
     self.pending.extend(rows.tolist())
@@ -143,7 +148,7 @@ class PoolEngine:
       finished = self.pool.drain(*args)
       self.counters.add(self.pool.take_counters())
     else:
-      finished = self.pool.advance(*args) if self.pending or self.pool.busy else []
+      finished = self.pool.advance(*args) if self.busy else []
     self.counters.time_sample_s += time.perf_counter() - start
     for row, tokens, logprobs, n in finished:
       self.outputs[row] = (tokens, logprobs, n)
