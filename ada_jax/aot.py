@@ -279,11 +279,8 @@ def train_program(cfg: config_lib.RunConfig, model_cfg, mesh) -> tuple[Program, 
 
 def rollout_sampler(cfg: config_lib.RunConfig, model_cfg, mesh) -> sampler_lib.Sampler:
   """The run's rollout sampler, built as `loop.train_run` builds it."""
-  ppc = cfg.prompts_per_chunk
-  if not cfg.sampler.prompts_per_chunk:
-    ppc = sampler_lib.fit_prompts_per_chunk(ppc, cfg.sampler.chunk_rows, mesh)
   return sampler_lib.Sampler.from_spec(
-    model_cfg, cfg.sampler, stop_ids=(0,), prompts_per_chunk=ppc, mesh=mesh
+    model_cfg, cfg.sampler, stop_ids=(0,), rows_per_prompt=cfg.ada.min_rows_per_prompt, mesh=mesh
   )
 
 

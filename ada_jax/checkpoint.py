@@ -1,5 +1,5 @@
-"""Run state on disk: orbax checkpoints, resume order, final export (docs/design.md "Run
-state").
+"""Run state on disk: orbax checkpoints saved and restored, and the final export
+(docs/design.md "Run state"; where a run's state comes from is `loop.initial_state`).
 
 A checkpoint holds the whole run, so that a restarted run continues exactly where the
 saved one was (same next batches, same samples, same updates):
@@ -19,7 +19,7 @@ killed at any moment, even by `kill -9`, restarts from its last complete checkpo
 last `keep` checkpoints are kept. Nothing non-finite is saved or restored, so a NaN run
 never rotates its last finite checkpoint away. A checkpoint that does not restore (torn or
 missing files, garbage, NaN) is set aside as `<step>.unreadable` and an older one used
-(`resume`); a full disk is one `DiskFullError` (orbax's temporary folder removed).
+(`restore_latest`); a full disk is one `DiskFullError` (orbax's temporary folder removed).
 """
 
 from __future__ import annotations
@@ -45,10 +45,9 @@ from ada_jax import distributed
 from ada_jax.models import weights
 from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.models.tokenizer import Tokenizer
+from ada_jax.rl.estimate import COUNT_FIELDS as _EST_FIELDS
+from ada_jax.rl.estimate import EstState
 from ada_jax.rl.train import TrainState
-
-EstState = dict[str, np.ndarray]
-_EST_FIELDS = {"keys": np.int64, "pos": np.float64, "tot": np.float64}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +86,7 @@ class RunState:
   Attributes:
     train: the `TrainState` (params, optimizer state, update count, reference params).
     rng: the root PRNG key (typed, e.g. `jax.random.key(seed)`, or a raw uint32[2] key).
-    est: Reinforce-Ada-Est statistics (`adaptive.EstState`), or None.
+    est: Reinforce-Ada-Est statistics (`estimate.EstState`), or None.
     host: JSON-serialisable host state: RL step, data-iterator position, numpy Generator
       state (`generator_state`), ... Python ints of any size are kept exactly.
   """
@@ -387,40 +386,23 @@ def save_params(folder: str | os.PathLike, params: Params) -> None:
     checkpointer.save(pathlib.Path(folder).absolute() / "params", params)
 
 
-def resume(
+def restore_latest(
   manager: ocp.CheckpointManager,
   target: TrainState,
   *,
-  start: Callable[[Params | None], RunState],
-  init_from: str | None = None,
-  pretrained: str | None = None,
   check_host: Callable[[dict[str, Any], int], None] | None = None,
-) -> tuple[RunState, str]:
-  """Where a run's state comes from, in this order (docs/design.md "Run state"):
-
-  1. the latest complete checkpoint in the run's own directory that restores (a restart
-     after preemption or a crash continues the same run); newer ones that do not
-     (`UnreadableCheckpoint`) are set aside as `<step>.unreadable`, each named in a warning;
-  2. else `init_from`: the params of another run's checkpoint, fresh optimizer and step 0;
-  3. else `pretrained`: a Hugging Face folder (`weights.load_hf`), fresh optimizer;
-  4. else `start(None)`, which makes the initial params itself (random or warm-started).
+) -> tuple[RunState, int] | None:
+  """The latest complete checkpoint of the run that restores, with its step; None when the
+  run has none (step 1 of the start order, `loop.initial_state`). Newer checkpoints that do not
+  restore (`UnreadableCheckpoint`) are set aside as `<step>.unreadable`, each named in a
+  warning.
 
   Args:
     manager: this run's manager.
     target: `train.abstract_state(...)` (shapes, dtypes and shardings of the state).
-    start: builds a fresh `RunState` from initial params (the loop's init: optimizer state,
-      root key from the seed, empty Est, data position 0).
-    init_from: path for step 2, or None.
-    pretrained: HF folder (or Hub id) for step 3, or None.
-    check_host: see `restore`; its error ends the resume (no older checkpoint is tried).
-
-  Returns:
-    (run state, source) with source 'checkpoint:<step>', 'init_from:<path>',
-    'pretrained:<path>' or 'scratch'.
+    check_host: see `restore`; its error ends the search (no older checkpoint is tried).
 
   Raises:
-    weights.CheckpointError: the pretrained folder is missing or does not match `target`.
-    FileNotFoundError: `init_from` holds no checkpoint.
     UnreadableCheckpoint: checkpoints exist but none restores (the latest one's error,
       nothing set aside).
   """
@@ -433,34 +415,12 @@ def resume(
       continue
     if skipped:
       _set_aside(manager, skipped)
-    return run, f"checkpoint:{step}"
+    return run, step
   if skipped:
     e = skipped[0]
     older = f" (nor do the {len(skipped) - 1} older ones)" if len(skipped) > 1 else ""
     raise UnreadableCheckpoint(e.step, e.path, e.reason + older)
-  if init_from:
-    try:
-      params = restore_params(init_from, target.params)
-    except FileNotFoundError as e:
-      raise FileNotFoundError(f"config.ckpt.init_from: {e}") from None
-    return start(params), f"init_from:{init_from}"
-  if pretrained:
-    dtype = jax.tree.leaves(target.params)[0].dtype
-    shardings = jax.tree.map(lambda s: s.sharding, target.params)
-    expected = jax.tree.map(lambda s: s.shape, target.params)
-    try:
-      _, params = weights.load_hf(pretrained, dtype=dtype, shardings=shardings)
-    except (KeyError, TypeError) as e:
-      raise weights.CheckpointError(
-        f"{pretrained}: its architecture does not match the configured model ({e!r})"
-      ) from None
-    got = jax.tree.map(lambda x: x.shape, params)
-    if got != expected:
-      raise weights.CheckpointError(
-        f"{pretrained}: parameter shapes differ from the configured model's"
-      )
-    return start(params), f"pretrained:{pretrained}"
-  return start(None), "scratch"
+  return None
 
 
 def export_hf(

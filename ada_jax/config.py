@@ -10,13 +10,10 @@ error names the offending `config.group.field`.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import pathlib
-import sys
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from ada_jax.checkpoint import CheckpointConfig
@@ -26,101 +23,18 @@ from ada_jax.models.decoder import ModelConfig
 from ada_jax.models.sharding import MeshConfig
 from ada_jax.models.tokenizer import TokenizerConfig
 from ada_jax.models.weights import ModelSpec
-from ada_jax.rewards.judges import JUDGES
+from ada_jax.rewards.verifier import VerifierConfig
 from ada_jax.rl.adaptive import AdaConfig
 from ada_jax.rl.losses import LossConfig
 from ada_jax.rl.train import OptimConfig, TrainConfig
 from ada_jax.rl.warmstart import WarmStartConfig
-from ada_jax.rollout.sampler import check_context_length
+from ada_jax.rollout.sampler import check_context_length, prompts_per_chunk
 from ada_jax.rollout.spec import SamplerSpec
 
 
 class ConfigError(ValueError):
   """A bad experiment config or command-line flag; the message names it
   (`config.group.field`, `--flag`)."""
-
-
-def _usage_exit(message: str) -> typing.NoReturn:
-  print(f"ada_jax: {' '.join(message.split())}", file=sys.stderr, flush=True)
-  raise SystemExit(2)
-
-
-@contextlib.contextmanager
-def exit_on_config_error() -> Iterator[None]:
-  """For command-line entry points: a `ConfigError` ends the process with its one-line
-  message on stderr and exit code 2 (a usage error), without a traceback."""
-  try:
-    yield
-  except ConfigError as e:
-    _usage_exit(str(e))
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-  """absl `flags_parser` for command lines with a `--config` file: a config file that does
-  not load, or an override of a field the config does not have (`--config.rl.batchsize=3`),
-  ends the process with one line and exit code 2, like a `ConfigError`, instead of
-  ml_collections' traceback; a `--config` file that does not exist is named as typed.
-  `--help` exits with code 0, and any other flag error with 2 (absl's own exit with 1)."""
-  from absl import app
-
-  path = _config_path(argv)
-  if path is not None and not pathlib.Path(path).is_file():
-    _usage_exit(f"--config={path}: no such file (from {pathlib.Path.cwd()})")
-  try:
-    return app.parse_flags_with_usage(argv)
-  except SystemExit as e:
-    # absl ends `--help` and a flag error (an unknown or missing flag, after its one-line
-    # message) with exit code 1: asking for help is no failure, a bad flag is a usage error.
-    if e.code == 1:
-      raise SystemExit(0 if any(a.split("=")[0] in _HELP_FLAGS for a in argv[1:]) else 2) from None
-    raise
-  except OSError as e:  # the config file itself did not load
-    _usage_exit(f"--config: {e}")
-  except (AttributeError, KeyError) as e:
-    inner = e
-    while inner.args and isinstance(inner.args[0], BaseException):  # ml_collections nests
-      inner = inner.args[0]
-    text = str(inner.args[0] if inner.args else inner)
-    if "get_config" in text:  # the file loaded but is not an experiment config
-      _usage_exit(f"--config: {text}")
-    overrides = [a.split("=")[0].removeprefix("--") for a in argv[1:] if a.startswith("--config.")]
-    which = ", ".join(overrides) if len(overrides) == 1 else f"one of {', '.join(overrides)}"
-    _usage_exit(f"the config has no field named by {which} ({text})")
-
-
-def quiet_logs() -> None:
-  """For command-line entry points, before JAX picks its backend: log at WARNING unless
-  `--verbosity` was given (orbax, TFDS, JAX's platform probe and the multi-process set-up
-  log every file and probe at INFO; progress bars and status lines say what matters)."""
-  from absl import flags, logging
-
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
-
-
-_HELP_FLAGS = ("-h", "--help", "-?", "--helpshort", "--helpfull", "--helpxml")
-
-
-def _config_path(argv: list[str]) -> str | None:
-  """The file named by `--config=PATH` / `--config PATH` (its `:arg` suffix removed)."""
-  for i, arg in enumerate(argv[1:], start=1):
-    if arg.startswith("--config="):
-      value = arg.removeprefix("--config=")
-    elif arg == "--config" and i + 1 < len(argv):
-      value = argv[i + 1]
-    else:
-      continue
-    return value.split(":", 1)[0] if value else None
-  return None
-
-
-def make_configs_importable() -> None:
-  """Lets a command line load `--config=<checkout>/configs/x.py` from any working directory:
-  experiment files import `configs.common`, so the checkout holding this package and its
-  `configs/` folder goes on `sys.path` (nothing happens for an installed package)."""
-  repo = pathlib.Path(__file__).resolve().parent.parent
-  if (repo / "configs" / "common.py").is_file() and str(repo) not in sys.path:
-    sys.path.append(str(repo))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,28 +44,19 @@ class RLConfig:
   Attributes:
     steps: RL steps to run.
     batch_prompts: B, prompts per RL step.
-    judge: reward function (`rewards.judges.JUDGES`): 'math' (ours), 'exact', or
-      'released' (the authors' training reward: last `\\boxed{`, stock math-verify).
-    verifier_workers: reward worker processes (0 = all cores); 'exact' runs in-process.
-    verifier_timeout_s: hard per-response timeout (seconds).
-    log_samples: print this many decoded responses every `eval.every_steps` steps.
+    verifier: the training reward (`rewards.verifier.VerifierConfig`): its `judge`
+      (`rewards.judges.JUDGES`: 'math' (ours), 'exact', or 'released', the authors'
+      training reward: last `\\boxed{`, stock math-verify), `num_workers` (0 = all
+      cores; 'exact' runs in-process), the hard per-response `timeout_s`, ...
   """
 
   steps: int = 100
   batch_prompts: int = 512
-  judge: str = "math"
-  verifier_workers: int = 0
-  verifier_timeout_s: float = 5.0
-  log_samples: int = 0
+  verifier: VerifierConfig = VerifierConfig()
 
   def __post_init__(self):
-    if self.judge not in JUDGES:
-      raise ValueError(f"RLConfig.judge={self.judge!r}: not a judge; known: {sorted(JUDGES)}")
-    if not self.verifier_timeout_s > 0:
-      raise ValueError(f"RLConfig.verifier_timeout_s={self.verifier_timeout_s}: must be > 0")
-    for name in ("verifier_workers", "log_samples"):
-      if getattr(self, name) < 0:
-        raise ValueError(f"RLConfig.{name}={getattr(self, name)}: must be >= 0")
+    if not self.verifier.judge:
+      raise ValueError("RLConfig.verifier.judge is empty: training needs a judge")
 
 
 # Fields of a module's config that the run fills from another group (one source each):
@@ -220,12 +125,9 @@ class RunConfig:
 
   @property
   def prompts_per_chunk(self) -> int:
-    """P, distinct prompts per sampler launch: `sampler.prompts_per_chunk`, or when that
-    is 0, C // (the fewest rows a draw asks for one prompt), so that a chunk always fills
-    its C rows before it runs out of prompt slots (GRPO n = 4 with C = 256: 64)."""
-    if self.sampler.prompts_per_chunk:
-      return self.sampler.prompts_per_chunk
-    return max(1, self.sampler.chunk_rows // self.ada.min_rows_per_prompt)
+    """P, distinct prompts per sampler launch before the mesh rounds it up
+    (`rollout.sampler.prompts_per_chunk` with the method's fewest rows per prompt)."""
+    return prompts_per_chunk(self.sampler, self.ada.min_rows_per_prompt)
 
   def check(self) -> None:
     """Cross-group rules. Raises ConfigError naming the config field."""
@@ -287,7 +189,8 @@ class RunConfig:
     before anything compiles. Raises ConfigError naming the fields."""
     context_fits(model, self.sampler.prompt_buckets, self.sampler.max_new_tokens, "config.sampler")
     if self.eval.benchmarks:
-      context_fits(model, self.eval.prompt_buckets, self.eval.max_new_tokens, "config.eval")
+      s = self.eval.sampler
+      context_fits(model, s.prompt_buckets, s.max_new_tokens, "config.eval.sampler")
 
 
 def context_fits(model: ModelConfig, prompt_buckets, max_new_tokens: int, group: str) -> None:
@@ -311,8 +214,11 @@ def _dataclass_of(annotation) -> type | None:
   return None
 
 
-def build(cls, group: Mapping[str, Any] | None, path: str):
-  """Builds dataclass `cls` from a config group; nested groups become nested dataclasses.
+def build(cls, group: Mapping[str, Any] | None, path: str, base: Any = None):
+  """Builds dataclass `cls` from a config group; nested groups become nested dataclasses,
+  each from its field's default (`eval.sampler` keeps `EvalConfig`'s 4,096-token budget
+  when a config sets only its chunk size); `base`: the default the group replaces fields
+  of, None: `cls`'s own defaults.
 
   Raises:
     ConfigError: `config.<path>.<key>` is not a field of `cls`, or `cls` rejects a value.
@@ -320,13 +226,15 @@ def build(cls, group: Mapping[str, Any] | None, path: str):
   if group is None:
     return None
   fields = _fields(cls)
+  defaults = {f.name: f.default for f in dataclasses.fields(cls)}
   kwargs = {}
   for key, value in dict(group).items():
     if key not in fields:
       raise ConfigError(f"config.{path}.{key}: unknown field; {cls.__name__} has {sorted(fields)}")
     sub = _dataclass_of(fields[key])
     if sub is not None and isinstance(value, Mapping):
-      value = build(sub, value, f"{path}.{key}")
+      default = defaults[key] if dataclasses.is_dataclass(defaults[key]) else None
+      value = build(sub, value, f"{path}.{key}", default)
     elif isinstance(value, list):
       value = tuple(value)
     elif isinstance(value, Mapping):
@@ -334,7 +242,7 @@ def build(cls, group: Mapping[str, Any] | None, path: str):
     _check_finite(value, f"config.{path}.{key}")
     kwargs[key] = value
   try:
-    return cls(**kwargs)
+    return cls(**kwargs) if base is None else dataclasses.replace(base, **kwargs)
   except (TypeError, ValueError) as e:
     raise ConfigError(f"config.{path}: {e}") from None
 

@@ -12,10 +12,12 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 from absl import app, flags
 from ml_collections import config_flags
 
 from ada_jax import checkpoint as checkpoint_lib
+from ada_jax import cli, loop
 from ada_jax import config as config_lib
 from ada_jax.eval import benchmarks as benchmarks_lib
 from ada_jax.eval.benchmarks import EvalConfig
@@ -108,18 +110,21 @@ def main(argv: Sequence[str], flag_values=None) -> dict[str, Any]:
     model_tag=tag,
     name=name + suffix,
     mesh=mesh,
+    # The run's own eval key (`loop.RunKeys.eval` of the config's seed): a checkpoint of
+    # the run gets the samples, and the cached results, of the run's own evaluation.
+    rng=loop.run_keys(jax.random.key(cfg.seed)).eval,
   )
 
 
 if __name__ == "__main__":
   define_flags()
-  config_lib.make_configs_importable()
+  cli.make_configs_importable()
 
   def _main(argv):
-    config_lib.quiet_logs()
-    with config_lib.exit_on_config_error():
+    cli.quiet_logs()
+    with cli.exit_on_config_error():
       report = main(argv)
     print(report_text(report, flags.FLAGS.workdir, as_json=flags.FLAGS.json), flush=True)
     # Not returned: app.run would sys.exit() a returned report.
 
-  app.run(_main, flags_parser=config_lib.parse_flags)
+  app.run(_main, flags_parser=cli.parse_flags)

@@ -9,7 +9,6 @@ a `config.ConfigError` naming the config field to change.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 
 from absl import logging
@@ -71,11 +70,15 @@ def load_model_files(
   return model_dir, model_config, tok
 
 
-def load_prompts(cfg: config_lib.RunConfig, tokenizer: Tokenizer) -> prompts.PromptSet:
-  """The training prompts of `cfg.data`, tokenized (too-long ones dropped and counted)."""
-  d = cfg.data
+def load_prompts(d: prompts.DataConfig, tokenizer: Tokenizer, *, seed: int) -> prompts.PromptSet:
+  """The training prompts of the `data` group `d`, tokenized (too-long ones dropped and
+  counted); `seed` draws the arithmetic task's problems.
+
+  Raises:
+    ConfigError: naming the `config.data` field of a bad source, file or row.
+  """
   if d.source == "arith":
-    examples = arith.examples(d.arith, "train", d.arith_prompts, seed=cfg.seed)
+    examples = arith.examples(d.arith, "train", d.arith_prompts, seed=seed)
     style = "raw"
   elif d.source == "verl":
     examples = _verl_examples(d)
@@ -100,11 +103,7 @@ def load_prompts(cfg: config_lib.RunConfig, tokenizer: Tokenizer) -> prompts.Pro
         f"config.data.source {d.source!r}: use 'arith', 'jsonl', 'verl' or one of "
         f"{sorted(sources.SETS)}"
       )
-    data_dir = (
-      d.data_dir
-      or os.environ.get("TFDS_DATA_DIR")
-      or str(pathlib.Path.home() / "tensorflow_datasets")
-    )
+    data_dir = data.tfds_data_dir(d.data_dir)
     try:
       examples = data.load_examples(
         spec, d.split, data_dir=data_dir, manual_dir=d.manual_dir or None
@@ -120,11 +119,6 @@ def load_prompts(cfg: config_lib.RunConfig, tokenizer: Tokenizer) -> prompts.Pro
   if ps.num_dropped:
     logging.warning(
       "%d training prompts over %d tokens dropped", ps.num_dropped, d.max_prompt_tokens
-    )
-  if len(ps) < cfg.rl.batch_prompts:
-    raise ConfigError(
-      f"config.rl.batch_prompts ({cfg.rl.batch_prompts}) exceeds the "
-      f"{len(ps)} usable training prompts"
     )
   return ps
 
@@ -169,11 +163,7 @@ def check_eval_data(cfg: config_lib.RunConfig) -> None:
     ConfigError: naming `config.eval.manual_dir` (offline) or `config.eval.benchmarks`.
   """
   e = cfg.eval
-  data_dir = (
-    e.data_dir
-    or os.environ.get("TFDS_DATA_DIR")
-    or str(pathlib.Path.home() / "tensorflow_datasets")
-  )
+  data_dir = data.tfds_data_dir(e.data_dir)
   for name in e.benchmarks:
     if name not in sources.SETS:
       continue  # 'arith' is generated, unknown names fail in `benchmarks.load_examples`

@@ -1,4 +1,5 @@
-"""The run: set-up, the loop over RL steps, evaluations, checkpoints.
+"""The run: its start (named keys, `initial_state`), the loop over RL steps, evaluations,
+checkpoints.
 
 Per RL step `step.rl_step` runs prompts -> the one controller's rollouts -> training batch
 -> policy update (docs/design.md, "One RL step"); here the step's metrics go to
@@ -9,17 +10,20 @@ held-out evaluations) SIGTERM and Ctrl-C stop at once (`runstate.Stopped`); a no
 step stops the run before it is saved (`runstate.check_step`); the workdir is held by one
 run (`runstate.hold_workdir`).
 
-Determinism: the rollout key of step s is `fold_in(rollout_key, s)`; the root key it comes
-from, the host Generator, the prompt position and the Est statistics are checkpointed and
-read back, so a run restarted from its last checkpoint repeats exactly the steps an
-uninterrupted run would take.
+Determinism: the rollout key of step s is `fold_in(keys.rollout, s)` (`RunKeys`);
+the root key it comes from, the host Generator, the prompt position and the Est statistics
+are checkpointed and read back, so a run restarted from its last checkpoint repeats
+exactly the steps an uninterrupted run would take.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import os
 import pathlib
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -36,7 +40,10 @@ from ada_jax.eval import evaluation as evaluate
 from ada_jax.eval import sampling as eval_sampling
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding as sharding_lib
-from ada_jax.rewards.verifier import RewardPool, VerifierConfig
+from ada_jax.models import weights
+from ada_jax.models.decoder import ModelConfig, Params
+from ada_jax.models.tokenizer import Tokenizer
+from ada_jax.rewards.verifier import RewardPool
 from ada_jax.rl import train, update
 from ada_jax.rl import warmstart as warmstart_lib
 from ada_jax.rollout import sampler
@@ -57,10 +64,193 @@ _AGREED = (
 )
 
 
-def _heldout_eval(cfg, workdir, tokenizer, params, model_cfg, step, samplers) -> dict[str, float]:
+# ------------------------------------------------------------------- the run's start
+#
+# Where a run's state comes from, in this order (`initial_state`; docs/design.md "Run
+# state"): 1. the latest checkpoint in the run's own directory that restores (the whole run
+# state: params, optimizer, root key, Est statistics, prompt position, host Generator);
+# 2. `ckpt.init_from`: another run's params, a fresh optimizer, step 0; 3. the pretrained
+# weights of `model.hf_dir`; 4. random init (the init key), then the config's warm start.
+# An evaluation or a prompt selection of "the policy a fresh run would train"
+# (`eval.policy.load_model` with `init_dir`) takes steps 2-4 from `initial_params`.
+
+
+@dataclasses.dataclass(frozen=True)
+class RunKeys:
+  """The run's root key (`jax.random.key(config.seed)`, checkpointed) split once.
+
+  Attributes:
+    init: the random init of step 4.
+    rollout: the RL steps' rollouts (step s: `fold_in(rollout, s)`).
+    eval: the held-out evaluations' sampling.
+  """
+
+  init: jax.Array
+  rollout: jax.Array
+  eval: jax.Array
+
+
+def run_keys(root: jax.Array) -> RunKeys:
+  """`RunKeys` of a root key: its three-way split, in the order init, rollout, eval."""
+  init, rollout, eval_key = jax.random.split(root, 3)
+  return RunKeys(init, rollout, eval_key)
+
+
+def load_pretrained(path: str | os.PathLike, target: Params) -> Params:
+  """A Hugging Face folder's weights (`weights.load_hf`) on `target`'s dtype and shardings.
+
+  Raises:
+    weights.CheckpointError: the folder is missing, or its architecture or parameter
+      shapes differ from `target`'s.
+  """
+  dtype = jax.tree.leaves(target)[0].dtype
+  shardings = jax.tree.map(lambda s: s.sharding, target)
+  try:
+    _, params = weights.load_hf(path, dtype=dtype, shardings=shardings)
+  except (KeyError, TypeError) as e:
+    raise weights.CheckpointError(
+      f"{path}: its architecture does not match the configured model ({e!r})"
+    ) from None
+  if jax.tree.map(lambda x: x.shape, params) != jax.tree.map(lambda s: s.shape, target):
+    raise weights.CheckpointError(f"{path}: parameter shapes differ from the configured model's")
+  return params
+
+
+def initial_params(
+  cfg,
+  model_config: ModelConfig,
+  tokenizer: Tokenizer,
+  target: Params,
+  *,
+  model_dir: str | os.PathLike | None,
+  init_key: jax.Array,
+  phase: Callable[[str], None] | None = None,
+  progress: bool = True,
+  scratch_cache: pathlib.Path | None = None,
+) -> tuple[Params, str, dict[str, Any] | None]:
+  """Steps 2-4 of the module docstring's order: the params a fresh run of `cfg` starts from.
+
+  Args:
+    cfg: the run config (`ckpt.init_from`, `warmstart`).
+    model_config: the architecture.
+    tokenizer: the warm start's.
+    target: abstract params (shapes, dtypes and shardings) of steps 2 and 3.
+    model_dir: the pretrained folder of step 3 (`inputs.load_model_files`), or None.
+    init_key: step 4's key (`RunKeys.init`).
+    phase: called with 'the warm start' before it and 'the set-up' after it (the run's
+      signal handling, `runstate.StopRequest.enter`).
+    progress: the warm start's progress bar.
+    scratch_cache: step 4 reads its params back from this folder when a run saved them
+      there, else saves them there (evaluations of the initial policy); None: neither.
+
+  Returns:
+    (params, source, warm-start summary or None) with source 'init_from:<path>',
+    'pretrained:<path>' or 'scratch'.
+
+  Raises:
+    FileNotFoundError: `ckpt.init_from` holds no checkpoint (named).
+    weights.CheckpointError: as `load_pretrained`.
+  """
+  # 2. Another run's params (a fresh optimizer and step 0 are the caller's).
+  if cfg.ckpt.init_from:
+    try:
+      params = checkpoint.restore_params(cfg.ckpt.init_from, target)
+    except FileNotFoundError as e:
+      raise FileNotFoundError(f"config.ckpt.init_from: {e}") from None
+    return params, f"init_from:{cfg.ckpt.init_from}", None
+  # 3. Pretrained weights.
+  if model_dir:
+    return load_pretrained(model_dir, target), f"pretrained:{model_dir}", None
+  # 4. Random init, then the warm start.
+  if scratch_cache is not None and (scratch_cache / "params").is_dir():
+    return checkpoint.restore_params(scratch_cache, target), "scratch", None
+  params, summary = model_lib.init_params(model_config, init_key), None
+  if cfg.warmstart is not None:
+    if phase:
+      phase("the warm start")
+    params, ws = warmstart_lib.warm_start(
+      model_config, params, tokenizer, cfg.warmstart, progress=progress
+    )
+    if phase:
+      phase("the set-up")
+    metrics_lib.console(warmstart_lib.describe(ws, cfg.warmstart))
+    summary = {
+      "wall_s": float(ws["wall_s"]),
+      "final_loss": float(np.mean(ws["loss"][-20:])),
+      "steps_run": int(ws["steps_run"]),
+      "reached_target": bool(ws["reached_target"]),
+    }
+  if scratch_cache is not None:
+    params = jax.device_put(params, jax.tree.map(lambda s: s.sharding, target))
+    checkpoint.save_params(scratch_cache, params)
+  return params, "scratch", summary
+
+
+def initial_state(
+  cfg,
+  manager,
+  target: train.TrainState,
+  model_config: ModelConfig,
+  tokenizer: Tokenizer,
+  mesh: jax.sharding.Mesh,
+  *,
+  model_dir: str | os.PathLike | None,
+  host: dict[str, Any],
+  check_host: Callable[[dict[str, Any], int], None] | None = None,
+  phase: Callable[[str], None] | None = None,
+  progress: bool = True,
+) -> tuple[checkpoint.RunState, str]:
+  """The run's state, from the first of the module docstring's four sources that exists.
+
+  Args:
+    cfg: the run config.
+    manager: the run's checkpoint manager (step 1).
+    target: `train.abstract_state(...)` of the run (its `ref_params` set iff the run has a
+      KL reference).
+    model_config, tokenizer, mesh: the run's.
+    model_dir: the pretrained folder of step 3, or None.
+    host: the host state of a fresh run (step, iterator position, Generator state).
+    check_host: step 1's resume-compatibility check (`checkpoint.restore`).
+    phase, progress: `initial_params`'.
+
+  Returns:
+    (run state, source): source 'checkpoint:<step>' or `initial_params`' source.
+
+  Raises:
+    checkpoint.UnreadableCheckpoint: checkpoints exist but none restores.
+    FileNotFoundError, weights.CheckpointError: as `initial_params`.
+  """
+  # 1. The latest checkpoint of this run that restores: the whole run state.
+  latest = checkpoint.restore_latest(manager, target, check_host=check_host)
+  if latest is not None:
+    run, step = latest
+    return run, f"checkpoint:{step}"
+  # 2-4. The params a fresh run starts from; its optimizer, root key and host state.
+  root = jax.random.key(cfg.seed)
+  params, source, warm = initial_params(
+    cfg,
+    model_config,
+    tokenizer,
+    target.params,
+    model_dir=model_dir,
+    init_key=run_keys(root).init,
+    phase=phase,
+    progress=progress,
+  )
+  with_ref = target.ref_params is not None
+  state = train.init_train_state(
+    model_config, cfg.train, params, mesh, ref_params=params if with_ref else None
+  )
+  host = {**host, **({"warmstart": warm} if warm else {})}
+  return checkpoint.RunState(train=state, rng=root, est=None, host=host), source
+
+
+def _heldout_eval(cfg, workdir, tokenizer, params, model_cfg, step, samplers, rng):
   """`cfg.eval` benchmarks of the current policy (report in workdir/eval/step_<step>.*),
   with a progress bar and a closing line on the console; `samplers` are the run's
-  `eval.sampling.EvalSamplers`, built once so that only the first evaluation compiles."""
+  `eval.sampling.EvalSamplers`, built once so that only the first evaluation compiles;
+  `rng` the run's eval key (`RunKeys.eval`: every evaluation of the run samples
+  with it, so two evaluations differ only by the policy). Returns the flat metrics."""
   if not cfg.eval.benchmarks:
     return {}
   primary = jax.process_index() == 0
@@ -74,6 +264,7 @@ def _heldout_eval(cfg, workdir, tokenizer, params, model_cfg, step, samplers) ->
     model_config=model_cfg,
     tokenizer=tokenizer,
     samplers=samplers,
+    rng=rng,
     model_tag=evaluate.weights_tag(params, model_cfg),
     name=f"step_{step}",
     progress=primary,
@@ -130,7 +321,12 @@ def _train(cfg, workdir: str, stop: runstate.StopRequest, stack: contextlib.Exit
     raise ConfigError(
       f"config.rl.batch_prompts ({cfg.rl.batch_prompts}) with config.train and config.mesh: {e}"
     ) from None
-  ps = inputs.load_prompts(cfg, tokenizer)
+  ps = inputs.load_prompts(cfg.data, tokenizer, seed=cfg.seed)
+  if len(ps) < cfg.rl.batch_prompts:
+    raise ConfigError(
+      f"config.rl.batch_prompts ({cfg.rl.batch_prompts}) exceeds the "
+      f"{len(ps)} usable training prompts"
+    )
   inputs.check_eval_data(cfg)
   eval_samplers = None
   if cfg.eval.benchmarks:  # built once: periodic evaluations reuse their compiles
@@ -138,15 +334,12 @@ def _train(cfg, workdir: str, stop: runstate.StopRequest, stack: contextlib.Exit
       eval_samplers = eval_sampling.EvalSamplers.make(model_cfg, tokenizer, cfg.eval, mesh)
     except ValueError as e:
       raise ConfigError(f"config.eval: {e}") from None
-  ppc = cfg.prompts_per_chunk
-  if not cfg.sampler.prompts_per_chunk:  # derived: round up to the rows' mesh axes
-    ppc = sampler.fit_prompts_per_chunk(ppc, cfg.sampler.chunk_rows, mesh)
   try:
     smp = sampler.Sampler.from_spec(
       model_cfg,
       cfg.sampler,
       stop_ids=tokenizer.eos_ids,
-      prompts_per_chunk=ppc,
+      rows_per_prompt=cfg.ada.min_rows_per_prompt,
       pad_id=tokenizer.pad_id,
       mesh=mesh,
     )
@@ -160,55 +353,34 @@ def _train(cfg, workdir: str, stop: runstate.StopRequest, stack: contextlib.Exit
   stack.enter_context(runstate.hold_workdir(workdir))  # one run per workdir
   with_ref = cfg.loss.kl_coeff > 0
   target = train.abstract_state(model_cfg, train_cfg, mesh, with_ref=with_ref)
-  root = jax.random.key(cfg.seed)
-  init_key = jax.random.split(root, 3)[0]  # [1]: rollouts, from the run state's root
   iterator = prompts.PromptIterator(len(ps), cfg.rl.batch_prompts, seed=cfg.seed)
   record = runstate.config_record(cfg, model_cfg)
-
-  def start(params):
-    host: dict[str, Any] = {}
-    if params is None:
-      params = model_lib.init_params(model_cfg, init_key)
-      if cfg.warmstart is not None:
-        stop.enter("the warm start")
-        params, ws = warmstart_lib.warm_start(
-          model_cfg, params, tokenizer, cfg.warmstart, progress=jax.process_index() == 0
-        )
-        stop.enter("the set-up")
-        metrics_lib.console(warmstart_lib.describe(ws, cfg.warmstart))
-        host["warmstart"] = {
-          "wall_s": float(ws["wall_s"]),
-          "final_loss": float(np.mean(ws["loss"][-20:])),
-          "steps_run": int(ws["steps_run"]),
-          "reached_target": bool(ws["reached_target"]),
-        }
-    state = train.init_train_state(
-      model_cfg, train_cfg, params, mesh, ref_params=params if with_ref else None
-    )
-    host.update(
-      step=0,
-      iterator=_jsonable(iterator.state()),
-      np_rng=runstate.generator_state(np.random.default_rng(cfg.seed)),
-    )
-    return checkpoint.RunState(train=state, rng=root, est=None, host=host)
-
-  # Resume order (`checkpoint.resume`): 1. the latest checkpoint in this workdir that
-  # restores (the whole run state: params, optimizer, root key, Est statistics, prompt
-  # position, host Generator), if it was made with a compatible config
-  # (`runstate.check_resume`); 2. `ckpt.init_from` (another run's params, fresh
-  # optimizer); 3. the pretrained weights of `model.hf_dir`; 4. `start(None)`: random
-  # init, then the warm start. 2-4 go through `start`.
   manager = checkpoint.make_manager(pathlib.Path(workdir) / "checkpoints", cfg.ckpt)
   stack.callback(_close, manager)
-  run_state, source = checkpoint.resume(
+  # The start order (latest checkpoint, ckpt.init_from, pretrained, init + warm start) is
+  # `initial_state`'s; a checkpoint made with an incompatible config is refused.
+  run_state, source = initial_state(
+    cfg,
     manager,
     target,
-    start=start,
-    init_from=cfg.ckpt.init_from or None,
-    pretrained=str(model_dir) if model_dir else None,
+    model_cfg,
+    tokenizer,
+    mesh,
+    model_dir=model_dir,
+    host={
+      "step": 0,
+      "iterator": _jsonable(iterator.state()),
+      "np_rng": runstate.generator_state(np.random.default_rng(cfg.seed)),
+    },
     check_host=lambda host, step: runstate.check_resume(host.get("config"), record, step),
+    phase=stop.enter,
+    progress=jax.process_index() == 0,
   )
   logging.info("run state from %s", source)
+  # The checkpoint's root key, not the config's seed: a resumed run draws the keys the saved
+  # run would have drawn (tests/test_guards.py).
+  root = run_state.rng
+  keys = run_keys(root)
   host = run_state.host
   host["config"] = record  # with any change a resume may make
   stop.enter(None)  # signals are polled from here: a save is never cut
@@ -230,15 +402,11 @@ def _train(cfg, workdir: str, stop: runstate.StopRequest, stack: contextlib.Exit
   if first == 0 and "before_rl" not in host:  # also after a stop during it: cached batches
     stop.enter("the held-out evaluation before RL")
     host["before_rl"] = _heldout_eval(
-      cfg, workdir, tokenizer, state.params, model_cfg, 0, eval_samplers
+      cfg, workdir, tokenizer, state.params, model_cfg, 0, eval_samplers, keys.eval
     )
     stop.enter(None)
   if first == 0:
     writer.add_scalars(0, host["before_rl"])
-  # The checkpoint's root key, not the config's seed: a resumed run draws the keys the saved
-  # run would have drawn (tests/test_guards.py).
-  root = run_state.rng
-  rollout_key = jax.random.split(root, 3)[1]
   iterator.restore(host["iterator"])
   np_rng = runstate.generator_from_state(host["np_rng"])
   step_fn = train.make_train_step(model_cfg, train_cfg, mesh, with_ref=with_ref)
@@ -247,20 +415,19 @@ def _train(cfg, workdir: str, stop: runstate.StopRequest, stack: contextlib.Exit
     logprob_fn = update.make_logprob_step(model_cfg, train_cfg, mesh)
   # The stop ids end responses in training and evaluation; the folder's are the default.
   writer.log_text(f"stop ids {list(tokenizer.eos_ids)} (training and evaluation samplers)")
-  verifier_cfg = VerifierConfig(
-    judge=cfg.rl.judge, num_workers=cfg.rl.verifier_workers, timeout_s=cfg.rl.verifier_timeout_s
-  )
   step = first
   agreed = stopped_by = None
-  with RewardPool(verifier_cfg) as pool:
+  with RewardPool(cfg.rl.verifier) as pool:
     grader = distributed.SharedGrader(pool)  # identical rewards on every process
     ctx = StepContext(cfg, ps, iterator, smp, step_fn, grader, tokenizer, mesh, np_rng, logprob_fn)
     for step in range(first + 1, cfg.rl.steps + 1):
-      state, est, m = rl_step(ctx, step, state, est, jax.random.fold_in(rollout_key, step))
+      state, est, m = rl_step(ctx, step, state, est, jax.random.fold_in(keys.rollout, step))
       runstate.check_step(step, m, state.params)  # before anything of it is saved
       if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < cfg.rl.steps:
         m.update(
-          _heldout_eval(cfg, workdir, tokenizer, state.params, model_cfg, step, eval_samplers)
+          _heldout_eval(
+            cfg, workdir, tokenizer, state.params, model_cfg, step, eval_samplers, keys.eval
+          )
         )
       writer.write(step, m)
       host.update(
@@ -302,7 +469,7 @@ def _train(cfg, workdir: str, stop: runstate.StopRequest, stack: contextlib.Exit
   if step == cfg.rl.steps and stopped_by is None:  # stopped: the rerun evaluates
     stop.enter("the held-out evaluation after RL")
     summary["after_rl"] = _heldout_eval(
-      cfg, workdir, tokenizer, state.params, model_cfg, step, eval_samplers
+      cfg, workdir, tokenizer, state.params, model_cfg, step, eval_samplers, keys.eval
     )
     writer.add_scalars(step, summary["after_rl"])
     if cfg.ckpt.export_hf:

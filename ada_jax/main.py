@@ -42,9 +42,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and m
 
 def main(argv):
   del argv
-  from ada_jax import config, distributed
+  from ada_jax import cli, distributed
 
-  config.quiet_logs()  # before JAX probes its platforms
+  cli.quiet_logs()  # before JAX probes its platforms
   distributed.initialize(distributed.DistributedConfig.from_env())  # before any JAX use
   import jax
 
@@ -58,7 +58,7 @@ def main(argv):
   )
   from ada_jax import checkpoint, loop, runstate
 
-  with distributed.exit_on_failure(), config.exit_on_config_error():
+  with distributed.exit_on_failure(), cli.exit_on_config_error():
     try:
       summary = loop.run(_CONFIG.value, _WORKDIR.value)
     except runstate.Stopped as e:
@@ -115,8 +115,8 @@ def report(summary: dict, workdir: str) -> tuple[str, int]:
 
 
 if __name__ == "__main__":
-  from ada_jax import config
+  from ada_jax import cli
 
-  config.make_configs_importable()
+  cli.make_configs_importable()
   flags.mark_flags_as_required(["config", "workdir"])
-  app.run(main, flags_parser=config.parse_flags)  # exits with main's return value
+  app.run(main, flags_parser=cli.parse_flags)  # exits with main's return value

@@ -257,10 +257,10 @@ def define_flags() -> None:
 def main(argv) -> int:
   del argv
   topology, json_path = flags.FLAGS.topology, flags.FLAGS.json
-  from ada_jax import aot, metrics
+  from ada_jax import aot, cli, metrics
   from ada_jax import config as config_lib
 
-  with config_lib.exit_on_config_error():
+  with cli.exit_on_config_error():
     if topology not in aot.TARGETS:
       raise config_lib.ConfigError(
         f"--topology={topology}: unknown TPU slice; known: {', '.join(aot.TARGETS)}"
@@ -296,9 +296,9 @@ def main(argv) -> int:
 if __name__ == "__main__":
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for the TPU; run nothing
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  from ada_jax import config
+  from ada_jax import cli
 
-  config.make_configs_importable()
+  cli.make_configs_importable()
   define_flags()
   flags.mark_flags_as_required(["config", "topology"])
-  app.run(main, flags_parser=config.parse_flags)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -94,8 +94,7 @@ def hold_workdir(
 # what the run is and needs a new workdir (docs/design.md "Run state").
 RESUMABLE = (
   "rl.steps",
-  "rl.log_samples",
-  "rl.verifier_workers",
+  "rl.verifier.num_workers",
   "ckpt.every_steps",
   "ckpt.keep",
   "ckpt.async_save",

@@ -15,6 +15,7 @@ from typing import Any
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from ada_jax import cli
 from ada_jax import config as config_lib
 from ada_jax.eval.policy import load_model
 from ada_jax.eval.selection import SelectConfig, parse_rules, run, training_prompts
@@ -58,9 +59,12 @@ def main(argv: Sequence[str], flag_values=None) -> dict[str, Any]:
   if fv.config is None or not fv.workdir:
     raise config_lib.ConfigError("--config and --workdir are required")
   cfg = config_lib.parse(fv.config)
-  names = ("k", "temperature", "max_new_tokens", "problems_per_batch", "seed")
+  sampler = {n: getattr(fv, n) for n in ("temperature", "max_new_tokens")}
   config = SelectConfig.from_run_config(
-    cfg, rules=parse_rules(fv.rules), **{n: getattr(fv, n) for n in names}
+    cfg,
+    rules=parse_rules(fv.rules),
+    sampler={k: v for k, v in sampler.items() if v is not None},
+    **{n: getattr(fv, n) for n in ("k", "problems_per_batch", "seed")},
   )
   out = pathlib.Path(fv.workdir).absolute() / "select"
   ckpt = None
@@ -84,13 +88,13 @@ def main(argv: Sequence[str], flag_values=None) -> dict[str, Any]:
 
 if __name__ == "__main__":
   define_flags()
-  config_lib.make_configs_importable()
+  cli.make_configs_importable()
 
   def _main(argv):
-    with config_lib.exit_on_config_error():
+    with cli.exit_on_config_error():
       summary = main(argv)
     if summary.get("files"):
       print(pathlib.Path(summary["files"]["pass_rates.md"]).read_text())
 
   # _main returns None: app.run would sys.exit() a returned summary.
-  app.run(_main, flags_parser=config_lib.parse_flags)
+  app.run(_main, flags_parser=cli.parse_flags)

@@ -83,9 +83,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl = ml_collections.ConfigDict()
   c.rl.steps = 300  # RL steps
   c.rl.batch_prompts = 512  # B: prompts per RL step (paper: 512)
-  c.rl.judge = "math"  # reward: 'math' (ours), 'exact', 'released' (the authors')
-  c.rl.verifier_workers = 0  # reward worker processes; 0 = all cores
-  c.rl.verifier_timeout_s = 5.0  # hard per-response timeout, seconds
+  c.rl.verifier = ml_collections.ConfigDict()  # the training reward (VerifierConfig)
+  c.rl.verifier.judge = "math"  # 'math' (ours), 'exact', 'released' (the authors')
+  c.rl.verifier.num_workers = 0  # reward worker processes; 0 = all cores
+  c.rl.verifier.timeout_s = 5.0  # hard per-response timeout, seconds
 
   c.loss = ml_collections.ConfigDict()
   c.loss.clip_low = 0.2  # ratio clip 1 - clip_low
@@ -121,7 +122,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval = ml_collections.ConfigDict()
   c.eval.benchmarks = ()  # evaluated before RL, every eval.every_steps, and at the end
   c.eval.k = 32  # Avg@k samples per problem (paper: 32)
-  c.eval.max_new_tokens = 4096  # eval response budget (paper: 4096)
+  c.eval.sampler = ml_collections.ConfigDict()  # how they are drawn (a SamplerSpec, as `sampler`)
+  c.eval.sampler.max_new_tokens = 4096  # eval response budget (paper: 4096)
   c.eval.every_steps = 0  # 0 = only before and after RL
   c.eval.manual_dir = shared_path("data")  # as data.manual_dir, for the eval sets
 

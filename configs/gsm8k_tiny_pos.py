@@ -42,7 +42,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.steps = 3
   c.rl.batch_prompts = 8
   c.train.mini_batch_prompts = 2  # 4 updates per step, as the paper's 512 / 128
-  c.rl.verifier_workers = 2
+  c.rl.verifier.num_workers = 2
 
   c.optim.learning_rate = 1e-5
   c.ckpt.every_steps = 1

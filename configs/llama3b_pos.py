@@ -39,8 +39,10 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.rl.steps = 400
   c.rl.batch_prompts = 512
-  c.rl.judge = "released"  # the authors' reward (last \boxed{, stock math-verify); ours: 'math'
-  c.rl.verifier_timeout_s = 20.0  # the released reward's limit per response
+  c.rl.verifier.judge = (
+    "released"  # the authors' reward (last \boxed{, stock math-verify); ours: 'math'
+  )
+  c.rl.verifier.timeout_s = 20.0  # the released reward's limit per response
 
   c.sampler.chunk_rows = 192  # slots: a KV cache of 192 × 3,072 columns, 7.9 GiB/device on 8 chips
   # Q = S queued rows: the prompt cache holds Q/S × P prompts of 1,024 tokens (0.33 GiB/device).

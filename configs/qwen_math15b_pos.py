@@ -24,6 +24,6 @@ def get_config() -> ml_collections.ConfigDict:
   # The released script's override (config.json: 4,096), so that 1,024 + 4,096 evaluates.
   c.model.overrides.max_position_embeddings = 32768
   c.sampler.max_new_tokens = 2048  # training response budget (released script: 2,048)
-  c.eval.max_new_tokens = 4096  # evaluation response budget (authors' evaluation: 4,096)
-  c.eval.temperature = 1.0  # Avg@32 sampled at T = 1 (authors' evaluation)
+  c.eval.sampler.max_new_tokens = 4096  # evaluation response budget (authors' evaluation: 4,096)
+  c.eval.sampler.temperature = 1.0  # Avg@32 sampled at T = 1 (authors' evaluation)
   return c

@@ -51,8 +51,8 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.rl.steps = 100
   c.rl.batch_prompts = 64
-  c.rl.judge = "exact"
-  c.rl.verifier_workers = 1
+  c.rl.verifier.judge = "exact"
+  c.rl.verifier.num_workers = 1
 
   c.optim.learning_rate = 3e-4  # 1e-3 collapses within 10 steps (calibrate_arith.py)
   c.optim.warmup_steps = 0
@@ -76,12 +76,12 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.eval.benchmarks = ("arith",)
   c.eval.k = 4
-  c.eval.max_new_tokens = 12
+  c.eval.sampler.max_new_tokens = 12
   c.eval.arith_problems = 256
   c.eval.arith_levels = (2, 3)
   c.eval.arith_ops = ("+",)
-  c.eval.prompt_buckets = (16,)
-  c.eval.chunk_rows = 256
+  c.eval.sampler.prompt_buckets = (16,)
+  c.eval.sampler.chunk_rows = 256
   c.eval.max_prompt_tokens = 16
-  c.eval.verifier_workers = 1
+  c.eval.verifier = ml_collections.ConfigDict(dict(num_workers=1))
   return c

@@ -171,11 +171,11 @@ class Check:
     key = (cfg, slots)
     if key not in self._samplers:
       # A stop id outside the vocabulary is never drawn: every row runs to the budget.
+      spec = dataclasses.replace(
+        self.sampler_spec(slots), prompts_per_chunk=self.prompts_for(slots)
+      )
       self._samplers[key] = sampler_lib.Sampler.from_spec(
-        cfg,
-        self.sampler_spec(slots),
-        stop_ids=(cfg.vocab_size,),
-        prompts_per_chunk=self.prompts_for(slots),
+        cfg, spec, stop_ids=(cfg.vocab_size,), rows_per_prompt=1
       )
     return self._samplers[key]
 

@@ -61,6 +61,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from tqdm.auto import tqdm
 
+from ada_jax import cli
 from ada_jax import config as config_lib
 from ada_jax import metrics as metrics_lib
 
@@ -76,7 +77,7 @@ REFERENCE = "GRPO n=4"  # step costs are reported relative to this row
 
 def _config(path: str):
   """The ConfigDict of the experiment file `path` (relative to the repository)."""
-  config_lib.make_configs_importable()
+  cli.make_configs_importable()
   return importlib.import_module(f"configs.{pathlib.Path(path).stem}").get_config()
 
 

@@ -95,7 +95,7 @@ def evaluate_run(workdir: pathlib.Path, config: str, overrides: dict, args) -> d
     model_cfg,
     cfg.sampler,
     stop_ids=tok.eos_ids,
-    prompts_per_chunk=cfg.sampler.chunk_rows // args.k,
+    rows_per_prompt=args.k,
     pad_id=tok.pad_id,
     mesh=mesh,
   )

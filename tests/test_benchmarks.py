@@ -16,6 +16,7 @@ from ada_jax.eval import benchmarks
 from ada_jax.eval import sampling as eval_sampling
 from ada_jax.eval.benchmarks import Benchmark, EvalConfig
 from ada_jax.rewards import grader as rewards
+from ada_jax.rollout.spec import SamplerSpec
 
 
 def _exact_scorer(responses, references):
@@ -191,11 +192,9 @@ def test_evaluate_hook_on_a_tiny_model_reuses_its_sampler():
   config = EvalConfig(
     benchmarks=("arith",),
     k=2,
-    max_new_tokens=8,
+    sampler=SamplerSpec(max_new_tokens=8, chunk_rows=16, prompt_buckets=(16,)),
     arith_problems=8,
-    chunk_rows=16,
     problems_per_batch=8,
-    prompt_buckets=(16,),
     max_prompt_tokens=16,
   )
   benches = benchmarks.load_benchmarks(config, tok)
@@ -221,16 +220,17 @@ def test_evaluate_hook_on_a_tiny_model_reuses_its_sampler():
 BAD_GROUPS = [
   ({"k": 4, "pass_at": (8,)}, r"eval\.pass_at=\(8,\)"),
   ({"benchmarks": "math500,mmlu"}, r"eval\.benchmarks=.*'mmlu'"),
-  ({"top_p": 0.0}, "top_p"),
-  ({"max_prompt_tokens": 2048}, r"eval\.prompt_buckets=.*max_prompt_tokens=2048"),
-  ({"judge": "fuzzy"}, r"eval\.judge"),
+  ({"sampler": {"top_p": 0.0}}, r"eval\.sampler: .*top_p"),
+  ({"max_prompt_tokens": 2048}, r"eval\.sampler\.prompt_buckets=.*max_prompt_tokens=2048"),
+  ({"verifier": {"judge": "fuzzy"}}, r"eval\.verifier: judge='fuzzy'"),
+  ({"sampler": {"chunk_rows": 0}}, r"eval\.sampler: SamplerSpec\.chunk_rows"),
 ]
 
 
 @pytest.mark.parametrize("group,match", BAD_GROUPS)
 def test_bad_eval_config_names_the_field(group, match):
   with pytest.raises(ValueError, match=match):
-    EvalConfig(**group)
+    config_lib.build(EvalConfig, group, "eval")
 
 
 @pytest.mark.parametrize("group,match", [({"kk": 3}, r"config\.eval\.kk"), *BAD_GROUPS])

@@ -10,13 +10,14 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ada_jax import checkpoint, runstate
+from ada_jax import checkpoint, loop, runstate
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding, weights
 from ada_jax.rl import train
@@ -113,18 +114,12 @@ def test_reference_params_and_no_est(tmp_path):
 
 
 def test_resume_order(tmp_path):
+  """`loop.initial_state`'s order: 1. the run's own latest checkpoint; 2. `init_from`;
+  3. pretrained weights; 4. random init (the run's init key)."""
   mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
   target = train.abstract_state(CONFIG, TRAIN, mesh)
-  fresh_params = model_lib.init_params(CONFIG, jax.random.key(1))
-
-  def start(params):
-    params = fresh_params if params is None else params
-    return checkpoint.RunState(
-      train=train.init_train_state(CONFIG, TRAIN, params, mesh),
-      rng=jax.random.key(0),
-      host={"rl_step": 0},
-    )
-
+  root = jax.random.key(0)
+  fresh_params = model_lib.init_params(CONFIG, loop.run_keys(root).init)
   other = checkpoint.make_manager(tmp_path / "other")
   other_run = checkpoint.RunState(
     train=_state(mesh, shift=1.0), rng=jax.random.key(5), host={"rl_step": 9}
@@ -134,54 +129,48 @@ def test_resume_order(tmp_path):
   hf = tmp_path / "hf"
   checkpoint.export_hf(CONFIG, jax.tree.map(lambda x: x * 2, fresh_params), hf)
 
+  def initial(workdir, init_from="", pretrained=None):
+    cfg = types.SimpleNamespace(
+      seed=0, ckpt=types.SimpleNamespace(init_from=init_from), warmstart=None, train=TRAIN
+    )
+    manager = checkpoint.make_manager(tmp_path / workdir)
+    return loop.initial_state(
+      cfg, manager, target, CONFIG, None, mesh, model_dir=pretrained, host={"rl_step": 0}
+    )
+
   # 1. the run's own latest checkpoint wins over everything else.
-  run, source = checkpoint.resume(
-    checkpoint.make_manager(tmp_path / "other"),
-    target,
-    start=start,
-    init_from=str(hf),
-    pretrained=str(hf),
-  )
+  run, source = initial("other", init_from=str(hf), pretrained=str(hf))
   assert source == "checkpoint:9" and run.host["rl_step"] == 9
   # 2. init_from: another run's params, fresh optimizer and step.
-  run, source = checkpoint.resume(
-    checkpoint.make_manager(tmp_path / "a"),
-    target,
-    start=start,
-    init_from=str(tmp_path / "other"),
-    pretrained=str(hf),
-  )
+  run, source = initial("a", init_from=str(tmp_path / "other"), pretrained=str(hf))
   assert source.startswith("init_from:") and int(run.train.step) == 0
+  assert run.host == {"rl_step": 0}
   _assert_tree_equal(run.train.params, other_run.train.params)
   # A step that was never saved: the error names the field and lists the saved steps.
   with pytest.raises(FileNotFoundError, match=r"config\.ckpt\.init_from: .*holds steps \[9\]"):
-    checkpoint.resume(
-      checkpoint.make_manager(tmp_path / "d"),
-      target,
-      start=start,
-      init_from=str(tmp_path / "other" / "5"),
-    )
+    initial("d", init_from=str(tmp_path / "other" / "5"))
   # 3. pretrained Hugging Face weights (the exported folder), on the target shardings.
-  run, source = checkpoint.resume(
-    checkpoint.make_manager(tmp_path / "b"), target, start=start, pretrained=str(hf)
-  )
+  run, source = initial("b", pretrained=str(hf))
   assert source == f"pretrained:{hf}"
   _assert_tree_equal(run.train.params, jax.tree.map(lambda x: x * 2, fresh_params))
-  # 4. from scratch.
-  run, source = checkpoint.resume(checkpoint.make_manager(tmp_path / "c"), target, start=start)
+  # 4. from scratch: the init key of the config's seed.
+  run, source = initial("c")
   assert source == "scratch"
   _assert_tree_equal(run.train.params, fresh_params)
+  np.testing.assert_array_equal(jax.random.key_data(run.rng), jax.random.key_data(root))
   with pytest.raises(weights.CheckpointError, match="no_such_weights: no such folder"):
-    checkpoint.resume(
-      checkpoint.make_manager(tmp_path / "d"),
-      target,
-      start=start,
-      pretrained=str(tmp_path / "no_such_weights"),
-    )
+    initial("d", pretrained=str(tmp_path / "no_such_weights"))
   with pytest.raises(FileNotFoundError, match="init_from"):
-    checkpoint.resume(
-      checkpoint.make_manager(tmp_path / "e"), target, start=start, init_from=str(tmp_path / "c")
-    )
+    initial("e", init_from=str(tmp_path / "c"))
+
+
+def test_run_keys_are_one_split_of_the_root():
+  root = jax.random.key(3)
+  keys = loop.run_keys(root)
+  split = jax.random.split(root, 3)
+  for i, k in enumerate((keys.init, keys.rollout, keys.eval)):
+    np.testing.assert_array_equal(jax.random.key_data(k), jax.random.key_data(split[i]))
+  assert len({tuple(np.asarray(jax.random.key_data(k)).tolist()) for k in split}) == 3
 
 
 def test_bad_config_names_the_field():
@@ -372,10 +361,6 @@ def _saved_run(tmp_path, steps=(1, 2, 3)):
   return mesh, train.abstract_state(CONFIG, TRAIN, mesh)
 
 
-def _start(params):
-  raise AssertionError("a readable checkpoint exists: start() must not run")
-
-
 @pytest.mark.parametrize("corrupt", CORRUPTIONS, ids=lambda f: f.__name__.strip("_"))
 def test_resume_skips_an_unreadable_checkpoint_naming_it(tmp_path, corrupt, caplog):
   """The latest checkpoint that restores is used; the skipped one is named with its file
@@ -385,8 +370,8 @@ def test_resume_skips_an_unreadable_checkpoint_naming_it(tmp_path, corrupt, capl
   item, why = corrupt(tmp_path / "ckpt" / "3")
   manager = checkpoint.make_manager(tmp_path / "ckpt")
   with caplog.at_level("WARNING"):
-    run, source = checkpoint.resume(manager, target, start=_start)
-  assert source == "checkpoint:2" and run.host == {"step": 2}
+    run, step = checkpoint.restore_latest(manager, target)
+  assert step == 2 and run.host == {"step": 2}
   warning = " ".join(r.getMessage() for r in caplog.records)
   assert f"checkpoint 3 does not restore: {tmp_path / 'ckpt' / '3' / item}" in warning
   assert re.search(why, warning) and "3.unreadable" in warning
@@ -401,7 +386,7 @@ def test_no_readable_checkpoint_is_one_line_naming_step_and_file(tmp_path):
   _no_params(tmp_path / "ckpt" / "4")
   manager = checkpoint.make_manager(tmp_path / "ckpt")
   with pytest.raises(checkpoint.UnreadableCheckpoint) as e:
-    checkpoint.resume(manager, target, start=_start)
+    checkpoint.restore_latest(manager, target)
   assert (
     str(e.value) == f"checkpoint 4 does not restore: {tmp_path / 'ckpt' / '4' / 'params'}: missing"
   )

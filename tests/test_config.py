@@ -225,10 +225,12 @@ def test_a_non_finite_value_is_refused_naming_the_field(field, bad):
 @pytest.mark.parametrize(
   "edit,match",
   [
-    (lambda c: c["rl"].update(judge="foo"), r"config\.rl: RLConfig\.judge='foo'"),
-    (lambda c: c["rl"].update(verifier_timeout_s=0), r"RLConfig\.verifier_timeout_s=0"),
-    (lambda c: c["rl"].update(verifier_workers=-1), r"RLConfig\.verifier_workers"),
-    (lambda c: c["eval"].update(verifier_timeout_s=0.0), r"eval\.verifier_timeout_s"),
+    (lambda c: c["rl"]["verifier"].update(judge="foo"), r"config\.rl\.verifier: judge='foo'"),
+    (lambda c: c["rl"]["verifier"].update(judge=""), r"RLConfig\.verifier\.judge is empty"),
+    (lambda c: c["rl"]["verifier"].update(timeout_s=0), r"config\.rl\.verifier: timeout_s=0"),
+    (lambda c: c["rl"]["verifier"].update(num_workers=-1), r"rl\.verifier: num_workers=-1"),
+    (lambda c: c["eval"].update(verifier={"timeout_s": 0.0}), r"eval\.verifier: timeout_s=0"),
+    (lambda c: c["eval"]["sampler"].update(top_k=-1), r"config\.eval\.sampler: .*top_k"),
     (lambda c: c["sampler"].update(prompt_buckets=()), r"config\.sampler\.prompt_buckets=\(\)"),
     (lambda c: c["sampler"].update(prompt_buckets=(8,)), r"prompt_buckets \(largest 8\).*16"),
     (lambda c: c["sampler"].update(prompt_buckets=(0, 16)), r"config\.sampler\.prompt_buckets"),

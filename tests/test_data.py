@@ -301,7 +301,7 @@ def test_bad_user_data_is_a_config_error_with_nothing_written(tmp_path, monkeypa
   monkeypatch.delenv("TFDS_DATA_DIR", raising=False)
   cfg = config_lib.parse(_jsonl_run_config(tmp_path, rows))
   with pytest.raises(config_lib.ConfigError, match=match):
-    inputs.load_prompts(cfg, arith.load_tokenizer())
+    inputs.load_prompts(cfg.data, arith.load_tokenizer(), seed=cfg.seed)
   assert not (tmp_path / "home").exists()
 
 
@@ -403,3 +403,12 @@ def test_reachable_probes_one_local_port():
   finally:
     server.close()
   assert not reachable(f"http://127.0.0.1:{port}/x.jsonl", timeout_s=2.0)
+
+
+def test_the_tfds_data_directory_has_one_default(monkeypatch, tmp_path):
+  monkeypatch.setenv("TFDS_DATA_DIR", "")  # set but empty: the home default, as if unset
+  home = str(pathlib.Path.home() / "tensorflow_datasets")
+  assert data.tfds_data_dir() == home == data.tfds_data_dir("")
+  monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path))
+  assert data.tfds_data_dir() == str(tmp_path)
+  assert data.tfds_data_dir("/given") == "/given"

@@ -124,7 +124,8 @@ def test_patterns_find_names_and_paths():
     "rl.judge",
     "loop.rl_step",
   ]
-  assert _is_setting("rl.judge") and _is_setting("data.source") and not _is_setting("rl.stream")
+  assert _is_setting("rl.verifier.judge") and _is_setting("data.source")
+  assert not _is_setting("rl.judge") and not _is_setting("rl.stream")
 
 
 def test_dotted_names_resolve():

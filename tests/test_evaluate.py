@@ -87,16 +87,16 @@ def test_a_reused_workdir_never_answers_for_other_weights(tmp_path):
   name and workdir sample again (the cache grows); the same weights again do not."""
   from ada_jax.data import arith
   from ada_jax.eval.benchmarks import EvalConfig
+  from ada_jax.rewards.verifier import VerifierConfig
+  from ada_jax.rollout.spec import SamplerSpec
 
   eval_cfg = EvalConfig(
     benchmarks=("arith",),
     k=2,
-    max_new_tokens=8,
-    prompt_buckets=(16,),
+    sampler=SamplerSpec(max_new_tokens=8, prompt_buckets=(16,), chunk_rows=8),
     max_prompt_tokens=16,
     arith_problems=4,
-    verifier_workers=1,
-    chunk_rows=8,
+    verifier=VerifierConfig(judge="", num_workers=1),
   )
   tokenizer = arith.load_tokenizer()
 
@@ -199,19 +199,19 @@ def test_math500_tiny_llama_cli_writes_reports_and_resumes(shared_dir, tmp_path,
     )
   )
   (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [128001, 128009]}))
-  eval_fields = dict(
-    benchmarks=("math500",),
-    k=4,
-    max_new_tokens=64,
-    limit=16,
-    chunk_rows=32,
-    problems_per_batch=8,
-    prompt_buckets=(512,),
-    max_prompt_tokens=512,
-    verifier_workers=1,
-    manual_dir=str(shared_dir / "data"),
-    data_dir=str(tmp_path / "tfds"),
-  )
+  eval_fields = {
+    "benchmarks": ("math500",),
+    "k": 4,
+    "sampler.max_new_tokens": 64,
+    "limit": 16,
+    "sampler.chunk_rows": 32,
+    "problems_per_batch": 8,
+    "sampler.prompt_buckets": (512,),
+    "max_prompt_tokens": 512,
+    "verifier": {"num_workers": 1},
+    "manual_dir": str(shared_dir / "data"),
+    "data_dir": str(tmp_path / "tfds"),
+  }
   config = _write_config(
     tmp_path / "cfg.py", model={"hf_dir": str(folder), "dtype": "float32"}, eval=eval_fields
   )
@@ -272,14 +272,12 @@ def test_arith_from_orbax_checkpoint_equals_hf_folder(tmp_path):
   )
   eval_fields = dict(
     k=2,  # --k=4 below
-    max_new_tokens=12,
+    **{"sampler.max_new_tokens": 12, "sampler.chunk_rows": 32, "sampler.prompt_buckets": (16,)},
     arith_problems=64,  # --limit=24 below
     arith_levels=(1, 2),
-    chunk_rows=32,
     problems_per_batch=16,
-    prompt_buckets=(16,),
     max_prompt_tokens=16,
-    verifier_workers=1,
+    verifier={"num_workers": 1},
     greedy=True,
   )
   preset = {"preset": "tiny-llama", "dtype": "float32", "overrides": arch}

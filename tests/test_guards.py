@@ -23,6 +23,7 @@ from ada_jax.eval.benchmarks import EvalConfig
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import weights
 from ada_jax.rollout import sampler as sampler_lib
+from ada_jax.rollout.spec import SamplerSpec
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = sorted(
@@ -80,14 +81,13 @@ def test_evaluation_checks_the_context_first(tmp_path):
   config = EvalConfig(
     benchmarks=("arith",),
     k=1,
-    max_new_tokens=60,
-    prompt_buckets=(16,),
+    sampler=SamplerSpec(max_new_tokens=60, prompt_buckets=(16,)),
     max_prompt_tokens=16,
     arith_problems=4,
-    verifier_workers=1,
   )
   with metrics_lib.CompileCounter() as compiles:
-    with pytest.raises(config_lib.ConfigError, match=r"config\.eval\.max_new_tokens \(60\)"):
+    match = r"config\.eval\.sampler\.max_new_tokens \(60\)"
+    with pytest.raises(config_lib.ConfigError, match=match):
       evaluate.run(
         config,
         tmp_path,
@@ -104,11 +104,13 @@ def test_evaluation_checks_the_context_first(tmp_path):
 def test_prompt_selection_checks_the_context_first(tmp_path):
   model, tokenizer = _tiny_arith_model()
   config = select_prompts.SelectConfig.of(
-    k=2, max_new_tokens=60, prompt_buckets=(16,), judge="exact", verifier_workers=1
+    k=2,
+    sampler={"max_new_tokens": 60, "prompt_buckets": (16,)},
+    verifier={"judge": "exact", "num_workers": 1},
   )
   with metrics_lib.CompileCounter() as compiles:
     with pytest.raises(
-      config_lib.ConfigError, match=r"SelectConfig\.sampling\.max_new_tokens \(60\)"
+      config_lib.ConfigError, match=r"SelectConfig\.sampling\.sampler\.max_new_tokens \(60\)"
     ):
       select_prompts.run(
         config,
@@ -138,20 +140,21 @@ def test_shipped_configs_fit_their_models(path):
     )
   model = spec.model_config()
   cfg.check_model(model)
+  s = cfg.eval.sampler
   config_lib.context_fits(
-    model, cfg.eval.prompt_buckets, cfg.eval.max_new_tokens, "config.eval"
+    model, s.prompt_buckets, s.max_new_tokens, "config.eval.sampler"
   )  # also when the config names no benchmark
   if path.stem.startswith(("qwen_math", "llama3b")):
     assert max(cfg.sampler.prompt_buckets) == 1024 and cfg.sampler.max_new_tokens == 2048
-    assert cfg.eval.max_new_tokens == 4096 and cfg.eval.temperature == 1.0
+    assert s.max_new_tokens == 4096 and s.temperature == 1.0
   if path.stem.startswith("qwen_math"):
     assert model.max_position_embeddings == 32768
-    with pytest.raises(config_lib.ConfigError, match=r"config\.eval\.max_new_tokens"):
+    with pytest.raises(config_lib.ConfigError, match=r"config\.eval\.sampler\.max_new_tokens"):
       config_lib.context_fits(
         weights.ModelSpec(preset=HUB_PRESETS[cfg.model.hf_dir]).model_config(),
-        cfg.eval.prompt_buckets,
-        cfg.eval.max_new_tokens,
-        "config.eval",
+        s.prompt_buckets,
+        s.max_new_tokens,
+        "config.eval.sampler",
       )  # without the override, 1,024 + 4,096 exceeds config.json's 4,096 positions
 
 

@@ -36,7 +36,7 @@ LAYERS = (
   ),
   (
     "command lines",
-    ("ada_jax.main", "ada_jax.evaluate", "ada_jax.select_prompts", "ada_jax.plan"),
+    ("ada_jax.main", "ada_jax.evaluate", "ada_jax.select_prompts", "ada_jax.plan", "ada_jax.cli"),
   ),
 )
 PACKAGES = {"ada_jax", "ada_jax.models", "ada_jax.rewards", "ada_jax.data", "ada_jax.rl"}

@@ -62,5 +62,5 @@ def test_paper_configs_use_the_released_judge_and_timeout():
 
   for module in (llama3b_pos, qwen_math7b_balance, qwen_math15b_grpo):
     c = module.get_config()
-    assert c.rl.judge == "released" and c.rl.verifier_timeout_s == 20.0
-  assert tiny_arith_pos.get_config().rl.judge == "exact"
+    assert c.rl.verifier.judge == "released" and c.rl.verifier.timeout_s == 20.0
+  assert tiny_arith_pos.get_config().rl.verifier.judge == "exact"

@@ -46,7 +46,7 @@ def tiny_config(steps: int = 4, schedule: str = "rounds") -> ml_collections.Conf
   c.warmstart.batch_size = 16
   c.eval.arith_problems = 16
   c.eval.k = 2
-  c.eval.chunk_rows = 32
+  c.eval.sampler.chunk_rows = 32
   return c
 
 
@@ -261,13 +261,17 @@ def test_sigterm_saves_and_exits_75(tmp_path):
     (lambda c: (c.ada.__setitem__("method", "balance"), c.ada.__setitem__("n", 3)), "n"),
     (lambda c: c.ada.__setitem__("method", "reinforce"), "method"),
     (lambda c: c.ada.__setitem__("schedule", "streaming"), "config.ada.*schedule"),
-    (lambda c: c.rl.__setitem__("judge", "foo"), r"config\.rl: RLConfig\.judge='foo'"),
-    (lambda c: c.rl.__setitem__("verifier_timeout_s", 0.0), r"verifier_timeout_s=0"),
+    (lambda c: c.rl.verifier.__setitem__("judge", "foo"), r"config\.rl\.verifier: judge='foo'"),
+    (lambda c: c.rl.verifier.__setitem__("timeout_s", 0.0), r"timeout_s=0"),
     (lambda c: c.sampler.__setitem__("prompt_buckets", ()), r"config\.sampler\.prompt_buckets"),
     (lambda c: c.sampler.__setitem__("prompt_buckets", (8,)), r"data\.max_prompt_tokens \(16\)"),
     (lambda c: c.__setitem__("seed", -1), r"config\.seed"),
     (lambda c: c.sampler.__setitem__("temperature", 0.0), r"config\.sampler\.temperature=0"),
     (lambda c: c.optim.__setitem__("learning_rate", float("nan")), r"learning_rate=nan"),
+    (
+      lambda c: c.rl.__setitem__("batch_prompts", 512),
+      r"config\.rl\.batch_prompts \(512\) exceeds the 256 usable training prompts",
+    ),
   ],
 )
 def test_bad_config_fails_before_any_compile(tmp_path, edit, match):

@@ -130,13 +130,13 @@ def test_resume_refuses_a_changed_seed_and_architecture():
   keep=st.integers(1, 20),
   k=st.integers(1, 64),
   eval_every=st.integers(0, 50),
-  log_samples=st.integers(0, 8),
+  workers=st.integers(0, 8),
 )
-def test_resume_allows_the_documented_changes(steps, every, keep, k, eval_every, log_samples):
+def test_resume_allows_the_documented_changes(steps, every, keep, k, eval_every, workers):
   """rl.steps (to extend), logging and checkpoint cadence, ckpt.keep and the evaluation's
   settings may change on resume (docs/design.md "Run state")."""
   now = _record(
-    rl={"steps": steps, "log_samples": log_samples},
+    rl={"steps": steps, "verifier": {"num_workers": workers}},
     ckpt={"every_steps": every, "keep": keep},
     eval={"k": k, "every_steps": eval_every},
   )

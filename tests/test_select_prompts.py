@@ -96,7 +96,7 @@ def _known_counts_policy(calls: list):
 
 
 def test_stub_policy_with_known_pass_rates_yields_exactly_the_expected_sets(tmp_path):
-  config = SelectConfig.of(k=K, problems_per_batch=5, judge="exact")
+  config = SelectConfig.of(k=K, problems_per_batch=5, verifier={"judge": "exact"})
   assert [r.name for r in config.rules] == ["hard", "easy"]  # The paper's two sets.
   ps = _prompt_set(len(COUNTS))
   calls = []
@@ -159,7 +159,7 @@ def _random_policy(calls: list):
 
 
 def test_resumes_from_the_cache_and_is_deterministic_for_a_seed(tmp_path):
-  config = SelectConfig.of(k=8, problems_per_batch=4, judge="exact")
+  config = SelectConfig.of(k=8, problems_per_batch=4, verifier={"judge": "exact"})
   ps = _prompt_set(10)
   cache = benchmarks.ResultCache(tmp_path / "cache.jsonl")
   calls = []
@@ -184,7 +184,7 @@ def test_resumes_from_the_cache_and_is_deterministic_for_a_seed(tmp_path):
   assert [r["pass_count"] for r in other_seed] != [r["pass_count"] for r in fresh]
 
   calls.clear()  # A different batch layout changes the keys: the cache is not reused.
-  bigger = SelectConfig.of(k=8, problems_per_batch=5, judge="exact")
+  bigger = SelectConfig.of(k=8, problems_per_batch=5, verifier={"judge": "exact"})
   select_prompts.pass_rates(
     policy, _exact, ps, bigger, jax.random.key(5), cache=reloaded, model_tag="stub"
   )
@@ -319,7 +319,7 @@ def test_cli_model_from_hf_folder_or_checkpoint_gives_the_same_rows(tmp_path):
   assert from_hf["model"].startswith("weights:") and from_hf["init_from"] == ""
   assert from_ckpt["init_from"] == str(tmp_path / "work" / "checkpoints" / "3")
   assert from_hf["num_prompts"] == 12 and from_hf["k"] == 2 and from_hf["settings"]["seed"] == 4
-  assert from_hf["settings"]["max_new_tokens"] == 12
+  assert from_hf["settings"]["sampler"]["max_new_tokens"] == 12
   lengths = [r["mean_response_tokens"] for r in from_hf["rows"]]
   assert lengths == [r["mean_response_tokens"] for r in from_ckpt["rows"]]
   assert len(set(lengths)) > 1  # random responses, identical from both loads

@@ -85,12 +85,11 @@ def test_each_stop_id_ends_a_response_in_training_and_evaluation(llama_folder, m
   tok = Tokenizer.from_dir(llama_folder)
   spec = SamplerSpec(max_new_tokens=BUDGET, chunk_rows=8, prompt_buckets=(8,))
   training = sampler_lib.Sampler.from_spec(
-    config, spec, stop_ids=tok.eos_ids, prompts_per_chunk=1, pad_id=tok.pad_id
+    config, spec, stop_ids=tok.eos_ids, rows_per_prompt=8, pad_id=tok.pad_id
   )
   evaluation = eval_sampling.make_sampler(
-    config, tok, EvalConfig(benchmarks=(), k=2, max_new_tokens=BUDGET, chunk_rows=8,
-                            prompt_buckets=(8,), max_prompt_tokens=8)
-  )  # fmt: skip
+    config, tok, EvalConfig(benchmarks=(), k=2, sampler=spec, max_prompt_tokens=8)
+  )
   for smp in (training, evaluation):
     for stop in LLAMA32_STOPS:
       assert _lengths(smp, _always(config, params, stop)) == ([stop, stop], [1, 1])

@@ -156,20 +156,24 @@ def _cfg(tmp_path, verl_set, **data):
   )
 
 
+def _prompts(cfg, tok):
+  return inputs.load_prompts(cfg.data, tok, seed=cfg.seed)
+
+
 def test_load_prompts_reads_a_verl_set_and_names_the_field_on_errors(tmp_path):
   tok = arith.load_tokenizer()
   path = write_parquet(tmp_path / "train.parquet")
-  ps = inputs.load_prompts(_cfg(tmp_path, str(path)), tok)
+  ps = _prompts(_cfg(tmp_path, str(path)), tok)
   assert len(ps) == 3 and ps.answers == ("3", "6", "6")
   bad = write_parquet(tmp_path / "bad" / "train.parquet", _bad("reward_model.ground_truth", None))
   with pytest.raises(
     config_lib.ConfigError, match=r"config\.data\.verl_set: .*row 1.*ground_truth"
   ):
-    inputs.load_prompts(_cfg(tmp_path, str(bad)), tok)
+    _prompts(_cfg(tmp_path, str(bad)), tok)
   with pytest.raises(config_lib.ConfigError, match=r"config\.data\.prompt_style"):
-    inputs.load_prompts(_cfg(tmp_path, str(path), prompt_style="plain"), tok)
+    _prompts(_cfg(tmp_path, str(path), prompt_style="plain"), tok)
   with pytest.raises(config_lib.ConfigError, match=r"config\.data\.manual_dir"):
-    inputs.load_prompts(_cfg(tmp_path, "RLHFlow/reinforce_ada_hard_prompt"), tok)
+    _prompts(_cfg(tmp_path, "RLHFlow/reinforce_ada_hard_prompt"), tok)
 
 
 def _load(name):

@@ -16,6 +16,7 @@ order they are drawn in, is `data.prompts`.
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 import socket
 import urllib.parse
@@ -237,6 +238,14 @@ def builder(
 def decode(raw: Mapping[str, Any]) -> dict[str, str]:
   """A data-source element (text features come back as bytes) as a dict of str."""
   return {k: v.decode("utf-8") if isinstance(v, bytes) else str(v) for k, v in raw.items()}
+
+
+def tfds_data_dir(given: str = "") -> str:
+  """The TFDS data directory: `given`, else $TFDS_DATA_DIR when set and not empty, else
+  ~/tensorflow_datasets (the `data_dir` fields of `data` and `eval`)."""
+  return (
+    given or os.environ.get("TFDS_DATA_DIR") or str(pathlib.Path.home() / "tensorflow_datasets")
+  )
 
 
 def load_examples(

@@ -43,8 +43,8 @@ from absl import logging
 from ada_jax.data import arith, prompts
 from ada_jax.data import sets as data
 from ada_jax.models.tokenizer import Tokenizer
-from ada_jax.rewards import judges
-from ada_jax.rollout import sampler
+from ada_jax.rewards.verifier import VerifierConfig
+from ada_jax.rollout.spec import SamplerSpec
 
 PAPER_BENCHMARKS = ("math500", "minerva_math", "olympiadbench", "aime24", "amc23")
 # Benchmark name -> (default judge, default prompt style). The maths sets use the training
@@ -67,28 +67,24 @@ class EvalConfig:
   Attributes:
     benchmarks: names in `BENCHMARKS` (a comma-separated string is split).
     k: responses per problem (Avg@k, paper: 32).
-    temperature: sampling temperature of the k responses (paper: 1.0).
-    top_p: nucleus mass (paper: 1.0).
-    top_k: keep the k most likely tokens; 0 keeps all.
-    max_new_tokens: response budget in tokens (paper: 4096).
+    sampler: how the k responses are drawn, in the rollout's terms (`SamplerSpec`): the
+      sampling rule (paper: temperature 1.0, top_p 1.0), `max_new_tokens` (paper: 4096),
+      `chunk_rows` (rows per sampler launch), `prompts_per_chunk` (0 = chunk_rows // k, at
+      least 1, so that the k rows of a problem share one prefill) and `prompt_buckets`
+      (padded prompt lengths, one compile each; the largest must hold `max_prompt_tokens`).
     pass_at: j values of extra pass@j metrics (1 <= j <= k); pass@k is always reported.
     greedy: also report greedy accuracy (one more generation pass, one row per problem).
     prompt_style: key of `prompts.PROMPT_STYLES`; '' = the benchmark's default ('chat' for
       the maths sets, 'raw' for arith).
-    judge: reward function (`rewards.judges.JUDGES`); '' = the benchmark's default ('math' for the
-      maths sets, 'exact' for arith).
+    verifier: the reward pools (`rewards.verifier.VerifierConfig`); its `judge` '' = each
+      benchmark's default ('math' for the maths sets, 'exact' for arith).
     max_prompt_tokens: longer prompts are dropped and counted (docs/design.md "Algorithm": 1024).
     limit: evaluate only the first `limit` problems of each benchmark; 0 = all.
-    seed: seed of the sampling key (`run`); `evaluate` takes the key as an argument.
-    chunk_rows: rows per sampler launch (C).
-    prompts_per_chunk: distinct prompts per launch; 0 = chunk_rows // k (at least 1), so
-      that the k rows of a problem share one prefill.
-    prompt_buckets: padded prompt lengths (one compile each); the largest must hold
-      `max_prompt_tokens`.
+    seed: seed of the held-out arithmetic split, and of the sampling key of an
+      `evaluation.run` given none (the prompt selection's K-sampling); a training run and
+      `python -m ada_jax.evaluate` sample with the run's eval key (`loop.RunKeys.eval`).
     problems_per_batch: problems per sampler call; also the granularity of the results
       cache and of the progress bar.
-    verifier_workers: reward worker processes per judge (0 = all cores).
-    verifier_timeout_s: hard per-response verifier timeout (seconds).
     data_dir: TFDS data directory; '' = $TFDS_DATA_DIR or ~/tensorflow_datasets.
     manual_dir: folder with the maths JSONL files (layout of ../shared/data); '' =
       download from their public sources.
@@ -101,23 +97,15 @@ class EvalConfig:
 
   benchmarks: tuple[str, ...] = PAPER_BENCHMARKS
   k: int = 32
-  temperature: float = 1.0
-  top_p: float = 1.0
-  top_k: int = 0
-  max_new_tokens: int = 4096
+  sampler: SamplerSpec = SamplerSpec(max_new_tokens=4096)
   pass_at: tuple[int, ...] = ()
   greedy: bool = False
   prompt_style: str = ""
-  judge: str = ""
+  verifier: VerifierConfig = VerifierConfig(judge="")
   max_prompt_tokens: int = 1024
   limit: int = 0
   seed: int = 0
-  chunk_rows: int = 64
-  prompts_per_chunk: int = 0
-  prompt_buckets: tuple[int, ...] = (128, 256, 512, 1024)
   problems_per_batch: int = 64
-  verifier_workers: int = 0
-  verifier_timeout_s: float = 5.0
   data_dir: str = ""
   manual_dir: str = ""
   arith_levels: tuple[int, ...] = ()
@@ -129,13 +117,7 @@ class EvalConfig:
     if isinstance(self.benchmarks, str):  # 'math500,aime24', e.g. from a command line.
       names = [b.strip() for b in self.benchmarks.split(",")]
       object.__setattr__(self, "benchmarks", [b for b in names if b])
-    for name in (
-      "benchmarks",
-      "pass_at",
-      "prompt_buckets",
-      "arith_levels",
-      "arith_ops",
-    ):  # Hashable.
+    for name in ("benchmarks", "pass_at", "arith_levels", "arith_ops"):  # Hashable.
       object.__setattr__(self, name, tuple(getattr(self, name)))
 
     def need(ok: bool, field: str, what: str):
@@ -151,18 +133,16 @@ class EvalConfig:
       "prompt_style",
       f"known: {sorted(prompts.PROMPT_STYLES)}",
     )
-    need(self.judge in ("", *judges.JUDGES), "judge", f"known: {sorted(judges.JUDGES)}")
-    for field in ("max_new_tokens", "chunk_rows", "problems_per_batch", "max_prompt_tokens"):
+    for field in ("problems_per_batch", "max_prompt_tokens"):
       need(getattr(self, field) >= 1, field, "must be >= 1")
-    for field in ("limit", "prompts_per_chunk", "verifier_workers", "every_steps", "top_k"):
+    for field in ("limit", "every_steps"):
       need(getattr(self, field) >= 0, field, "must be >= 0")
-    need(self.verifier_timeout_s > 0, "verifier_timeout_s", "must be > 0")
-    need(
-      bool(self.prompt_buckets) and max(self.prompt_buckets) >= self.max_prompt_tokens,
-      "prompt_buckets",
-      f"the largest must be >= max_prompt_tokens={self.max_prompt_tokens}",
-    )
-    sampler.SamplingRule(self.temperature, self.top_k, self.top_p)  # Raises on bad values.
+    buckets = self.sampler.prompt_buckets
+    if not buckets or max(buckets) < self.max_prompt_tokens:
+      raise ValueError(
+        f"eval.sampler.prompt_buckets={buckets!r}: the largest must be >= "
+        f"max_prompt_tokens={self.max_prompt_tokens}"
+      )
 
   @property
   def pass_ks(self) -> tuple[int, ...]:
@@ -287,9 +267,10 @@ class ResultCache:
 
 def _settings_key(config: EvalConfig, mode: str, judge: str, model_tag: str, rng) -> str:
   # The prompt itself is checked per record (`_digest`), so style and template are not here.
-  names = ("max_new_tokens", *(("k", "temperature", "top_p", "top_k") if mode == "sample" else ()))
+  s = config.sampler
+  rule = (config.k, s.temperature, s.top_p, s.top_k) if mode == "sample" else ()
   key_data = np.asarray(jax.random.key_data(rng)).tolist() if mode == "sample" else None
-  settings = [model_tag, mode, judge, key_data, *(getattr(config, n) for n in names)]
+  settings = [model_tag, mode, judge, key_data, s.max_new_tokens, *rule]
   return hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:16]
 
 
@@ -458,9 +439,7 @@ def load_examples(name: str, config: EvalConfig) -> list[dict[str, str]]:
     task = arith.ArithConfig(**{k: v for k, v in fields.items() if v})
     n = min(config.limit or config.arith_problems, config.arith_problems)
     return arith.examples(task, "test", n, seed=config.seed)
-  data_dir = config.data_dir or os.environ.get(
-    "TFDS_DATA_DIR", os.path.expanduser("~/tensorflow_datasets")
-  )
+  data_dir = data.tfds_data_dir(config.data_dir)
   examples = data.load_examples(
     name, "test", data_dir=data_dir, manual_dir=config.manual_dir or None
   )
@@ -486,5 +465,5 @@ def load_benchmarks(config: EvalConfig, tokenizer: Tokenizer) -> list[Benchmark]
         ps.num_dropped,
         config.max_prompt_tokens,
       )
-    out.append(Benchmark(name, ps, config.judge or judge))
+    out.append(Benchmark(name, ps, config.verifier.judge or judge))
   return out

@@ -43,7 +43,7 @@ from ada_jax.eval import sampling as eval_sampling
 from ada_jax.eval.benchmarks import EvalConfig
 from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.models.tokenizer import Tokenizer
-from ada_jax.rewards.verifier import RewardPool, VerifierConfig
+from ada_jax.rewards.verifier import RewardPool
 
 # --------------------------------------------------------------------------- reports
 
@@ -108,6 +108,7 @@ def run(
   name: str,
   mesh: jax.sharding.Mesh | None = None,
   samplers: eval_sampling.EvalSamplers | None = None,
+  rng: jax.Array | None = None,
   progress: bool = True,
 ) -> dict[str, Any]:
   """Evaluates a model on `config.benchmarks` with verifier pools and the results cache,
@@ -126,6 +127,8 @@ def run(
     mesh: sampler mesh or None.
     samplers: the run's `EvalSamplers` (built once, so repeated calls do not recompile);
       None = built here for this call on `mesh`.
+    rng: the sampling key (a training run's `loop.RunKeys.eval`); None =
+      `jax.random.key(config.seed)`.
     progress: tqdm bars.
 
   Returns:
@@ -136,18 +139,16 @@ def run(
     ConfigError: the largest prompt bucket plus `max_new_tokens` exceed the model's
       positions (before anything compiles).
   """
-  config_lib.context_fits(model_config, config.prompt_buckets, config.max_new_tokens, "config.eval")
+  s = config.sampler
+  config_lib.context_fits(model_config, s.prompt_buckets, s.max_new_tokens, "config.eval.sampler")
   out_dir = pathlib.Path(workdir) / "eval"
   start = time.perf_counter()
   benchmarks = benchmarks_lib.load_benchmarks(config, tokenizer)
+  rng = jax.random.key(config.seed) if rng is None else rng
   with contextlib.ExitStack() as stack:
     scorers = {}
     for judge in sorted({b.judge for b in benchmarks}):
-      pool = RewardPool(
-        VerifierConfig(
-          judge=judge, num_workers=config.verifier_workers, timeout_s=config.verifier_timeout_s
-        )
-      )
+      pool = RewardPool(dataclasses.replace(config.verifier, judge=judge))
       scorers[judge] = stack.enter_context(pool).score
     # One file per process: each process must find the same finished batches on resume
     # (every process launches the same sampler calls), even without a shared file system.
@@ -157,7 +158,7 @@ def run(
       samplers = eval_sampling.EvalSamplers.make(model_config, tokenizer, config, mesh)
     kw = dict(cache=cache, model_tag=model_tag, progress=progress)
     results = eval_sampling.evaluate(
-      params, samplers, tokenizer, benchmarks, config, jax.random.key(config.seed), scorers, **kw
+      params, samplers, tokenizer, benchmarks, config, rng, scorers, **kw
     )
   settings = dataclasses.asdict(config)
   name = report_name(out_dir, name, model_tag, settings)

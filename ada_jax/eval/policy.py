@@ -2,12 +2,10 @@
 tokenizer, placed on a mesh.
 
 `load_model` reads a Hugging Face folder (or Hub id), an orbax checkpoint of a run, or the
-config's `model.hf_dir`. With `init_dir` it also builds the policy a fresh training run of
-the config would start from when nothing names weights: random init (the loop's init key)
-followed by the config's warm start, saved under `init_dir` so that a rerun reads it back
-and training can start from it (`ckpt.init_from`). This is the resume order of
-`checkpoint.resume` (docs/design.md "One RL step", set-up): another run's params, then
-pretrained weights, then init + warm start.
+config's `model.hf_dir`. With `init_dir` it measures the policy a fresh training run of the
+config would start from (`loop.initial_params`: `ckpt.init_from`, else `model.hf_dir`,
+else random init with the run's init key followed by the config's warm start, saved under
+`init_dir` so that a rerun reads it back and training can start from it).
 """
 
 from __future__ import annotations
@@ -23,13 +21,11 @@ from absl import logging
 
 from ada_jax import checkpoint as checkpoint_lib
 from ada_jax import config as config_lib
-from ada_jax import inputs
+from ada_jax import inputs, loop
 from ada_jax.eval.evaluation import weights_tag
-from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding, weights
 from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.models.tokenizer import Tokenizer
-from ada_jax.rl import warmstart as warmstart_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +91,6 @@ def load_model(
   """
   if hf_dir is not None and checkpoint_path is not None:
     raise ValueError("give at most one of --hf_dir and --checkpoint")
-  if init_dir is not None and hf_dir is None and checkpoint_path is None:
-    checkpoint_path = cfg.ckpt.init_from or None  # resume order step 2: another run's
   model, field = cfg.model, "config.model.hf_dir"
   if hf_dir is not None:
     model, field = weights.ModelSpec(hf_dir=hf_dir, dtype=cfg.model.dtype), "--hf_dir"
@@ -104,39 +98,35 @@ def load_model(
   if tokenizer_dir:
     tokenizer = dataclasses.replace(tokenizer, dir=tokenizer_dir)
   model_dir, model_config, tok = inputs.load_model_files(model, tokenizer, hf_field=field)
+  target = sharding.abstract_params(model_config, mesh)
+  if init_dir is not None and hf_dir is None and checkpoint_path is None:
+    recipe = [dataclasses.asdict(cfg.model), cfg.warmstart and dataclasses.asdict(cfg.warmstart)]
+    digest = hashlib.sha256(json.dumps([*recipe, cfg.seed], default=str).encode()).hexdigest()
+    folder = pathlib.Path(init_dir).absolute() / f"base_params_{digest[:12]}"
+    if not (cfg.ckpt.init_from or model_dir or cfg.warmstart):
+      logging.warning("no checkpoint, hf_dir or warm start: measuring a RANDOM model")
+    params, source, _ = loop.initial_params(
+      cfg,
+      model_config,
+      tok,
+      target,
+      model_dir=model_dir,
+      init_key=loop.run_keys(jax.random.key(cfg.seed)).init,
+      progress=progress,
+      scratch_cache=folder,
+    )
+    init_from = {
+      "init_from": str(pathlib.Path(cfg.ckpt.init_from).absolute()),
+      "scratch": str(folder),
+    }
+    tag = weights_tag(params, model_config)
+    return LoadedModel(params, model_config, tok, tag, init_from.get(source.split(":")[0], ""))
   if checkpoint_path is not None:
     path = pathlib.Path(checkpoint_path).absolute()
-    target = sharding.abstract_params(model_config, mesh)
     params = checkpoint_lib.restore_params(path, target)
     return LoadedModel(params, model_config, tok, weights_tag(params, model_config), str(path))
   if model_dir is not None:
     shardings = sharding.param_shardings(model_config, mesh)
     _, params = weights.load_hf(model_dir, dtype=model_config.param_dtype, shardings=shardings)
     return LoadedModel(params, model_config, tok, weights_tag(params, model_config))
-  if init_dir is None:
-    return LoadedModel(None, model_config, tok, "")
-  return _initial_policy(cfg, mesh, model_config, tok, pathlib.Path(init_dir), progress)
-
-
-def _initial_policy(cfg, mesh, model_config, tokenizer, init_dir, progress) -> LoadedModel:
-  """Resume order step 4, the loop's own start: random init (its init key) then the
-  config's warm start; saved so that a rerun skips the warm start."""
-  recipe = [dataclasses.asdict(cfg.model), cfg.warmstart and dataclasses.asdict(cfg.warmstart)]
-  digest = hashlib.sha256(json.dumps([*recipe, cfg.seed], default=str).encode()).hexdigest()
-  folder = init_dir.absolute() / f"base_params_{digest[:12]}"
-  if (folder / "params").is_dir():
-    params = checkpoint_lib.restore_params(folder, sharding.abstract_params(model_config, mesh))
-  else:
-    init_key = jax.random.split(jax.random.key(cfg.seed), 3)[0]  # As loop.train_run splits.
-    params = model_lib.init_params(model_config, init_key)
-    if cfg.warmstart is None:
-      logging.warning("no checkpoint, hf_dir or warm start: measuring a RANDOM model")
-    else:
-      params, _ = warmstart_lib.warm_start(
-        model_config, params, tokenizer, cfg.warmstart, progress=progress
-      )
-    params = jax.device_put(params, sharding.param_shardings(model_config, mesh))
-    checkpoint_lib.save_params(folder, params)
-  return LoadedModel(
-    params, model_config, tokenizer, weights_tag(params, model_config), str(folder)
-  )
+  return LoadedModel(None, model_config, tok, "")

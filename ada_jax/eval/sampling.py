@@ -33,14 +33,15 @@ def make_sampler(
   rows_per_problem: int | None = None,
   mesh: jax.sharding.Mesh | None = None,
 ) -> sampler.Sampler:
-  """The chunked sampler of an evaluation (or a prompt selection): `rows_per_problem` rows
-  per problem (default `config.k`) share one prefill, `config.prompts_per_chunk` or
-  C // rows_per_problem problems a launch.
+  """The chunked sampler of an evaluation (or a prompt selection): its `sampler` group,
+  `rows_per_problem` rows per problem (default `config.k`) sharing one prefill
+  (`rollout.sampler.prompts_per_chunk`).
 
   Args:
     model_config: the architecture.
     tokenizer: stop ids and pad id.
-    config: budget, chunking and buckets; the sampling rule unless `rule` is given.
+    config: its `sampler` group: budget, chunking, buckets and (unless `rule` is given)
+      the sampling rule.
     rule: overrides `config`'s sampling rule (greedy accuracy).
     rows_per_problem: rows drawn per problem (1 for greedy).
     mesh: sampler mesh (rows over the data axes), or None for one device.
@@ -50,18 +51,14 @@ def make_sampler(
     it on (`EvalSamplers`).
   """
   rows = config.k if rows_per_problem is None else rows_per_problem
-  ppc = config.prompts_per_chunk or max(1, config.chunk_rows // rows)
-  ppc = sampler.fit_prompts_per_chunk(ppc, config.chunk_rows, mesh)
-  return sampler.Sampler(
+  return sampler.Sampler.from_spec(
     model_config,
-    rule=rule or sampler.SamplingRule(config.temperature, config.top_k, config.top_p),
-    max_new_tokens=config.max_new_tokens,
+    config.sampler,
     stop_ids=tokenizer.eos_ids,
+    rows_per_prompt=rows,
     pad_id=tokenizer.pad_id,
-    chunk_rows=config.chunk_rows,
-    prompts_per_chunk=ppc,
-    prompt_buckets=config.prompt_buckets,
     mesh=mesh,
+    rule=rule,
   )
 
 

@@ -55,6 +55,7 @@ from ada_jax.eval import sampling as eval_sampling
 from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.models.tokenizer import Tokenizer
 from ada_jax.rewards.verifier import RewardPool, VerifierConfig
+from ada_jax.rollout.spec import SamplerSpec
 
 _NAME = "train_prompts"  # benchmark name of the prompt set in the results cache
 _RESERVED = ("pass_rates", "cache", "summary")  # output file stems a rule may not take
@@ -122,8 +123,11 @@ def parse_rules(text: str | Sequence[str]) -> tuple[FilterRule, ...]:
 # --------------------------------------------------------------------------- settings
 
 
-# K-sampling defaults (paper: K = 16 at temperature 1.0); the rest is `EvalConfig`'s.
-K_SAMPLING = benchmarks.EvalConfig(benchmarks=(), k=16, max_new_tokens=2048, judge="math")
+# K-sampling defaults (paper: K = 16 at temperature 1.0, the rollout's budget); the rest is
+# `EvalConfig`'s.
+K_SAMPLING = benchmarks.EvalConfig(
+  benchmarks=(), k=16, sampler=SamplerSpec(), verifier=VerifierConfig(judge="math")
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,10 +136,10 @@ class SelectConfig:
 
   Attributes:
     sampling: the K-samples pass, in the evaluation's terms (`benchmarks.EvalConfig`): `k`
-      responses per prompt (K), the sampling rule, `max_new_tokens`, chunking and prompt
-      buckets, `problems_per_batch` (the unit of the cache and progress bar), the `judge`
-      (a response is correct iff reward > 0.5), verifier workers and timeout, `seed`;
-      `benchmarks` is unused (the prompts are the training set's).
+      responses per prompt (K), its `sampler` group (rule, budget, chunking, buckets),
+      `problems_per_batch` (the unit of the cache and progress bar), its `verifier`
+      (a response is correct iff reward > 0.5), `seed`; `benchmarks` is unused (the
+      prompts are the training set's).
     rules: the filtered sets to write.
 
   Raises:
@@ -161,29 +165,35 @@ class SelectConfig:
     return self.sampling.k
 
   @classmethod
-  def of(cls, rules: Any = PAPER_RULES, **sampling: Any) -> SelectConfig:
-    """`K_SAMPLING` with `sampling`'s fields replaced (`EvalConfig` checks and names
-    them); `max_prompt_tokens` follows the largest prompt bucket unless given."""
-    if "prompt_buckets" in sampling:
-      sampling.setdefault("max_prompt_tokens", max(sampling["prompt_buckets"], default=1))
-    return cls(dataclasses.replace(K_SAMPLING, **sampling), rules)
+  def of(
+    cls, rules: Any = PAPER_RULES, base: benchmarks.EvalConfig = K_SAMPLING, **sampling: Any
+  ) -> SelectConfig:
+    """`base` (default `K_SAMPLING`) with `sampling`'s `EvalConfig` fields replaced, where
+    `sampler` and `verifier` may be dicts of their own fields (`EvalConfig`,
+    `SamplerSpec` and `VerifierConfig` check and name them); `max_prompt_tokens` follows
+    the largest prompt bucket unless given."""
+    for group in ("sampler", "verifier"):
+      if isinstance(sampling.get(group), Mapping):
+        sampling[group] = dataclasses.replace(getattr(base, group), **sampling[group])
+    if "sampler" in sampling:
+      buckets = sampling["sampler"].prompt_buckets
+      sampling.setdefault("max_prompt_tokens", max(buckets, default=1))
+    return cls(dataclasses.replace(base, **sampling), rules)
 
   @classmethod
-  def from_run_config(cls, cfg: config_lib.RunConfig, **overrides: Any) -> SelectConfig:
-    """The experiment's rollout settings (`sampler`, `rl` groups) with K-sampling defaults;
-    `overrides` (`rules` or `EvalConfig` fields; None values ignored) replace fields."""
-    s = cfg.sampler
-    base = dict(
-      max_new_tokens=s.max_new_tokens,
-      chunk_rows=s.chunk_rows,
-      prompt_buckets=s.prompt_buckets,
-      judge=cfg.rl.judge,
-      verifier_workers=cfg.rl.verifier_workers,
-      verifier_timeout_s=cfg.rl.verifier_timeout_s,
+  def from_run_config(
+    cls, cfg: config_lib.RunConfig, rules: Any = PAPER_RULES, **overrides: Any
+  ) -> SelectConfig:
+    """The experiment's own groups (its `sampler`, the `rl.verifier`, its seed) with
+    K-sampling's K; `overrides` (`of`'s arguments; None values ignored) replace them."""
+    base = dataclasses.replace(
+      K_SAMPLING,
+      sampler=cfg.sampler,
+      verifier=cfg.rl.verifier,
       seed=cfg.seed,
+      max_prompt_tokens=max(cfg.sampler.prompt_buckets),
     )
-    base.update({k: v for k, v in overrides.items() if v is not None})
-    return cls.of(**base)
+    return cls.of(rules, base, **{k: v for k, v in overrides.items() if v is not None})
 
 
 # --------------------------------------------------------------------------- pass rates
@@ -225,9 +235,9 @@ def pass_rates(
     # The sampler's keys depend on how prompts are cut into batches and chunks, so a cache
     # entry is reused only under the same layout (a resumed run then equals a fresh one).
     c = config.sampling
-    layout = (c.problems_per_batch, c.chunk_rows, c.prompts_per_chunk)
+    layout = (c.problems_per_batch, c.sampler.chunk_rows, c.sampler.prompts_per_chunk)
     model_tag = f"{model_tag}|layout={layout}"
-  bench = benchmarks.Benchmark(_NAME, prompt_set, config.sampling.judge)
+  bench = benchmarks.Benchmark(_NAME, prompt_set, config.sampling.verifier.judge)
   kw = dict(cache=cache, model_tag=model_tag, progress=progress)
   records = benchmarks.run_benchmark(bench, policy, score, config.sampling, rng, **kw)
   rows = []
@@ -358,8 +368,8 @@ def write_outputs(
     mean_pass_rate=float(np.mean([r["pass_rate"] for r in rows])) if rows else 0.0,
     histogram=hist.tolist(),
     sets=kept,
-    # Flat, as before `SelectConfig` held an `EvalConfig`: readers of summary.json keep
-    # their keys (settings.k, settings.max_new_tokens, settings.rules, ...).
+    # The K-sampling pass's settings as the config spells them (settings.k,
+    # settings.sampler.max_new_tokens, ...) and the rules (settings.rules).
     settings={**dataclasses.asdict(config.sampling), "rules": dataclasses.asdict(config)["rules"]},
     files={name: str(out / name) for name in files},
   )
@@ -410,19 +420,19 @@ def run(
       positions (before anything compiles).
   """
   c = config.sampling
-  config_lib.context_fits(model_config, c.prompt_buckets, c.max_new_tokens, "SelectConfig.sampling")
+  s = c.sampler
+  config_lib.context_fits(
+    model_config, s.prompt_buckets, s.max_new_tokens, "SelectConfig.sampling.sampler"
+  )
   out = pathlib.Path(out_dir)
   policy = eval_sampling.sampler_policy(
     eval_sampling.make_sampler(model_config, tokenizer, c, mesh=mesh), params, tokenizer
-  )
-  verifier = VerifierConfig(
-    judge=c.judge, num_workers=c.verifier_workers, timeout_s=c.verifier_timeout_s
   )
   suffix = f".p{jax.process_index()}" if jax.process_count() > 1 else ""
   cache = benchmarks.ResultCache(out / f"cache{suffix}.jsonl")
   start = time.perf_counter()
   kw = dict(cache=cache, model_tag=model_tag, progress=progress)
-  with RewardPool(verifier) as pool:
+  with RewardPool(c.verifier) as pool:
     rows = pass_rates(policy, pool.score, prompt_set, config, jax.random.key(c.seed), **kw)
   summary = {}
   if jax.process_index() == 0:
@@ -437,10 +447,7 @@ def training_prompts(
 ) -> prompts_lib.PromptSet:
   """The config's training prompts exactly as training tokenizes them (the first `limit`
   if > 0)."""
-  # load_prompts checks there are >= rl.batch_prompts prompts: irrelevant to selection.
-  ps = inputs.load_prompts(
-    dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, batch_prompts=1)), tokenizer
-  )
+  ps = inputs.load_prompts(cfg.data, tokenizer, seed=cfg.seed)
   if limit:
     fields = ("prompt_ids", "problems", "answers", "sources", "tokens")
     ps = dataclasses.replace(ps, **{f: getattr(ps, f)[:limit] for f in fields})

@@ -1,4 +1,5 @@
-"""The reward judges by config name (`rl.judge`, `eval.judge`): ours and the authors'.
+"""The reward judges by config name (`rl.verifier.judge`, `eval.verifier.judge`): ours and
+the authors'.
 
 'math' and 'exact' are ours (`grader`). 'released' is the training reward of the authors'
 verl fork of Reinforce-Ada (its `verl/utils/reward_score/math_verify.py`, reached through
@@ -7,7 +8,7 @@ occurrence of `\\boxed{`, brace-matched (none, unclosed or empty: 0), wrapped in
 `\\boxed{}` and compared with the boxed reference by stock math-verify's `math_metric`
 (gold parsed as LaTeX, prediction as an expression or LaTeX; math-verify's own rule for
 numbers, which compares to 6 decimal places, and its own signal timeouts); any exception
-scores 0. The authors ran it under a 20 s limit per response (`rl.verifier_timeout_s`).
+scores 0. The authors ran it under a 20 s limit per response (`rl.verifier.timeout_s`).
 
 How 'math' differs: it also reads `\\fbox{}`, takes the last box by brace matching over
 the whole response, grades decimals by their written precision and exact values exactly

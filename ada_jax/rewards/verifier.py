@@ -27,10 +27,12 @@ from ada_jax.rewards.workers import Dispatcher
 
 @dataclasses.dataclass(frozen=True)
 class VerifierConfig:
-  """Reward pool settings.
+  """Reward pool settings: the experiment config's `rl.verifier` and `eval.verifier` groups.
 
   Attributes:
-    judge: reward function name in `JUDGES` ("math", "exact" or the authors' "released").
+    judge: reward function name in `JUDGES` ("math", "exact" or the authors' "released");
+      '' = the caller's default (an evaluation: each benchmark's own judge), which a
+      `RewardPool` refuses.
     num_workers: worker processes; 0 means every core this process may use.
     timeout_s: hard per-item limit in seconds, from dispatch to result; the worker is killed
       and replaced when it passes, and the item scores 0.
@@ -54,8 +56,8 @@ class VerifierConfig:
   max_answer_chars: int = MAX_ANSWER_CHARS
 
   def __post_init__(self):
-    if self.judge not in JUDGES:
-      raise ValueError(f"judge={self.judge!r} not in {sorted(JUDGES)}")
+    if self.judge not in ("", *JUDGES):
+      raise ValueError(f"judge={self.judge!r}: not a judge; known: {sorted(JUDGES)}")
     if self.num_workers < 0:
       raise ValueError(f"num_workers={self.num_workers} must be >= 0")
     if not self.timeout_s > 0:
@@ -118,6 +120,8 @@ class RewardPool:
   """
 
   def __init__(self, config: VerifierConfig = VerifierConfig()):
+    if not config.judge:
+      raise ValueError("VerifierConfig.judge is empty: a reward pool needs a judge")
     self.config = config
     try:
       cores = len(os.sched_getaffinity(0))

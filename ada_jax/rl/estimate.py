@@ -30,6 +30,9 @@ import numpy as np
 from ada_jax.rl import pass_rate_head as head_lib
 
 EstState = dict[str, np.ndarray]
+# The per-prompt arrays of an Est state (P entries each, P grows as prompts are seen) and
+# their dtypes; the head's `head_*` entries have fixed shapes.
+COUNT_FIELDS = {"keys": np.int64, "pos": np.float64, "tot": np.float64}
 
 ESTIMATORS = ("ema", "head", "head+ema")
 # How Est turns weights into integer counts (`allocate_budget`).
@@ -120,7 +123,7 @@ def prompt_keys(prompt_ids: Sequence[Any]) -> np.ndarray:
 
 def init_est_state() -> EstState:
   """An empty Est state (no prompt seen yet, no head)."""
-  return {"keys": np.zeros(0, np.int64), "pos": np.zeros(0), "tot": np.zeros(0)}
+  return {name: np.zeros(0, dtype) for name, dtype in COUNT_FIELDS.items()}
 
 
 def _lookup(state: EstState, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -154,15 +154,22 @@ def bucket_length(length: int, buckets: Sequence[int]) -> int:
   )
 
 
-def fit_prompts_per_chunk(
-  prompts_per_chunk: int, chunk_rows: int, mesh: jax.sharding.Mesh | None
+def prompts_per_chunk(
+  spec: SamplerSpec, rows_per_prompt: int, mesh: jax.sharding.Mesh | None = None
 ) -> int:
-  """`prompts_per_chunk` rounded up to a multiple of the mesh's row axes ('data' x
-  'fsdp'), at most `chunk_rows`; unchanged without a mesh."""
+  """P, distinct prompts per launch of a sampler group: `spec.prompts_per_chunk`, or when
+  that is 0, C // `rows_per_prompt` (at least 1: a chunk of C rows then fills before it
+  runs out of prompt slots; GRPO n = 4 with C = 256: 64), rounded up to a multiple of the
+  mesh's row axes ('data' x 'fsdp') and at most C. The one derivation of the training
+  sampler (rows per prompt: `AdaConfig.min_rows_per_prompt`), the evaluation's (k, or 1
+  for greedy) and the prompt selection's."""
+  if spec.prompts_per_chunk:
+    return spec.prompts_per_chunk
+  ppc = max(1, spec.chunk_rows // rows_per_prompt)
   if mesh is None:
-    return prompts_per_chunk
+    return ppc
   dp = mesh.shape["data"] * mesh.shape["fsdp"]
-  return min(-(-prompts_per_chunk // dp) * dp, chunk_rows)
+  return min(-(-ppc // dp) * dp, spec.chunk_rows)
 
 
 class Sampler:
@@ -259,20 +266,22 @@ class Sampler:
     spec: SamplerSpec,
     *,
     stop_ids: Sequence[int],
-    prompts_per_chunk: int,
+    rows_per_prompt: int,
     pad_id: int = 0,
     mesh: jax.sharding.Mesh | None = None,
+    rule: SamplingRule | None = None,
   ) -> Sampler:
-    """The sampler of an experiment's `sampler` group: its rule, budget, slots, buckets
-    and pool sizes; `prompts_per_chunk` is the caller's (derived from the method's rows
-    per prompt when the group leaves it 0). Raises ValueError as `Sampler`."""
+    """The sampler of a sampler group (`config.sampler`, `config.eval.sampler`): its rule
+    (or `rule`, e.g. greedy), budget, slots, buckets and pool sizes; its prompts per
+    chunk from `prompts_per_chunk(spec, rows_per_prompt, mesh)`. Raises ValueError as
+    `Sampler`."""
     return cls(
       config,
-      rule=spec.rule,
+      rule=rule or spec.rule,
       max_new_tokens=spec.max_new_tokens,
       stop_ids=stop_ids,
       chunk_rows=spec.chunk_rows,
-      prompts_per_chunk=prompts_per_chunk,
+      prompts_per_chunk=prompts_per_chunk(spec, rows_per_prompt, mesh),
       prompt_buckets=spec.prompt_buckets,
       pad_id=pad_id,
       mesh=mesh,
