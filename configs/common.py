@@ -74,6 +74,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.ada.std_normalize = False  # divide advantages by the std (released Reinforce-Ada: off)
   c.ada.baseline = "global"  # 'global': mean over the whole pool (Reinforce-Ada); 'local'
   c.ada.inverse_p_weight = "none"  # 'none' (released) or f'(p̄): '1/p', '1/sqrt_p' (1/√p̄), α
+  c.ada.min_exit_chance = 0.0  # beyond the paper: stop a prompt when P(exit in budget) < this
   c.ada.batch_order = "exit"  # Seq groups in exit order (released), or 'prompt' order
   c.ada.est_budget_per_prompt = 8.0  # K: est draws round(K·B) samples (released: 8)
   c.ada.est_weight = "1/p"  # est allocation f'(p̂): '1/p' (α=0, released), '1/sqrt_p' (α=0.5), α

@@ -87,6 +87,7 @@ def _ada_optim() -> dict[str, object]:
 
 
 STREAM = {"ada.schedule": "stream", "sampler.segment_steps": 1}
+STOP = 0.1
 PARTS = ("sample", "grade_wait", "train")  # a step's wall time: `time_<part>_s` metrics
 # label -> (config file, overrides); everything else is the file's.
 METHODS: dict[str, tuple[str, dict[str, object]]] = {
@@ -107,6 +108,15 @@ METHODS: dict[str, tuple[str, dict[str, object]]] = {
   "GRPO n=4 stream": (BASELINE, STREAM),
   "Ada-pos stream": (ADA, {"ada.method": "pos", **STREAM}),
   "Ada-balance stream": (ADA, {"ada.method": "balance", **STREAM}),
+  # Beyond the paper: the exit-chance rule (`ada.min_exit_chance`), at the threshold that
+  # keeps pos's signal within 0.01 in the simulator (experiments/README.md).
+  "Ada-pos stop": (ADA, {"ada.method": "pos", "ada.min_exit_chance": STOP}),
+  "Ada-balance stop": (ADA, {"ada.method": "balance", "ada.min_exit_chance": STOP}),
+  "Ada-pos stop stream": (ADA, {"ada.method": "pos", "ada.min_exit_chance": STOP, **STREAM}),
+  "Ada-balance stop stream": (
+    ADA,
+    {"ada.method": "balance", "ada.min_exit_chance": STOP, **STREAM},
+  ),
 }
 # Each stream row and the rounds row it is measured against.
 STREAM_OF = {label: label.removesuffix(" stream") for label in METHODS if "stream" in label}

@@ -9,9 +9,13 @@ segment boundaries, retired prompts' rows cancelled). Counts only, no model.
 
   python experiments/simulate_stream.py --out_dir experiments/results
 
-Writes simulate_stream.json (git commit, config, every row, the issue's Done-when check and
-a sweep of the stream knobs for pos and balance), simulate_stream.md (the tables) and
-simulate_stream.png to --out_dir, and prints the JSON.
+Also pos and balance with the exit-chance rule (`AdaConfig.min_exit_chance`, rows
+`<method>_stop<threshold>`), each under pass rates that stay fixed or drift between epochs
+(`--drifts walk_sd:drift ...`).
+
+Writes simulate_stream.json (git commit, config, every row per drift setting, the goal
+check and a sweep of the stream knobs for pos and balance), simulate_stream.md (the tables)
+and simulate_stream.png (the first drift setting) to --out_dir, and prints the JSON.
 """
 
 from __future__ import annotations
@@ -27,7 +31,15 @@ from collections.abc import Mapping
 import numpy as np
 
 from ada_jax import metrics
+from ada_jax.rl import rules
 from ada_jax.rl import simulate_stream as ss
+
+# Paper (arXiv 2510.04996, 1.5B model): wall time per step relative to GRPO.
+PAPER_WALL_TIME_RATIO = {"pos": 2.2, "balance": 2.8}
+# The goal of the exit-chance rule: decode steps per RL step ÷ GRPO n = 4's, at the signal
+# fraction of the released `rounds` (within SIGNAL_TOLERANCE).
+GOAL = {"ada_pos": 1.6, "ada_balance": 2.0}
+SIGNAL_TOLERANCE = 0.01
 
 # Stream knobs varied one at a time around the main configuration, for pos and balance.
 SWEEP = (
@@ -39,7 +51,7 @@ SWEEP = (
   {"window": 16},
   {"slots": 512},
   {"slots": 4096},
-  {"min_pool": 8},
+  {"min_pool": 4},  # n: exit on the first n graded (the default is a round's worth, M)
 )
 
 
@@ -67,8 +79,8 @@ def plot_schedules(rows: Mapping[str, Mapping[str, ss.ScheduleResult]], axes=Non
     ax.bar(x + (k - 0.5) * 0.38, ratio, 0.38, label=schedule)
   for i, name in enumerate(names):
     method = name.removeprefix("ada_")
-    if method in ss.PAPER_WALL_TIME_RATIO:
-      ax.plot(i, ss.PAPER_WALL_TIME_RATIO[method], "k*", ms=11)
+    if method in PAPER_WALL_TIME_RATIO:
+      ax.plot(i, PAPER_WALL_TIME_RATIO[method], "k*", ms=11)
   ax.plot([], [], "k*", ms=11, label="paper: wall time ÷ GRPO (1.5B)")
   ax.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
   ax.set_ylabel("decode steps per RL step ÷ GRPO n=4")
@@ -98,6 +110,89 @@ def plot_schedules(rows: Mapping[str, Mapping[str, ss.ScheduleResult]], axes=Non
   return ax, ax2
 
 
+class OracleSeq(rules.Seq):
+  """A bound, not a method: the Seq rule that knows each prompt's future. Once a round's
+  worth is graded it stops exactly the prompts whose whole R·M budget (their first R·M
+  responses, as `rounds` draws them) would hold one class only: no rule that keeps the
+  signal and explores a round first can draw less."""
+
+  draws: list = []  # the step's `simulate_stream._Draws` (set by `oracle_draws`)
+
+  def hopeless(self, ctl, p, graded):
+    cap = ctl.config.samples_per_round * ctl.config.max_rounds
+    d = self.draws[-1]
+    fresh = ss._Draws(d.rates[: ctl.b], d.sim, d.step, d.mix)
+    return len(set(fresh.draw(np.full(cap, p))[0].tolist())) == 1
+
+
+def oracle_draws() -> None:
+  """Registers the oracle rules (`pos_oracle`, `balance_oracle`) and lets them see each
+  step's draws."""
+  init = ss._Draws.__init__
+
+  def recording(self, *args, **kwargs):
+    init(self, *args, **kwargs)
+    OracleSeq.draws[:] = [self]
+
+  ss._Draws.__init__ = recording
+  for method in ("pos", "balance"):
+    rules.RULES[f"{method}_oracle"] = OracleSeq(rules.RULES[method].exit_thresholds)
+
+
+def goal_check(rows: Mapping[str, Mapping[str, ss.ScheduleResult]]) -> dict[str, dict]:
+  """Per method (pos, balance) and schedule, each of its rows (the released one and its
+  exit-chance variants `<method>_stop<t>`): decode steps ÷ GRPO n = 4 (rounds), the signal
+  fraction minus the released `rounds` row's, and whether both meet `GOAL`."""
+  ref = rows["grpo_n4"]["rounds"].decode_steps
+  out = {}
+  for method, goal in GOAL.items():
+    base = rows[method]["rounds"].signal_fraction
+    out[method] = {}
+    for name in [
+      n for n in rows if n == method or n.startswith((method + "_stop", method + "_oracle"))
+    ]:
+      for schedule, r in rows[name].items():
+        ratio, diff = r.decode_steps / ref, r.signal_fraction - base
+        out[method][f"{name}/{schedule}"] = {
+          "decode_steps_vs_grpo_n4": ratio,
+          "signal_diff": diff,
+          "stopped_fraction": r.stopped_fraction,
+          "stopped_would_exit": r.stopped_would_exit,
+          "meets_goal": bool(ratio <= goal and abs(diff) <= SIGNAL_TOLERANCE),
+        }
+  return out
+
+
+def _paper(name: str) -> str:
+  method = name.removeprefix("ada_")
+  return f"{PAPER_WALL_TIME_RATIO[method]}×" if method in PAPER_WALL_TIME_RATIO else ""
+
+
+def markdown_table(
+  rows: Mapping[str, Mapping[str, ss.ScheduleResult]], reference: str = "grpo_n4"
+) -> list[str]:
+  """Lines of a Markdown table, one line per (row, schedule): samples, tokens and
+  cancelled tokens per prompt, decode steps per RL step and their ratio to `reference`'s
+  (rounds), slot utilisation, signal fraction, prompts stopped by the exit-chance rule and
+  the share of them that would have exited, and the paper's wall time ÷ GRPO."""
+  ref = rows[reference]["rounds"].decode_steps
+  lines = [
+    "| method | schedule | samples/prompt | tokens/prompt | tokens cancelled/prompt "
+    "| decode steps/step | decode steps ÷ GRPO n=4 | slot utilisation | signal fraction "
+    "| stopped | stopped that would exit | paper: wall time ÷ GRPO |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for name, by_schedule in rows.items():
+    for schedule, r in by_schedule.items():
+      lines.append(
+        f"| {name} | {schedule} | {r.samples_per_prompt:.2f} | {r.tokens_per_prompt:.0f} | "
+        f"{r.tokens_cancelled_per_prompt:.0f} | {r.decode_steps:.0f} | "
+        f"{r.decode_steps / ref:.2f}× | {r.slot_utilisation:.2f} | {r.signal_fraction:.3f} | "
+        f"{r.stopped_fraction:.3f} | {r.stopped_would_exit:.3f} | {_paper(name)} |"
+      )
+  return lines
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--out_dir", default="experiments/results")
@@ -113,6 +208,19 @@ def main() -> None:
   parser.add_argument("--segment", type=int, default=64)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--no_sweep", action="store_true")
+  parser.add_argument(
+    "--min_exit_chance",
+    type=float,
+    nargs="*",
+    default=[0.05, 0.2, 0.5],
+    help="thresholds of the exit-chance rows (pos and balance)",
+  )
+  parser.add_argument(
+    "--drifts",
+    nargs="*",
+    default=["0:0"],
+    help="pass-rate drift settings walk_sd:drift (per epoch, logit units), one table each",
+  )
   args = parser.parse_args()
 
   t0 = time.time()
@@ -129,19 +237,33 @@ def main() -> None:
     seed=args.seed,
   )
   configs = ss.method_rows()
-  results = {
-    name: {schedule: ss.simulate_schedule(cfg, schedule, sim) for schedule in ss.SCHEDULES}
-    for name, cfg in configs.items()
-  }
-  ref = results["grpo_n4"]["rounds"].decode_steps
-  rows = {
-    name: {
-      schedule: {**r.as_dict(), "decode_steps_vs_grpo_n4": r.decode_steps / ref}
-      for schedule, r in by_schedule.items()
+  oracle_draws()
+  for name in ("ada_pos", "ada_balance"):
+    for t in args.min_exit_chance:
+      configs[f"{name}_stop{t:g}"] = dataclasses.replace(configs[name], min_exit_chance=t)
+    method = f"{name.removeprefix('ada_')}_oracle"  # the bound (min_exit_chance: on)
+    configs[f"{name}_oracle"] = dataclasses.replace(
+      configs[name], method=method, min_exit_chance=0.5
+    )
+  by_drift, checks, tables = {}, {}, {}
+  for setting in args.drifts:
+    walk_sd, drift = (float(x) for x in setting.split(":"))
+    variant = dataclasses.replace(sim, walk_sd=walk_sd, drift=drift)
+    results = {
+      name: {schedule: ss.simulate_schedule(cfg, schedule, variant) for schedule in ss.SCHEDULES}
+      for name, cfg in configs.items()
     }
-    for name, by_schedule in results.items()
-  }
-  check = ss.done_when(results)
+    ref = results["grpo_n4"]["rounds"].decode_steps
+    by_drift[setting] = {
+      name: {
+        schedule: {**r.as_dict(), "decode_steps_vs_grpo_n4": r.decode_steps / ref}
+        for schedule, r in by_schedule.items()
+      }
+      for name, by_schedule in results.items()
+    }
+    checks[setting], tables[setting] = goal_check(results), markdown_table(results)
+    if setting == args.drifts[0]:
+      first = results
   sweep = []
   if not args.no_sweep:
     base = dataclasses.replace(sim, num_prompts=args.sweep_num_prompts)
@@ -162,53 +284,56 @@ def main() -> None:
             "capped_token_share": r.capped_token_share,
           }
         )
-  table = ss.markdown_table(results)
   result = {
     "git_commit": metrics.git_commit(),
     "command": "python experiments/simulate_stream.py " + " ".join(sys.argv[1:]),
     "config": dataclasses.asdict(sim),
     "length_sigma": ss.length_sigma(sim.median_length, sim.budget, sim.at_budget),
     "methods": {k: dataclasses.asdict(v) for k, v in configs.items()},
-    "paper_wall_time_vs_grpo": ss.PAPER_WALL_TIME_RATIO,
+    "paper_wall_time_vs_grpo": PAPER_WALL_TIME_RATIO,
+    "goal": {"decode_steps_vs_grpo_n4": GOAL, "signal_tolerance": SIGNAL_TOLERANCE},
     "notes": {
       "decode_steps": "slot-pool decode steps per RL step: the sampling part of wall time; "
       "the paper's ratios are whole-step wall time at 1.5B (sampling + grading + training)",
       "scored": f"epochs {args.warmup_epochs + 1}..{args.epochs} of "
       f"{args.num_prompts // args.batch} steps each",
-      "done_when": "stream within 0.01 signal fraction of rounds with <= 0.8x its tokens "
-      "per prompt, for pos and balance",
+      "goal": "pos <= 1.6x and balance <= 2.0x GRPO n=4's decode steps per step, at the "
+      "signal fraction of the released rounds (within 0.01)",
+      "drifts": "walk_sd:drift of the pass rates per epoch (logit units)",
     },
-    "rows": rows,
-    "done_when": check,
+    "rows": by_drift,
+    "goal_check": checks,
     "sweep": sweep,
-    "table_markdown": table,
+    "table_markdown": tables,
     "seconds": round(time.time() - t0, 1),
   }
   out = pathlib.Path(args.out_dir)
   out.mkdir(parents=True, exist_ok=True)
   (out / "simulate_stream.json").write_text(json.dumps(result, indent=2) + "\n")
   (out / "simulate_stream.md").write_text(markdown(result) + "\n")
-  plot(results, out / "simulate_stream.png")
+  plot(first, out / "simulate_stream.png")
   print(json.dumps(result, indent=2))
 
 
 def markdown(result: dict) -> str:
   lines = [
-    f"Rounds vs stream, slot-pool simulator (git {result['git_commit']}, `{result['command']}`)",
-    "",
-    *result["table_markdown"],
-    "",
-    "Done when (stream within 0.01 signal fraction of rounds, <= 0.8x tokens per prompt):",
-    "",
-    "| method | signal stream − rounds | tokens stream ÷ rounds | decode steps stream ÷ rounds "
-    "| holds |",
-    "|---|---|---|---|---|",
+    f"Rounds vs stream, slot-pool simulator (git {result['git_commit']}, `{result['command']}`)"
   ]
-  for name, c in result["done_when"].items():
-    lines.append(
-      f"| {name} | {c['signal_diff']:+.4f} | {c['tokens_ratio']:.3f} | "
-      f"{c['decode_steps_ratio']:.3f} | {c['holds']} |"
-    )
+  for setting, table in result["table_markdown"].items():
+    lines += ["", f"Pass-rate drift {setting} (walk_sd:drift per epoch):", "", *table]
+    lines += [
+      "",
+      "Goal (pos <= 1.6x, balance <= 2.0x GRPO n=4 decode steps; signal within 0.01 of rounds):",
+      "",
+      "| row | decode steps ÷ GRPO n=4 | signal − rounds | stopped | of them would exit | meets |",
+      "|---|---|---|---|---|---|",
+    ]
+    for by_row in result["goal_check"][setting].values():
+      for row, c in by_row.items():
+        lines.append(
+          f"| {row} | {c['decode_steps_vs_grpo_n4']:.2f}× | {c['signal_diff']:+.4f} | "
+          f"{c['stopped_fraction']:.3f} | {c['stopped_would_exit']:.3f} | {c['meets_goal']} |"
+        )
   if result["sweep"]:
     lines += [
       "",

@@ -6,8 +6,10 @@ import re
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from ada_jax.rl import controller, rules
+from ada_jax.rl import controller, estimate, rules
 from ada_jax.rl.adaptive import AdaConfig
 
 DESIGN = pathlib.Path(__file__).resolve().parents[1] / "docs" / "design.md"
@@ -68,3 +70,123 @@ def test_the_worked_example_is_one_table_entry(pos2, schedule):
 def test_an_unknown_method_names_the_table():
   with pytest.raises(ValueError, match=r"AdaConfig.method='pos3'.*'grpo', 'dapo'"):
     AdaConfig(method="pos3")
+
+
+# --------------------------------------------------------------- the exit-chance rule
+
+
+def test_exit_chance_by_hand():
+  # pos (k = 1, 0), 8 wrong so far, 24 draws left, posterior Beta(1, 9):
+  # 1 - P(no positive) = 1 - B(1, 33) / B(1, 9) = 1 - 9/33.
+  assert rules.exit_chance(0, 8, 24, 1.0, 9.0, 1, 0) == pytest.approx(24 / 33, rel=1e-12)
+  # balance (2, 2) with 4 wrong: needs 2 positives in the 4 left; Beta(1, 5):
+  # P(X >= 2) = 1 - 5/9 - 4·(1/72)·5 = 1/6.
+  assert rules.exit_chance(0, 4, 4, 1.0, 5.0, 2, 2) == pytest.approx(1 / 6, rel=1e-12)
+  assert rules.exit_chance(1, 3, 0, 1.0, 1.0, 1, 0) == 1.0  # met already, nothing left
+  assert rules.exit_chance(0, 3, 0, 1.0, 1.0, 1, 0) == 0.0  # no draw left
+  assert rules.exit_chance(0, 0, 3, 1.0, 1.0, 2, 2) == 0.0  # 3 draws cannot hold 2 + 2
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+  pos=st.integers(0, 6),
+  neg=st.integers(0, 6),
+  left=st.integers(0, 30),
+  alpha=st.floats(0.2, 40.0),
+  beta=st.floats(0.2, 40.0),
+  k_pos=st.integers(0, 4),
+  k_neg=st.integers(0, 4),
+)
+def test_exit_chance_is_the_beta_binomial_tail(pos, neg, left, alpha, beta, k_pos, k_neg):
+  from scipy import stats
+
+  lo, hi = max(0, k_pos - pos), left - max(0, k_neg - neg)
+  want = sum(stats.betabinom.pmf(x, left, alpha, beta) for x in range(lo, hi + 1))
+  got = rules.exit_chance(pos, neg, left, alpha, beta, k_pos, k_neg)
+  assert got == pytest.approx(want, abs=1e-9) and 0.0 <= got <= 1.0
+  # More draws left can only help; a negative more never helps pos's rule (k_neg = 0).
+  assert rules.exit_chance(pos, neg, left + 1, alpha, beta, k_pos, k_neg) >= got - 1e-12
+
+
+def _hopeless_state(ids, tot=200.0):
+  """Est statistics in which the prompts `ids` drew `tot` responses, all wrong."""
+  keys = estimate.prompt_keys(ids)
+  return estimate.update_est_state(
+    estimate.init_est_state(), keys, np.zeros(len(ids)), np.full(len(ids), tot), 1.0
+  )
+
+
+@pytest.mark.parametrize("schedule", controller.SCHEDULES)
+def test_a_prompt_that_cannot_exit_is_stopped_after_its_first_round(schedule):
+  # "a" has drawn 200 wrong responses before: after its first round (8 more wrong), its
+  # chance of a positive in the 24 left is 1 - 224/248 = 0.097 < 0.2. "b" is new (prior
+  # Beta(1, 16)): after round 1, 1 - 24/48 = 0.5; round 2, 1 - 32/48 = 0.33; round 3,
+  # 1 - 40/48 = 0.17 < 0.2: stopped with 24 drawn.
+  cfg = AdaConfig(method="pos", n=4, samples_per_round=8, max_rounds=4, min_exit_chance=0.2)
+  state = _hopeless_state(["a"])
+  draw, used = _draw([[0] * 32, [0] * 32])
+  engine = controller.DrawEngine(draw)
+  result, new_state = controller.run_step(
+    cfg, ["a", "b"], engine, np.random.default_rng(0), state, schedule=schedule
+  )
+  assert result.stats.stopped == (0, 1) and used == [8, 24]
+  assert result.stats.est_metrics["ada/stopped_fraction"] == 1.0
+  # Trained on as a prompt that never exits: its group of n, zero advantage.
+  assert result.stats.rows_selected == 8 and not result.advantages.any()
+  # Its outcomes join the statistics it was judged by (decayed by est_decay).
+  pos, tot = estimate.counts(new_state, estimate.prompt_keys(["a", "b"]))
+  np.testing.assert_allclose(tot, [0.9 * 200 + 8, 24])
+  np.testing.assert_array_equal(pos, [0, 0])
+
+
+def test_the_rule_is_off_by_default_and_only_for_exit_rules():
+  cfg = AdaConfig(method="pos", n=4, samples_per_round=8, max_rounds=4)
+  draw, used = _draw([[0] * 32])
+  result, state = controller.run_step(
+    cfg, ["a"], controller.DrawEngine(draw), np.random.default_rng(0), _hopeless_state(["a"])
+  )
+  assert used == [32] and result.stats.stopped == () and "keys" in state  # passed through
+  for method in ("grpo", "dapo", "est"):
+    with pytest.raises(ValueError, match="min_exit_chance.*has none"):
+      AdaConfig(method=method, min_exit_chance=0.1)
+  with pytest.raises(ValueError, match=r"min_exit_chance=1\.0"):
+    AdaConfig(method="pos", min_exit_chance=1.0)
+
+
+def test_a_run_resumed_from_its_saved_statistics_decides_the_same(tmp_path):
+  """The statistics the rule reads are the run's Est state, checkpointed: a step after a
+  save and restore decides exactly as the uninterrupted run's step."""
+  import jax
+
+  from ada_jax import checkpoint
+  from ada_jax.models import decoder as model_lib
+  from ada_jax.models import sharding
+  from ada_jax.rl import train
+
+  cfg = AdaConfig(method="balance", n=4, samples_per_round=4, max_rounds=4, min_exit_chance=0.3)
+  ids = [f"q{i}" for i in range(6)]
+  rates = np.array([0.0, 0.05, 0.3, 0.6, 0.95, 1.0])
+
+  def step(state, seed):
+    gen = np.random.default_rng(seed)
+    draw = lambda p: (gen.random(p.size) < rates[p]).astype(np.float32)
+    engine = controller.DrawEngine(draw)
+    return controller.run_step(cfg, ids, engine, np.random.default_rng(seed), state)
+
+  _, state = step(None, 0)
+  mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  config = model_lib.preset("tiny-llama")
+  train_state = train.init_train_state(
+    config, train.TrainConfig(), model_lib.init_params(config, jax.random.key(0)), mesh
+  )
+  manager = checkpoint.make_manager(tmp_path)
+  checkpoint.save(
+    manager, 1, checkpoint.RunState(train=train_state, rng=jax.random.key(0), est=state)
+  )
+  checkpoint.close(manager)
+  target = train.abstract_state(config, train.TrainConfig(), mesh)
+  restored = checkpoint.restore(checkpoint.make_manager(tmp_path), target).est
+  a, _ = step(state, 1)
+  b, _ = step(restored, 1)
+  assert a.stats.stopped == b.stats.stopped and a.handles == b.handles
+  np.testing.assert_array_equal(a.advantages, b.advantages)

@@ -2,7 +2,9 @@
 the two schedules against each other and against the Bernoulli simulator."""
 
 import dataclasses
+import importlib.util
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -147,22 +149,41 @@ def test_dapo_stream_fills_the_batch_sooner():
   assert stream.decode_steps < rounds.decode_steps
 
 
-def test_done_when_and_table():
+def _experiment():
+  spec = importlib.util.spec_from_file_location(
+    "simulate_stream_cli", pathlib.Path(__file__).parents[1] / "experiments" / "simulate_stream.py"
+  )
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_goal_check_and_table():
+  cli = _experiment()
+  names = ("grpo_n4", "ada_pos", "ada_balance", "ada_pos_stop", "ada_balance_stop")
   rows = {
     name: {s: ss.simulate_schedule(cfg, s, SMALL) for s in ss.SCHEDULES}
-    for name, cfg in ss.method_rows().items()
-    if name in ("grpo_n4", "ada_pos", "ada_balance")
+    for name, cfg in ss.method_rows(min_exit_chance=0.3).items()
+    if name in names
   }
-  check = ss.done_when(rows)
-  for name in ("ada_pos", "ada_balance"):
-    r, s = rows[name]["rounds"], rows[name]["stream"]
-    assert check[name]["tokens_ratio"] == s.tokens_per_prompt / r.tokens_per_prompt
-    assert check[name]["holds"] == (
-      abs(check[name]["signal_diff"]) <= 0.01 and check[name]["tokens_ratio"] <= 0.8
-    )
-  lines = ss.markdown_table(rows)
-  assert len(lines) == 2 + 6 and "| grpo_n4 | rounds |" in lines[2] and "1.00×" in lines[2]
-  assert lines[-1].endswith("| 2.8× |")
+  check = cli.goal_check(rows)
+  ref = rows["grpo_n4"]["rounds"].decode_steps
+  for method, goal in cli.GOAL.items():
+    assert set(check[method]) == {
+      f"{n}/{s}" for n in (method, f"{method}_stop") for s in ss.SCHEDULES
+    }
+    for key, c in check[method].items():
+      r = rows[key.split("/")[0]][key.split("/")[1]]
+      assert c["decode_steps_vs_grpo_n4"] == r.decode_steps / ref
+      assert c["signal_diff"] == r.signal_fraction - rows[method]["rounds"].signal_fraction
+      assert c["meets_goal"] == (
+        c["decode_steps_vs_grpo_n4"] <= goal and abs(c["signal_diff"]) <= 0.01
+      )
+  assert check["ada_pos"]["ada_pos/rounds"]["signal_diff"] == 0.0
+  lines = cli.markdown_table(rows)
+  assert len(lines) == 2 + 10 and "| grpo_n4 | rounds |" in lines[2] and "1.00×" in lines[2]
+  assert next(x for x in lines if x.startswith("| ada_balance | stream |")).endswith("| 2.8× |")
+  assert next(x for x in lines if x.startswith("| ada_balance_stop |")).endswith("|  |")
 
 
 def test_experiment_script_writes_its_results(tmp_path):
@@ -182,7 +203,9 @@ def test_experiment_script_writes_its_results(tmp_path):
 
   result = json.loads((tmp_path / "simulate_stream.json").read_text())
   assert result["git_commit"] and result["config"]["slots"] == 64
-  assert result["rows"]["grpo_n4"]["rounds"]["decode_steps_vs_grpo_n4"] == 1.0
-  assert set(result["done_when"]) == {"ada_pos", "ada_balance"}
+  rows = result["rows"]["0:0"]
+  assert rows["grpo_n4"]["rounds"]["decode_steps_vs_grpo_n4"] == 1.0
+  assert {"ada_pos_stop0.05", "ada_balance_stop0.5"} <= set(rows)
+  assert set(result["goal_check"]["0:0"]) == {"ada_pos", "ada_balance"}
   assert (tmp_path / "simulate_stream.png").stat().st_size > 0
   assert "2.2×" in (tmp_path / "simulate_stream.md").read_text()

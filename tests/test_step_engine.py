@@ -124,22 +124,25 @@ def test_fixed_quota_rows_are_the_tokens_generate_draws(tiny):
   assert 0 < c.decode_steps and c.slot_steps == 8 * c.decode_steps
 
 
-@pytest.mark.parametrize("method", ["pos", "balance"])
-def test_decisions_do_not_depend_on_the_graders_speed(tiny, method):
-  config = AdaConfig(method=method, n=4, samples_per_round=4, max_rounds=3)
+@pytest.mark.parametrize("method,chance", [("pos", 0.0), ("balance", 0.0), ("balance", 0.4)])
+def test_decisions_do_not_depend_on_the_graders_speed(tiny, method, chance):
+  # chance > 0: the exit-chance rule stops prompts at boundaries, from graded rows only.
+  config = AdaConfig(method=method, n=4, samples_per_round=4, max_rounds=3, min_exit_chance=chance)
   fast, fast_drive, _ = _run(tiny, config, _Grader(0.0))
   slow, slow_drive, _ = _run(tiny, config, _Grader(0.03, seed=1))
   assert fast.handles == slow.handles
   np.testing.assert_array_equal(fast.advantages, slow.advantages)
   assert fast.stats.pool_size.tolist() == slow.stats.pool_size.tolist()
   assert fast_drive.counters.decode_steps == slow_drive.counters.decode_steps
+  assert fast.stats.stopped == slow.stats.stopped and (bool(fast.stats.stopped) == (chance > 0))
   for k in ("tokens", "lengths"):
     np.testing.assert_array_equal(fast_drive.responses()[k], slow_drive.responses()[k])
 
 
 def test_graded_rows_are_the_seeds_tokens_whatever_was_cancelled(tiny, no_implicit_transfers):
-  # Every prompt exits on its first n graded rows (all rewards 1): rows of exited prompts
-  # are cancelled mid-decode, and no other row's tokens change.
+  # Every prompt exits on its first M graded rows (all rewards 1; M, a round's worth, is
+  # the pool a prompt exits on under `stream`): rows of exited prompts are cancelled
+  # mid-decode, and no other row's tokens change.
   _, params, smp = tiny
   config = AdaConfig(method="pos", n=2, samples_per_round=4, max_rounds=2)
   grader = _Grader(reward=lambda t: 1.0)
@@ -152,8 +155,8 @@ def test_graded_rows_are_the_seeds_tokens_whatever_was_cancelled(tiny, no_implic
   ref, _ = smp.generate(params, prompts.tokens, row_prompt, key)
   np.testing.assert_array_equal(out["tokens"][graded], ref["tokens"][graded])
   np.testing.assert_array_equal(out["lengths"][graded], ref["lengths"][graded])
-  # Each prompt's pool holds n..M rows, all positive: advantages 0, pools from the front.
-  assert all(2 <= s <= 4 for s in result.stats.pool_size)
+  # Each prompt's pool holds M..R·M rows, all positive: advantages 0, pools from the front.
+  assert all(4 <= s <= 8 for s in result.stats.pool_size)
 
 
 def test_dapo_extra_prompts_join_the_queue(tiny):

@@ -11,7 +11,7 @@ from ada_jax.rl import controller
 from ada_jax.rl import simulate as sim
 from ada_jax.rl.adaptive import AdaConfig
 from ada_jax.rl.controller import Controller
-from ada_jax.rl.rules import pool_meets_exit
+from ada_jax.rl.rules import RULES, pool_meets_exit
 from ada_jax.testing import rounds_step as run_step
 
 
@@ -22,6 +22,7 @@ def StreamController(*args, **kwargs):  # noqa: N802 - the controller under `str
 SEQ = [
   AdaConfig(method="pos"),
   AdaConfig(method="balance"),
+  AdaConfig(method="balance", min_exit_chance=0.3),
   AdaConfig(method="balance", n=4, samples_per_round=2, max_rounds=4, k_pos=2, k_neg=2),
   AdaConfig(method="pos", n=4, samples_per_round=4, max_rounds=3, k_pos=2),
 ]
@@ -53,17 +54,21 @@ def test_exit_rule_by_hand_and_bad_method():
 )
 def test_rounds_retires_exactly_the_prompts_that_meet_the_exit_rule(cfg, rates, seed):
   """`rounds` (the controller's `drive_rounds`) samples a prompt again after a round iff
-  its pool does not meet `pool_meets_exit`: one rule for both schedules."""
-  _, rounds = sim.trace_step(cfg, rates, seed=seed)
+  its pool does not meet `pool_meets_exit` (and, with `min_exit_chance`, the exit-chance
+  rule did not stop it): one rule for both schedules."""
+  result, rounds = sim.trace_step(cfg, rates, seed=seed)
+  stopped = set(result.stats.stopped)
+  assert not stopped or cfg.min_exit_chance
   pools = [[] for _ in rates]
   for j, table in enumerate(rounds):
     for i, row in enumerate(table):
       drawn = row[~np.isnan(row)].tolist()
-      if j > 0:
+      if j > 0 and (drawn or i not in stopped):
         assert bool(drawn) == (not pool_meets_exit(pools[i], cfg)), (i, j, pools[i])
       pools[i] += drawn
-  for pool in pools:  # Never exited: drew all R·M.
-    assert pool_meets_exit(pool, cfg) or len(pool) == cfg.samples_per_round * cfg.max_rounds
+  for i, pool in enumerate(pools):  # Never exited: drew all R·M, or was stopped.
+    cap = cfg.samples_per_round * cfg.max_rounds
+    assert pool_meets_exit(pool, cfg) or len(pool) == cap or i in stopped
 
 
 def _run(cfg, rates, seed, finish_prob=0.4, shuffle=False, **kw):
@@ -77,7 +82,8 @@ def _run(cfg, rates, seed, finish_prob=0.4, shuffle=False, **kw):
     rates.extend(np.random.default_rng([seed, len(rates)]).random(k).tolist())
     return [f"x{len(rates) - k + i}" for i in range(k)]
 
-  ctl = StreamController(cfg, len(rates), more_prompts=more, **kw)
+  _, plan = RULES[cfg.method].plan(cfg, [f"p{i}" for i in range(len(rates))], None, None)
+  ctl = StreamController(cfg, len(rates), more_prompts=more, plan=plan, **kw)
   reward, issued, live, cancelled = {}, {}, [], set()
   log = []
 
@@ -116,8 +122,9 @@ def test_stream_seq_step_keeps_the_rules(cfg, rates, seed, window):
   for p in range(b):
     pool = np.asarray([ctl.graded[p][r] for r in sorted(ctl.graded[p])], np.float32)
     assert issued[p] <= cap and pool.size <= cap
-    # Exited on the rule (then >= n responses) or drew all R·M.
-    assert pool.size >= cfg.n and (_rule(pool, cfg) or issued[p] == cap)
+    # Exited on the rule (then >= n responses), drew all R·M, or was stopped by the
+    # exit-chance rule (once a round's worth was graded).
+    assert pool.size >= cfg.n and (_rule(pool, cfg) or issued[p] == cap or p in ctl.stopped)
     # Half-then-fill selection and the global baseline, on the pool in row-id order.
     sel = adv_lib.select_group(pool, cfg.n)
     kept = res.prompt_index == p
@@ -161,7 +168,7 @@ def test_exit_waits_for_grades_of_the_previous_segment():
 
 def test_retired_prompt_rows_are_cancelled_and_late_finishers_join_its_pool():
   cfg = AdaConfig(method="pos", n=4, samples_per_round=8, max_rounds=2)
-  ctl = StreamController(cfg, 2, window=8)
+  ctl = StreamController(cfg, 2, window=8, min_pool=4)
   ctl.start()  # Rows 0-7: prompt 0; 8-15: prompt 1.
   ctl.boundary([0, 1, 2, 3, 8], [])
   d = ctl.boundary([4, 9], [1.0, 0.0, 0.0, 0.0, 0.0])
@@ -172,6 +179,20 @@ def test_retired_prompt_rows_are_cancelled_and_late_finishers_join_its_pool():
   with pytest.raises(ValueError, match="row 5 is not queued or in flight"):
     ctl.boundary([5], [0.0, 0.0])
   assert ctl.rows_cancelled == 3
+
+
+def test_under_stream_a_prompt_exits_on_a_rounds_worth_of_responses():
+  """The default pool to exit on is M (a round's worth), so pos keeps the signal of
+  `rounds`: four graded with a positive wait for the other four of the window."""
+  cfg = AdaConfig(method="pos", n=4, samples_per_round=8, max_rounds=2)
+  ctl = StreamController(cfg, 1)
+  assert ctl.min_pool == 8 and Controller(cfg, 1, schedule="rounds").min_pool == 4
+  ctl.start()
+  ctl.boundary([0, 1, 2, 3], [])
+  d = ctl.boundary([4, 5, 6, 7], [1.0, 0.0, 0.0, 0.0])
+  assert d.exited.size == 0 and d.cancel.size == 0
+  d = ctl.boundary([], [1.0, 1.0, 0.0, 0.0])
+  assert d.exited.tolist() == [0] and ctl.done
 
 
 @pytest.mark.parametrize("order,expected", [("exit", [1, 1, 0, 0]), ("prompt", [0, 0, 1, 1])])

@@ -74,12 +74,21 @@ class AdaConfig:
       mini-batches hold little signal; ties in prompt order, where the released code
       iterates a Python set) or 'prompt' (the step's prompt order, which spreads every
       round's exits over all mini-batches). Other methods keep prompt order.
+    min_exit_chance: pos / balance, beyond the paper (0 = off, the released behaviour):
+      stop drawing for a prompt once the chance that it meets the exit rule within its
+      remaining budget (R·M responses in all) falls below this probability, e.g. 0.05 =
+      "stop when P(exit within the budget) < 5%" (`rules.exit_chance`); a stopped prompt
+      is trained on as one that never exits. The chance comes from a Beta posterior on its
+      pass rate: prior Beta(est_alpha, est_beta) plus its decayed counts from earlier steps
+      (the Est statistics, kept with `est_decay` and checkpointed), updated by this step's
+      graded responses.
     dapo_max_extra_passes: cap on extra generation passes after the first (dapo).
     dapo_prompts_per_pass: prompts requested from `more_prompts` per extra pass;
       None: B, the step's prompt count (verl draws a whole generation batch).
-    est_alpha: Beta prior alpha of the pass-rate estimate (1).
+    est_alpha: Beta prior alpha of the pass-rate estimate (1); also the exit-chance rule's.
     est_beta: Beta prior beta (16): unseen prompts are presumed hard, p̂ = 1/17.
-    est_decay: lambda, the factor on a prompt's old counts each time it is sampled.
+    est_decay: lambda, the factor on a prompt's old counts each time it is sampled (Est's
+      statistics and the exit-chance rule's).
     est_budget_per_prompt: K; the step draws round(K * B) samples in all (released: 8,
       compared with GRPO n = 8).
     est_weight: the objective whose f'(p̂) weights the allocation, spelled as for
@@ -112,6 +121,7 @@ class AdaConfig:
   std_eps: float = 1e-6
   inverse_p_weight: str | float = "none"
   batch_order: str = "exit"
+  min_exit_chance: float = 0.0
   dapo_max_extra_passes: int = 4
   dapo_prompts_per_pass: int | None = None
   est_alpha: float = 1.0
@@ -167,6 +177,12 @@ class AdaConfig:
           "a pool could hold fewer than n responses; need M*R >= n and "
           "max(M, k_pos + k_neg) >= n",
         )
+    if not 0.0 <= self.min_exit_chance < 1.0:
+      bad("min_exit_chance", "a probability in [0, 1): 0 is off")
+    if self.min_exit_chance and not self.is_seq:
+      bad(
+        "min_exit_chance", f"stops prompts that cannot meet an exit rule; {self.method!r} has none"
+      )
     if self.batch_order not in BATCH_ORDERS:
       bad("batch_order", f"expected one of {list(BATCH_ORDERS)}")
     if self.selection not in SELECTIONS:

@@ -70,10 +70,14 @@ class Controller:
       ignore it.
     window: stream, Seq rules: rows per active prompt queued, in flight or awaiting
       grades; None: M (`samples_per_round`), the only value under `rounds`.
-    min_pool: stream, Seq rules: the fewest graded responses a prompt exits with; None: n,
-      the only value under `rounds`.
+    min_pool: stream, Seq rules: the fewest graded responses a prompt exits with; None: a
+      round's worth, max(n, M) (at most R·M), so that an easy prompt exits on as many
+      responses as under `rounds` and keeps its signal; under `rounds` it is n (a round's
+      pool always holds M).
     more_prompts: `more_prompts(k)` returns up to k further prompt ids (DAPO); None: none.
     prompt_ids: the B prompt ids passed through to `StepResult.prompt_ids` (default 0..B-1).
+    plan: what the rule's `plan` prepared for the step (e.g. Seq's pass-rate priors), read
+      by its hooks as `ctl.plan`.
 
   Raises:
     ValueError: a bad argument (named).
@@ -90,6 +94,7 @@ class Controller:
     min_pool: int | None = None,
     more_prompts: MorePromptsFn | None = None,
     prompt_ids: Sequence[Any] | None = None,
+    plan: Any = None,
   ):
     config.validate()
     if num_prompts < 1:
@@ -103,15 +108,19 @@ class Controller:
     self.window = config.samples_per_round if window is None else window
     if self.window < 1:
       raise ValueError(f"window={window}: must be >= 1")
+    cap = config.samples_per_round * config.max_rounds
     quotas = [config.n] * num_prompts if quotas is None else quotas
     self.quota = [int(q) for q in np.asarray(quotas).reshape(-1)]
     if len(self.quota) != num_prompts or min(self.quota) < 1:
       raise ValueError(f"quotas: need {num_prompts} ints >= 1, got {list(quotas)}")
-    self.min_pool = config.n if min_pool is None else min_pool
-    cap = config.samples_per_round * config.max_rounds
+    default_pool = config.n
+    if self.schedule == "stream":
+      default_pool = min(max(config.n, config.samples_per_round), cap)
+    self.min_pool = default_pool if min_pool is None else min_pool
     if isinstance(self.rule, Seq) and not config.n <= self.min_pool <= cap:
       raise ValueError(f"min_pool={min_pool}: must lie in [n, R*M]")
-    self.more_prompts = more_prompts
+    self.more_prompts, self.plan = more_prompts, plan
+    self.stopped: list[int] = []  # Seq: prompts retired by the exit-chance rule.
     self.prompt_ids = list(range(num_prompts) if prompt_ids is None else prompt_ids)
     self.row_prompt: list[int] = []
     self.live: list[set[int]] = []  # Per prompt: rows queued or in flight.
@@ -293,7 +302,11 @@ class Controller:
     size = [sum(rank[r] < first[p] for r in self.graded[p]) for p in range(num)]
     pools.first_round_size = np.asarray(size, np.int64)
     kept, order = self.rule.select(self, pools, rng)
-    return pools_lib.finish(self.config, pools, self.prompt_ids, self.b, kept, order)
+    result = pools_lib.finish(self.config, pools, self.prompt_ids, self.b, kept, order)
+    if not self.stopped:
+      return result
+    stats = dataclasses.replace(result.stats, stopped=tuple(sorted(self.stopped)))
+    return dataclasses.replace(result, stats=stats)
 
 
 class Engine(Protocol):
@@ -395,6 +408,7 @@ def run_step(
     min_pool=min_pool,
     more_prompts=more_prompts,
     prompt_ids=ids,
+    plan=plan,
   )
   DRIVERS[ctl.schedule](ctl, engine)
   return rule.fold(config, ids, est_state, features, plan, ctl.result(rng))

@@ -142,6 +142,12 @@ def _lookup(state: EstState, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
   return found, pos, tot
 
 
+def counts(state: EstState, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """(pos, tot) float64[B]: each key's decayed counts (zero for an unseen key)."""
+  _, pos, tot = _lookup(state, np.asarray(keys, np.int64))
+  return pos, tot
+
+
 def est_pass_rates(
   state: EstState, keys: np.ndarray, alpha: float, beta: float, prior: np.ndarray | None = None
 ) -> np.ndarray:

@@ -40,8 +40,10 @@ class StepStats:
       pos and balance, which stop after successes).
     pool_size: int32[P] responses drawn per prompt.
     pool_pass_rate: float32[P] fraction of positive responses in each prompt's pool.
-    est_metrics: Est's figures (`estimate.plan_budget`, `estimate.fold_step`): budget
-      share per p̂ band, the head's calibration before it trains; empty for the others.
+    est_metrics: the rule's own figures: Est's (`estimate.plan_budget`,
+      `estimate.fold_step`: budget share per p̂ band, the head's calibration before it
+      trains), Seq's with `min_exit_chance` (prompts stopped); empty for the others.
+    stopped: indices of the prompts the exit-chance rule stopped (`rules.Seq`).
   """
 
   num_prompts: int
@@ -58,6 +60,7 @@ class StepStats:
   pool_size: np.ndarray
   pool_pass_rate: np.ndarray
   est_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+  stopped: tuple[int, ...] = ()
 
   def as_metrics(self, prefix: str = "ada/") -> dict[str, float]:
     """Flat scalar metrics for logging (per-round entries suffixed _r1, _r2, ...).

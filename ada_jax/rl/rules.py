@@ -21,6 +21,7 @@ order alone, never of timing, so every process of a multi-host run decides the s
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -94,6 +95,43 @@ def batch_order(config, exit_round: Sequence[int | None]) -> list[int]:
     return list(range(b))
   last = max([r for r in exit_round if r is not None], default=0) + 1
   return sorted(range(b), key=lambda p: (last if exit_round[p] is None else exit_round[p], p))
+
+
+def exit_chance(
+  pos: int, neg: int, remaining: int, alpha: float, beta: float, k_pos: int, k_neg: int
+) -> float:
+  """P(a prompt's pool meets the exit rule once its `remaining` draws are graded).
+
+  The pass rate p has the posterior Beta(alpha, beta) (its prior updated by the prompt's
+  graded responses); the positives X among the remaining draws are then beta-binomial,
+  and the final pool exits iff pos + X >= k_pos and neg + remaining - X >= k_neg (the rule
+  only gains from more responses, so exiting within the budget and exiting at its end
+  are the same event). Example: pos 0, neg 8, 24 left, Beta(1, 9), k = (1, 0): 1 - P(no
+  positive) = 1 - B(1, 33)/B(1, 9) = 1 - 9/33 = 0.727.
+
+  Args:
+    pos, neg: graded positives and negatives so far.
+    remaining: draws left in the prompt's budget (R·M minus the graded ones), >= 0.
+    alpha, beta: the posterior's parameters, > 0.
+    k_pos, k_neg: the exit thresholds.
+
+  Returns:
+    A probability in [0, 1].
+  """
+  lo, hi = max(0, k_pos - pos), remaining - max(0, k_neg - neg)
+  if lo > hi:
+    return 0.0
+  log_norm = math.lgamma(alpha) + math.lgamma(beta) - math.lgamma(alpha + beta)
+  total = 0.0
+  for x in range(lo, hi + 1):
+    log_choose = math.lgamma(remaining + 1) - math.lgamma(x + 1) - math.lgamma(remaining - x + 1)
+    log_b = (
+      math.lgamma(x + alpha)
+      + math.lgamma(remaining - x + beta)
+      - math.lgamma(remaining + alpha + beta)
+    )
+    total += math.exp(log_choose + log_b - log_norm)
+  return min(1.0, total)
 
 
 def select_responses(config, pool: Sequence[float], rng: np.random.Generator) -> np.ndarray:
@@ -171,6 +209,29 @@ class Seq(Rule):
   def min_rows(self, config):
     return config.samples_per_round
 
+  def plan(self, config, prompt_ids, est_state, features):
+    if not config.min_exit_chance:
+      return None, None
+    # Each prompt's pass-rate prior: Beta(est_alpha, est_beta) plus its decayed counts
+    # from the steps that sampled it before (the Est statistics, `estimate`).
+    state = estimate.init_est_state() if est_state is None else est_state
+    keys = estimate.prompt_keys(prompt_ids)
+    pos, tot = estimate.counts(state, keys)
+    return None, (state, keys, config.est_alpha + pos, config.est_beta + tot - pos)
+
+  def fold(self, config, prompt_ids, est_state, features, plan, result):
+    if plan is None:
+      return result, est_state
+    state, keys, _, _ = plan
+    b = len(prompt_ids)
+    n_pos = np.round(result.stats.pool_pass_rate[:b] * result.stats.pool_size[:b])
+    new_state = estimate.update_est_state(
+      state, keys, n_pos, result.stats.pool_size[:b].astype(np.float64), config.est_decay
+    )
+    stopped = {"ada/stopped_fraction": len(result.stats.stopped) / b}
+    stats = dataclasses.replace(result.stats, est_metrics={**result.stats.est_metrics, **stopped})
+    return dataclasses.replace(result, stats=stats), new_state
+
   def first_rows(self, ctl, p):
     cfg = ctl.config
     return min(ctl.window, cfg.samples_per_round * cfg.max_rounds)
@@ -185,8 +246,35 @@ class Seq(Rule):
     room = cfg.samples_per_round * cfg.max_rounds - ctl.issued(p)
     if room == 0 and pending == 0:
       return True  # R·M responses and no exit: trained on as it is (zero advantage if uniform)
+    # The exit-chance rule decides once a round's worth is graded (min_pool: M under
+    # `stream`, a round under `rounds`): every prompt explores that much.
+    if ctl.plan is not None and len(graded) >= ctl.min_pool and self.hopeless(ctl, p, graded):
+      ctl.stopped.append(p)  # trained on as a prompt that never exits
+      return True
     ctl.new_rows(p, max(0, min(ctl.window - pending, room)), new)
     return False
+
+  def hopeless(self, ctl, p: int, graded: Sequence[float]) -> bool:
+    """Whether prompt p stops: the chance that it exits within its R·M budget (`exit_chance`
+    on its prior from `plan` updated by its graded pool) is below `min_exit_chance`, and
+    its pool already has signal (both classes) or the chance that it gets any is below it
+    too: a uniform pool with a fair chance of a first response of the other class (for
+    balance, a lone positive) keeps drawing."""
+    cfg = ctl.config
+    _, _, alpha, beta = ctl.plan
+    r = np.asarray(graded, np.float64)
+    pos = int(np.count_nonzero(r > cfg.positive_threshold))
+    neg = r.size - pos
+    args = (
+      pos,
+      neg,
+      cfg.samples_per_round * cfg.max_rounds - r.size,
+      alpha[p] + pos,
+      beta[p] + neg,
+    )
+    if exit_chance(*args, *thresholds(cfg)) >= cfg.min_exit_chance:
+      return False
+    return (pos and neg) or exit_chance(*args, 1, 1) < cfg.min_exit_chance
 
   def select(self, ctl, pools, rng):
     kept = {p: select_responses(ctl.config, pools.rewards[p], rng) for p in range(ctl.b)}

@@ -26,30 +26,27 @@ import dataclasses
 import heapq
 import statistics
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from ada_jax.rl import controller
 from ada_jax.rl.adaptive import AdaConfig
+from ada_jax.rl.rules import pool_meets_exit
 from ada_jax.rl.simulate import PASS_RATE_MIX, _check_pass_rates, method_table, sample_pass_rates
 
 __all__ = [
-  "PAPER_WALL_TIME_RATIO",
   "ScheduleResult",
   "SimEngine",
   "SlotPool",
   "StreamSimConfig",
   "length_sigma",
-  "done_when",
-  "markdown_table",
+  "drifted_pass_rates",
   "method_rows",
   "simulate_schedule",
 ]
 
-# Paper (arXiv 2510.04996, 1.5B model): wall time per step relative to GRPO.
-PAPER_WALL_TIME_RATIO = {"pos": 2.2, "balance": 2.8}
 SCHEDULES = controller.SCHEDULES
 
 
@@ -80,8 +77,12 @@ class StreamSimConfig:
     segment: decode steps between stream boundaries.
     window: stream, pos/balance: rows kept queued / in flight / awaiting grades per
       active prompt; None: M.
-    min_pool: stream, pos/balance: graded responses a prompt needs to exit; None: n.
+    min_pool: stream, pos/balance: graded responses a prompt needs to exit; None: the
+      controller's (a round's worth, max(n, M)).
     num_prompts: prompts in the data set (pass rates drawn from `mix`).
+    walk_sd: pass rates that move between epochs: each prompt's logit takes a Gaussian
+      step of this SD per epoch (0: fixed pass rates).
+    drift: and this shift per epoch towards higher pass rates (logit units; learning).
     epochs: passes over them; the first `warmup_epochs` are not scored (Est's statistics).
     seed: seeds pass rates, orders, rewards, lengths and DAPO's extra prompts.
   """
@@ -95,6 +96,8 @@ class StreamSimConfig:
   window: int | None = None
   min_pool: int | None = None
   num_prompts: int = 2048
+  walk_sd: float = 0.0
+  drift: float = 0.0
   epochs: int = 3
   warmup_epochs: int = 1
   seed: int = 0
@@ -108,6 +111,8 @@ class StreamSimConfig:
       raise ValueError(f"StreamSimConfig.window={self.window!r}: must be >= 1 or None")
     if not 0 <= self.warmup_epochs < self.epochs:
       raise ValueError(f"StreamSimConfig.warmup_epochs={self.warmup_epochs}: need < epochs")
+    if not self.walk_sd >= 0:
+      raise ValueError(f"StreamSimConfig.walk_sd={self.walk_sd!r}: must be >= 0")
     if self.batch > self.num_prompts:
       raise ValueError(f"StreamSimConfig.batch={self.batch}: more than num_prompts")
     length_sigma(self.median_length, self.budget, self.at_budget)
@@ -234,6 +239,8 @@ class _Totals:
   idle_boundaries: int = 0
   capped_prompts: int = 0
   capped_tokens: int = 0
+  stopped: int = 0
+  stopped_would_exit: int = 0
 
 
 class SimEngine:
@@ -301,6 +308,20 @@ def _step(cfg, schedule, ids, draws: _Draws, sim, rng, est_state):
   return res, est_state, engine.stats(schedule, res)
 
 
+def drifted_pass_rates(p0: np.ndarray, sim: StreamSimConfig, epoch: int) -> np.ndarray:
+  """The pass rates of epoch `epoch`: logit(p) + epoch·drift + a Gaussian random walk of
+  `sim.walk_sd` per epoch (Generator([seed, e, 5]) for the step into epoch e); p0 clipped
+  to [1e-6, 1 − 1e-6] first, so 0 and 1 can move. Epoch 0 is `p0` itself."""
+  if epoch == 0 or not (sim.walk_sd or sim.drift):
+    return p0
+  p = np.clip(p0, 1e-6, 1 - 1e-6)
+  logit = np.log(p) - np.log1p(-p)
+  for e in range(1, epoch + 1):
+    step = np.random.default_rng([sim.seed, e, 5]).standard_normal(p0.size)
+    logit = logit + sim.drift + sim.walk_sd * step
+  return 1.0 / (1.0 + np.exp(-logit))
+
+
 @dataclasses.dataclass(frozen=True)
 class ScheduleResult:
   """Per-step means of one method under one schedule over the scored steps.
@@ -318,6 +339,9 @@ class ScheduleResult:
     capped_prompt_fraction: pos / balance: prompts that drew R·M responses without
       exiting / B (nearly the same prompts under both schedules).
     capped_token_share: their tokens / all tokens decoded: a cost no schedule removes.
+    stopped_fraction: prompts the exit-chance rule stopped / B (`min_exit_chance`).
+    stopped_would_exit: of those, the fraction that would have met the exit rule had they
+      drawn the rest of their R·M budget (their next responses, drawn to the end).
     steps: RL steps scored.
   """
 
@@ -332,6 +356,8 @@ class ScheduleResult:
   idle_boundaries: float
   capped_prompt_fraction: float
   capped_token_share: float
+  stopped_fraction: float
+  stopped_would_exit: float
   steps: int
 
   def as_dict(self) -> dict[str, Any]:
@@ -374,9 +400,10 @@ def simulate_schedule(
   order_rng = np.random.default_rng([sim.seed, 1])
   for epoch in range(sim.epochs):
     order = order_rng.permutation(p_all.size)
+    p_epoch = drifted_pass_rates(p_all, sim, epoch)
     for start in range(0, p_all.size - sim.batch + 1, sim.batch):
       ids = order[start : start + sim.batch]
-      draws = _Draws(p_all[ids], sim, step, mix)
+      draws = _Draws(p_epoch[ids], sim, step, mix)
       rng = np.random.default_rng([sim.seed, step, 1])
       res, est_state, stats = _step(
         cfg, schedule, [f"p{i}" for i in ids], draws, sim, rng, est_state
@@ -394,6 +421,12 @@ def simulate_schedule(
         capped = np.flatnonzero(res.stats.pool_size[: sim.batch] >= cap)
         tot.capped_prompts += capped.size
         tot.capped_tokens += sum(int(draws.length[p][: draws.count[p]].sum()) for p in capped)
+      for p in res.stats.stopped:  # drawn on to R·M: would it have exited?
+        size = int(res.stats.pool_size[p])
+        pool = [1.0] * round(float(res.stats.pool_pass_rate[p]) * size)
+        pool += [0.0] * (size - len(pool)) + draws.draw(np.full(cap - size, p))[0].tolist()
+        tot.stopped += 1
+        tot.stopped_would_exit += pool_meets_exit(pool, cfg)
   return ScheduleResult(
     samples_per_prompt=tot.samples / tot.prompts,
     tokens_per_prompt=tot.tokens / tot.prompts,
@@ -406,68 +439,21 @@ def simulate_schedule(
     idle_boundaries=tot.idle_boundaries / tot.steps,
     capped_prompt_fraction=tot.capped_prompts / tot.prompts,
     capped_token_share=tot.capped_tokens / max(tot.tokens, 1),
+    stopped_fraction=tot.stopped / tot.prompts,
+    stopped_would_exit=tot.stopped_would_exit / max(tot.stopped, 1),
     steps=tot.steps,
   )
 
 
-def method_rows(n: int = 4, samples_per_round: int = 8, max_rounds: int = 4) -> dict:
+def method_rows(
+  n: int = 4, samples_per_round: int = 8, max_rounds: int = 4, min_exit_chance: float = 0.0
+) -> dict:
   """The compared configurations: `simulate.method_table`'s GRPO n = 4 and 8, DAPO,
-  pos, balance, released Est (K = 8) and the paper's Est hybrid (K = 8)."""
+  pos, balance, released Est (K = 8) and the paper's Est hybrid (K = 8); with
+  `min_exit_chance`, also pos and balance with the exit-chance rule (`*_stop`)."""
   table = method_table(n, samples_per_round, max_rounds, est_budgets=(8.0,))
   keep = ("grpo_n4", "grpo_n8", "dapo_n4", "ada_pos", "ada_balance", "ada_est_k8")
-  return {k: table[k] for k in (*keep, "ada_est_paper_k8")}
-
-
-def done_when(rows: Mapping[str, Mapping[str, ScheduleResult]]) -> dict[str, dict[str, Any]]:
-  """The simulator's bar for `stream` under `ada_pos` and `ada_balance`: its signal fraction
-  within 0.01 of rounds' with <= 0.8x its tokens per prompt.
-
-  Args:
-    rows: row name -> schedule -> `ScheduleResult`.
-
-  Returns:
-    row -> {signal_diff, tokens_ratio, decode_steps_ratio, holds}.
-  """
-  out = {}
-  for name in ("ada_pos", "ada_balance"):
-    if name not in rows:
-      continue
-    r, s = rows[name]["rounds"], rows[name]["stream"]
-    diff = s.signal_fraction - r.signal_fraction
-    ratio = s.tokens_per_prompt / r.tokens_per_prompt
-    out[name] = {
-      "signal_diff": diff,
-      "tokens_ratio": ratio,
-      "decode_steps_ratio": s.decode_steps / r.decode_steps,
-      "holds": bool(abs(diff) <= 0.01 and ratio <= 0.8),
-    }
-  return out
-
-
-def _paper(name: str) -> str:
-  method = name.removeprefix("ada_")
-  return f"{PAPER_WALL_TIME_RATIO[method]}×" if method in PAPER_WALL_TIME_RATIO else ""
-
-
-def markdown_table(
-  rows: Mapping[str, Mapping[str, ScheduleResult]], reference: str = "grpo_n4"
-) -> list[str]:
-  """Lines of a Markdown table, one line per (row, schedule): samples, tokens and
-  cancelled tokens per prompt, decode steps per RL step and their ratio to `reference`'s
-  (rounds), slot utilisation, signal fraction, and the paper's wall time ÷ GRPO."""
-  ref = rows[reference]["rounds"].decode_steps
-  lines = [
-    "| method | schedule | samples/prompt | tokens/prompt | tokens cancelled/prompt "
-    "| decode steps/step | decode steps ÷ GRPO n=4 | slot utilisation | signal fraction "
-    "| paper: wall time ÷ GRPO |",
-    "|---|---|---|---|---|---|---|---|---|---|",
-  ]
-  for name, by_schedule in rows.items():
-    for schedule, r in by_schedule.items():
-      lines.append(
-        f"| {name} | {schedule} | {r.samples_per_prompt:.2f} | {r.tokens_per_prompt:.0f} | "
-        f"{r.tokens_cancelled_per_prompt:.0f} | {r.decode_steps:.0f} | "
-        f"{r.decode_steps / ref:.2f}× | {r.slot_utilisation:.2f} | {r.signal_fraction:.3f} | "
-        f"{_paper(name)} |"
-      )
-  return lines
+  rows = {k: table[k] for k in (*keep, "ada_est_paper_k8")}
+  for name in ("ada_pos", "ada_balance") if min_exit_chance else ():
+    rows[f"{name}_stop"] = dataclasses.replace(table[name], min_exit_chance=min_exit_chance)
+  return rows
