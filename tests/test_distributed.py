@@ -42,9 +42,11 @@ def get_config():
   c.sampler.max_new_tokens = 12
   c.sampler.chunk_rows = 64
   c.sampler.prompts_per_chunk = 8
-  c.ada.method = "pos"
+  c.ada.method = {method!r}
   c.ada.max_rounds = 2
   c.ada.schedule = {schedule!r}
+  c.ada.min_exit_chance = {chance!r}
+  c.ada.est_beta = 0.1 if {chance!r} else 16.0  # an optimistic prior: easy prompts stop
   c.sampler.segment_steps = 2
   c.rl.steps = {steps}
   c.rl.batch_prompts = 8
@@ -148,9 +150,16 @@ def _group_gone(pgid: int, timeout_s: float = 20.0) -> bool:
   return False
 
 
-def _write_config(tmp_path: pathlib.Path, steps: int, schedule: str = "rounds") -> pathlib.Path:
+def _write_config(
+  tmp_path: pathlib.Path,
+  steps: int,
+  schedule: str = "rounds",
+  chance: float = 0.0,
+  method: str = "pos",
+) -> pathlib.Path:
   path = tmp_path / f"cfg_{steps}.py"
-  path.write_text(textwrap.dedent(CONFIG.format(steps=steps, schedule=schedule)))
+  text = CONFIG.format(steps=steps, schedule=schedule, chance=chance, method=method)
+  path.write_text(textwrap.dedent(text))
   return path
 
 
@@ -159,14 +168,19 @@ def _log(tmp_path, p):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["rounds", "stream"])
-def test_two_processes_end_identical(tmp_path, schedule):
+@pytest.mark.parametrize(
+  "schedule,chance,method",
+  [("rounds", 0.0, "pos"), ("stream", 0.0, "pos"), ("stream", 0.5, "balance")],
+)
+def test_two_processes_end_identical(tmp_path, schedule, chance, method):
   # Under `stream` the processes also grade their halves of each segment's rows
-  # asynchronously and all-gather them at the next boundary (`SharedGrader`).
+  # asynchronously and all-gather them at the next boundary (`SharedGrader`); with the
+  # exit-chance rule (chance > 0) they also stop the same prompts and fold the same
+  # statistics (the controller's fingerprint covers the Est state).
   workdir = tmp_path / "run"
   out = str(tmp_path / "summary_{jax_process}.json")
   script = tmp_path / "worker.py"
-  config = _write_config(tmp_path, 2, schedule)
+  config = _write_config(tmp_path, 2, schedule, chance, method)
   script.write_text(
     WORKER.format(root=str(ROOT), config=str(config), workdir=str(workdir), out=out)
   )
@@ -192,6 +206,7 @@ def test_two_processes_end_identical(tmp_path, schedule):
   lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert [m["step"] for m in lines] == [1, 2]
   assert any(0 < m["reward_mean"] < 1 for m in lines), "rewards carry no signal"
+  assert any(m.get("ada/stopped_fraction", 0) > 0 for m in lines) == (chance > 0)
   assert (workdir / "checkpoints" / "2").is_dir()
 
 
