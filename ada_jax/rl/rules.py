@@ -274,7 +274,7 @@ class Seq(Rule):
     )
     if exit_chance(*args, *thresholds(cfg)) >= cfg.min_exit_chance:
       return False
-    return (pos and neg) or exit_chance(*args, 1, 1) < cfg.min_exit_chance
+    return bool(pos and neg) or exit_chance(*args, 1, 1) < cfg.min_exit_chance
 
   def select(self, ctl, pools, rng):
     kept = {p: select_responses(ctl.config, pools.rewards[p], rng) for p in range(ctl.b)}
