@@ -105,7 +105,7 @@ def load_model(
     folder = pathlib.Path(init_dir).absolute() / f"base_params_{digest[:12]}"
     if not (cfg.ckpt.init_from or model_dir or cfg.warmstart):
       logging.warning("no checkpoint, hf_dir or warm start: measuring a RANDOM model")
-    params, source, _ = loop.initial_params(
+    params, _, _ = loop.initial_params(
       cfg,
       model_config,
       tok,
@@ -115,12 +115,13 @@ def load_model(
       progress=progress,
       scratch_cache=folder,
     )
-    init_from = {
-      "init_from": str(pathlib.Path(cfg.ckpt.init_from).absolute()),
-      "scratch": str(folder),
-    }
-    tag = weights_tag(params, model_config)
-    return LoadedModel(params, model_config, tok, tag, init_from.get(source.split(":")[0], ""))
+    # What `ckpt.init_from` takes to train from these params ('' for a Hugging Face model).
+    init_from = str(folder)
+    if cfg.ckpt.init_from:
+      init_from = str(pathlib.Path(cfg.ckpt.init_from).absolute())
+    elif model_dir:
+      init_from = ""
+    return LoadedModel(params, model_config, tok, weights_tag(params, model_config), init_from)
   if checkpoint_path is not None:
     path = pathlib.Path(checkpoint_path).absolute()
     params = checkpoint_lib.restore_params(path, target)

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from ada_jax.models.tokenizer import Tokenizer
+from ada_jax.rollout.queue import response_arrays
 
 
 @dataclasses.dataclass
@@ -178,13 +179,5 @@ class PoolEngine:
     """The response store by row id (the controller's handles): `tokens int32[N, Lr]`,
     `logprobs float32[N, Lr]`, `mask bool[N, Lr]`, `lengths int32[N]`; rows cancelled or
     never decoded are empty (length 0)."""
-    lr, rows = self.sampler.max_new_tokens, len(self.row_prompt)
-    out = {
-      "tokens": np.zeros((rows, lr), np.int32),
-      "logprobs": np.zeros((rows, lr), np.float32),
-      "lengths": np.zeros((rows,), np.int32),
-    }
-    for row, (tokens, logprobs, n) in self.outputs.items():
-      out["tokens"][row], out["logprobs"][row], out["lengths"][row] = tokens, logprobs, n
-    out["mask"] = np.arange(lr) < out["lengths"][:, None]
-    return out
+    finished = [(row, *output) for row, output in self.outputs.items()]
+    return response_arrays(finished, len(self.row_prompt), self.sampler.max_new_tokens)

@@ -37,6 +37,23 @@ class _Row:
   draw_id: int  # the id its tokens are drawn with (`pool.row_uniforms`)
 
 
+def response_arrays(
+  finished: Sequence[tuple[int, np.ndarray, np.ndarray, int]], rows: int, max_new_tokens: int
+) -> dict[str, np.ndarray]:
+  """Finished rows (`collect`'s (row id, tokens, logprobs, length) tuples) as arrays by row
+  id: `tokens int32[rows, Lr]`, `logprobs float32[rows, Lr]`, `mask bool[rows, Lr]`,
+  `lengths int32[rows]`; a row id not among them is empty (length 0)."""
+  out = {
+    "tokens": np.zeros((rows, max_new_tokens), np.int32),
+    "logprobs": np.zeros((rows, max_new_tokens), np.float32),
+    "lengths": np.zeros((rows,), np.int32),
+  }
+  for row, tokens, logprobs, n in finished:
+    out["tokens"][row], out["logprobs"][row], out["lengths"][row] = tokens, logprobs, n
+  out["mask"] = np.arange(max_new_tokens) < out["lengths"][:, None]
+  return out
+
+
 class RolloutPool:
   """Host driver of one pool (`pool.run_segment`) for prompts of one bucket length.
 

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.rollout import pool as pool_lib
-from ada_jax.rollout.queue import RolloutPool
+from ada_jax.rollout.queue import RolloutPool, response_arrays
 from ada_jax.rollout.rule import SamplingRule as SamplingRule
 from ada_jax.rollout.spec import SamplerSpec
 
@@ -410,22 +410,13 @@ class Sampler:
       if len(p) == 0:
         raise ValueError(f"prompt {i} is empty")
     r, lr = len(row_prompt), self.max_new_tokens
-    out = {
-      "tokens": np.zeros((r, lr), np.int32),
-      "logprobs": np.zeros((r, lr), np.float32),
-      "mask": np.zeros((r, lr), bool),
-      "lengths": np.zeros((r,), np.int32),
-    }
     stats = SampleStats(rows_useful=r)
     if r == 0:
-      return out, stats
+      return response_arrays([], 0, lr), stats
     lp = bucket_length(max(len(prompts[p]) for p in set(row_prompt.tolist())), self.prompt_buckets)
     pool = self.pool(params, rng, lp)
-    for row, tokens, logprobs, n in pool.drain(
-      prompts, row_prompt, collections.deque(range(r)), {}
-    ):
-      out["tokens"][row], out["logprobs"][row], out["lengths"][row] = tokens, logprobs, n
-    out["mask"] = np.arange(lr) < out["lengths"][:, None]
+    finished = pool.drain(prompts, row_prompt, collections.deque(range(r)), {})
+    out = response_arrays(finished, r, lr)
     c = pool.take_counters()
     stats.slot_steps, stats.rows_computed = c["slot_steps"], c["rows_computed"]
     stats.kv_read, stats.kv_useful = c["kv_read"], c["kv_useful"]
