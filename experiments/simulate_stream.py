@@ -116,25 +116,31 @@ class OracleSeq(rules.Seq):
   responses, as `rounds` draws them) would hold one class only: no rule that keeps the
   signal and explores a round first can draw less."""
 
-  draws: list = []  # the step's `simulate_stream._Draws` (set by `oracle_draws`)
+  step_draws = None  # the step's `simulate_stream._Draws` (set by `oracle_draws`)
+  uniform: dict[int, bool] = {}  # this step: prompt -> its first R·M responses are uniform
 
   def hopeless(self, ctl, p, graded):
-    cap = ctl.config.samples_per_round * ctl.config.max_rounds
-    d = self.draws[-1]
-    fresh = ss._Draws(d.rates[: ctl.b], d.sim, d.step, d.mix)
-    return len(set(fresh.draw(np.full(cap, p))[0].tolist())) == 1
+    if p not in self.uniform:  # once per prompt and step, not at every boundary
+      d, cap = self.step_draws, ctl.config.samples_per_round * ctl.config.max_rounds
+      future = _FRESH(d.rates, d.sim, d.step, d.mix)  # the same responses, drawn afresh
+      self.uniform[p] = len(set(future.draw(np.full(cap, p))[0].tolist())) == 1
+    return self.uniform[p]
+
+
+_FRESH = ss._Draws  # a step's draws, built without registering them for the oracle
 
 
 def oracle_draws() -> None:
   """Registers the oracle rules (`pos_oracle`, `balance_oracle`) and lets them see each
   step's draws."""
-  init = ss._Draws.__init__
 
-  def recording(self, *args, **kwargs):
-    init(self, *args, **kwargs)
-    OracleSeq.draws[:] = [self]
+  class Recorded(_FRESH):
+    def __init__(self, *args, **kwargs):
+      super().__init__(*args, **kwargs)
+      OracleSeq.step_draws = self
+      OracleSeq.uniform.clear()
 
-  ss._Draws.__init__ = recording
+  ss._Draws = Recorded
   for method in ("pos", "balance"):
     rules.RULES[f"{method}_oracle"] = OracleSeq(rules.RULES[method].exit_thresholds)
 
