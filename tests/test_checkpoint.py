@@ -308,12 +308,20 @@ def _truncate(step_dir):
   return "params", "OUT_OF_RANGE|not valid"
 
 
-def _garbage(step_dir):
+def _garbage(step_dir, seed=0):
+  """Random bytes over the middle of the largest params file. Depending on where they
+  land (which moves with the file's layout), the read fails with a decode error or decodes
+  to values with NaN or infinity among them; either way the checkpoint is skipped."""
   f = _largest_file(step_dir / "params")
   data = bytearray(f.read_bytes())
-  data[len(data) // 4 : len(data) // 2] = os.urandom(len(data) // 2 - len(data) // 4)
+  lo, hi = len(data) // 4, len(data) // 2
+  data[lo:hi] = np.random.default_rng(seed).bytes(hi - lo)
   f.write_bytes(bytes(data))
-  return "params", "Error|error"
+  return "params", "Error|error|NaN or infinity in"
+
+
+def _garbage_1(step_dir):
+  return _garbage(step_dir, seed=1)
 
 
 def _no_params(step_dir):
@@ -348,7 +356,7 @@ def _nan_params(step_dir):
   return "params", "NaN or infinity in"
 
 
-CORRUPTIONS = [_truncate, _garbage, _no_params, _no_rng, _bad_host, _nan_params]
+CORRUPTIONS = [_truncate, _garbage, _garbage_1, _no_params, _no_rng, _bad_host, _nan_params]
 
 
 def _saved_run(tmp_path, steps=(1, 2, 3)):
