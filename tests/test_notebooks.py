@@ -89,7 +89,8 @@ def test_cells_parse_and_library_names_exist(name):
 @pytest.mark.parametrize("devices", [1, 4, 8])
 def test_llama_notebook_config_passes_the_library_checks(devices):
   """03's parameter and config cells, run for a runtime with `devices` devices, give a
-  config that parses, whose batch fits the mesh and whose sampler chunks split over it."""
+  config that parses, whose batch fits the mesh and whose sampler chunks split over it; its
+  evaluation-settings cell, run after them, gives an evaluation config that parses too."""
   import jax
 
   from ada_jax import config as config_lib
@@ -99,14 +100,19 @@ def test_llama_notebook_config_passes_the_library_checks(devices):
   cells = _code(_read("03_llama3b_tpu"))
   params = next(c for c in cells if "HF_DIR =" in c)
   config_cell = next(c for c in cells if "llama3b_balance.get_config()" in c)
+  eval_cell = next(c for c in cells if "config.eval.k = EVAL_K" in c)
   namespace = {"jax": types.SimpleNamespace(device_count=lambda: devices)}
   sys.path.insert(0, str(ROOT))
   try:
     exec(compile(params, "params", "exec"), namespace)
     exec(compile(config_cell, "config", "exec"), namespace)
+    cfg = config_lib.parse(namespace["config"])
+    exec(compile(eval_cell, "eval settings", "exec"), namespace)
   finally:
     sys.path.remove(str(ROOT))
-  cfg = config_lib.parse(namespace["config"])
+  evaluation = config_lib.parse(namespace["config"]).eval
+  assert evaluation.benchmarks == ("math500",) and evaluation.k == namespace["EVAL_K"]
+  assert evaluation.sampler.max_new_tokens == namespace["MAX_NEW_TOKENS"]
   assert cfg.rl.steps == namespace["STEPS"] and cfg.eval.benchmarks == ()
   mesh = sharding.make_mesh(
     cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=jax.devices()[:devices]
