@@ -19,7 +19,6 @@ from typing import Any
 from ada_jax.checkpoint import CheckpointConfig
 from ada_jax.data.prompts import DataConfig
 from ada_jax.eval.benchmarks import EvalConfig
-from ada_jax.models.decoder import ModelConfig
 from ada_jax.models.sharding import MeshConfig
 from ada_jax.models.tokenizer import TokenizerConfig
 from ada_jax.models.weights import ModelSpec
@@ -28,7 +27,7 @@ from ada_jax.rl.adaptive import AdaConfig
 from ada_jax.rl.losses import LossConfig
 from ada_jax.rl.train import OptimConfig, TrainConfig
 from ada_jax.rl.warmstart import WarmStartConfig
-from ada_jax.rollout.sampler import check_context_length, prompts_per_chunk
+from ada_jax.rollout.sampler import prompts_per_chunk
 from ada_jax.rollout.spec import SamplerSpec
 
 
@@ -182,24 +181,6 @@ class RunConfig:
         "each step costs that much more decoding"
       )
     return out
-
-  def check_model(self, model: ModelConfig) -> None:
-    """Rules that need the architecture: the rollout (and, when benchmarks are set, the
-    evaluation) prompt bucket plus response budget fit the model's positions. Call it
-    before anything compiles. Raises ConfigError naming the fields."""
-    context_fits(model, self.sampler.prompt_buckets, self.sampler.max_new_tokens, "config.sampler")
-    if self.eval.benchmarks:
-      s = self.eval.sampler
-      context_fits(model, s.prompt_buckets, s.max_new_tokens, "config.eval.sampler")
-
-
-def context_fits(model: ModelConfig, prompt_buckets, max_new_tokens: int, group: str) -> None:
-  """`sampler.check_context_length` as a ConfigError naming `<group>.prompt_buckets` and
-  `<group>.max_new_tokens` (for training, evaluation and prompt selection alike)."""
-  try:
-    check_context_length(model, prompt_buckets, max_new_tokens, prefix=f"{group}.")
-  except ValueError as e:
-    raise ConfigError(str(e)) from None
 
 
 def _fields(cls) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""What a run reads before anything compiles: its model's architecture and tokenizer, its
-training prompts, and a check that its evaluation data can be read.
+"""What a run reads before anything compiles: its model's architecture and tokenizer, and
+its training prompts (the evaluation's data: `eval.evaluation.Evaluator.make`).
 
 Shared by the training loop (`loop`), the evaluation command (`evaluate`) and prompt
 selection (`select_prompts`), so that all three tokenize exactly alike. Every failure is
@@ -13,7 +13,6 @@ import pathlib
 
 from absl import logging
 
-from ada_jax import config as config_lib
 from ada_jax.config import ConfigError
 from ada_jax.data import arith, prompts, sources, verl
 from ada_jax.data import sets as data
@@ -110,7 +109,7 @@ def load_prompts(d: prompts.DataConfig, tokenizer: Tokenizer, *, seed: int) -> p
       )
     except (OSError, ValueError) as e:  # a bad file (named, with its line) or no network
       raise ConfigError(
-        f"config.data: {' '.join(str(e).split())}{_offline_hint(e, 'config.data.manual_dir')}"
+        f"config.data: {' '.join(str(e).split())}{offline_hint(e, 'config.data.manual_dir')}"
       ) from None
     style = d.prompt_style
   ps = prompts.build_prompts(
@@ -146,30 +145,11 @@ def _verl_examples(d: prompts.DataConfig) -> list[dict]:
     raise ConfigError(f"config.data.verl_set: {' '.join(str(e).split())}{hint}") from None
 
 
-def _offline_hint(error: Exception, field: str) -> str:
+def offline_hint(error: Exception, field: str) -> str:
+  """For a `ConnectionError` (data to download, no network): what to set `field` to."""
   if not isinstance(error, ConnectionError):
     return ""
   return (
     f"; set {field} to a folder with these JSONL files (a folder shared/data beside "
     "the checkout is the configs' default when present)"
   )
-
-
-def check_eval_data(cfg: config_lib.RunConfig) -> None:
-  """Fails before any compile when a maths benchmark of `cfg.eval` can neither be read
-  from `eval.manual_dir` nor downloaded (`data.sets.check_available`).
-
-  Raises:
-    ConfigError: naming `config.eval.manual_dir` (offline) or `config.eval.benchmarks`.
-  """
-  e = cfg.eval
-  data_dir = data.tfds_data_dir(e.data_dir)
-  for name in e.benchmarks:
-    if name not in sources.SETS:
-      continue  # 'arith' is generated, unknown names fail in `benchmarks.load_examples`
-    try:
-      data.check_available(name, data_dir=data_dir, manual_dir=e.manual_dir or None)
-    except OSError as err:
-      raise ConfigError(
-        f"config.eval.benchmarks ({name}): {err}{_offline_hint(err, 'config.eval.manual_dir')}"
-      ) from None

@@ -35,9 +35,7 @@ from ada_jax import config as config_lib
 from ada_jax import metrics as metrics_lib
 from ada_jax.config import ConfigError
 from ada_jax.data import prompts
-from ada_jax.eval import benchmarks
-from ada_jax.eval import evaluation as evaluate
-from ada_jax.eval import sampling as eval_sampling
+from ada_jax.eval import benchmarks, evaluation
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.models import weights
@@ -245,31 +243,22 @@ def initial_state(
   return checkpoint.RunState(train=state, rng=root, est=None, host=host), source
 
 
-def _heldout_eval(cfg, workdir, tokenizer, params, model_cfg, step, samplers, rng):
-  """`cfg.eval` benchmarks of the current policy (report in workdir/eval/step_<step>.*),
-  with a progress bar and a closing line on the console; `samplers` are the run's
-  `eval.sampling.EvalSamplers`, built once so that only the first evaluation compiles;
-  `rng` the run's eval key (`RunKeys.eval`: every evaluation of the run samples
-  with it, so two evaluations differ only by the policy). Returns the flat metrics."""
-  if not cfg.eval.benchmarks:
+def _heldout_eval(evaluator, workdir, params, step, rng):
+  """The held-out benchmarks of the current policy (`evaluator`, the run's
+  `eval.evaluation.Evaluator`, or None: none set), report in workdir/eval/step_<step>.*,
+  with a progress bar and a closing line on the console; `rng` the run's eval key
+  (`RunKeys.eval`: every evaluation of the run samples with it, so two evaluations differ
+  only by the policy). Returns the flat metrics."""
+  if evaluator is None:
     return {}
-  primary = jax.process_index() == 0
+  config = evaluator.config
   metrics_lib.console(
-    f"held-out evaluation at RL step {step}: {', '.join(cfg.eval.benchmarks)} (Avg@{cfg.eval.k})"
+    f"held-out evaluation at RL step {step}: {', '.join(config.benchmarks)} (Avg@{config.k})"
   )
-  results = evaluate.run(
-    cfg.eval,
-    workdir,
-    params=params,
-    model_config=model_cfg,
-    tokenizer=tokenizer,
-    samplers=samplers,
-    rng=rng,
-    model_tag=evaluate.weights_tag(params, model_cfg),
-    name=f"step_{step}",
-    progress=primary,
-  )["results"]
-  flat = benchmarks.flat_metrics(results)
+  report = evaluator.run(
+    workdir, params, name=f"step_{step}", rng=rng, progress=jax.process_index() == 0
+  )
+  flat = benchmarks.flat_metrics(report["results"])
   metrics_lib.console(
     f"held-out at RL step {step}: "
     + ", ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in flat.items() if "avg@" in k)
@@ -309,7 +298,6 @@ def _train(cfg, workdir: str, stop: runstate.StopRequest, stack: contextlib.Exit
   for warning in cfg.warnings():
     logging.warning("%s", warning)
   model_dir, model_cfg, tokenizer = inputs.load_model_files(cfg.model, cfg.tokenizer)
-  cfg.check_model(model_cfg)
   try:
     mesh = sharding_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
   except ValueError as e:
@@ -327,13 +315,9 @@ def _train(cfg, workdir: str, stop: runstate.StopRequest, stack: contextlib.Exit
       f"config.rl.batch_prompts ({cfg.rl.batch_prompts}) exceeds the "
       f"{len(ps)} usable training prompts"
     )
-  inputs.check_eval_data(cfg)
-  eval_samplers = None
-  if cfg.eval.benchmarks:  # built once: periodic evaluations reuse their compiles
-    try:  # on the run's mesh: replicated, its KV cache would not fit beside the train state
-      eval_samplers = eval_sampling.EvalSamplers.make(model_cfg, tokenizer, cfg.eval, mesh)
-    except ValueError as e:
-      raise ConfigError(f"config.eval: {e}") from None
+  evaluator = None
+  if cfg.eval.benchmarks:  # set up once: every held-out evaluation reuses its data, compiles
+    evaluator = evaluation.Evaluator.make(cfg.eval, model_cfg, tokenizer, mesh)
   try:
     smp = sampler.Sampler.from_spec(
       model_cfg,
@@ -401,9 +385,7 @@ def _train(cfg, workdir: str, stop: runstate.StopRequest, stack: contextlib.Exit
   stack.callback(writer.close)
   if first == 0 and "before_rl" not in host:  # also after a stop during it: cached batches
     stop.enter("the held-out evaluation before RL")
-    host["before_rl"] = _heldout_eval(
-      cfg, workdir, tokenizer, state.params, model_cfg, 0, eval_samplers, keys.eval
-    )
+    host["before_rl"] = _heldout_eval(evaluator, workdir, state.params, 0, keys.eval)
     stop.enter(None)
   if first == 0:
     writer.add_scalars(0, host["before_rl"])
@@ -424,11 +406,7 @@ def _train(cfg, workdir: str, stop: runstate.StopRequest, stack: contextlib.Exit
       state, est, m = rl_step(ctx, step, state, est, jax.random.fold_in(keys.rollout, step))
       runstate.check_step(step, m, state.params)  # before anything of it is saved
       if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < cfg.rl.steps:
-        m.update(
-          _heldout_eval(
-            cfg, workdir, tokenizer, state.params, model_cfg, step, eval_samplers, keys.eval
-          )
-        )
+        m.update(_heldout_eval(evaluator, workdir, state.params, step, keys.eval))
       writer.write(step, m)
       host.update(
         step=step, iterator=_jsonable(iterator.state()), np_rng=runstate.generator_state(np_rng)
@@ -468,9 +446,7 @@ def _train(cfg, workdir: str, stop: runstate.StopRequest, stack: contextlib.Exit
     }
   if step == cfg.rl.steps and stopped_by is None:  # stopped: the rerun evaluates
     stop.enter("the held-out evaluation after RL")
-    summary["after_rl"] = _heldout_eval(
-      cfg, workdir, tokenizer, state.params, model_cfg, step, eval_samplers, keys.eval
-    )
+    summary["after_rl"] = _heldout_eval(evaluator, workdir, state.params, step, keys.eval)
     writer.add_scalars(step, summary["after_rl"])
     if cfg.ckpt.export_hf:
       params = sharding_lib.host_copy(state.params)  # collective: every process takes part

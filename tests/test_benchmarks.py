@@ -197,7 +197,7 @@ def test_evaluate_hook_on_a_tiny_model_reuses_its_sampler():
     problems_per_batch=8,
     max_prompt_tokens=16,
   )
-  benches = benchmarks.load_benchmarks(config, tok)
+  benches = [benchmarks.load_benchmark("arith", config, tok)]
   assert [(b.name, b.judge, len(b.prompts)) for b in benches] == [("arith", "exact", 8)]
   samplers = eval_sampling.EvalSamplers.make(mc, tok, config)
   assert samplers.greedy is None  # config.greedy is off: no second sampler

@@ -43,11 +43,14 @@ HUB_PRESETS = {
     # A 16-token prompt bucket + 60 new tokens > 64 positions.
     (
       lambda c: c.sampler.__setitem__("max_new_tokens", 60),
-      r"config\.sampler\.prompt_buckets .*config\.sampler\.max_new_tokens \(60\) = 76 .*"
+      r"config\.sampler: prompt_buckets \(largest 16\) \+ max_new_tokens \(60\) = 76 .*"
       r"max_position_embeddings \(64\)",
     ),
-    (lambda c: c.sampler.__setitem__("prompt_buckets", (8, 60)), r"config\.sampler\.prompt"),
-    (lambda c: c.eval.__setitem__("max_new_tokens", 49), r"config\.eval\.max_new_tokens"),
+    (lambda c: c.sampler.__setitem__("prompt_buckets", (8, 60)), r"config\.sampler: prompt"),
+    (
+      lambda c: c.eval.sampler.__setitem__("max_new_tokens", 49),
+      r"config\.eval\.sampler: prompt_buckets .* max_new_tokens \(49\)",
+    ),
     (lambda c: c.sampler.__setitem__("top_k", 129), r"config\.sampler.*top_k"),
   ],
 )
@@ -86,7 +89,7 @@ def test_evaluation_checks_the_context_first(tmp_path):
     arith_problems=4,
   )
   with metrics_lib.CompileCounter() as compiles:
-    match = r"config\.eval\.sampler\.max_new_tokens \(60\)"
+    match = r"config\.eval\.sampler: .*max_new_tokens \(60\)"
     with pytest.raises(config_lib.ConfigError, match=match):
       evaluate.run(
         config,
@@ -110,7 +113,7 @@ def test_prompt_selection_checks_the_context_first(tmp_path):
   )
   with metrics_lib.CompileCounter() as compiles:
     with pytest.raises(
-      config_lib.ConfigError, match=r"SelectConfig\.sampling\.sampler\.max_new_tokens \(60\)"
+      config_lib.ConfigError, match=r"SelectConfig\.sampling\.sampler: .*max_new_tokens \(60\)"
     ):
       select_prompts.run(
         config,
@@ -139,22 +142,19 @@ def test_shipped_configs_fit_their_models(path):
       preset=HUB_PRESETS[spec.hf_dir], dtype=spec.dtype, overrides=spec.overrides
     )
   model = spec.model_config()
-  cfg.check_model(model)
+  for s in (cfg.sampler, cfg.eval.sampler):  # the eval's also when the config names no benchmark
+    sampler_lib.check_context_length(model, s.prompt_buckets, s.max_new_tokens)
   s = cfg.eval.sampler
-  config_lib.context_fits(
-    model, s.prompt_buckets, s.max_new_tokens, "config.eval.sampler"
-  )  # also when the config names no benchmark
   if path.stem.startswith(("qwen_math", "llama3b")):
     assert max(cfg.sampler.prompt_buckets) == 1024 and cfg.sampler.max_new_tokens == 2048
     assert s.max_new_tokens == 4096 and s.temperature == 1.0
   if path.stem.startswith("qwen_math"):
     assert model.max_position_embeddings == 32768
-    with pytest.raises(config_lib.ConfigError, match=r"config\.eval\.sampler\.max_new_tokens"):
-      config_lib.context_fits(
+    with pytest.raises(ValueError, match=r"max_new_tokens \(4096\) = 5120 tokens exceed"):
+      sampler_lib.check_context_length(
         weights.ModelSpec(preset=HUB_PRESETS[cfg.model.hf_dir]).model_config(),
         s.prompt_buckets,
         s.max_new_tokens,
-        "config.eval.sampler",
       )  # without the override, 1,024 + 4,096 exceeds config.json's 4,096 positions
 
 

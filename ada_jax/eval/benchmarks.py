@@ -19,7 +19,7 @@ evaluation continues where it stopped. Batch b of a benchmark always samples wit
 `fold_in(fold_in(rng, benchmark), b)`, so a resumed evaluation gives the same numbers as an
 uninterrupted one.
 
-Entry points: `load_benchmarks` (tokenized sets), `evaluate_policy` (any policy, e.g. a
+Entry points: `load_benchmark` (a tokenized set), `evaluate_policy` (any policy, e.g. a
 stub), `flat_metrics` (for the metrics writer); `eval.sampling.evaluate` runs a model (the
 trainer's periodic hook) through `evaluate_policy`.
 """
@@ -446,24 +446,27 @@ def load_examples(name: str, config: EvalConfig) -> list[dict[str, str]]:
   return examples[: config.limit] if config.limit else examples
 
 
-def load_benchmarks(config: EvalConfig, tokenizer: Tokenizer) -> list[Benchmark]:
-  """`config.benchmarks`, loaded and tokenized in their prompt style (too-long prompts are
-  dropped and logged)."""
-  out = []
-  for name in config.benchmarks:
-    judge, style = BENCHMARKS[name]
-    ps = prompts.build_prompts(
-      load_examples(name, config),
-      tokenizer,
-      style=config.prompt_style or style,
-      max_prompt_tokens=config.max_prompt_tokens,
+def load_benchmark(name: str, config: EvalConfig, tokenizer: Tokenizer) -> Benchmark:
+  """One benchmark of `config`, loaded and tokenized in its prompt style (too-long prompts
+  are dropped and logged).
+
+  Raises:
+    ValueError: unknown name, or a malformed data file (`file:line`).
+    OSError: its data can be neither read from `config.manual_dir` nor downloaded.
+  """
+  judge, style = BENCHMARKS[name] if name in BENCHMARKS else (None, None)
+  examples = load_examples(name, config)  # an unknown name raises here
+  ps = prompts.build_prompts(
+    examples,
+    tokenizer,
+    style=config.prompt_style or style,
+    max_prompt_tokens=config.max_prompt_tokens,
+  )
+  if ps.num_dropped:
+    logging.warning(
+      "%s: %d problems over %d prompt tokens are not evaluated",
+      name,
+      ps.num_dropped,
+      config.max_prompt_tokens,
     )
-    if ps.num_dropped:
-      logging.warning(
-        "%s: %d problems over %d prompt tokens are not evaluated",
-        name,
-        ps.num_dropped,
-        config.max_prompt_tokens,
-      )
-    out.append(Benchmark(name, ps, config.verifier.judge or judge))
-  return out
+  return Benchmark(name, ps, config.verifier.judge or judge)

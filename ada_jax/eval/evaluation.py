@@ -1,11 +1,12 @@
 """Evaluation reports and the evaluation CLI, on top of `ada_jax.eval.benchmarks` (the core).
 
-`run` loads the benchmarks, starts one verifier pool per judge, evaluates with the resumable
-results cache `<workdir>/eval/cache.jsonl` and writes `<workdir>/eval/<name>.json` and `.md`
-(never over a report of other weights or settings); the training loop calls it before RL,
-every `eval.every_steps` steps and at the end. The cache knows a model by its weights'
-values (`weights_tag`), so the loop and the CLI reuse each other's finished batches, and
-nothing cached answers for other weights.
+`Evaluator.make` checks the settings, loads the benchmarks and builds the samplers once;
+`Evaluator.run` starts one verifier pool per judge, evaluates with the resumable results
+cache `<workdir>/eval/cache.jsonl` and writes `<workdir>/eval/<name>.json` and `.md` (never
+over a report of other weights or settings). The training loop keeps one `Evaluator` and
+runs it before RL, every `eval.every_steps` steps and at the end; `run` is one of each.
+The cache knows a model by its weights' values (`weights_tag`), so the loop and the CLI
+reuse each other's finished batches, and nothing cached answers for other weights.
 
 The CLI evaluates a Hugging Face folder (or Hub id) or an orbax checkpoint of a run. The
 experiment config (`--config`, parsed by `config.parse` as for training) gives the `eval`
@@ -36,8 +37,8 @@ from typing import Any
 import jax
 from absl import logging
 
-from ada_jax import config as config_lib
-from ada_jax import distributed
+from ada_jax import distributed, inputs
+from ada_jax.config import ConfigError
 from ada_jax.eval import benchmarks as benchmarks_lib
 from ada_jax.eval import sampling as eval_sampling
 from ada_jax.eval.benchmarks import EvalConfig
@@ -97,6 +98,125 @@ def report_name(
   return candidate
 
 
+@dataclasses.dataclass(frozen=True)
+class Evaluator:
+  """An evaluation set up once (`make`): every check done, the benchmarks read and
+  tokenized, the samplers built (they compile on the first `run`), so that repeated runs
+  (the training loop's held-out evaluations) read no data and compile nothing again.
+
+  Attributes:
+    config: the settings.
+    model_config, tokenizer: the model's architecture and tokenizer.
+    benchmarks: `config.benchmarks`, tokenized (`benchmarks.load_benchmark`).
+    samplers: the `EvalSamplers` every run generates with.
+  """
+
+  config: EvalConfig
+  model_config: ModelConfig
+  tokenizer: Tokenizer
+  benchmarks: tuple[benchmarks_lib.Benchmark, ...]
+  samplers: eval_sampling.EvalSamplers
+
+  @classmethod
+  def make(
+    cls,
+    config: EvalConfig,
+    model_config: ModelConfig,
+    tokenizer: Tokenizer,
+    mesh: jax.sharding.Mesh | None = None,
+    *,
+    field: str = "config.eval",
+  ) -> Evaluator:
+    """Checks, reads and builds, before anything compiles.
+
+    Args:
+      config, model_config, tokenizer: as the attributes.
+      mesh: the samplers' mesh (a training run's own: a replicated KV cache would not
+        fit beside the train state), or None for one device.
+      field: the config group's name in errors.
+
+    Raises:
+      ConfigError: a benchmark that cannot be read or downloaded (`<field>.benchmarks
+        (<name>)`; offline, naming `<field>.manual_dir`), or a sampler group the sampler
+        rejects, e.g. the largest prompt bucket plus `max_new_tokens` past the model's
+        positions (`<field>.sampler`).
+    """
+    try:
+      samplers = eval_sampling.EvalSamplers.make(model_config, tokenizer, config, mesh)
+    except ValueError as e:
+      raise ConfigError(f"{field}.sampler: {e}") from None
+    benchmarks = []
+    for name in config.benchmarks:
+      try:
+        benchmarks.append(benchmarks_lib.load_benchmark(name, config, tokenizer))
+      except (OSError, ValueError) as e:
+        hint = inputs.offline_hint(e, f"{field}.manual_dir")
+        raise ConfigError(f"{field}.benchmarks ({name}): {e}{hint}") from None
+    return cls(config, model_config, tokenizer, tuple(benchmarks), samplers)
+
+  def run(
+    self,
+    workdir: str | os.PathLike,
+    params: Params,
+    *,
+    name: str,
+    model_tag: str | None = None,
+    rng: jax.Array | None = None,
+    progress: bool = True,
+  ) -> dict[str, Any]:
+    """Evaluates `params` with verifier pools (one per judge) and the results cache
+    `<workdir>/eval/cache.jsonl`, and writes `<workdir>/eval/<name>.json` and `.md`.
+    Rerunning after an interruption generates only the batches that were not finished.
+
+    Args:
+      workdir: run directory.
+      params: the model's weights (placed as the samplers' mesh expects).
+      name: file name stem of the reports, e.g. 'step_1000' or 'hf_Llama-3.2-3B-Instruct';
+        `report_name` adds '.2', '.3', ... where a report of other weights or settings has it.
+      model_tag: identity of the model in the cache; None = `weights_tag(params, ...)`.
+      rng: the sampling key (a training run's `loop.RunKeys.eval`); None =
+        `jax.random.key(config.seed)`.
+      progress: tqdm bars.
+
+    Returns:
+      The report written to the JSON file: `model`, `name` (the file stem used),
+      `settings`, `results`, `dropped_over_max_prompt_tokens` (per benchmark), `wall_s`.
+    """
+    config = self.config
+    model_tag = weights_tag(params, self.model_config) if model_tag is None else model_tag
+    out_dir = pathlib.Path(workdir) / "eval"
+    start = time.perf_counter()
+    rng = jax.random.key(config.seed) if rng is None else rng
+    with contextlib.ExitStack() as stack:
+      scorers = {}
+      for judge in sorted({b.judge for b in self.benchmarks}):
+        pool = RewardPool(dataclasses.replace(config.verifier, judge=judge))
+        scorers[judge] = stack.enter_context(pool).score
+      # One file per process: each process must find the same finished batches on resume
+      # (every process launches the same sampler calls), even without a shared file system.
+      suffix = f".p{jax.process_index()}" if jax.process_count() > 1 else ""
+      cache = benchmarks_lib.ResultCache(out_dir / f"cache{suffix}.jsonl")
+      kw = dict(cache=cache, model_tag=model_tag, progress=progress)
+      results = eval_sampling.evaluate(
+        params, self.samplers, self.tokenizer, self.benchmarks, config, rng, scorers, **kw
+      )
+    settings = dataclasses.asdict(config)
+    name = report_name(out_dir, name, model_tag, settings)
+    report = {
+      "model": model_tag,
+      "name": name,
+      "settings": settings,
+      "results": results,
+      "dropped_over_max_prompt_tokens": {b.name: b.prompts.num_dropped for b in self.benchmarks},
+      "wall_s": round(time.perf_counter() - start, 2),
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / f"{name}.md").write_text(markdown_table(results, f"{name} (Avg@{config.k})"))
+    logging.info("evaluation of %s:\n%s", name, markdown_table(results))
+    return report
+
+
 def run(
   config: EvalConfig,
   workdir: str | os.PathLike,
@@ -104,77 +224,20 @@ def run(
   params: Params,
   model_config: ModelConfig,
   tokenizer: Tokenizer,
-  model_tag: str,
   name: str,
+  model_tag: str | None = None,
   mesh: jax.sharding.Mesh | None = None,
-  samplers: eval_sampling.EvalSamplers | None = None,
   rng: jax.Array | None = None,
   progress: bool = True,
 ) -> dict[str, Any]:
-  """Evaluates a model on `config.benchmarks` with verifier pools and the results cache,
-  and writes `<workdir>/eval/<name>.json` and `<workdir>/eval/<name>.md`.
-
-  The cache is `<workdir>/eval/cache.jsonl`; rerunning after an interruption generates only
-  the batches that were not finished.
-
-  Args:
-    config: settings.
-    workdir: run directory.
-    params, model_config, tokenizer: the model.
-    model_tag: identity of the model in the cache (`weights_tag`).
-    name: file name stem of the reports, e.g. 'step_1000' or 'hf_Llama-3.2-3B-Instruct';
-      `report_name` adds '.2', '.3', ... where a report of other weights or settings has it.
-    mesh: sampler mesh or None.
-    samplers: the run's `EvalSamplers` (built once, so repeated calls do not recompile);
-      None = built here for this call on `mesh`.
-    rng: the sampling key (a training run's `loop.RunKeys.eval`); None =
-      `jax.random.key(config.seed)`.
-    progress: tqdm bars.
-
-  Returns:
-    The report written to the JSON file: `model`, `name` (the file stem used), `settings`,
-    `results`, `dropped_over_max_prompt_tokens` (per benchmark), `wall_s`.
+  """One evaluation: `Evaluator.make(config, model_config, tokenizer, mesh).run(...)` (the
+  CLI's; a run that evaluates repeatedly keeps its `Evaluator`).
 
   Raises:
-    ConfigError: the largest prompt bucket plus `max_new_tokens` exceed the model's
-      positions (before anything compiles).
+    ConfigError: as `Evaluator.make`, before anything compiles.
   """
-  s = config.sampler
-  config_lib.context_fits(model_config, s.prompt_buckets, s.max_new_tokens, "config.eval.sampler")
-  out_dir = pathlib.Path(workdir) / "eval"
-  start = time.perf_counter()
-  benchmarks = benchmarks_lib.load_benchmarks(config, tokenizer)
-  rng = jax.random.key(config.seed) if rng is None else rng
-  with contextlib.ExitStack() as stack:
-    scorers = {}
-    for judge in sorted({b.judge for b in benchmarks}):
-      pool = RewardPool(dataclasses.replace(config.verifier, judge=judge))
-      scorers[judge] = stack.enter_context(pool).score
-    # One file per process: each process must find the same finished batches on resume
-    # (every process launches the same sampler calls), even without a shared file system.
-    suffix = f".p{jax.process_index()}" if jax.process_count() > 1 else ""
-    cache = benchmarks_lib.ResultCache(out_dir / f"cache{suffix}.jsonl")
-    if samplers is None:
-      samplers = eval_sampling.EvalSamplers.make(model_config, tokenizer, config, mesh)
-    kw = dict(cache=cache, model_tag=model_tag, progress=progress)
-    results = eval_sampling.evaluate(
-      params, samplers, tokenizer, benchmarks, config, rng, scorers, **kw
-    )
-  settings = dataclasses.asdict(config)
-  name = report_name(out_dir, name, model_tag, settings)
-  report = {
-    "model": model_tag,
-    "name": name,
-    "settings": settings,
-    "results": results,
-    "dropped_over_max_prompt_tokens": {b.name: b.prompts.num_dropped for b in benchmarks},
-    "wall_s": round(time.perf_counter() - start, 2),
-  }
-  out_dir.mkdir(parents=True, exist_ok=True)
-  (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-  (out_dir / f"{name}.md").write_text(markdown_table(results, f"{name} (Avg@{config.k})"))
-  logging.info("evaluation of %s:\n%s", name, markdown_table(results))
-  return report
+  evaluator = Evaluator.make(config, model_config, tokenizer, mesh)
+  return evaluator.run(workdir, params, name=name, model_tag=model_tag, rng=rng, progress=progress)
 
 
 # --------------------------------------------------------------------------- CLI

@@ -1,7 +1,7 @@
 """How an evaluation (or a prompt selection) generates: the chunked samplers, built once per
 run and passed to every call so that repeated evaluations compile once (`EvalSamplers`), the
-`benchmarks.Policy` over a sampler (`sampler_policy`), and `evaluate`, a model's Avg@k (the
-training loop's periodic hook) through `benchmarks.evaluate_policy`.
+`benchmarks.Policy` over a sampler (`sampler_policy`), and `evaluate`, a model's Avg@k
+through `benchmarks.evaluate_policy` (`evaluation.Evaluator.run`'s).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def evaluate(
     params: the policy's parameters (placed as the samplers' mesh expects, if any).
     samplers: `EvalSamplers.make(model_config, tokenizer, config, mesh)`, built once.
     tokenizer: decoding.
-    benchmarks: from `load_benchmarks`.
+    benchmarks: from `benchmarks.load_benchmark`.
     config: settings.
     rng: PRNG key (e.g. `fold_in(eval_key, step)`).
     scorers: judge name -> reward function (`RewardPool.score` of a pool of that judge).
@@ -135,11 +135,8 @@ def evaluate(
   Returns:
     `{benchmark: metrics, ..., 'average': weighted metrics}`; `flat_metrics` flattens it.
 
-  Example (the loop's hook; samplers, benchmarks and the pool are made once per run):
-    samplers = EvalSamplers.make(model_config, tokenizer, eval_config)
-    benches = load_benchmarks(eval_config, tokenizer)
-    metrics = flat_metrics(evaluate(params, samplers, tokenizer, benches, eval_config,
-                                    jax.random.fold_in(eval_key, step), {"exact": pool.score}))
+  `evaluation.Evaluator` makes the samplers and benchmarks once and adds pools, the cache
+  and the reports.
   """
   policy = sampler_policy(samplers.sampled, params, tokenizer)
   greedy = None

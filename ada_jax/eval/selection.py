@@ -416,18 +416,16 @@ def run(
     summary.json).
 
   Raises:
-    ConfigError: the largest prompt bucket plus `max_new_tokens` exceed the model's
-      positions (before anything compiles).
+    ConfigError: a sampler group the sampler rejects, e.g. the largest prompt bucket plus
+      `max_new_tokens` past the model's positions (before anything compiles).
   """
   c = config.sampling
-  s = c.sampler
-  config_lib.context_fits(
-    model_config, s.prompt_buckets, s.max_new_tokens, "SelectConfig.sampling.sampler"
-  )
+  try:
+    smp = eval_sampling.make_sampler(model_config, tokenizer, c, mesh=mesh)
+  except ValueError as e:
+    raise config_lib.ConfigError(f"SelectConfig.sampling.sampler: {e}") from None
   out = pathlib.Path(out_dir)
-  policy = eval_sampling.sampler_policy(
-    eval_sampling.make_sampler(model_config, tokenizer, c, mesh=mesh), params, tokenizer
-  )
+  policy = eval_sampling.sampler_policy(smp, params, tokenizer)
   suffix = f".p{jax.process_index()}" if jax.process_count() > 1 else ""
   cache = benchmarks.ResultCache(out / f"cache{suffix}.jsonl")
   start = time.perf_counter()

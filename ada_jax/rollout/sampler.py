@@ -115,7 +115,7 @@ class PoolPrograms:
 
 
 def check_context_length(
-  config: ModelConfig, prompt_buckets: Sequence[int], max_new_tokens: int, *, prefix: str = ""
+  config: ModelConfig, prompt_buckets: Sequence[int], max_new_tokens: int
 ) -> None:
   """Raises unless the longest padded prompt plus the response budget fits the model.
 
@@ -127,7 +127,6 @@ def check_context_length(
     config: the architecture (its `max_position_embeddings`).
     prompt_buckets: padded prompt lengths (tokens).
     max_new_tokens: response budget (tokens).
-    prefix: prepended to the field names in the message (e.g. 'config.sampler.').
 
   Raises:
     ValueError: the sum exceeds `max_position_embeddings`; the message names the fields.
@@ -137,7 +136,7 @@ def check_context_length(
   limit = config.max_position_embeddings
   if total > limit:
     raise ValueError(
-      f"{prefix}prompt_buckets (largest {longest}) + {prefix}max_new_tokens "
+      f"prompt_buckets (largest {longest}) + max_new_tokens "
       f"({max_new_tokens}) = {total} tokens exceed the model's max_position_embeddings "
       f"({limit}); lower them so that their sum is at most {limit}"
     )
