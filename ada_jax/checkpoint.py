@@ -42,7 +42,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from ada_jax import distributed
-from ada_jax.models import weights
+from ada_jax.models import sharding, weights
 from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.models.tokenizer import Tokenizer
 from ada_jax.rl.estimate import COUNT_FIELDS as _EST_FIELDS
@@ -429,7 +429,11 @@ def export_hf(
   """Writes the final policy as a Hugging Face folder (`weights.save_hf`) and, when given,
   the run's tokenizer with its chat template and a generation_config.json holding the run's
   stop ids (`Tokenizer.save`), so that transformers and inference servers load the folder
-  as is and stop where the sampler did."""
+  as is and stop where the sampler did. Call it on every process: the params are gathered
+  to the host (a collective with several processes), process 0 writes."""
+  params = sharding.host_copy(params)
+  if jax.process_index() != 0:
+    return
   weights.save_hf(config, params, path)
   if tokenizer is not None:
     tokenizer.save(path)

@@ -17,7 +17,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from ada_jax import checkpoint as checkpoint_lib
-from ada_jax import cli, loop
+from ada_jax import cli, runstate
 from ada_jax import config as config_lib
 from ada_jax.eval import benchmarks as benchmarks_lib
 from ada_jax.eval.benchmarks import EvalConfig
@@ -110,9 +110,9 @@ def main(argv: Sequence[str], flag_values=None) -> dict[str, Any]:
     model_tag=tag,
     name=name + suffix,
     mesh=mesh,
-    # The run's own eval key (`loop.RunKeys.eval` of the config's seed): a checkpoint of
+    # The run's own eval key (`runstate.RunKeys.eval` of the config's seed): a checkpoint of
     # the run gets the samples, and the cached results, of the run's own evaluation.
-    rng=loop.run_keys(jax.random.key(cfg.seed)).eval,
+    rng=runstate.run_keys(jax.random.key(cfg.seed)).eval,
   )
 
 

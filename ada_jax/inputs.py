@@ -23,29 +23,12 @@ from ada_jax.models.tokenizer import Tokenizer, TokenizerConfig
 from ada_jax.models.weights import ModelSpec
 
 
-def load_tokenizer(spec: TokenizerConfig, model_dir: pathlib.Path | None) -> Tokenizer:
-  """The run's tokenizer: `tokenizer.dir`, else the model's folder, else the arithmetic
-  task's built-in one.
-
-  Raises:
-    ConfigError: the folder has no readable tokenizer, naming `config.tokenizer.dir` or
-      `config.model.hf_dir`.
-  """
-  folder = spec.dir or model_dir
-  if not folder:
-    return arith.load_tokenizer()
-  try:
-    return Tokenizer.from_dir(folder, eos_ids=spec.eos_ids or None)
-  except (OSError, ValueError) as e:
-    field = "config.tokenizer.dir" if spec.dir else "config.model.hf_dir (its tokenizer)"
-    raise ConfigError(f"{field}: {e}") from None
-
-
 def load_model_files(
   model: ModelSpec, tokenizer: TokenizerConfig, *, hf_field: str = "config.model.hf_dir"
 ) -> tuple[pathlib.Path | None, ModelConfig, Tokenizer]:
   """The model's Hugging Face folder (None for a preset; a Hub id is downloaded here, once,
-  when online), its architecture and the run's tokenizer, checked against each other
+  when online), its architecture and the run's tokenizer (from `tokenizer.dir`, else the
+  model's folder, else the arithmetic task's built-in one), checked against each other
   before any weights are read.
 
   Raises:
@@ -60,7 +43,13 @@ def load_model_files(
       hf_config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError) as e:
       raise ConfigError(f"{hf_field}: {e}") from None
-  tok = load_tokenizer(tokenizer, model_dir)
+  folder = tokenizer.dir or model_dir
+  try:
+    tok = Tokenizer.from_dir(folder, eos_ids=tokenizer.eos_ids or None) if folder else None
+  except (OSError, ValueError) as e:
+    field = "config.tokenizer.dir" if tokenizer.dir else f"{hf_field} (its tokenizer)"
+    raise ConfigError(f"{field}: {e}") from None
+  tok = tok or arith.load_tokenizer()
   try:
     model_config = model.model_config(hf_config)
     model_lib.check_vocab(model_config, tok.vocab_size)
@@ -76,12 +65,12 @@ def load_prompts(d: prompts.DataConfig, tokenizer: Tokenizer, *, seed: int) -> p
   Raises:
     ConfigError: naming the `config.data` field of a bad source, file or row.
   """
-  if d.source == "arith":
-    examples = arith.examples(d.arith, "train", d.arith_prompts, seed=seed)
-    style = "raw"
-  elif d.source == "verl":
+  if d.source == "verl":
     examples = _verl_examples(d)
     style = d.prompt_style
+  elif d.source == "arith":
+    examples = arith.examples(d.arith, "train", d.arith_prompts, seed=seed)
+    style = "raw"
   else:
     if d.source == "jsonl":
       try:

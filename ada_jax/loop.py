@@ -10,7 +10,7 @@ held-out evaluations) SIGTERM and Ctrl-C stop at once (`runstate.Stopped`); a no
 step stops the run before it is saved (`runstate.check_step`); the workdir is held by one
 run (`runstate.hold_workdir`).
 
-Determinism: the rollout key of step s is `fold_in(keys.rollout, s)` (`RunKeys`);
+Determinism: the rollout key of step s is `fold_in(keys.rollout, s)` (`runstate.RunKeys`);
 the root key it comes from, the host Generator, the prompt position and the Est statistics
 are checkpointed and read back, so a run restarted from its last checkpoint repeats
 exactly the steps an uninterrupted run would take.
@@ -19,7 +19,6 @@ exactly the steps an uninterrupted run would take.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import pathlib
@@ -73,27 +72,6 @@ _AGREED = (
 # (`eval.policy.load_model` with `init_dir`) takes steps 2-4 from `initial_params`.
 
 
-@dataclasses.dataclass(frozen=True)
-class RunKeys:
-  """The run's root key (`jax.random.key(config.seed)`, checkpointed) split once.
-
-  Attributes:
-    init: the random init of step 4.
-    rollout: the RL steps' rollouts (step s: `fold_in(rollout, s)`).
-    eval: the held-out evaluations' sampling.
-  """
-
-  init: jax.Array
-  rollout: jax.Array
-  eval: jax.Array
-
-
-def run_keys(root: jax.Array) -> RunKeys:
-  """`RunKeys` of a root key: its three-way split, in the order init, rollout, eval."""
-  init, rollout, eval_key = jax.random.split(root, 3)
-  return RunKeys(init, rollout, eval_key)
-
-
 def load_pretrained(path: str | os.PathLike, target: Params) -> Params:
   """A Hugging Face folder's weights (`weights.load_hf`) on `target`'s dtype and shardings.
 
@@ -134,7 +112,7 @@ def initial_params(
     tokenizer: the warm start's.
     target: abstract params (shapes, dtypes and shardings) of steps 2 and 3.
     model_dir: the pretrained folder of step 3 (`inputs.load_model_files`), or None.
-    init_key: step 4's key (`RunKeys.init`).
+    init_key: step 4's key (`runstate.RunKeys.init`).
     phase: called with 'the warm start' before it and 'the set-up' after it (the run's
       signal handling, `runstate.StopRequest.enter`).
     progress: the warm start's progress bar.
@@ -171,13 +149,8 @@ def initial_params(
     )
     if phase:
       phase("the set-up")
-    metrics_lib.console(warmstart_lib.describe(ws, cfg.warmstart))
-    summary = {
-      "wall_s": float(ws["wall_s"]),
-      "final_loss": float(np.mean(ws["loss"][-20:])),
-      "steps_run": int(ws["steps_run"]),
-      "reached_target": bool(ws["reached_target"]),
-    }
+    line, summary = warmstart_lib.describe(ws, cfg.warmstart), warmstart_lib.summary(ws)
+    metrics_lib.console(line)
   if scratch_cache is not None:
     params = jax.device_put(params, jax.tree.map(lambda s: s.sharding, target))
     checkpoint.save_params(scratch_cache, params)
@@ -231,7 +204,7 @@ def initial_state(
     tokenizer,
     target.params,
     model_dir=model_dir,
-    init_key=run_keys(root).init,
+    init_key=runstate.run_keys(root).init,
     phase=phase,
     progress=progress,
   )
@@ -247,8 +220,8 @@ def _heldout_eval(evaluator, workdir, params, step, rng):
   """The held-out benchmarks of the current policy (`evaluator`, the run's
   `eval.evaluation.Evaluator`, or None: none set), report in workdir/eval/step_<step>.*,
   with a progress bar and a closing line on the console; `rng` the run's eval key
-  (`RunKeys.eval`: every evaluation of the run samples with it, so two evaluations differ
-  only by the policy). Returns the flat metrics."""
+  (`runstate.RunKeys.eval`: every evaluation of the run samples with it, so two
+  evaluations differ only by the policy). Returns the flat metrics."""
   if evaluator is None:
     return {}
   config = evaluator.config
@@ -267,7 +240,8 @@ def _heldout_eval(evaluator, workdir, params, step, rng):
 
 
 def run(config, workdir: str) -> dict[str, Any]:
-  """Runs (or resumes) the experiment `config` (ConfigDict) in `workdir`.
+  """Runs (or resumes) the experiment `config` (ConfigDict) in `workdir`, first logging the
+  settings that run but are likely mistakes (`RunConfig.warnings`).
 
   Returns:
     The run summary (also written to `workdir/summary.json`).
@@ -276,6 +250,8 @@ def run(config, workdir: str) -> dict[str, Any]:
     ConfigError: a bad config (named field), before any compile or any file is written.
   """
   cfg = config_lib.parse(config)
+  for warning in cfg.warnings():
+    logging.warning("%s", warning)
   return train_run(cfg, workdir)
 
 
@@ -295,8 +271,6 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
 
 
 def _train(cfg, workdir: str, stop: runstate.StopRequest, stack: contextlib.ExitStack):
-  for warning in cfg.warnings():
-    logging.warning("%s", warning)
   model_dir, model_cfg, tokenizer = inputs.load_model_files(cfg.model, cfg.tokenizer)
   try:
     mesh = sharding_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
@@ -329,16 +303,16 @@ def _train(cfg, workdir: str, stop: runstate.StopRequest, stack: contextlib.Exit
     )
   except ValueError as e:
     raise ConfigError(f"config.sampler: {e}") from None
+  with_ref = cfg.loss.kl_coeff > 0
+  target = train.abstract_state(model_cfg, train_cfg, mesh, with_ref=with_ref)
+  iterator = prompts.PromptIterator(len(ps), cfg.rl.batch_prompts, seed=cfg.seed)
+  record = runstate.config_record(cfg, model_cfg)
   if cfg.ckpt.init_from:
     try:
       checkpoint.params_step_dir(cfg.ckpt.init_from)
     except FileNotFoundError as e:
       raise ConfigError(f"config.ckpt.init_from: {e}") from None
   stack.enter_context(runstate.hold_workdir(workdir))  # one run per workdir
-  with_ref = cfg.loss.kl_coeff > 0
-  target = train.abstract_state(model_cfg, train_cfg, mesh, with_ref=with_ref)
-  iterator = prompts.PromptIterator(len(ps), cfg.rl.batch_prompts, seed=cfg.seed)
-  record = runstate.config_record(cfg, model_cfg)
   manager = checkpoint.make_manager(pathlib.Path(workdir) / "checkpoints", cfg.ckpt)
   stack.callback(_close, manager)
   # The start order (latest checkpoint, ckpt.init_from, pretrained, init + warm start) is
@@ -361,11 +335,13 @@ def _train(cfg, workdir: str, stop: runstate.StopRequest, stack: contextlib.Exit
     progress=jax.process_index() == 0,
   )
   logging.info("run state from %s", source)
+  host = run_state.host  # the saved run's prompt position and host Generator, or a fresh run's
+  np_rng = runstate.generator_from_state(host["np_rng"])
   # The checkpoint's root key, not the config's seed: a resumed run draws the keys the saved
   # run would have drawn (tests/test_guards.py).
   root = run_state.rng
-  keys = run_keys(root)
-  host = run_state.host
+  keys = runstate.run_keys(root)
+  iterator.restore(host["iterator"])
   host["config"] = record  # with any change a resume may make
   stop.enter(None)  # signals are polled from here: a save is never cut
   if source.startswith("checkpoint"):
@@ -389,12 +365,10 @@ def _train(cfg, workdir: str, stop: runstate.StopRequest, stack: contextlib.Exit
     stop.enter(None)
   if first == 0:
     writer.add_scalars(0, host["before_rl"])
-  iterator.restore(host["iterator"])
-  np_rng = runstate.generator_from_state(host["np_rng"])
-  step_fn = train.make_train_step(model_cfg, train_cfg, mesh, with_ref=with_ref)
   logprob_fn = None
   if train_cfg.old_logprobs == "recompute":  # released: the trainer's old log-probs
     logprob_fn = update.make_logprob_step(model_cfg, train_cfg, mesh)
+  step_fn = train.make_train_step(model_cfg, train_cfg, mesh, with_ref=with_ref)
   # The stop ids end responses in training and evaluation; the folder's are the default.
   writer.log_text(f"stop ids {list(tokenizer.eos_ids)} (training and evaluation samplers)")
   step = first
@@ -449,11 +423,8 @@ def _train(cfg, workdir: str, stop: runstate.StopRequest, stack: contextlib.Exit
     summary["after_rl"] = _heldout_eval(evaluator, workdir, state.params, step, keys.eval)
     writer.add_scalars(step, summary["after_rl"])
     if cfg.ckpt.export_hf:
-      params = sharding_lib.host_copy(state.params)  # collective: every process takes part
-      if jax.process_index() == 0:
-        checkpoint.export_hf(
-          model_cfg, params, pathlib.Path(workdir) / "hf_final", tokenizer=tokenizer
-        )
+      hf_final = pathlib.Path(workdir) / "hf_final"
+      checkpoint.export_hf(model_cfg, state.params, hf_final, tokenizer=tokenizer)
     stop.enter(None)
   if jax.process_index() == 0:
     (pathlib.Path(workdir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -12,6 +12,7 @@ stop on SIGTERM or Ctrl-C in every phase.
   change of anything but `RESUMABLE`.
 - `check_step`: a non-finite loss, gradient norm or update stops the run before it is
   saved (`checkpoint.save` refuses non-finite state too).
+- `run_keys`: the run's root key (checkpointed) split once into named keys (`RunKeys`).
 - `stop_signals`: SIGTERM and a first Ctrl-C during the RL loop set a flag that the loop
   polls between steps (save, then exit 75); during a phase with nothing to save (set-up,
   warm start, held-out evaluations: `StopRequest.enter`) they stop at once with `Stopped`
@@ -166,24 +167,48 @@ def check_step(step: int, metrics: Mapping[str, Any], params: Any) -> None:
   Raises:
     checkpoint.NonFiniteError: naming the step and the quantity.
   """
-  for name in ("loss", "grad_norm"):
-    value = metrics.get(name)
-    if value is not None and not math.isfinite(float(value)):
-      raise checkpoint.NonFiniteError(_nonfinite_message(step, f"the {name} is {value}"))
-  bad = distributed.nonfinite_leaves(params)
-  if bad:
+  what = next(
+    (
+      f"the {name} is {value}"
+      for name in ("loss", "grad_norm")
+      if (value := metrics.get(name)) is not None and not math.isfinite(float(value))
+    ),
+    None,
+  )
+  if what is None and (bad := distributed.nonfinite_leaves(params)):
     more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
     what = f"the update left non-finite params ({bad[0]}{more})"
-    raise checkpoint.NonFiniteError(_nonfinite_message(step, what))
+  if what is not None:
+    raise checkpoint.NonFiniteError(
+      f"RL step {step}: {what}; stopped before saving it (the checkpoints on disk are "
+      "finite). A rerun would repeat it: start a new run with a smaller "
+      "optim.learning_rate (or other data) in another --workdir, with "
+      "ckpt.init_from=<this workdir>/checkpoints to keep the weights trained so far"
+    )
 
 
-def _nonfinite_message(step: int, what: str) -> str:
-  return (
-    f"RL step {step}: {what}; stopped before saving it (the checkpoints on disk are "
-    "finite). A rerun would repeat it: start a new run with a smaller "
-    "optim.learning_rate (or other data) in another --workdir, with "
-    "ckpt.init_from=<this workdir>/checkpoints to keep the weights trained so far"
-  )
+# ----------------------------------------------------------------------------- keys
+
+
+@dataclasses.dataclass(frozen=True)
+class RunKeys:
+  """The run's root key (`jax.random.key(config.seed)`, checkpointed) split once.
+
+  Attributes:
+    init: the random init (`loop.initial_params`' step 4).
+    rollout: the RL steps' rollouts (step s: `fold_in(rollout, s)`).
+    eval: the held-out evaluations' sampling.
+  """
+
+  init: jax.Array
+  rollout: jax.Array
+  eval: jax.Array
+
+
+def run_keys(root: jax.Array) -> RunKeys:
+  """`RunKeys` of a root key: its three-way split, in the order init, rollout, eval."""
+  init, rollout, eval_key = jax.random.split(root, 3)
+  return RunKeys(init, rollout, eval_key)
 
 
 # ----------------------------------------------------------------------------- host state

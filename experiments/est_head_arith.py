@@ -88,7 +88,7 @@ def evaluate_run(workdir: pathlib.Path, config: str, overrides: dict, args) -> d
   run = checkpoint.restore(manager, train.abstract_state(model_cfg, cfg.train, mesh))
   manager.close()
   params = run.train.params
-  tok = inputs.load_tokenizer(cfg.tokenizer, None)
+  _, _, tok = inputs.load_model_files(cfg.model, cfg.tokenizer)
   problems = arith.examples(cfg.data.arith, "test", args.heldout, seed=args.heldout_seed)
   prompts = [np.asarray(arith.prompt_ids(tok, p["problem"]), np.int32) for p in problems]
   smp = sampler.Sampler.from_spec(

@@ -119,7 +119,7 @@ def test_resume_order(tmp_path):
   mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
   target = train.abstract_state(CONFIG, TRAIN, mesh)
   root = jax.random.key(0)
-  fresh_params = model_lib.init_params(CONFIG, loop.run_keys(root).init)
+  fresh_params = model_lib.init_params(CONFIG, runstate.run_keys(root).init)
   other = checkpoint.make_manager(tmp_path / "other")
   other_run = checkpoint.RunState(
     train=_state(mesh, shift=1.0), rng=jax.random.key(5), host={"rl_step": 9}
@@ -166,7 +166,7 @@ def test_resume_order(tmp_path):
 
 def test_run_keys_are_one_split_of_the_root():
   root = jax.random.key(3)
-  keys = loop.run_keys(root)
+  keys = runstate.run_keys(root)
   split = jax.random.split(root, 3)
   for i, k in enumerate((keys.init, keys.rollout, keys.eval)):
     np.testing.assert_array_equal(jax.random.key_data(k), jax.random.key_data(split[i]))

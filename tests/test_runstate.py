@@ -386,7 +386,7 @@ def test_sigterm_during_the_warm_start_stops_cleanly(tmp_path, monkeypatch):
 def test_a_swallowed_ctrl_c_in_the_step_0_evaluation_still_stops_and_resumes(tmp_path, monkeypatch):
   workdir = tmp_path / "run"
   _signal_in(
-    monkeypatch, loop, "_heldout_eval", signal.SIGINT, swallow=True, when=lambda *a: a[5] == 0
+    monkeypatch, loop, "_heldout_eval", signal.SIGINT, swallow=True, when=lambda *a: a[3] == 0
   )
   with pytest.raises(runstate.Stopped, match="SIGINT during the held-out evaluation before RL"):
     loop.run(tiny_config(steps=2), str(workdir))

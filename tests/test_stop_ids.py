@@ -16,6 +16,7 @@ from ada_jax.data import arith
 from ada_jax.eval import sampling as eval_sampling
 from ada_jax.eval.benchmarks import EvalConfig
 from ada_jax.models import decoder as model_lib
+from ada_jax.models import weights
 from ada_jax.models.tokenizer import Tokenizer, TokenizerConfig
 from ada_jax.rollout import sampler as sampler_lib
 from ada_jax.rollout.spec import SamplerSpec
@@ -70,7 +71,8 @@ def model():
 
 
 def test_the_folders_three_stop_ids_are_the_runs(llama_folder):
-  tok = inputs.load_tokenizer(TokenizerConfig(dir=str(llama_folder)), None)
+  spec = weights.ModelSpec(preset="llama-3.2-3b-instruct")
+  _, _, tok = inputs.load_model_files(spec, TokenizerConfig(dir=str(llama_folder)))
   assert sorted(tok.eos_ids) == LLAMA32_STOPS
   assert Tokenizer.from_dir(llama_folder).eos_ids == tok.eos_ids
 

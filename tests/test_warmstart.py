@@ -36,7 +36,7 @@ def _tiny(tok):
 
 def test_encode_examples_layout(tok):
   examples = [{"problem": "1+1=", "answer": "2"}, {"problem": "12+34=", "answer": "46"}]
-  b = warmstart.encode_examples(tok, examples)
+  b = arith.encode_examples(tok, examples)
   ids = lambda s: [tok.token_to_id(c) for c in s]
   boxed, eos, pad, bos = tok.token_to_id(arith.BOXED), tok.eos_ids[0], tok.pad_id, tok.bos_id
   # Lp = 7 ('<bos>12+34='), Lr = 5 ('\boxed{', '4', '6', '}', '<eos>').
@@ -48,9 +48,9 @@ def test_encode_examples_layout(tok):
   np.testing.assert_array_equal(b["loss_mask"][0], [0] * 7 + [1, 1, 1, 1, 0])
   np.testing.assert_array_equal(b["loss_mask"][1], [0] * 7 + [1] * 5)
   with pytest.raises(ValueError, match="exceeds prompt_len=4"):
-    warmstart.encode_examples(tok, examples, prompt_len=4)
+    arith.encode_examples(tok, examples, prompt_len=4)
   with pytest.raises(ValueError, match=r"examples\[0\] has no field 'answer'"):
-    warmstart.encode_examples(tok, [{"problem": "1+1="}])
+    arith.encode_examples(tok, [{"problem": "1+1="}])
 
 
 def test_cross_entropy_counts_only_masked_targets():
@@ -80,7 +80,7 @@ def test_sft_loss_ignores_prompt_targets(tok):
   raw logits; the all-token mean (prompt targets included) differs from it."""
   config = _tiny(tok)
   params = model_lib.init_params(config, jax.random.key(0))
-  b = warmstart.encode_examples(tok, arith.examples(TASK, "train", 4, seed=0))
+  b = arith.encode_examples(tok, arith.examples(TASK, "train", 4, seed=0))
   loss, _ = jax.jit(warmstart.sft_loss, static_argnums=0)(config, params, b)
   positions = model_lib.positions_from_mask(b["attention_mask"])
   logits = jax.jit(model_lib.logits, static_argnums=0)(

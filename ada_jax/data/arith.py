@@ -9,6 +9,8 @@ negative. The reference answer is the exact integer; a correct response is `\\bo
 
 Train and held-out problems never overlap for any seed: a problem is held out iff a hash
 of its text falls below `heldout_fraction`, and each split only keeps its own problems.
+The supervised warm start (`rl.warmstart`) trains on `encode_examples`' teacher-forcing
+arrays, padded to `length_bounds`.
 
 The tokenizer is a real tokenizer.json (character-level WordLevel model from the
 `tokenizers` library, with `\\boxed{` as one token, BOS/EOS/PAD/UNK and chat-turn tokens,
@@ -25,12 +27,13 @@ import json
 import operator
 import pathlib
 import string
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
-from ada_jax.models.tokenizer import Tokenizer
+from ada_jax.models.tokenizer import Tokenizer, pad_left
 
 TOKENIZER_DIR = pathlib.Path(__file__).resolve().parent / "assets" / "arith_tokenizer"
 
@@ -165,6 +168,71 @@ def response_ids(tok: Tokenizer, answer: str) -> list[int]:
   if not tok.eos_ids:
     raise ValueError("tokenizer has no eos_ids: a response must end with EOS")
   return [*tok.encode(response_text(answer)), tok.eos_ids[0]]
+
+
+# --------------------------------------------------------------------------- warm-start arrays
+
+
+def length_bounds(task: ArithConfig, tokenizer: Tokenizer) -> tuple[int, int]:
+  """Static (Lp, Lr) in tokens that fit every prompt and target response of `task` (the
+  warm start's one compile for the whole run)."""
+  d = max(task.levels)
+  answer_digits = max({"+": d + 1, "-": d, "*": 2 * d}[op] for op in task.ops)
+  prompt = len(prompt_ids(tokenizer, problem_text(10**d - 1, "+", 10**d - 1)))
+  response = len(response_ids(tokenizer, "9" * answer_digits))
+  return prompt, response
+
+
+def encode_examples(
+  tokenizer: Tokenizer,
+  examples: Sequence[Mapping[str, str]],
+  *,
+  prompt_len: int | None = None,
+  response_len: int | None = None,
+) -> dict[str, np.ndarray]:
+  """Teacher-forcing arrays of arithmetic examples, prompt left-padded, response right-padded.
+
+  Args:
+    tokenizer: the arithmetic tokenizer (`load_tokenizer()`).
+    examples: dicts with `problem` and `answer` (as `examples` returns).
+    prompt_len: Lp; None = the longest prompt.
+    response_len: Lr; None = the longest response.
+
+  Returns:
+    numpy `tokens int32[B, T]`, `attention_mask bool[B, T]` (True at real tokens) and
+    `loss_mask bool[B, T]` (True at response tokens, EOS included: the targets), T = Lp + Lr.
+
+  Raises:
+    ValueError: no examples, an example without `problem`/`answer`, or a prompt/response
+      longer than `prompt_len`/`response_len`.
+  """
+  if not examples:
+    raise ValueError("encode_examples: no examples")
+  prompts, responses = [], []
+  for i, ex in enumerate(examples):
+    for field in ("problem", "answer"):
+      if field not in ex:
+        raise ValueError(f"examples[{i}] has no field {field!r}")
+    prompts.append(prompt_ids(tokenizer, ex["problem"]))
+    responses.append(response_ids(tokenizer, ex["answer"]))
+  lp = max(map(len, prompts)) if prompt_len is None else prompt_len
+  lr = max(map(len, responses)) if response_len is None else response_len
+  for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+    if len(p) > lp or len(r) > lr:
+      raise ValueError(
+        f"examples[{i}] ({examples[i]['problem']!r}): prompt of {len(p)} / response of "
+        f"{len(r)} tokens exceeds prompt_len={lp} / response_len={lr}"
+      )
+  prompt_tokens, prompt_mask = pad_left(prompts, tokenizer.pad_id, length=lp)
+  tokens = np.full((len(examples), lp + lr), tokenizer.pad_id, np.int32)
+  loss_mask = np.zeros((len(examples), lp + lr), bool)
+  tokens[:, :lp] = prompt_tokens
+  for i, r in enumerate(responses):
+    tokens[i, lp : lp + len(r)] = r
+    loss_mask[i, lp : lp + len(r)] = True
+  attention = loss_mask.copy()
+  attention[:, :lp] = prompt_mask
+  return {"tokens": tokens, "attention_mask": attention, "loss_mask": loss_mask}
 
 
 # --------------------------------------------------------------------------- tokenizer

@@ -174,7 +174,7 @@ class Evaluator:
       name: file name stem of the reports, e.g. 'step_1000' or 'hf_Llama-3.2-3B-Instruct';
         `report_name` adds '.2', '.3', ... where a report of other weights or settings has it.
       model_tag: identity of the model in the cache; None = `weights_tag(params, ...)`.
-      rng: the sampling key (a training run's `loop.RunKeys.eval`); None =
+      rng: the sampling key (a training run's `runstate.RunKeys.eval`); None =
         `jax.random.key(config.seed)`.
       progress: tqdm bars.
 

@@ -21,7 +21,7 @@ from absl import logging
 
 from ada_jax import checkpoint as checkpoint_lib
 from ada_jax import config as config_lib
-from ada_jax import inputs, loop
+from ada_jax import inputs, loop, runstate
 from ada_jax.eval.evaluation import weights_tag
 from ada_jax.models import sharding, weights
 from ada_jax.models.decoder import ModelConfig, Params
@@ -36,7 +36,7 @@ class LoadedModel:
     params: the weights, placed on the mesh; None when nothing names weights and no
       `init_dir` was given (the caller initialises them).
     model_config: the architecture.
-    tokenizer: `inputs.load_tokenizer`'s, checked against `model_config.vocab_size`.
+    tokenizer: `inputs.load_model_files`', checked against `model_config.vocab_size`.
     tag: identity of the weights in results caches (`evaluation.weights_tag`: their
       values' digest, wherever they came from), or '' when params is None.
     init_from: a checkpoint folder that `ckpt.init_from` accepts for training from these
@@ -111,7 +111,7 @@ def load_model(
       tok,
       target,
       model_dir=model_dir,
-      init_key=loop.run_keys(jax.random.key(cfg.seed)).init,
+      init_key=runstate.run_keys(jax.random.key(cfg.seed)).init,
       progress=progress,
       scratch_cache=folder,
     )

@@ -83,14 +83,19 @@ class EvalSamplers:
     config: EvalConfig,
     mesh: jax.sharding.Mesh | None = None,
   ) -> EvalSamplers:
-    """The samplers `config` asks for (see `make_sampler`)."""
-    greedy = None
+    """The samplers `config` asks for (see `make_sampler`): `sampled` with the config's
+    rule and k rows per problem, `greedy` at temperature 0 with one."""
+    kinds = {"sampled": (None, None)}
     if config.greedy:
-      greedy_rule = sampler.SamplingRule(temperature=0.0)
-      greedy = make_sampler(
-        model_config, tokenizer, config, rule=greedy_rule, rows_per_problem=1, mesh=mesh
-      )
-    return cls(make_sampler(model_config, tokenizer, config, mesh=mesh), greedy)
+      kinds["greedy"] = (sampler.SamplingRule(temperature=0.0), 1)
+    return cls(
+      **{
+        kind: make_sampler(
+          model_config, tokenizer, config, rule=rule, rows_per_problem=rows, mesh=mesh
+        )
+        for kind, (rule, rows) in kinds.items()
+      }
+    )
 
 
 def sampler_policy(sampler_: sampler.Sampler, params: Params, tokenizer: Tokenizer) -> Policy:

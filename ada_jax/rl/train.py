@@ -212,12 +212,12 @@ def state_shardings(
 ) -> TrainState:
   """`NamedSharding` of every `TrainState` leaf: Adam moments like their params, the
   rest replicated."""
+  optimizer = _optimizer(config)
+  opt_shapes = jax.eval_shape(optimizer.init, jax.eval_shape(lambda: _param_zeros(model_config)))
   params = sharding_lib.param_shardings(model_config, mesh)
-  shapes = jax.eval_shape(lambda: _param_zeros(model_config))
-  opt_shapes = jax.eval_shape(_optimizer(config).init, shapes)
   rep = sharding_lib.replicated(mesh)
   opt = optax.tree_map_params(
-    _optimizer(config), lambda _, s: s, opt_shapes, params, transform_non_params=lambda _: rep
+    optimizer, lambda _, s: s, opt_shapes, params, transform_non_params=lambda _: rep
   )
   return TrainState(step=rep, params=params, opt_state=opt, ref_params=params if with_ref else None)
 
@@ -230,8 +230,8 @@ def abstract_state(
   model_config: ModelConfig, config: TrainConfig, mesh: Mesh, *, with_ref: bool = False
 ) -> TrainState:
   """`TrainState` of `jax.ShapeDtypeStruct`s carrying their shardings (a restore target)."""
-  shardings = state_shardings(model_config, config, mesh, with_ref=with_ref)
   shapes = jax.eval_shape(lambda: _init_unplaced(model_config, config, with_ref))
+  shardings = state_shardings(model_config, config, mesh, with_ref=with_ref)
   return sharding_lib.abstract(shapes, shardings)
 
 

@@ -13,6 +13,7 @@ its devices hold: this module is the one place that knows both the cut and those
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,32 +60,38 @@ def minibatches(batch: Any, num: int, mesh: Mesh) -> list[Any]:
   return [jax.tree.map(lambda x, i=i: np.asarray(x)[i * size + own], batch) for i in range(num)]
 
 
+def logprob_step(
+  params: Params, batch: TrainBatch, *, model_config: ModelConfig, config: TrainConfig, mesh: Mesh
+) -> jax.Array:
+  """The trainer's log-probs of a placed mini-batch: float32[b, L], zero outside the loss
+  mask (as the sampler's), rows over ('data', 'fsdp') as the batch's, in micro-batches of
+  `config.micro_batch_size` rows (`make_logprob_step` jits it)."""
+  rows = batch.tokens.shape[0]
+  num = rows // (config.micro_batch_size or rows)
+  stacked = [
+    train_lib._micro_batches(x, num, mesh)
+    for x in (batch.tokens, batch.positions, batch.attention_mask)
+  ]
+  params = sharding_lib.gather_embedding(params, mesh)
+
+  def one(mb):
+    return losses.token_logprobs(model_config, params, *mb, temperature=config.temperature)[0]
+
+  out = jax.lax.map(one, stacked)  # [num, b / num, L]: micro-batch j = rows j, j + num, ...
+  out = out.swapaxes(0, 1).reshape(rows, -1)
+  out = jnp.where(batch.loss_mask, out, 0.0)
+  return jax.lax.with_sharding_constraint(out, sharding_lib.batch_sharding(mesh))
+
+
 def make_logprob_step(
   model_config: ModelConfig, config: TrainConfig, mesh: Mesh
 ) -> Callable[[Params, TrainBatch], jax.Array]:
-  """The trainer's log-probs of a placed mini-batch, jitted over `mesh`:
-  `(params, batch) -> float32[b, L]`, zero outside the loss mask (as the sampler's), in
-  micro-batches of `config.micro_batch_size` rows. `train.old_logprobs='recompute'` puts
-  them in place of the sampler's, as verl recomputes old log-probs with the actor before
-  its update (released; `compute_log_prob`)."""
-
-  def logprobs(params: Params, batch: TrainBatch) -> jax.Array:
-    params = sharding_lib.gather_embedding(params, mesh)
-    rows = batch.tokens.shape[0]
-    num = rows // (config.micro_batch_size or rows)
-    stacked = [
-      train_lib._micro_batches(x, num, mesh)
-      for x in (batch.tokens, batch.positions, batch.attention_mask)
-    ]
-
-    def one(mb):
-      return losses.token_logprobs(model_config, params, *mb, temperature=config.temperature)[0]
-
-    out = jax.lax.map(one, stacked)  # [num, b / num, L]: micro-batch j = rows j, j + num, ...
-    out = out.swapaxes(0, 1).reshape(rows, -1)
-    return jnp.where(batch.loss_mask, out, 0.0)
-
-  return jax.jit(logprobs, out_shardings=sharding_lib.batch_sharding(mesh))
+  """`logprob_step` jitted over `mesh`: `(params, batch) -> float32[b, L]`.
+  `train.old_logprobs='recompute'` puts them in place of the sampler's, as verl recomputes
+  old log-probs with the actor before its update (released; `compute_log_prob`)."""
+  return jax.jit(
+    functools.partial(logprob_step, model_config=model_config, config=config, mesh=mesh)
+  )
 
 
 def update_policy(

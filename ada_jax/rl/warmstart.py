@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -31,7 +31,7 @@ import tqdm
 from ada_jax.data import arith
 from ada_jax.models import decoder as model_lib
 from ada_jax.models.decoder import ModelConfig, Params
-from ada_jax.models.tokenizer import Tokenizer, pad_left
+from ada_jax.models.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,58 +125,6 @@ RECOMMENDED = WarmStartConfig(
 # --------------------------------------------------------------------------- batches
 
 
-def encode_examples(
-  tokenizer: Tokenizer,
-  examples: Sequence[Mapping[str, str]],
-  *,
-  prompt_len: int | None = None,
-  response_len: int | None = None,
-) -> dict[str, np.ndarray]:
-  """Teacher-forcing arrays of arithmetic examples, prompt left-padded, response right-padded.
-
-  Args:
-    tokenizer: the arithmetic tokenizer (`arith.load_tokenizer()`).
-    examples: dicts with `problem` and `answer` (as `arith.examples` returns).
-    prompt_len: Lp; None = the longest prompt.
-    response_len: Lr; None = the longest response.
-
-  Returns:
-    numpy `tokens int32[B, T]`, `attention_mask bool[B, T]` (True at real tokens) and
-    `loss_mask bool[B, T]` (True at response tokens, EOS included: the targets), T = Lp + Lr.
-
-  Raises:
-    ValueError: no examples, an example without `problem`/`answer`, or a prompt/response
-      longer than `prompt_len`/`response_len`.
-  """
-  if not examples:
-    raise ValueError("encode_examples: no examples")
-  prompts, responses = [], []
-  for i, ex in enumerate(examples):
-    for field in ("problem", "answer"):
-      if field not in ex:
-        raise ValueError(f"examples[{i}] has no field {field!r}")
-    prompts.append(arith.prompt_ids(tokenizer, ex["problem"]))
-    responses.append(arith.response_ids(tokenizer, ex["answer"]))
-  lp = max(map(len, prompts)) if prompt_len is None else prompt_len
-  lr = max(map(len, responses)) if response_len is None else response_len
-  for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-    if len(p) > lp or len(r) > lr:
-      raise ValueError(
-        f"examples[{i}] ({examples[i]['problem']!r}): prompt of {len(p)} / response of "
-        f"{len(r)} tokens exceeds prompt_len={lp} / response_len={lr}"
-      )
-  prompt_ids, prompt_mask = pad_left(prompts, tokenizer.pad_id, length=lp)
-  tokens = np.full((len(examples), lp + lr), tokenizer.pad_id, np.int32)
-  loss_mask = np.zeros((len(examples), lp + lr), bool)
-  tokens[:, :lp] = prompt_ids
-  for i, r in enumerate(responses):
-    tokens[i, lp : lp + len(r)] = r
-    loss_mask[i, lp : lp + len(r)] = True
-  attention = loss_mask.copy()
-  attention[:, :lp] = prompt_mask
-  return {"tokens": tokens, "attention_mask": attention, "loss_mask": loss_mask}
-
-
 # --------------------------------------------------------------------------- loss and step
 
 
@@ -219,7 +167,7 @@ def masked_cross_entropy(
 def sft_loss(
   config: ModelConfig, params: Params, batch: Mapping[str, jax.Array]
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Teacher-forced loss of one batch from `encode_examples` (see `masked_cross_entropy`)."""
+  """Teacher-forced loss of one batch from `arith.encode_examples` (see `masked_cross_entropy`)."""
   positions = model_lib.positions_from_mask(batch["attention_mask"])
   logits = model_lib.logits(config, params, batch["tokens"], positions, batch["attention_mask"])
   return masked_cross_entropy(logits, batch["tokens"], batch["loss_mask"])
@@ -300,15 +248,6 @@ class SftStep:
     return cls(model_config, setting, optimizer, step)
 
 
-def _length_bounds(task: arith.ArithConfig, tokenizer: Tokenizer) -> tuple[int, int]:
-  """Static (Lp, Lr) that fit every problem of `task`: one compile for the whole run."""
-  d = max(task.levels)
-  answer_digits = max({"+": d + 1, "-": d, "*": 2 * d}[op] for op in task.ops)
-  prompt = len(arith.prompt_ids(tokenizer, arith.problem_text(10**d - 1, "+", 10**d - 1)))
-  response = len(arith.response_ids(tokenizer, "9" * answer_digits))
-  return prompt, response
-
-
 def describe(metrics: dict[str, Any], config: WarmStartConfig) -> str:
   """One line on how a warm start ended: at `target_accuracy` (stopped early) or after all
   `config.steps`, with the last accuracy and loss (`metrics` as `warm_start` returns it)."""
@@ -321,6 +260,17 @@ def describe(metrics: dict[str, Any], config: WarmStartConfig) -> str:
   shown = "n/a" if acc is None else f"{acc:.2f}"
   goal = f", target {target} not reached" if target > 0 else ""
   return f"{head}: accuracy{on} {shown}{goal} (loss {loss:.3f})"
+
+
+def summary(metrics: dict[str, Any]) -> dict[str, Any]:
+  """A warm start's JSON-able record (`metrics` as `warm_start` returns it): `wall_s`,
+  `final_loss` (the mean of the last 20 steps' losses), `steps_run`, `reached_target`."""
+  return {
+    "wall_s": float(metrics["wall_s"]),
+    "final_loss": float(np.mean(metrics["loss"][-20:])),
+    "steps_run": int(metrics["steps_run"]),
+    "reached_target": bool(metrics["reached_target"]),
+  }
 
 
 def warm_start(
@@ -366,9 +316,9 @@ def warm_start(
   target_accuracy, target_level, check_every = c.target_accuracy, c.target_level, c.check_every
   model_lib.check_vocab(model_config, tokenizer.vocab_size)
   start = time.perf_counter()
-  lp, lr = _length_bounds(task_config, tokenizer)
+  lp, lr = arith.length_bounds(task_config, tokenizer)
   examples = arith.examples(task_config, "train", steps * batch_size, seed=seed)
-  data = encode_examples(tokenizer, examples, prompt_len=lp, response_len=lr)
+  data = arith.encode_examples(tokenizer, examples, prompt_len=lp, response_len=lr)
   levels = np.asarray([int(e["source"].removeprefix("arith/L")) for e in examples])
   levels = levels.reshape(steps, batch_size)
   if step is None:
