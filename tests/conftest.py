@@ -1,4 +1,5 @@
-"""Test-wide set-up: 8 fake CPU devices, forced before JAX is first imported."""
+"""Test-wide set-up: 8 fake CPU devices, forced before JAX is first imported; the
+property tests' hypothesis profile."""
 
 import os
 
@@ -17,7 +18,15 @@ os.environ.setdefault("TFDS_DISABLE_GCS", "1")
 
 import pathlib  # noqa: E402
 
+import hypothesis  # noqa: E402
 import pytest  # noqa: E402
+
+# Property tests draw the same examples on every run ("ci", the default), so a red suite is
+# a change's fault and can be rerun; HYPOTHESIS_PROFILE=explore draws fresh ones to hunt
+# for new failures (what a failure there finds becomes a fixed example).
+hypothesis.settings.register_profile("ci", derandomize=True)
+hypothesis.settings.register_profile("explore", derandomize=False)
+hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"
 

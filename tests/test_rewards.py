@@ -167,6 +167,16 @@ NUMBERS_AND_CONSTANTS = [
   ("\\boxed{3.141590}", "\\pi", 0.0),  # The written 0 is wrong: π = 3.1415927.
   ("\\boxed{1.5\\pi}", "\\frac{3\\pi}{2}", 1.0),
   ("\\boxed{1000.4}", "1000", 0.0),
+  # ... also when the decimal's value is whole: its written zeros state its precision.
+  ("\\boxed{2849.00}", "\\frac{1000000}{351}", 1.0),
+  ("\\boxed{-2849.00}", "-\\frac{1000000}{351}", 1.0),
+  ("\\boxed{3.00000}", "\\frac{3000001}{1000000}", 1.0),
+  ("\\boxed{100.000}", "\\frac{1000001}{10000}", 1.0),
+  ("\\boxed{2849.0}", "\\frac{1000000}{351}", 0.0),  # 5 significant digits: exact only.
+  ("\\boxed{2849.01}", "\\frac{1000000}{351}", 0.0),
+  ("\\boxed{2849}", "\\frac{1000000}{351}", 0.0),
+  ("\\boxed{2.004}", "2.00", 1.0),
+  ("\\boxed{2.006}", "2.00", 0.0),
   # Scientific notation, references and responses.
   ("\\boxed{3.89 \\cdot 10^{-10}}", "3.89e-10", 1.0),
   ("\\boxed{3.89e-10}", "3.89\\times 10^{-10}", 1.0),
@@ -383,6 +393,23 @@ def test_decimal_response_to_exact_reference(p, q, prime, shift, digits, sci, pi
   # Fewer significant digits do not approximate an exact value (module docstring's rule).
   short = _significant(exact, numbers.MIN_DECIMAL_DIGITS - 1, sci)
   assert _judge(short, reference) == 0.0
+
+
+@_PROPERTY
+@hypothesis.given(
+  whole=st.integers(1, 10**7),
+  zeros=st.integers(1, 6),
+  offset=st.integers(1, 99).filter(lambda k: k != 50),
+  sign=st.sampled_from(["", "-"]),
+)
+def test_whole_valued_decimal_keeps_its_written_precision(whole, zeros, offset, sign):
+  """ "2849.00" states 6 digits as "2849.01" does: against an exact reference it is right
+  within half a unit of its last written digit, offset/100 of that unit away here."""
+  hypothesis.assume(len(str(whole)) + zeros >= numbers.MIN_DECIMAL_DIGITS)
+  value = whole + fractions.Fraction(offset, 100) / 10**zeros
+  reference = f"{sign}\\frac{{{value.numerator}}}{{{value.denominator}}}"
+  response = f"{sign}{whole}." + "0" * zeros
+  assert _judge(response, reference) == (1.0 if offset < 50 else 0.0)
 
 
 def _constant_forms(p: int, q: int, k: int) -> list[str]:

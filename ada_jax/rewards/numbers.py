@@ -62,15 +62,23 @@ def written_decimals(answer: str) -> dict[decimal.Decimal, tuple[int, int]]:
 
 def _at_written_value(expr, written: dict, min_digits: int):
   """`expr` with each Float replaced by the rational it is written as, and the relative
-  half-unit of the most precise Float stating at least `min_digits` digits (0 if none)."""
+  half-unit of the most precise decimal stating at least `min_digits` digits (0 if none).
+
+  A decimal of whole value ("2849.00", "3.00000") reaches here as an Integer (math-verify
+  turns whole Floats into Integers); an Integer that `written` holds as a decimal with
+  digits after the point keeps that decimal's precision."""
   import sympy
 
-  floats = expr.atoms(sympy.Float)
+  floats = expr.atoms(sympy.Float) | {
+    i
+    for i in expr.atoms(sympy.Integer)
+    if written.get(decimal.Decimal(int(abs(i))), (0, 0))[0] < 0
+  }
   if not floats:
     return expr, 0
   exact, rel = {}, sympy.Integer(0)
   for f in floats:
-    d = decimal.Decimal(str(abs(f))).normalize()
+    d = decimal.Decimal(int(abs(f)) if f.is_Integer else str(abs(f))).normalize()
     t = d.as_tuple()
     exponent, digits = written.get(d, (t.exponent, len(t.digits)))
     value = sympy.Rational(*d.as_integer_ratio())
