@@ -454,8 +454,8 @@ def load_benchmark(name: str, config: EvalConfig, tokenizer: Tokenizer) -> Bench
     ValueError: unknown name, or a malformed data file (`file:line`).
     OSError: its data can be neither read from `config.manual_dir` nor downloaded.
   """
-  judge, style = BENCHMARKS[name] if name in BENCHMARKS else (None, None)
   examples = load_examples(name, config)  # an unknown name raises here
+  judge, style = BENCHMARKS[name]
   ps = prompts.build_prompts(
     examples,
     tokenizer,
