@@ -113,7 +113,9 @@ def selection_record(result) -> dict[str, Any]:
     "prompt_index": result.prompt_index.tolist(),
     "rewards": result.rewards.tolist(),
     "advantages": result.advantages.tolist(),
-    "stats": _jsonable(dataclasses.asdict(result.stats)),
+    "stats": _jsonable(
+      {**dataclasses.asdict(result.stats), "pool_pass_rate": result.stats.pool_pass_rate}
+    ),
   }
 
 

@@ -70,9 +70,7 @@ def _at_written_value(expr, written: dict, min_digits: int):
   import sympy
 
   floats = expr.atoms(sympy.Float) | {
-    i
-    for i in expr.atoms(sympy.Integer)
-    if written.get(decimal.Decimal(int(abs(i))), (0, 0))[0] < 0
+    i for i in expr.atoms(sympy.Integer) if written.get(decimal.Decimal(int(abs(i))), (0, 0))[0] < 0
   }
   if not floats:
     return expr, 0

@@ -39,7 +39,8 @@ class StepStats:
       step's prompts without bias for every method (`pool_pass_rate` is biased upward for
       pos and balance, which stop after successes).
     pool_size: int32[P] responses drawn per prompt.
-    pool_pass_rate: float32[P] fraction of positive responses in each prompt's pool.
+    pool_positives: int32[P] positive responses (reward > `positive_threshold`) in each
+      prompt's pool; `pool_pass_rate` is their fraction.
     est_metrics: the rule's own figures: Est's (`estimate.plan_budget`,
       `estimate.fold_step`: budget share per p̂ band, the head's calibration before it
       trains), Seq's with `min_exit_chance` (prompts stopped); empty for the others.
@@ -58,9 +59,15 @@ class StepStats:
   reward_mean: float
   first_round_pass_rate: float
   pool_size: np.ndarray
-  pool_pass_rate: np.ndarray
+  pool_positives: np.ndarray
   est_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
   stopped: tuple[int, ...] = ()
+
+  @property
+  def pool_pass_rate(self) -> np.ndarray:
+    """float32[P] fraction of positive responses in each prompt's pool (0 where none drawn)."""
+    size = self.pool_size
+    return np.where(size > 0, self.pool_positives / np.maximum(size, 1), 0.0).astype(np.float32)
 
   def as_metrics(self, prefix: str = "ada/") -> dict[str, float]:
     """Flat scalar metrics for logging (per-round entries suffixed _r1, _r2, ...).
@@ -176,7 +183,7 @@ def finish(
     reward_mean=float(all_rewards.mean()) if all_rewards.size else 0.0,
     first_round_pass_rate=float(np.mean(first_rates)) if first_rates else 0.0,
     pool_size=sizes,
-    pool_pass_rate=np.where(sampled, pos / np.maximum(sizes, 1), 0.0).astype(np.float32),
+    pool_positives=pos.astype(np.int32),
   )
   return StepResult(
     prompt_index=cat(idx, np.int32),

@@ -224,9 +224,13 @@ class Seq(Rule):
       return result, est_state
     state, keys, _, _ = plan
     b = len(prompt_ids)
-    n_pos = np.round(result.stats.pool_pass_rate[:b] * result.stats.pool_size[:b])
+    s = result.stats
     new_state = estimate.update_est_state(
-      state, keys, n_pos, result.stats.pool_size[:b].astype(np.float64), config.est_decay
+      state,
+      keys,
+      s.pool_positives[:b].astype(np.float64),
+      s.pool_size[:b].astype(np.float64),
+      config.est_decay,
     )
     stopped = {"ada/stopped_fraction": len(result.stats.stopped) / b}
     stats = dataclasses.replace(result.stats, est_metrics={**result.stats.est_metrics, **stopped})

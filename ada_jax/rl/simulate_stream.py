@@ -423,7 +423,7 @@ def simulate_schedule(
         tot.capped_tokens += sum(int(draws.length[p][: draws.count[p]].sum()) for p in capped)
       for p in res.stats.stopped:  # drawn on to R·M: would it have exited?
         size = int(res.stats.pool_size[p])
-        pool = [1.0] * round(float(res.stats.pool_pass_rate[p]) * size)
+        pool = [1.0] * int(res.stats.pool_positives[p])
         pool += [0.0] * (size - len(pool)) + draws.draw(np.full(cap - size, p))[0].tolist()
         tot.stopped += 1
         tot.stopped_would_exit += pool_meets_exit(pool, cfg)
