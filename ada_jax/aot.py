@@ -11,8 +11,9 @@ A run holds at once, per device: the train state (parameters, optimizer state an
 a KL term, reference parameters) always, and one of these programs' working set:
 
 * `train`: the train step on one mini-batch (its arguments are the train state);
-* `sample`: one segment of the rollout pool (`pool.run_segment`): parameters, the slot
-  cache, the prompt cache and the decode loop's temporaries;
+* `sample`: one segment of the rollout pool (`pool.run_segment`): the rollout copy of the
+  parameters (compute dtype, `Sampler.rollout_params`), the slot cache, the prompt cache
+  and the decode loop's temporaries;
 * `prefill`: the prompt prefill into the prompt cache, while the pool's slot cache is
   allocated;
 * `eval`: one segment of the held-out evaluation's pool (the run's mesh, its budget);
@@ -246,6 +247,13 @@ def abstract_outputs(fn, *args, what: str = "program"):
 def abstract_params(model_cfg: model_lib.ModelConfig, mesh) -> model_lib.Params:
   """The parameters as sharded `ShapeDtypeStruct`s (`sharding.param_shardings`)."""
   return _placed(model_lib.param_shapes(model_cfg), sharding_lib.param_shardings(model_cfg, mesh))
+
+
+def rollout_params(model_cfg: model_lib.ModelConfig, mesh) -> model_lib.Params:
+  """The samplers' rollout copy of the parameters (`Sampler.rollout_params`: the compute
+  dtype on the parameters' shardings) as sharded `ShapeDtypeStruct`s."""
+  dtype = model_cfg.compute_dtype
+  return jax.tree.map(lambda x: x.update(dtype=dtype), abstract_params(model_cfg, mesh))
 
 
 def train_program(cfg: config_lib.RunConfig, model_cfg, mesh) -> tuple[Program, dict]:

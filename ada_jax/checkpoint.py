@@ -370,13 +370,26 @@ def restore_params(path: str | os.PathLike, target: Params) -> Params:
   Args:
     path: a checkpoint directory of `make_manager` (its latest step is used) or one step's
       folder in it.
-    target: params tree of `jax.ShapeDtypeStruct`s with shardings.
+    target: params tree of `jax.ShapeDtypeStruct`s with shardings. Params saved in another
+      dtype (a run from before `model.param_dtype`: bfloat16) are restored cast to the
+      target's, with one warning line.
 
   Raises:
     FileNotFoundError: `path` holds no checkpoint (see `params_step_dir`).
   """
+  folder = params_step_dir(path) / "params"
   with ocp.StandardCheckpointer() as checkpointer:
-    return checkpointer.restore(params_step_dir(path) / "params", target)
+    saved = checkpointer.metadata(folder).item_metadata.tree
+    stored = {str(m.dtype) for m in jax.tree.leaves(saved) if hasattr(m, "dtype")}
+    wanted = {str(jnp.dtype(t.dtype)) for t in jax.tree.leaves(target)}
+    if stored and stored != wanted:
+      logging.warning(
+        "%s: parameters stored in %s, restored cast to %s (model.param_dtype)",
+        folder,
+        "/".join(sorted(stored)),
+        "/".join(sorted(wanted)),
+      )
+    return checkpointer.restore(folder, target)
 
 
 def save_params(folder: str | os.PathLike, params: Params) -> None:
@@ -426,7 +439,9 @@ def restore_latest(
 def export_hf(
   config: ModelConfig, params: Params, path: str | os.PathLike, tokenizer: Tokenizer | None = None
 ) -> None:
-  """Writes the final policy as a Hugging Face folder (`weights.save_hf`) and, when given,
+  """Writes the final policy as a Hugging Face folder (`weights.save_hf`) in the compute
+  dtype `config.dtype` (bfloat16 for the paper configs, as released checkpoints are; the
+  float32 masters stay in the orbax checkpoints) and, when given,
   the run's tokenizer with its chat template and a generation_config.json holding the run's
   stop ids (`Tokenizer.save`), so that transformers and inference servers load the folder
   as is and stop where the sampler did. Call it on every process: the params are gathered
@@ -434,7 +449,7 @@ def export_hf(
   params = sharding.host_copy(params)
   if jax.process_index() != 0:
     return
-  weights.save_hf(config, params, path)
+  weights.save_hf(config, params, path, dtype=config.dtype)
   if tokenizer is not None:
     tokenizer.save(path)
 

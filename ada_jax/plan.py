@@ -4,7 +4,7 @@ creating the TPU VM.
 
 Compiles every program the run holds in HBM with the TPU compiler itself (libtpu, ahead
 of time, no TPU needed: `aot.py`) on the config's mesh over the slice's devices, and adds
-what stays resident beside each (the optimizer state while sampling, the slot cache while
+what stays resident beside each (the train state while sampling, the slot cache while
 prefilling). Prints per phase the bytes per device against the slice's HBM, the largest
 temporary buffers, and a compiler-derived decode roofline (not a measurement). Exit codes:
 0 every phase fits, 1 one does not (named, with its buffers, or XLA's refusal), 2 a bad
@@ -82,7 +82,7 @@ def plan(cfg, target_name: str, *, devices=None, progress=print) -> dict:
   model_cfg = model_of(cfg)
   devices = devices or aot.tpu_devices(t)
   mesh = aot.mesh_for(cfg, devices)
-  params = aot.abstract_params(model_cfg, mesh)
+  params = aot.rollout_params(model_cfg, mesh)  # what every sampler decodes from
   gib = lambda b: round(b / aot.GIB, 4)
   phases, programs, notes = {}, {}, []
 
@@ -98,11 +98,11 @@ def plan(cfg, target_name: str, *, devices=None, progress=print) -> dict:
     return out
 
   train_out = timed("train", lambda: aot.train_program(cfg, model_cfg, mesh))
-  # Resident through every phase: the optimizer state (and a KL term's reference params).
+  # Resident beside every sampling program: the train state (the master params, the
+  # optimizer state and a KL term's reference params); the train step holds it as its
+  # arguments, and the rollout copy is freed before it (`rollout.engine.PoolEngine.finish`).
   state = aot.train.abstract_state(model_cfg, cfg.train, mesh, with_ref=cfg.loss.kl_coeff > 0)
-  resident = aot.per_device_bytes(state.opt_state)
-  if state.ref_params is not None:
-    resident += aot.per_device_bytes(state.ref_params)
+  resident = aot.per_device_bytes(state)
   if train_out is not None:
     program, layout = train_out
     programs["train"] = program.as_dict() | {
@@ -142,6 +142,13 @@ def plan(cfg, target_name: str, *, devices=None, progress=print) -> dict:
       "est head: its features come from the rollout pool's own prefill (the prefill "
       "phase) and its parameters are D + 1 floats"
     )
+  params_differ = model_cfg.dtype != model_cfg.param_dtype
+  if params_differ:
+    notes.append(
+      f"rollout copy: the samplers decode from a {model_cfg.dtype} copy of the "
+      f"{model_cfg.param_dtype} master params, made once per RL step and evaluation (in the "
+      "sample, prefill and eval phases' arguments) and freed before the train step"
+    )
   limit = t.hbm_gib * aot.GIB
   for phase in phases.values():
     if "bytes" in phase:
@@ -156,6 +163,7 @@ def plan(cfg, target_name: str, *, devices=None, progress=print) -> dict:
     "resident_gib": {
       "params": gib(aot.per_device_bytes(state.params)),
       "opt_state": gib(aot.per_device_bytes(state.opt_state)),
+      "rollout_copy": gib(aot.per_device_bytes(params)) if params_differ else 0.0,
     },
     "phases": phases,
     "programs": programs,
@@ -183,15 +191,14 @@ def roofline(cfg, model_cfg, t, mesh, programs, smp) -> dict:
   import jax
 
   from ada_jax import aot
-  from ada_jax.models import decoder as model_lib
 
   n = t.devices
   out = {"what": "from XLA:TPU's cost analysis of the compiled programs, not measured"}
   step = programs.get("decode_step")
   if step and step.get("bytes_accessed"):
-    shapes = model_lib.param_shapes(model_cfg)
-    params = aot.per_device_bytes(aot.abstract_params(model_cfg, mesh))
-    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+    copy = aot.rollout_params(model_cfg, mesh)  # the weights the decode step reads
+    params = aot.per_device_bytes(copy)
+    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(copy))
     gathered = total / mesh.shape["tensor"]
     kv = programs["pool_segment"]["kv_cache_gib"] * aot.GIB
     seconds = step["bytes_accessed"] / (t.hbm_gbs * 1e9)
@@ -217,7 +224,8 @@ def report(result: dict) -> str:
   lines = [
     f"{t['name']} ({result['device_kind']}, {t['devices']} devices, {t['hbm_gib']} GiB HBM "
     f"each), mesh {result['mesh']}; resident: params {result['resident_gib']['params']} GiB, "
-    f"optimizer state {result['resident_gib']['opt_state']} GiB per device",
+    f"optimizer state {result['resident_gib']['opt_state']} GiB, rollout copy "
+    f"{result['resident_gib']['rollout_copy']} GiB (sampling only) per device",
     f"{'phase':<10}{'GiB/device':>11}{'spare':>8}  verdict",
   ]
   for name, p in result["phases"].items():

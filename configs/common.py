@@ -29,7 +29,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict()
   c.model.preset = ""  # a model.PRESETS name (random weights unless hf_dir/checkpoint)
   c.model.hf_dir = ""  # Hugging Face folder or Hub id: architecture + weights
-  c.model.dtype = "bfloat16"  # params and compute; logits and softmax stay fp32
+  c.model.dtype = "bfloat16"  # compute (matmuls, KV cache, rollout copy); logits/softmax fp32
+  c.model.param_dtype = "float32"  # train state: master weights and AdamW moments (verl's)
   c.model.overrides = ml_collections.ConfigDict()  # ModelConfig fields replacing the preset's
 
   c.tokenizer = ml_collections.ConfigDict()

@@ -2,6 +2,7 @@
 kill -9."""
 
 import dataclasses
+import logging
 import os
 import pathlib
 import re
@@ -162,6 +163,25 @@ def test_resume_order(tmp_path):
     initial("d", pretrained=str(tmp_path / "no_such_weights"))
   with pytest.raises(FileNotFoundError, match="init_from"):
     initial("e", init_from=str(tmp_path / "c"))
+
+
+def test_init_from_bf16_params_restores_them_upcast_with_one_warning(tmp_path, caplog):
+  """A checkpoint of bfloat16 params (a run from before `model.param_dtype`) restores onto a
+  float32 target exactly upcast, with one warning line naming the folder and the dtypes."""
+  mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  params = model_lib.init_params(CONFIG, jax.random.key(3))
+  old = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  checkpoint.save_params(tmp_path, old)
+  target = sharding.abstract_params(CONFIG, mesh)
+  with caplog.at_level(logging.WARNING):
+    got = checkpoint.restore_params(tmp_path, target)
+  _assert_tree_equal(got, jax.tree.map(lambda x: x.astype(jnp.float32), old))
+  lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert len(lines) == 1 and "stored in bfloat16, restored cast to float32" in lines[0]
+  assert "\n" not in lines[0]
+  caplog.clear()
+  checkpoint.restore_params(tmp_path, jax.tree.map(lambda t: t.update(dtype=jnp.bfloat16), target))
+  assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 
 def test_run_keys_are_one_split_of_the_root():

@@ -94,3 +94,20 @@ def test_transformers_model_generates_and_stops_like_ours(exported):
   # Stops right after the run's stop id, where our sampler would have stopped.
   np.testing.assert_array_equal(out[0, len(prompt) :].numpy(), expected)
   assert len(expected) < 8
+
+
+def test_export_writes_the_compute_dtype(tmp_path):
+  """float32 masters of a bf16-compute run export as bfloat16 tensors (as released
+  checkpoints are), named in config.json as `dtype` and `torch_dtype`; transformers loads
+  the folder in that dtype."""
+  from safetensors import safe_open
+
+  config, params = testing.tiny_arith_model(seed=1)
+  config = config.replace(dtype="bfloat16", param_dtype="float32")
+  checkpoint.export_hf(config, params, tmp_path)
+  hf_config = json.loads((tmp_path / "config.json").read_text())
+  assert hf_config["dtype"] == hf_config["torch_dtype"] == "bfloat16"
+  with safe_open(str(tmp_path / "model.safetensors"), framework="numpy") as f:
+    assert {str(f.get_tensor(k).dtype) for k in f.keys()} == {"bfloat16"}  # noqa: SIM118
+  model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+  assert model.dtype == torch.bfloat16

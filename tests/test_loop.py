@@ -10,10 +10,13 @@ import sys
 import textwrap
 import time
 
+import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
 
+from ada_jax import checkpoint as checkpoint_lib
 from ada_jax import config as config_lib
 from ada_jax import loop
 from ada_jax import metrics as metrics_lib
@@ -372,3 +375,45 @@ def test_evaluation_samplers_are_on_the_run_mesh(tmp_path, monkeypatch):
       assert len(leaf.sharding.device_set) == 8 and not leaf.sharding.is_fully_replicated
       shard = leaf.sharding.shard_shape(leaf.shape)
       assert shard[0] == leaf.shape[0] // 8  # slots split over the 8 data-parallel devices
+
+
+def test_rollouts_decode_from_one_compute_dtype_copy_per_step(tmp_path, no_implicit_transfers):
+  """docs/design.md "Precision": float32 masters, bf16 compute. Every array the pool reads
+  is the bfloat16 copy on the params' own shardings (never a master), made once per RL
+  step (the sampler's counter), and the train state stays float32."""
+  from ada_jax.models import sharding as sharding_lib
+  from ada_jax.rollout import queue, sampler
+
+  c = tiny_config(steps=2)
+  c.model.dtype, c.model.param_dtype = "bfloat16", "float32"
+  c.eval.benchmarks = ()
+  c.ckpt.every_steps = 0
+  seen, copies = [], []
+  real_pool, real_copy = queue.RolloutPool.__init__, sampler.Sampler.rollout_params
+
+  def pool_init(self, programs, params, key):
+    seen.append([(x.dtype, x.sharding) for x in jax.tree.leaves(params)])
+    real_pool(self, programs, params, key)
+
+  def rollout_params(self, params):
+    before = self.copies
+    out = real_copy(self, params)
+    copies.append(self.copies - before)
+    return out
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(queue.RolloutPool, "__init__", pool_init)
+    patch.setattr(sampler.Sampler, "rollout_params", rollout_params)
+    _guarded_run(c, str(tmp_path), no_implicit_transfers)
+  cfg = config_lib.parse(c)
+  model_cfg = cfg.model.model_config()
+  mesh = sharding_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+  want = sharding_lib.param_shardings(model_cfg, mesh)
+  assert len(seen) == 2 and copies == [1, 1]  # one pool, one copy per RL step
+  for params in seen:
+    for (dtype, got), sh in zip(params, jax.tree.leaves(want), strict=True):
+      assert dtype == jnp.bfloat16 and got == sh
+  saved = checkpoint_lib.restore_params(
+    tmp_path / "checkpoints", sharding_lib.abstract_params(model_cfg, mesh)
+  )
+  assert {x.dtype for x in jax.tree.leaves(saved)} == {jnp.dtype(jnp.float32)}

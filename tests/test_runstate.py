@@ -114,6 +114,21 @@ def test_resume_refuses_each_kind_of_recipe_change(group, field, old, new):
     runstate.check_resume(_record(**{group: {field: old}}), _record(**{group: {field: new}}), 1)
 
 
+def test_resume_refuses_a_checkpoint_of_bf16_masters_naming_the_field():
+  """A run saved before `model.param_dtype` existed stored its params and AdamW moments in
+  its compute dtype: its record has no `model.param_dtype` and a bfloat16 architecture;
+  resuming it under float32 masters is refused naming the field (ckpt.init_from of its
+  weights restores them upcast instead: tests/test_checkpoint.py)."""
+  old = _record(model={"dtype": "bfloat16", "param_dtype": "bfloat16"})
+  del old["model.param_dtype"]
+  with pytest.raises(
+    config_lib.ConfigError, match=r"architecture param_dtype: 'bfloat16' -> 'float32'"
+  ):
+    runstate.check_resume(old, _record(model={"dtype": "bfloat16"}), 3)
+  with pytest.raises(config_lib.ConfigError, match=r"config\.model\.param_dtype: "):
+    runstate.check_resume(_record(model={"param_dtype": "bfloat16"}), _record(), 3)
+
+
 def test_resume_refuses_a_changed_seed_and_architecture():
   with pytest.raises(config_lib.ConfigError, match=r"config\.seed: 0 -> 7"):
     runstate.check_resume(_record(), {**_record(), "seed": 7}, 2)

@@ -67,7 +67,7 @@ def load_model(
   `hf_dir` nor `checkpoint_path`) the model is the one a fresh training run of `cfg` starts
   from: `ckpt.init_from`, else `model.hf_dir`, else random init + warm start (see module
   docstring). Architecture:
-  `hf_dir`'s config.json (in `cfg.model.dtype`); else `cfg.model` (with
+  `hf_dir`'s config.json (in `cfg.model.dtype` and `param_dtype`); else `cfg.model` (with
   `cfg.model.hf_dir`'s config.json if set), exactly as the run that wrote a checkpoint
   built it. Tokenizer: `tokenizer_dir`, else `cfg.tokenizer.dir`, else the model's folder,
   else the arithmetic task's. The tokenizer is checked before any weights are read.
@@ -93,7 +93,10 @@ def load_model(
     raise ValueError("give at most one of --hf_dir and --checkpoint")
   model, field = cfg.model, "config.model.hf_dir"
   if hf_dir is not None:
-    model, field = weights.ModelSpec(hf_dir=hf_dir, dtype=cfg.model.dtype), "--hf_dir"
+    spec = weights.ModelSpec(
+      hf_dir=hf_dir, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype
+    )
+    model, field = spec, "--hf_dir"
   tokenizer = cfg.tokenizer
   if tokenizer_dir:
     tokenizer = dataclasses.replace(tokenizer, dir=tokenizer_dir)

@@ -100,7 +100,9 @@ class EvalSamplers:
 
 def sampler_policy(sampler_: sampler.Sampler, params: Params, tokenizer: Tokenizer) -> Policy:
   """A `Policy` generating with `sampler_` and decoding each response up to its length
-  (the stop token included, dropped by the decoder as a special token)."""
+  (the stop token included, dropped by the decoder as a special token). It decodes from
+  one rollout copy of `params` (`Sampler.rollout_params`), made here for all its calls."""
+  params = sampler_.rollout_params(params)
 
   def policy(prompt_tokens, row_prompt, rng):
     out, _ = sampler_.generate(params, prompt_tokens, row_prompt, rng)
@@ -143,6 +145,7 @@ def evaluate(
   `evaluation.Evaluator` makes the samplers and benchmarks once and adds pools, the cache
   and the reports.
   """
+  params = samplers.sampled.rollout_params(params)  # one copy for both policies
   policy = sampler_policy(samplers.sampled, params, tokenizer)
   greedy = None
   if config.greedy:

@@ -53,7 +53,13 @@ class ModelSpec:
       provides them.
     hf_dir: a Hugging Face folder (or Hub id): architecture from its config.json, weights
       loaded at start (docs/design.md "One RL step", set-up).
-    dtype: parameter and compute dtype ('float32' or 'bfloat16').
+    dtype: compute dtype of activations, matmuls, the KV cache and the sampler's rollout
+      copy of the weights ('float32' or 'bfloat16').
+    param_dtype: storage dtype of the parameters, hence of the train state (AdamW moments
+      are kept in it too) and of checkpoints ('float32' or 'bfloat16'). float32 as verl
+      (FSDP MixedPrecision), MaxText and tunix keep their masters: at lr 1e-6 a bfloat16
+      master is below half an ulp for |w| > ~5e-4 and does not move (docs/design.md
+      "Precision").
     overrides: `ModelConfig` fields replacing the preset's (e.g. tiny CPU shapes).
 
   Raises:
@@ -64,6 +70,7 @@ class ModelSpec:
   preset: str = ""
   hf_dir: str = ""
   dtype: str = "float32"
+  param_dtype: str = "float32"
   overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
@@ -73,12 +80,20 @@ class ModelSpec:
       raise ValueError(f"model.preset {self.preset!r} unknown; choose one of {sorted(PRESETS)}")
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     for key in self.overrides:
-      if key not in known:
-        raise ValueError(f"model.overrides.{key}: not a ModelConfig field")
+      if key not in known or key in ("dtype", "param_dtype"):
+        raise ValueError(
+          f"model.overrides.{key}: not a ModelConfig field an override may set"
+          + (f" (set model.{key})" if key in ("dtype", "param_dtype") else "")
+        )
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in ("float32", "bfloat16"):
+        raise ValueError(
+          f"model.{name} must be 'float32' or 'bfloat16', got {getattr(self, name)!r}"
+        )
 
   def model_config(self, hf_config: Mapping[str, Any] | None = None) -> ModelConfig:
     """The architecture: the preset with `overrides`, or `hf_config` (the `hf_dir`'s
-    config.json as a dict), in `dtype`.
+    config.json as a dict), computing in `dtype` with parameters stored in `param_dtype`.
 
     Raises:
       CheckpointError: `hf_config` is not a supported architecture.
@@ -89,7 +104,7 @@ class ModelSpec:
     else:
       base = config_from_hf(dict(hf_config or {}), source=f"{self.hf_dir}/config.json")
     return dataclasses.replace(
-      base, dtype=self.dtype, param_dtype=self.dtype, **dict(self.overrides)
+      base, dtype=self.dtype, param_dtype=self.param_dtype, **dict(self.overrides)
     )
 
 
@@ -169,8 +184,11 @@ def config_from_hf(
     raise CheckpointError(f"{source}: {e}") from None
 
 
-def config_to_hf(config: ModelConfig) -> dict[str, Any]:
-  """The transformers `config.json` dict for `config` (v5 `rope_parameters` layout)."""
+def config_to_hf(config: ModelConfig, dtype: str | None = None) -> dict[str, Any]:
+  """The transformers `config.json` dict for `config` (v5 `rope_parameters` layout), its
+  weights stored in `dtype` (default `config.param_dtype`), written as both `dtype` (v5)
+  and `torch_dtype` (v4 and inference servers)."""
+  dtype = dtype or config.param_dtype
   rope: dict[str, Any] = {"rope_theta": config.rope_theta, "rope_type": "default"}
   if config.rope_scaling is not None:
     s = config.rope_scaling
@@ -199,7 +217,8 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     "max_position_embeddings": config.max_position_embeddings,
     "attention_bias": config.qkv_bias if config.family == "llama" else False,
     "hidden_act": "silu",
-    "dtype": config.param_dtype,
+    "dtype": dtype,
+    "torch_dtype": dtype,
   }
 
 
@@ -385,18 +404,25 @@ def load_hf(
 
 
 def save_hf(
-  config: ModelConfig, params: Params, path: str | os.PathLike, *, max_shard_bytes: int = 4 << 30
+  config: ModelConfig,
+  params: Params,
+  path: str | os.PathLike,
+  *,
+  dtype: str | None = None,
+  max_shard_bytes: int = 4 << 30,
 ) -> None:
   """Writes `params` as a Hugging Face folder (config.json + safetensors [+ index]).
 
-  Tensors are gathered to the host one at a time. Shards hold at most `max_shard_bytes`
-  (bytes) each; more than one shard adds `model.safetensors.index.json`.
+  Tensors are gathered to the host one at a time and stored in `dtype` ('float32' or
+  'bfloat16'; default `config.param_dtype`), which config.json names. Shards hold at most
+  `max_shard_bytes` (bytes) each; more than one shard adds `model.safetensors.index.json`.
 
   Raises:
     CheckpointError: `params` does not match `config` (a missing or mis-shaped tensor).
   """
   folder = pathlib.Path(path)
   folder.mkdir(parents=True, exist_ok=True)
+  dtype = dtype or config.param_dtype
   table = _tensor_table(config)
   expected = jax.tree.map(lambda s: s.shape, model_lib.param_shapes(config))
   shards: list[dict[str, np.ndarray]] = [{}]
@@ -411,7 +437,7 @@ def save_hf(
         f"params {'/'.join(our_path)} has shape {tuple(value.shape)}, "
         f"expected {_get(expected, our_path)}"
       )
-    array = np.ascontiguousarray(to_hf(np.asarray(jax.device_get(value))))
+    array = np.ascontiguousarray(to_hf(np.asarray(jax.device_get(value)).astype(jnp.dtype(dtype))))
     assert array.shape == hf_shape, (name, array.shape, hf_shape)
     if sizes[-1] and sizes[-1] + array.nbytes > max_shard_bytes:
       shards.append({})
@@ -431,4 +457,4 @@ def save_hf(
     (folder / "model.safetensors.index.json").write_text(
       json.dumps({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, indent=2)
     )
-  (folder / "config.json").write_text(json.dumps(config_to_hf(config), indent=2))
+  (folder / "config.json").write_text(json.dumps(config_to_hf(config, dtype), indent=2))

@@ -87,7 +87,8 @@ class PoolEngine:
 
   Args:
     sampler: the rollout engine.
-    params: the policy's parameters.
+    params: the policy's parameters; the pool decodes from their compute-dtype copy
+      (`Sampler.rollout_params`, made here once per step, freed by `finish`).
     tokenizer: decodes responses for the verifier.
     grader: `submit(texts, answers) -> ticket`, `collect(ticket) -> float32[N]`
       (`distributed.SharedGrader`: identical on every process).
@@ -172,8 +173,11 @@ class PoolEngine:
     return rewards
 
   def finish(self) -> None:
-    """Counts the decode steps since the last round (`stream`: the whole step)."""
+    """Counts the decode steps since the last round (`stream`: the whole step), then drops
+    the pool: its rollout copy of the weights and its slot and prompt caches are freed
+    before the policy update, which `ada_jax.plan` counts without them."""
     self.counters.add(self.pool.take_counters())
+    self.pool = None
 
   def responses(self) -> dict[str, np.ndarray]:
     """The response store by row id (the controller's handles): `tokens int32[N, Lr]`,

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.rollout import pool as pool_lib
 from ada_jax.rollout.queue import RolloutPool, response_arrays
@@ -198,6 +199,8 @@ class Sampler:
 
   Attributes:
     compiles: number of times the pool functions were traced (one set per prompt bucket).
+    copies: rollout copies made (`rollout_params`): one per RL step, evaluation or prompt
+      selection when the parameters are stored in another dtype than the compute dtype.
   """
 
   def __init__(
@@ -255,8 +258,9 @@ class Sampler:
       mesh,
       refill,
     )
-    self.compiles = 0
+    self.compiles = self.copies = 0
     self._fns: dict[int, PoolPrograms] = {}
+    self._cast = None
 
   @classmethod
   def from_spec(
@@ -367,14 +371,47 @@ class Sampler:
     )
     return self._fns[prompt_len]
 
+  def rollout_params(self, params: Params) -> Params:
+    """The weights the pool decodes from: `params` cast to the compute dtype
+    (`ModelConfig.dtype`) on their own shardings, or `params` themselves when they already
+    are in it (float32 runs, or a copy made before).
+
+    The decode loop reads every weight at every step, so it must read the compute-dtype
+    copy, never cast the float32 masters inside the loop (twice the bytes per step). A
+    caller makes the copy once per RL step (`rollout.engine.PoolEngine`, which frees it
+    with the pool before the update), evaluation or prompt selection and passes it to
+    every `pool` / `generate` call; `pool` makes one itself when given the masters.
+
+    Args:
+      params: the parameter tree (`param_dtype` leaves, placed on the mesh's
+        `sharding.param_shardings` when the sampler has a mesh).
+
+    Returns:
+      The same tree in `config.compute_dtype`, one new buffer per leaf (counted in
+      `copies`) unless no leaf needed a cast.
+    """
+    dtype = self.config.compute_dtype
+    if all(leaf.dtype == dtype for leaf in jax.tree.leaves(params)):
+      return params
+    if self._cast is None:
+      shardings = None
+      if self.mesh is not None:
+        shardings = sharding_lib.param_shardings(self.config, self.mesh)
+      self._cast = jax.jit(
+        lambda p: jax.tree.map(lambda x: x.astype(dtype), p), out_shardings=shardings
+      )
+    self.copies += 1
+    return self._cast(params)
+
   def pool(self, params: Params, key: jax.Array, prompt_len: int) -> RolloutPool:
-    """An empty `RolloutPool` for prompts padded to `prompt_len` (a prompt bucket)."""
+    """An empty `RolloutPool` for prompts padded to `prompt_len` (a prompt bucket),
+    decoding from `rollout_params(params)`."""
     if prompt_len not in self.prompt_buckets:
       raise ValueError(
         f"prompt_len ({prompt_len}) is not one of prompt_buckets {self.prompt_buckets}"
       )
     programs = self.programs(prompt_len)
-    return RolloutPool(programs, params, programs.put(key))
+    return RolloutPool(programs, self.rollout_params(params), programs.put(key))
 
   def generate(
     self,
@@ -386,7 +423,8 @@ class Sampler:
     """Samples one response per row.
 
     Args:
-      params: model parameters (placed as the caller wants; e.g. sharded).
+      params: model parameters (placed as the caller wants; e.g. sharded): best the
+        `rollout_params` copy, else one is made for this call.
       prompts: token ids of each distinct prompt (unpadded lists).
       row_prompt: `int[R]` prompt index of each requested row; repeat an index for several
         responses to the same prompt (they share one prefill while the prompt is cached).
