@@ -67,7 +67,15 @@ def load_prompts(d: prompts.DataConfig, tokenizer: Tokenizer, *, seed: int) -> p
   """
   if d.source == "verl":
     examples = _verl_examples(d)
-    style = d.prompt_style
+    kept = verl.drop_long_problems(examples, tokenizer)
+    if len(kept) < len(examples):
+      logging.warning(
+        "%d of %d unformatted prompts over %d problem tokens dropped (the authors' reformat.py)",
+        len(examples) - len(kept),
+        len(examples),
+        verl.REFORMAT_MAX_PROBLEM_TOKENS,
+      )
+    examples, style = kept, d.prompt_style
   elif d.source == "arith":
     examples = arith.examples(d.arith, "train", d.arith_prompts, seed=seed)
     style = "raw"

@@ -143,3 +143,22 @@ def test_bad_config_is_named(field, value, match):
 def test_unknown_preset():
   with pytest.raises(ValueError, match="unknown"):
     model_lib.preset("gpt-5")
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+def test_float32_masters_compute_exactly_as_their_compute_dtype_copy(preset):
+  """docs/design.md "Precision": every weight is cast to the compute dtype where it is used,
+  so the trainer's forward on float32 masters (with and without the remat scan) equals the
+  sampler's on the bf16 rollout copy bit for bit, and activations stay bf16."""
+  masters_cfg = model_lib.preset(preset).replace(dtype="bfloat16", param_dtype="float32")
+  copy_cfg = masters_cfg.replace(param_dtype="bfloat16")
+  params = model_lib.init_params(masters_cfg, jax.random.key(2))
+  copy = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  tokens = jax.random.randint(jax.random.key(3), (2, 9), 1, masters_cfg.vocab_size)
+  positions = jnp.broadcast_to(jnp.arange(9), (2, 9))
+  for remat in (False, True):  # XLA fuses the two paths differently: each against its own
+    want = model_lib.logits(copy_cfg, copy, tokens, positions, remat=remat)
+    got = model_lib.logits(masters_cfg, params, tokens, positions, remat=remat)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  hidden, _ = model_lib.hidden_states(masters_cfg, params, tokens, positions)
+  assert hidden.dtype == jnp.bfloat16

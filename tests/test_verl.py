@@ -101,6 +101,17 @@ def test_unformatted_rows_get_the_reformat_layout(tmp_path):
   assert list(ex["messages"]) == ROWS[0]["prompt"] and ex["answer"] == "3"
 
 
+def test_unformatted_problems_over_700_tokens_are_dropped_as_reformat_does(tmp_path):
+  """reformat.py keeps a row when its problem encodes (BOS included) to <= 700 tokens; rows
+  already in the verl layout are kept whatever their length."""
+  tok = arith.load_tokenizer()  # one token per character, plus BOS
+  rows = [{"problem": "1" * n, "gt": str(n)} for n in (698, 699, 700, 5000)]
+  write_parquet(tmp_path / "train-0.parquet", rows)
+  write_parquet(tmp_path / "train-1.parquet", [_row(9, "2" * 5000, "x")])
+  kept = verl.drop_long_problems(verl.load_examples(str(tmp_path)), tok)
+  assert [ex["answer"] for ex in kept] == ["698", "699", "x"]
+
+
 def _bad(field, value):
   rows = [dict(r) for r in ROWS]
   if field.startswith("reward_model."):

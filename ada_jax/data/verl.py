@@ -13,8 +13,9 @@ and most verl recipes write it:
 
 Only `prompt` and `reward_model.ground_truth` are required; `data_source` becomes the
 example's `source`. Rows in the authors' unformatted layout (`problem`, `gt`: what
-`reformat.py` reads) are turned into the verl layout as `reformat.py` does (its system
-message, and its instruction after the problem).
+`reformat.py` reads; the Hub prompt sets hold these) are turned into the verl layout as
+`reformat.py` does: its system message, its instruction after the problem, and its filter
+(`drop_long_problems`: a problem over 700 tokens of the model's tokenizer is dropped).
 
 Where the files are (`resolve`): a local file or folder; else `<manual_dir>/<name>` for a
 Hub id `owner/name` (the offline rule of every other set); else the Hub data set,
@@ -34,6 +35,8 @@ from ada_jax.data import prompts, sets, sources
 
 SUFFIXES = (".parquet", ".jsonl")
 _HUB = "https://huggingface.co"
+# reformat.py keeps an unformatted row when `len(tokenizer.encode(problem)) <= 700`.
+REFORMAT_MAX_PROBLEM_TOKENS = 700
 
 
 def resolve(name: str, manual_dir: str | pathlib.Path | None = None) -> list[pathlib.Path]:
@@ -149,7 +152,8 @@ def example(row: Mapping[str, Any], where: str, prompt_id: str) -> dict[str, Any
   """One example (`prompt_id`, `problem`, `answer`, `source`, `messages`) from a row.
 
   `problem` is the last user message (for logs and decontamination); `messages` is what
-  the chat template renders (`prompts.build_prompts`).
+  the chat template renders (`prompts.build_prompts`). An unformatted row's example also
+  holds `reformat_problem`, its problem as `reformat.py` measures it (`drop_long_problems`).
 
   Raises:
     ValueError: a missing or malformed field; the message is `<where>: field <name> ...`.
@@ -161,7 +165,9 @@ def example(row: Mapping[str, Any], where: str, prompt_id: str) -> dict[str, Any
       {"role": "user", "content": f"{problem} {prompts.USER_SUFFIX}"},
     ]
     answer = _answer(row.get("gt"), where, "gt")
+    extra = {"reformat_problem": problem}
   else:
+    extra = {}
     if "prompt" not in row:
       raise ValueError(f"{where}: no field 'prompt' (verl layout) or 'problem' (unformatted)")
     messages = _messages(row["prompt"], where)
@@ -181,7 +187,24 @@ def example(row: Mapping[str, Any], where: str, prompt_id: str) -> dict[str, Any
     "answer": answer,
     "source": source if isinstance(source, str) and source else "verl",
     "messages": tuple(messages),
+    **extra,
   }
+
+
+def drop_long_problems(examples: Sequence[dict[str, Any]], tokenizer) -> list[dict[str, Any]]:
+  """`examples` without the unformatted rows whose problem is over
+  `REFORMAT_MAX_PROBLEM_TOKENS` tokens, as the authors' `data_process/reformat.py` filters
+  the Hub prompt sets before training (its `encode` adds the BOS token where the tokenizer
+  has one). Rows already in the verl layout were filtered by whoever wrote them.
+
+  Args:
+    examples: from `load_examples`.
+    tokenizer: the model's (`models.tokenizer.Tokenizer`).
+  """
+  raw = [i for i, ex in enumerate(examples) if "reformat_problem" in ex]
+  lengths = tokenizer.encode_many([examples[i]["reformat_problem"] for i in raw], add_bos=True)
+  long = {i for i, ids in zip(raw, lengths, strict=True) if len(ids) > REFORMAT_MAX_PROBLEM_TOKENS}
+  return [ex for i, ex in enumerate(examples) if i not in long]
 
 
 def load_examples(

@@ -72,7 +72,9 @@ def make_param(rngs: nnx.Rngs, shape, axes, dtype, scale: float | None = None) -
 
 
 class RMSNorm(nnx.Module):
-  """y = scale * x / rms(x), the statistic in fp32 (HF `LlamaRMSNorm`)."""
+  """y = scale * x / rms(x), the statistic in fp32 (HF `LlamaRMSNorm`), the output in x's
+  dtype: a float32 master scale is cast to the compute dtype as every other weight is, so
+  the trainer's forward on the masters and the sampler's on its rollout copy agree."""
 
   def __init__(self, dim: int, eps: float, axis_name: str, dtype):
     self.scale = nnx.Param(jnp.ones((dim,), dtype), axes=(axis_name,))
@@ -81,7 +83,7 @@ class RMSNorm(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return self.scale.value * y.astype(x.dtype)
+    return self.scale.value.astype(x.dtype) * y.astype(x.dtype)
 
 
 class Attention(nnx.Module):
