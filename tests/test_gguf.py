@@ -4,7 +4,10 @@ tokenizer and chat-template ids), and on tiny GGUF files written here (the q/k r
 the tokenizer's pieces, the errors)."""
 
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import gguf
 import jax
@@ -186,6 +189,39 @@ def test_chat_template_ids_match_transformers(ours, hf_tokenizer):
       expected = ref.apply_chat_template(chat, add_generation_prompt=gen, tokenize=False)
       assert text == expected
       assert tok.encode(text) == ref.encode(expected, add_special_tokens=False)
+
+
+@pytest.mark.slow
+def test_one_rl_step_of_main_on_the_real_model(converted, tmp_path):
+  """`python -m ada_jax.main` with configs/smollm2_arith_pos.py, one tiny step (about 2.5
+  min on 2 cores). One host device, as a CPU user has: the suite's 8 fake devices would
+  replicate the float32 model and its Adam state 8 times."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  args = [
+    f"--config={root / 'configs' / 'smollm2_arith_pos.py'}",
+    f"--workdir={tmp_path / 'run'}",
+    f"--config.model.hf_dir={converted}",
+    "--config.rl.steps=1",
+    "--config.rl.batch_prompts=2",
+    "--config.train.mini_batch_prompts=2",
+    "--config.ada.max_rounds=1",
+    "--config.sampler.max_new_tokens=32",
+    "--config.sampler.chunk_rows=8",
+    "--config.eval.benchmarks=()",
+  ]
+  proc = subprocess.run(
+    [sys.executable, "-m", "ada_jax.main", *args],
+    cwd=root,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (step,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  assert step["step"] == 1 and step["samples_drawn"] == 8 and step["update_skipped"] == 0
+  assert 0.0 <= step["reward_mean"] <= 1.0 and abs(step["old_logprob_gap"]) < 1e-3
 
 
 # ----------------------------------------------------------------------------- tiny files
