@@ -76,9 +76,11 @@ def load_prompts(d: prompts.DataConfig, tokenizer: Tokenizer, *, seed: int) -> p
         verl.REFORMAT_MAX_PROBLEM_TOKENS,
       )
     examples, style = kept, d.prompt_style
-  elif d.source == "arith":
-    examples = arith.examples(d.arith, "train", d.arith_prompts, seed=seed)
-    style = "raw"
+  elif d.source in ("arith", "arith_text"):
+    question = d.source == "arith_text"
+    examples = arith.examples(d.arith, "train", d.arith_prompts, seed=seed, question=question)
+    # The bare `12+3=` of the character tokenizer is its own format (`arith.prompt_ids`).
+    style = d.prompt_style if question else "raw"
   else:
     if d.source == "jsonl":
       try:
@@ -96,7 +98,7 @@ def load_prompts(d: prompts.DataConfig, tokenizer: Tokenizer, *, seed: int) -> p
       spec = d.source
     else:
       raise ConfigError(
-        f"config.data.source {d.source!r}: use 'arith', 'jsonl', 'verl' or one of "
+        f"config.data.source {d.source!r}: use 'arith', 'arith_text', 'jsonl', 'verl' or one of "
         f"{sorted(sources.SETS)}"
       )
     data_dir = data.tfds_data_dir(d.data_dir)
@@ -109,8 +111,13 @@ def load_prompts(d: prompts.DataConfig, tokenizer: Tokenizer, *, seed: int) -> p
         f"config.data: {' '.join(str(e).split())}{offline_hint(e, 'config.data.manual_dir')}"
       ) from None
     style = d.prompt_style
+  try:
+    prompts.check_frame(style, d.frame)
+  except ValueError as e:
+    why = " (source 'arith' is the bare problem)" if d.source == "arith" else ""
+    raise ConfigError(f"config.data.{e}{why}") from None
   ps = prompts.build_prompts(
-    examples, tokenizer, style=style, max_prompt_tokens=d.max_prompt_tokens
+    examples, tokenizer, style=style, max_prompt_tokens=d.max_prompt_tokens, frame=d.frame
   )
   if ps.num_dropped:
     logging.warning(

@@ -150,3 +150,30 @@ def test_prompt_and_response_ids_are_the_rl_format():
   response = arith.response_ids(tok, "357")
   assert response == [*tok.encode("\\boxed{357}"), tok.eos_ids[0]]
   assert rewards.last_boxed(tok.decode(response)) == "357"
+
+
+# --------------------------------------------------------------------------- question phrasing
+
+
+def test_question_phrasing_draws_the_same_problems():
+  cfg = arith.ArithConfig(levels=(1, 2, 3), ops=("+", "-", "*"))
+  for split in arith.SPLITS:
+    bare = arith.examples(cfg, split, 300, seed=4)
+    asked = arith.examples(cfg, split, 300, seed=4, question=True)
+    for b, q in zip(bare, asked, strict=True):
+      a, op, c = _parse(b["problem"])
+      assert q["problem"] == f"What is {a} {op} {c}?"
+      assert (q["answer"], q["source"]) == (b["answer"], b["source"])
+      assert q["prompt_id"] == b["prompt_id"].replace("arith/", "arith_text/", 1)
+  test = {e["problem"] for e in arith.examples(cfg, "test", 300, seed=0, question=True)}
+  train = {e["problem"] for e in arith.examples(cfg, "train", 3000, seed=1, question=True)}
+  assert not test & train
+
+
+def test_question_answers_grade_with_the_boxed_judge():
+  ex = arith.examples(arith.ArithConfig(levels=(2,), ops=("+",)), "train", 1, seed=0)[0]
+  a, _, b = _parse(ex["problem"])
+  good = f"{a} + {b} = {a + b}, so the answer is \\boxed{{{a + b}}}."
+  assert rewards.math_reward(good, ex["answer"]) == 1.0
+  assert rewards.math_reward(f"\\boxed{{{a + b + 1}}}", ex["answer"]) == 0.0
+  assert rewards.math_reward(f"The answer is {a + b}.", ex["answer"]) == 0.0  # no box

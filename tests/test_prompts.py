@@ -24,6 +24,92 @@ def test_build_prompts_chat_style_with_arith_tokenizer():
   assert pset.num_dropped == 0 and pset.answers == ("2",)
 
 
+FRAME = prompts.PromptFrame(
+  system="Put the final answer in \\boxed{}.",
+  suffix="",
+  examples=("What is 2 + 3?", "2 + 3 = 5. \\boxed{5}"),
+)
+
+
+def test_frame_puts_instruction_and_worked_example_into_the_chat():
+  tok = arith.load_tokenizer()
+  examples = [{"prompt_id": "p0", "problem": "What is 12 + 30?", "answer": "42"}]
+  text = lambda style, frame: tok.decode(
+    prompts.build_prompts(examples, tok, style=style, frame=frame).tokens[0],
+    skip_special_tokens=False,
+  )
+  assert text("chat", FRAME) == (
+    "<bos><|system|>Put the final answer in \\boxed{}.<|end|>"
+    "<|user|>What is 2 + 3?<|end|><|assistant|>2 + 3 = 5. \\boxed{5}<|end|>"
+    "<|user|>What is 12 + 30?<|end|><|assistant|>"
+  )
+  # No system message of its own: the worked example and the (default) suffix only.
+  shot = prompts.PromptFrame(examples=FRAME.examples)
+  assert text("chat_no_system", shot) == (
+    f"<bos><|user|>What is 2 + 3? {prompts.USER_SUFFIX}<|end|>"
+    "<|assistant|>2 + 3 = 5. \\boxed{5}<|end|>"
+    f"<|user|>What is 12 + 30? {prompts.USER_SUFFIX}<|end|><|assistant|>"
+  )
+  assert text("plain", shot) == (
+    f"<bos>Question: What is 2 + 3?\n{prompts.USER_SUFFIX}\nAnswer: 2 + 3 = 5. \\boxed{{5}}\n\n"
+    f"Question: What is 12 + 30?\n{prompts.USER_SUFFIX}\nAnswer:"
+  )
+  # The default frame is the released prompt.
+  assert text("chat", prompts.PromptFrame()) == text("chat", prompts.DataConfig().frame)
+  assert prompts.PromptFrame().user("1+1=") == f"1+1= {prompts.USER_SUFFIX}"
+
+
+@pytest.mark.parametrize(
+  "style, frame, match",
+  [
+    ("raw", prompts.PromptFrame(suffix=""), "style 'raw' is the bare problem"),
+    ("chat_no_system", prompts.PromptFrame(system="x"), "frame.system: style 'chat_no_system'"),
+    ("plain", prompts.PromptFrame(system="x"), "frame.system: style 'plain'"),
+  ],
+)
+def test_frame_a_style_cannot_place_is_refused(style, frame, match):
+  examples = [{"prompt_id": "p0", "problem": "1+1=", "answer": "2"}]
+  with pytest.raises(ValueError, match=match):
+    prompts.build_prompts(examples, arith.load_tokenizer(), style=style, frame=frame)
+  with pytest.raises(ValueError, match="need question / answer pairs"):
+    prompts.PromptFrame(examples=("only a question",))
+
+
+def test_arith_text_source_and_benchmark_take_the_frame():
+  from ada_jax import config as config_lib
+  from ada_jax import inputs
+  from ada_jax.eval import benchmarks
+
+  tok = arith.load_tokenizer()
+  run = config_lib.parse(
+    {
+      "data": {
+        "source": "arith_text",
+        "arith": {"levels": [1, 2], "ops": ["+"]},
+        "arith_prompts": 50,
+        "frame": {"system": FRAME.system, "suffix": "", "examples": list(FRAME.examples)},
+      }
+    }
+  )
+  assert run.data.frame == FRAME
+  ps = inputs.load_prompts(run.data, tok, seed=0)
+  assert len(ps) == 50 and ps.problems[0].startswith("What is ")
+  first = tok.decode(ps.tokens[0], skip_special_tokens=False)
+  assert first.startswith("<bos><|system|>Put the final answer") and "\\boxed{5}" in first
+  # The held-out twin: the same phrasing and frame, the boxed-answer judge.
+  ev = benchmarks.EvalConfig(benchmarks=("arith_text",), arith_levels=(1, 2), frame=FRAME)
+  bench = benchmarks.load_benchmark("arith_text", ev, tok)
+  assert bench.judge == "math" and bench.prompts.problems[0].startswith("What is ")
+  assert tok.decode(bench.prompts.tokens[0], skip_special_tokens=False).startswith(
+    "<bos><|system|>Put the final answer"
+  )
+  assert not set(bench.prompts.problems) & set(ps.problems)
+  # The bare task keeps its own format: a frame there is a config error naming the field.
+  bare = config_lib.parse({"data": {"source": "arith", "frame": {"suffix": ""}}})
+  with pytest.raises(config_lib.ConfigError, match=r"config\.data\.frame: .*source 'arith'"):
+    inputs.load_prompts(bare.data, tok, seed=0)
+
+
 def test_build_prompts_raw_and_length_limit():
   tok = arith.load_tokenizer()
   examples = arith.examples(arith.ArithConfig(), "train", 200, seed=3)

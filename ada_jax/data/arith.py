@@ -7,6 +7,11 @@ op in {+, -, *}; its level is the digit count of BOTH operands (level 1: 0–9, 
 negative. The reference answer is the exact integer; a correct response is `\\boxed{357}`
 (then EOS), so rewards go through the same last-box path as the maths sets.
 
+For a real pretrained model's tokenizer the same problems are phrased as a question,
+`What is 23 + 58?` (`question_text`, source 'arith_text' of the data group and benchmark
+'arith_text'), and rendered through its chat template; the split of a problem does not
+depend on its phrasing.
+
 Train and held-out problems never overlap for any seed: a problem is held out iff a hash
 of its text falls below `heldout_fraction`, and each split only keeps its own problems.
 The supervised warm start (`rl.warmstart`) trains on `encode_examples`' teacher-forcing
@@ -88,6 +93,11 @@ def problem_text(a: int, op: str, b: int) -> str:
   return f"{a}{op}{b}="
 
 
+def question_text(a: int, op: str, b: int) -> str:
+  """The problem phrased for a real tokenizer and an instruct model, e.g. 'What is 12 + 345?'."""
+  return f"What is {a} {op} {b}?"
+
+
 def is_heldout(a: int, op: str, b: int, fraction: float) -> bool:
   """Whether a problem belongs to the held-out split (a fixed hash of its text, no seed)."""
   h = hashlib.blake2b(problem_text(a, op, b).encode(), digest_size=8).digest()
@@ -99,7 +109,9 @@ def _operand(rng: np.random.Generator, digits: int) -> int:
   return int(rng.integers(low, 10**digits))
 
 
-def examples(config: ArithConfig, split: str, n: int, *, seed: int) -> list[dict[str, str]]:
+def examples(
+  config: ArithConfig, split: str, n: int, *, seed: int, question: bool = False
+) -> list[dict[str, str]]:
   """n problems of one split, deterministic for (config, split, n, seed).
 
   Problems may repeat (level 1 has only 100 additions); each draw is its own prompt.
@@ -109,10 +121,13 @@ def examples(config: ArithConfig, split: str, n: int, *, seed: int) -> list[dict
     split: 'train' or 'test' (held out).
     n: number of problems.
     seed: seed of the draw.
+    question: phrase each problem as `question_text` ('What is 12 + 345?') instead of the
+      bare '12+345='; the draw (operands, order, split) is the same.
 
   Returns:
-    Example dicts with `prompt_id` ('arith/<split>/<seed>/<i>'), `problem` ('12+345='),
-    `answer` ('357') and `source` ('arith/L<level>', so metrics can be split by level).
+    Example dicts with `prompt_id` ('arith/<split>/<seed>/<i>', 'arith_text/...' for
+    questions), `problem` ('12+345='), `answer` ('357') and `source` ('arith/L<level>', so
+    metrics can be split by level).
 
   Raises:
     ValueError: unknown split.
@@ -124,6 +139,7 @@ def examples(config: ArithConfig, split: str, n: int, *, seed: int) -> list[dict
   weights = np.asarray(config.level_weights or [1.0] * len(config.levels), np.float64)
   weights = weights / weights.sum()
   out = []
+  text, name = (question_text, "arith_text") if question else (problem_text, "arith")
   while len(out) < n:
     level = int(config.levels[rng.choice(len(config.levels), p=weights)])
     op = config.ops[int(rng.integers(len(config.ops)))]
@@ -135,8 +151,8 @@ def examples(config: ArithConfig, split: str, n: int, *, seed: int) -> list[dict
       continue
     out.append(
       {
-        "prompt_id": f"arith/{split}/{seed}/{len(out)}",
-        "problem": problem_text(a, op, b),
+        "prompt_id": f"{name}/{split}/{seed}/{len(out)}",
+        "problem": text(a, op, b),
         "answer": str(OPS[op](a, b)),
         "source": f"arith/L{level}",
       }

@@ -5,7 +5,10 @@ system "Please
 reason step by step, and put your final answer within \\boxed{}." and the problem followed
 by " Let's think step by step and output the final answer within \\boxed{}.", through the
 tokenizer's chat template; base models without one get a plain template, the arithmetic
-task the bare problem. Prompts longer than `max_prompt_tokens` are dropped and counted.
+task the bare problem. A `PromptFrame` changes the chat styles' instruction and puts worked
+examples before the problem as earlier turns (a small instruct model boxes its answer far
+more often after one example); its defaults keep the prompts above. Prompts longer than
+`max_prompt_tokens` are dropped and counted.
 Examples come from `ada_jax.data.sets` (or `ada_jax.data.arith`): dicts with `prompt_id`, `problem`,
 `answer` and optionally `source`; an example with chat `messages` (a verl-format set,
 `data.verl`) is rendered from them as given, through the chat template.
@@ -23,15 +26,56 @@ from absl import logging
 from ada_jax.data.arith import ArithConfig
 from ada_jax.models.tokenizer import Tokenizer
 
+SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
+USER_SUFFIX = "Let's think step by step and output the final answer within \\boxed{}."
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptFrame:
+  """What a prompt says around its problem (the `frame` of the `data` and `eval` groups).
+
+  Attributes:
+    system: the system message of style 'chat' ('' = `SYSTEM_PROMPT`; 'chat_no_system'
+      refuses one).
+    suffix: the text after each problem ('' = none): `USER_SUFFIX` by default.
+    examples: worked examples as alternating question / answer strings, placed before
+      the problem as earlier user / assistant turns (the chat styles; each question gets
+      `suffix`) or as earlier `Question: ... Answer: ...` blocks ('plain'). Style 'raw'
+      refuses them.
+
+  Raises:
+    ValueError: an odd number of `examples`.
+  """
+
+  system: str = ""
+  suffix: str = USER_SUFFIX
+  examples: tuple[str, ...] = ()
+
+  def __post_init__(self):
+    object.__setattr__(self, "examples", tuple(self.examples))  # hashable, from a list too
+    if len(self.examples) % 2:
+      raise ValueError(
+        f"frame.examples holds {len(self.examples)} strings: need question / answer pairs"
+      )
+
+  def user(self, problem: str) -> str:
+    """A problem as a user turn: the problem, then the suffix."""
+    return f"{problem} {self.suffix}" if self.suffix else problem
+
+  def pairs(self) -> list[tuple[str, str]]:
+    """The worked examples as (question, answer) pairs."""
+    return list(zip(self.examples[::2], self.examples[1::2], strict=True))
+
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   """Training prompts (the run config's `data` group; read by `inputs.load_prompts`).
 
   Attributes:
-    source: 'arith' (procedural task), a `data.sets.SETS` name (e.g. 'gsm8k',
-      'math_train'), 'jsonl' (the user's files in `jsonl_paths`), or 'verl' (the
-      verl-format set `verl_set`, `data.verl`).
+    source: 'arith' (procedural task, bare `12+3=` prompts), 'arith_text' (the same
+      problems as questions, `What is 12 + 3?`, in `prompt_style`), a `data.sets.SETS`
+      name (e.g. 'gsm8k', 'math_train'), 'jsonl' (the user's files in `jsonl_paths`), or
+      'verl' (the verl-format set `verl_set`, `data.verl`).
     split: split of a `SETS` source.
     manual_dir: folder with the maths JSONL files (offline TFDS preparation).
     data_dir: TFDS data directory; '' = TFDS's default.
@@ -43,8 +87,10 @@ class DataConfig:
     exclude_math500: drop MATH500 problems from the user's files (needs
       math500_test.jsonl in `manual_dir`, or network).
     prompt_style: a `PROMPT_STYLES` name ('chat', 'chat_no_system', 'plain', 'raw').
+    frame: the instruction and worked examples around each problem (`PromptFrame`; the
+      default adds nothing). The held-out evaluation has its own (`eval.frame`).
     max_prompt_tokens: longer prompts are dropped and counted.
-    arith: the arithmetic task's problem distribution (source 'arith').
+    arith: the arithmetic task's problem distribution (sources 'arith', 'arith_text').
     arith_prompts: number of arithmetic training prompts drawn (an epoch).
   """
 
@@ -59,6 +105,7 @@ class DataConfig:
   answer_format: str = "plain"
   exclude_math500: bool = True
   prompt_style: str = "chat"
+  frame: PromptFrame = PromptFrame()
   max_prompt_tokens: int = 1024
   arith: ArithConfig = ArithConfig()
   arith_prompts: int = 20_000
@@ -66,39 +113,59 @@ class DataConfig:
 
 # --------------------------------------------------------------------------- prompts
 
-SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
-USER_SUFFIX = "Let's think step by step and output the final answer within \\boxed{}."
+
+def _turns(problem: str, frame: PromptFrame) -> list[dict[str, str]]:
+  turns = []
+  for question, answer in frame.pairs():
+    turns += [{"role": "user", "content": frame.user(question)}]
+    turns += [{"role": "assistant", "content": answer}]
+  return [*turns, {"role": "user", "content": frame.user(problem)}]
 
 
-def _chat(problem: str, tok: Tokenizer) -> tuple[str, bool]:
-  messages = [
-    {"role": "system", "content": SYSTEM_PROMPT},
-    {"role": "user", "content": f"{problem} {USER_SUFFIX}"},
-  ]
+def _chat(problem: str, tok: Tokenizer, frame: PromptFrame) -> tuple[str, bool]:
+  system = {"role": "system", "content": frame.system or SYSTEM_PROMPT}
+  messages = [system, *_turns(problem, frame)]
   return tok.apply_chat_template(messages, add_generation_prompt=True), False
 
 
-def _chat_no_system(problem: str, tok: Tokenizer) -> tuple[str, bool]:
-  messages = [{"role": "user", "content": f"{problem} {USER_SUFFIX}"}]
+def _chat_no_system(problem: str, tok: Tokenizer, frame: PromptFrame) -> tuple[str, bool]:
+  messages = _turns(problem, frame)
   return tok.apply_chat_template(messages, add_generation_prompt=True), False
 
 
-def _plain(problem: str, tok: Tokenizer) -> tuple[str, bool]:
-  return f"Question: {problem}\n{USER_SUFFIX}\nAnswer:", True
+def _plain(problem: str, tok: Tokenizer, frame: PromptFrame) -> tuple[str, bool]:
+  def block(question: str) -> str:
+    middle = f"{frame.suffix}\n" if frame.suffix else ""
+    return f"Question: {question}\n{middle}Answer:"
+
+  shots = "".join(f"{block(q)} {a}\n\n" for q, a in frame.pairs())
+  return shots + block(problem), True
 
 
-def _raw(problem: str, tok: Tokenizer) -> tuple[str, bool]:
+def _raw(problem: str, tok: Tokenizer, frame: PromptFrame) -> tuple[str, bool]:
   return problem, True
 
 
-# style -> (problem, tokenizer) -> (prompt text, whether to prepend BOS). Chat templates
-# write their own BOS; the others get the tokenizer's (if it has one).
-PROMPT_STYLES: dict[str, Callable[[str, Tokenizer], tuple[str, bool]]] = {
+# style -> (problem, tokenizer, frame) -> (prompt text, whether to prepend BOS). Chat
+# templates write their own BOS; the others get the tokenizer's (if it has one).
+PROMPT_STYLES: dict[str, Callable[[str, Tokenizer, PromptFrame], tuple[str, bool]]] = {
   "chat": _chat,
   "chat_no_system": _chat_no_system,
   "plain": _plain,
   "raw": _raw,
 }
+
+
+def check_frame(style: str, frame: PromptFrame) -> None:
+  """Raises ValueError naming the `frame` field that `style` cannot place."""
+  if style == "raw" and frame != PromptFrame():
+    raise ValueError(
+      "frame: style 'raw' is the bare problem; it takes no system, suffix or examples"
+    )
+  if style == "chat_no_system" and frame.system:
+    raise ValueError("frame.system: style 'chat_no_system' has no system message; use 'chat'")
+  if style == "plain" and frame.system:
+    raise ValueError("frame.system: style 'plain' has no system message; use 'chat'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +199,7 @@ def build_prompts(
   *,
   style: str = "chat",
   max_prompt_tokens: int = 1024,
+  frame: PromptFrame = PromptFrame(),
 ) -> PromptSet:
   """Renders and tokenizes prompts; drops (and counts) those over `max_prompt_tokens`.
 
@@ -143,15 +211,18 @@ def build_prompts(
       docs/design.md "Algorithm"), 'chat_no_system', 'plain' (base models), 'raw' (the problem as
       is).
     max_prompt_tokens: longest prompt kept (docs/design.md "Algorithm": 1024).
+    frame: instruction and worked examples around each problem (`PromptFrame`).
 
   Returns:
     The `PromptSet`, in input order.
 
   Raises:
-    ValueError: unknown style, or an example without a required field.
+    ValueError: unknown style, a frame the style cannot place (`check_frame`), or an
+      example without a required field.
   """
   if style not in PROMPT_STYLES:
     raise ValueError(f"style={style!r}; known: {sorted(PROMPT_STYLES)}")
+  check_frame(style, frame)
   render = PROMPT_STYLES[style]
   examples = list(examples)
   texts, bos = [], []
@@ -166,7 +237,7 @@ def build_prompts(
         False,
       )
     else:
-      text, add_bos = render(ex["problem"], tokenizer)
+      text, add_bos = render(ex["problem"], tokenizer, frame)
     texts.append(text)
     bos.append(add_bos)
   # One batched call per BOS setting keeps the Rust tokenizer's parallelism.

@@ -48,10 +48,12 @@ from ada_jax.rollout.spec import SamplerSpec
 
 PAPER_BENCHMARKS = ("math500", "minerva_math", "olympiadbench", "aime24", "amc23")
 # Benchmark name -> (default judge, default prompt style). The maths sets use the training
-# prompt format of the maths runs; the arithmetic task its own bare `<bos>12+3=` prompt.
+# prompt format of the maths runs; the arithmetic task its own bare `<bos>12+3=` prompt, and
+# 'arith_text' the same held-out problems as questions for a real chat model.
 BENCHMARKS: dict[str, tuple[str, str]] = {
   **{name: ("math", "chat") for name in (*PAPER_BENCHMARKS, "gsm8k")},
   "arith": ("exact", "raw"),
+  "arith_text": ("math", "chat"),
 }
 
 # (prompt token arrays, row_prompt int[R], PRNG key) -> (R response texts, int32[R] lengths).
@@ -75,7 +77,10 @@ class EvalConfig:
     pass_at: j values of extra pass@j metrics (1 <= j <= k); pass@k is always reported.
     greedy: also report greedy accuracy (one more generation pass, one row per problem).
     prompt_style: key of `prompts.PROMPT_STYLES`; '' = the benchmark's default ('chat' for
-      the maths sets, 'raw' for arith).
+      the maths sets and arith_text, 'raw' for arith).
+    frame: instruction and worked examples around each problem (`prompts.PromptFrame`),
+      for every benchmark not in style 'raw'; set it as the training data's
+      (`data.frame`) to evaluate the prompts the run trains on.
     verifier: the reward pools (`rewards.verifier.VerifierConfig`); its `judge` '' = each
       benchmark's default ('math' for the maths sets, 'exact' for arith).
     max_prompt_tokens: longer prompts are dropped and counted (docs/design.md "Algorithm": 1024).
@@ -88,7 +93,8 @@ class EvalConfig:
     data_dir: TFDS data directory; '' = $TFDS_DATA_DIR or ~/tensorflow_datasets.
     manual_dir: folder with the maths JSONL files (layout of ../shared/data); '' =
       download from their public sources.
-    arith_levels: digit counts of the held-out arithmetic split; () = `ArithConfig`'s.
+    arith_levels: digit counts of the held-out arithmetic split (arith, arith_text); () =
+      `ArithConfig`'s.
     arith_ops: its operators; () = `ArithConfig`'s.
     arith_problems: problems of the held-out arithmetic split.
     every_steps: the training loop evaluates every this many RL steps (0 = never); not used
@@ -101,6 +107,7 @@ class EvalConfig:
   pass_at: tuple[int, ...] = ()
   greedy: bool = False
   prompt_style: str = ""
+  frame: prompts.PromptFrame = prompts.PromptFrame()
   verifier: VerifierConfig = VerifierConfig(judge="")
   max_prompt_tokens: int = 1024
   limit: int = 0
@@ -434,11 +441,11 @@ def load_examples(name: str, config: EvalConfig) -> list[dict[str, str]]:
   """
   if name not in BENCHMARKS:
     raise ValueError(f"unknown benchmark {name!r}; known: {sorted(BENCHMARKS)}")
-  if name == "arith":
+  if name in ("arith", "arith_text"):
     fields = {"levels": config.arith_levels, "ops": config.arith_ops}
     task = arith.ArithConfig(**{k: v for k, v in fields.items() if v})
     n = min(config.limit or config.arith_problems, config.arith_problems)
-    return arith.examples(task, "test", n, seed=config.seed)
+    return arith.examples(task, "test", n, seed=config.seed, question=name == "arith_text")
   data_dir = data.tfds_data_dir(config.data_dir)
   examples = data.load_examples(
     name, "test", data_dir=data_dir, manual_dir=config.manual_dir or None
@@ -456,11 +463,13 @@ def load_benchmark(name: str, config: EvalConfig, tokenizer: Tokenizer) -> Bench
   """
   examples = load_examples(name, config)  # an unknown name raises here
   judge, style = BENCHMARKS[name]
+  style = config.prompt_style or style
   ps = prompts.build_prompts(
     examples,
     tokenizer,
-    style=config.prompt_style or style,
+    style=style,
     max_prompt_tokens=config.max_prompt_tokens,
+    frame=config.frame if style != "raw" else prompts.PromptFrame(),
   )
   if ps.num_dropped:
     logging.warning(

