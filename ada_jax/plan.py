@@ -103,6 +103,11 @@ def plan(cfg, target_name: str, *, devices=None, progress=print) -> dict:
   # arguments, and the rollout copy is freed before it (`rollout.engine.PoolEngine.finish`).
   state = aot.train.abstract_state(model_cfg, cfg.train, mesh, with_ref=cfg.loss.kl_coeff > 0)
   resident = aot.per_device_bytes(state)
+  params_differ = model_cfg.dtype != model_cfg.param_dtype
+  # `train.offload_state`: during a step's rollouts the state waits in host memory
+  # (`train.to_memory`); evaluations run with it on the device.
+  offloaded = cfg.train.offload_state and params_differ
+  resident_rollout = 0 if offloaded else resident
   if train_out is not None:
     program, layout = train_out
     programs["train"] = program.as_dict() | {
@@ -124,8 +129,8 @@ def plan(cfg, target_name: str, *, devices=None, progress=print) -> dict:
   if pool is not None:
     programs["pool_segment"] = segment_figures(smp, pool)
     programs["prefill"] = pool["prefill"].as_dict()
-    phases["sample"] = {"bytes": pool["segment"].peak + resident}
-    phases["prefill"] = {"bytes": pool["prefill"].peak + pool["pool_state"] + resident}
+    phases["sample"] = {"bytes": pool["segment"].peak + resident_rollout}
+    phases["prefill"] = {"bytes": pool["prefill"].peak + pool["pool_state"] + resident_rollout}
     step = timed(
       "decode step (roofline)", lambda: aot.decode_step_program(smp, params, pool["state"])
     )
@@ -142,7 +147,11 @@ def plan(cfg, target_name: str, *, devices=None, progress=print) -> dict:
       "est head: its features come from the rollout pool's own prefill (the prefill "
       "phase) and its parameters are D + 1 floats"
     )
-  params_differ = model_cfg.dtype != model_cfg.param_dtype
+  if offloaded:
+    notes.append(
+      f"train.offload_state: the train state ({gib(resident)} GiB per device) is in host "
+      "memory during the sample and prefill phases, on the device in train and eval"
+    )
   if params_differ:
     notes.append(
       f"rollout copy: the samplers decode from a {model_cfg.dtype} copy of the "
@@ -164,6 +173,7 @@ def plan(cfg, target_name: str, *, devices=None, progress=print) -> dict:
       "params": gib(aot.per_device_bytes(state.params)),
       "opt_state": gib(aot.per_device_bytes(state.opt_state)),
       "rollout_copy": gib(aot.per_device_bytes(params)) if params_differ else 0.0,
+      "offloaded_while_sampling": gib(resident) if offloaded else 0.0,
     },
     "phases": phases,
     "programs": programs,

@@ -133,21 +133,29 @@ def rl_step(
     longest = max(len(t) for t in step_prompts.tokens)
     if rules.RULES[cfg.ada.method].adds_prompts:  # DAPO's may come from anywhere in the set
       longest = ctx.prompt_set.max_length
+    # The pool decodes from one compute-dtype copy of the params, freed by `finish`.
+    rollout = ctx.sampler.rollout_params(state.params)
+    offload = cfg.train.offload_state and rollout is not state.params
+    if offload:  # the masters and moments wait in host memory while the step samples
+      state = train.to_memory(state, "pinned_host")
     engine = rollout_engine.PoolEngine(
       ctx.sampler,
-      state.params,
+      rollout,
       ctx.tokenizer,
       ctx.grader,
       step_prompts,
       key,
       sampler.bucket_length(longest, cfg.sampler.prompt_buckets),
     )
+    del rollout
     # Est's pass-rate head reads the prompts' hidden states off the pool's own prefill.
     features = engine.features() if estimate.needs_features(cfg.ada) else None
     result, est = controller.run_step(
       cfg.ada, step_prompts.ids, engine, ctx.np_rng, est, step_prompts.more_prompts, features
     )
     engine.finish()
+    if offload:
+      state = train.to_memory(state, "device")
     responses = engine.responses()
     # Batch and update.
     start = time.perf_counter()

@@ -111,6 +111,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.micro_batch_size = 0  # rows per gradient-accumulation step; 0 = whole mini-batch
   c.train.remat = False  # rematerialise each block in the backward pass
   c.train.old_logprobs = "sampler"  # PPO old log-probs: the sampler's, or 'recompute' (released)
+  c.train.offload_state = False  # train state in host memory while sampling (plan decides)
 
   c.ckpt = ml_collections.ConfigDict()
   c.ckpt.every_steps = 10  # checkpoint period, RL steps (also at the end and on SIGTERM)

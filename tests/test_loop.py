@@ -380,19 +380,30 @@ def test_evaluation_samplers_are_on_the_run_mesh(tmp_path, monkeypatch):
 def test_rollouts_decode_from_one_compute_dtype_copy_per_step(tmp_path, no_implicit_transfers):
   """docs/design.md "Precision": float32 masters, bf16 compute. Every array the pool reads
   is the bfloat16 copy on the params' own shardings (never a master), made once per RL
-  step (the sampler's counter), and the train state stays float32."""
+  step (the sampler's counter), and the train state stays float32; with
+  `train.offload_state` it waits in host memory while each step samples."""
   from ada_jax.models import sharding as sharding_lib
+  from ada_jax.rl import train
   from ada_jax.rollout import queue, sampler
 
   c = tiny_config(steps=2)
   c.model.dtype, c.model.param_dtype = "bfloat16", "float32"
+  c.train.offload_state = True
   c.eval.benchmarks = ()
   c.ckpt.every_steps = 0
-  seen, copies = [], []
+  seen, copies, moves = [], [], []
   real_pool, real_copy = queue.RolloutPool.__init__, sampler.Sampler.rollout_params
+  real_move = train.to_memory
+
+  def to_memory(state, kind):
+    moves.append(kind)
+    out = real_move(state, kind)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(out)} == {kind}
+    return out
 
   def pool_init(self, programs, params, key):
     seen.append([(x.dtype, x.sharding) for x in jax.tree.leaves(params)])
+    assert moves[-1:] == ["pinned_host"]  # the state is away while the pool exists
     real_pool(self, programs, params, key)
 
   def rollout_params(self, params):
@@ -404,12 +415,15 @@ def test_rollouts_decode_from_one_compute_dtype_copy_per_step(tmp_path, no_impli
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(queue.RolloutPool, "__init__", pool_init)
     patch.setattr(sampler.Sampler, "rollout_params", rollout_params)
-    _guarded_run(c, str(tmp_path), no_implicit_transfers)
+    patch.setattr(train, "to_memory", to_memory)
+    summary = _guarded_run(c, str(tmp_path), no_implicit_transfers)
   cfg = config_lib.parse(c)
   model_cfg = cfg.model.model_config()
   mesh = sharding_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
   want = sharding_lib.param_shardings(model_cfg, mesh)
-  assert len(seen) == 2 and copies == [1, 1]  # one pool, one copy per RL step
+  assert len(seen) == sum(copies) == 2  # one pool, one copy per RL step
+  assert moves == ["pinned_host", "device"] * 2 and summary["steps_done"] == 2
+  assert all(np.isfinite(m["loss"]) for m in _metrics(tmp_path))
   for params in seen:
     for (dtype, got), sh in zip(params, jax.tree.leaves(want), strict=True):
       assert dtype == jnp.bfloat16 and got == sh
