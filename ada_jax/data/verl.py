@@ -140,7 +140,7 @@ def _answer(value: Any, where: str, field: str) -> str:
   # Only text: a float column turns a missing answer into NaN, whose text 'nan' a
   # `\boxed{nan}` would match, and a float's text is not the number as written (1e-05).
   if not isinstance(value, str):
-    kind = "missing" if value is None else f"a {type(value).__name__} ({value!r}), not a string"
+    kind = "missing" if value is None else f"{_a(type(value).__name__)} ({value!r}), not a string"
     raise ValueError(f"{where}: field {field!r} is {kind}")
   text = value.strip()
   if not text:
@@ -209,3 +209,7 @@ def load_examples(
   if not out:
     raise ValueError(f"{name}: no rows in {', '.join(str(f) for f in files)}")
   return out
+
+
+def _a(noun: str) -> str:
+  return f"an {noun}" if noun[0] in "aeiou" else f"a {noun}"
