@@ -6,13 +6,16 @@ is one
 facts, hand over to `ada_jax.loop.run`.
 
 Exit codes, for scripts and job schedulers (README.md's table):
-  0  (`EXIT_FINISHED`) all RL steps and the held-out evaluation after RL are done.
+  0  (`EXIT_FINISHED`) all RL steps and the held-out evaluation after RL are done (by this
+     process, or already: a rerun of a finished run writes nothing).
   75 (`EXIT_STOPPED`, EX_TEMPFAIL) stopped by SIGTERM or a first Ctrl-C: after an RL step
      with a checkpoint of it, or at once outside the RL loop (set-up, warm start, held-out
      evaluation; nothing there is lost but the unfinished part): run the same command
      again to resume.
-  2  (`EXIT_USAGE`) a bad flag or config field, a resume with a changed config, or a
-     workdir held by another run (one line naming it); nothing was run.
+  2  (`EXIT_USAGE`) a bad flag or config field, an empty `--workdir` or a file, a resume
+     with a changed config or an `rl.steps` below its latest checkpoint, a workdir held by
+     another run, or a model folder or checkpoint that does not load as the configured
+     model (one line naming it); nothing was run.
   3  (`EXIT_NONFINITE`) a NaN or infinite loss, gradient norm or update: stopped before
      saving it (one line naming the step and the quantity); the checkpoints are finite.
   1  a failure: one line for a checkpoint that no longer restores or a full disk, else a

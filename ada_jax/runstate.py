@@ -108,7 +108,7 @@ RESUMABLE = (
 # `train`'s loss, optimizer and temperature are copies of other groups (`config._FILLED`).
 _COPIES = ("train.loss", "train.optim", "train.temperature")
 # Where the files were found, not what they hold: a path the configs resolve at parse
-# (`configs/common.shared_path`) changes when a `../shared` folder appears or the checkout
+# (`shared_path` of configs/common.py) changes when a `../shared` folder appears or the checkout
 # moves. A resume compares the training prompts' fingerprint (`prompts_record`) instead.
 LOCATIONS = (
   "data.manual_dir",
