@@ -197,7 +197,8 @@ class RunConfig:
 # upper ends that fail only later (a verifier timeout too large for the OS's timers
 # overflowed at RL step 1, after the warm start and the first evaluation) and the lower
 # ends no group checked. tests/test_config.py checks every numeric field is listed.
-_TOKENS = 2**20  # any token count, row count or slot count: far beyond any device's memory
+_TOKENS = 2**20  # any token count or length: far beyond any context
+_ROWS = 2**24  # any row, slot or prompt count: far beyond any slice's memory
 _STEPS = 10**9
 _RANGES = {
   "RunConfig.seed": "[0, 2**63)",
@@ -211,11 +212,11 @@ _RANGES = {
   "SamplerSpec.top_k": "[0, _TOKENS]",
   "SamplerSpec.top_p": "(0, 1]",
   "SamplerSpec.max_new_tokens": "[1, _TOKENS]",
-  "SamplerSpec.chunk_rows": "[1, _TOKENS]",
-  "SamplerSpec.prompts_per_chunk": "[0, _TOKENS]",
+  "SamplerSpec.chunk_rows": "[1, _ROWS]",
+  "SamplerSpec.prompts_per_chunk": "[0, _ROWS]",
   "SamplerSpec.prompt_buckets": "[1, _TOKENS]",
   "SamplerSpec.segment_steps": "[0, _TOKENS]",
-  "SamplerSpec.queue_rows": "[0, 16 * _TOKENS]",
+  "SamplerSpec.queue_rows": "[0, 16 * _ROWS]",
   "SamplerSpec.attention_block": "[0, _TOKENS]",
   "AdaConfig.n": "[1, 2**16]",
   "AdaConfig.samples_per_round": "[1, 2**16]",
@@ -227,7 +228,7 @@ _RANGES = {
   "AdaConfig.inverse_p_weight": "[0, 10]",
   "AdaConfig.min_exit_chance": "[0, 1]",
   "AdaConfig.dapo_max_extra_passes": "[0, 2**10]",
-  "AdaConfig.dapo_prompts_per_pass": "[1, _TOKENS]",
+  "AdaConfig.dapo_prompts_per_pass": "[1, _ROWS]",
   "AdaConfig.est_alpha": "(0, 1e6]",
   "AdaConfig.est_beta": "(0, 1e6]",
   "AdaConfig.est_decay": "[0, 1]",
@@ -239,7 +240,7 @@ _RANGES = {
   "AdaConfig.est_n_min": "[0, 2**16]",
   "AdaConfig.est_n_max": "[1, 2**16]",
   "RLConfig.steps": "[1, _STEPS]",
-  "RLConfig.batch_prompts": "[1, _TOKENS]",
+  "RLConfig.batch_prompts": "[1, _ROWS]",
   # Timeouts: a day at most (poll(2) takes milliseconds as a C int: 24.8 days overflow).
   "VerifierConfig.num_workers": "[0, 4096]",
   "VerifierConfig.timeout_s": "(0, 86400]",
@@ -260,12 +261,12 @@ _RANGES = {
   "OptimConfig.eps": "(0, 1]",
   "OptimConfig.weight_decay": "[0, 100]",
   "OptimConfig.grad_clip": "[0, 1e12]",
-  "TrainConfig.mini_batch_prompts": "[0, _TOKENS]",
-  "TrainConfig.micro_batch_size": "[0, 16 * _TOKENS]",
+  "TrainConfig.mini_batch_prompts": "[0, _ROWS]",
+  "TrainConfig.micro_batch_size": "[0, 16 * _ROWS]",
   "CheckpointConfig.every_steps": "[0, _STEPS]",
   "CheckpointConfig.keep": "[1, 10**6]",
   "WarmStartConfig.steps": "[1, _STEPS]",
-  "WarmStartConfig.batch_size": "[1, _TOKENS]",
+  "WarmStartConfig.batch_size": "[1, _ROWS]",
   "WarmStartConfig.learning_rate": "(0, 100]",
   "WarmStartConfig.warmup_steps": "[0, _STEPS]",
   "WarmStartConfig.final_lr_fraction": "[0, 1]",
@@ -280,7 +281,7 @@ _RANGES = {
   "EvalConfig.max_prompt_tokens": "[1, _TOKENS]",
   "EvalConfig.limit": "[0, 10**9]",
   "EvalConfig.seed": "[0, 2**63)",
-  "EvalConfig.problems_per_batch": "[1, _TOKENS]",
+  "EvalConfig.problems_per_batch": "[1, _ROWS]",
   "EvalConfig.arith_levels": "[1, 9]",
   "EvalConfig.arith_problems": "[1, 10**8]",
   "EvalConfig.every_steps": "[0, _STEPS]",
@@ -298,7 +299,7 @@ def _interval(text: str) -> tuple[float, float, bool, bool]:
 
 def _number(text: str) -> float:
   """`2**63`, `16 * _TOKENS`, `1e6`: the products and powers `_RANGES` writes."""
-  names = {"_TOKENS": _TOKENS, "_STEPS": _STEPS}
+  names = {"_TOKENS": _TOKENS, "_ROWS": _ROWS, "_STEPS": _STEPS}
   out = 1
   for factor in text.split(" * "):
     base, _, power = factor.strip().partition("**")
@@ -323,6 +324,8 @@ def check_range(cls: type, name: str, value: Any, path: str) -> None:
     above = x > low if not low_closed else x >= low
     below = x < high if not high_closed else x <= high
     if not (above and below):
+      for symbol, text in (("_TOKENS", "2**20"), ("_ROWS", "2**24"), ("_STEPS", "10**9")):
+        interval = interval.replace(symbol, text)
       raise ConfigError(f"config.{path}.{name}={value!r}: must be in {interval}")
 
 
