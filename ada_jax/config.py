@@ -441,7 +441,7 @@ def complete(config: Any) -> None:
         config[f.name] = config_dict.ConfigDict() if sub is not None else base
       else:
         base = None  # `build` starts a group the config has from the dataclass's defaults
-      if sub is not None and isinstance(config[f.name], config_dict.ConfigDict):
+      if sub is not None and isinstance(config.get(f.name), config_dict.ConfigDict):
         fill(config[f.name], sub, base, f.name)
 
 

@@ -5,6 +5,7 @@ import math
 import pathlib
 import re
 
+import ml_collections
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -443,6 +444,11 @@ def test_completed_configs_parse_as_before():
     parser = cli._CompletingParser("config")
     plain = config_flags.config_flags._LoadConfigModule(path.stem, str(path)).get_config()
     assert config_lib.parse(parser.parse(str(path))) == config_lib.parse(plain), path.stem
+  # A config of one group: the others are RunConfig's defaults, the warm start stays off.
+  minimal = ml_collections.ConfigDict({"rl": {"steps": 3}})
+  config_lib.complete(minimal)
+  assert "warmstart" not in minimal and minimal.eval.k == config_lib.RunConfig().eval.k
+  assert config_lib.parse(minimal) == config_lib.parse({"rl": {"steps": 3}})
 
 
 def test_command_line_k_pos_reaches_the_run():

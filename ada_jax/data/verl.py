@@ -136,6 +136,10 @@ def _messages(value: Any, where: str) -> list[dict[str, str]]:
   return out
 
 
+def _a(noun: str) -> str:
+  return f"an {noun}" if noun[0] in "aeiou" else f"a {noun}"
+
+
 def _answer(value: Any, where: str, field: str) -> str:
   # Only text: a float column turns a missing answer into NaN, whose text 'nan' a
   # `\boxed{nan}` would match, and a float's text is not the number as written (1e-05).
@@ -209,7 +213,3 @@ def load_examples(
   if not out:
     raise ValueError(f"{name}: no rows in {', '.join(str(f) for f in files)}")
   return out
-
-
-def _a(noun: str) -> str:
-  return f"an {noun}" if noun[0] in "aeiou" else f"a {noun}"
