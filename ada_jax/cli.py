@@ -12,8 +12,10 @@ import typing
 from collections.abc import Iterator
 
 from absl import app, flags, logging
+from ml_collections import config_dict, config_flags
+from ml_collections.config_flags.config_flags import ConfigFileFlagParser
 
-from ada_jax.config import ConfigError
+from ada_jax.config import ConfigError, complete
 
 
 def _usage_exit(message: str) -> typing.NoReturn:
@@ -29,6 +31,32 @@ def exit_on_config_error() -> Iterator[None]:
     yield
   except ConfigError as e:
     _usage_exit(str(e))
+
+
+class _CompletingParser(ConfigFileFlagParser):
+  """Loads a `--config` file as ml_collections does, then adds the fields it leaves out
+  (`config.complete`) before the `--config.x.y` overrides are matched against it."""
+
+  def __init__(self, name: str):
+    super().__init__(name, lock_config=False)
+
+  def parse(self, path):
+    config = super().parse(path)
+    if isinstance(config, config_dict.ConfigDict):  # else a deferred load error
+      complete(config)
+      config.lock()
+    return config
+
+
+def define_config_file(name: str, help_string: str, flag_values=None, sys_argv=None):
+  """`config_flags.DEFINE_config_file` (locked) whose config has every field of the run's
+  config groups, so every field can be overridden from the command line."""
+  fv = flags.FLAGS if flag_values is None else flag_values
+  holder = config_flags.DEFINE_config_file(
+    name, None, help_string, fv, lock_config=True, sys_argv=sys_argv
+  )
+  fv[name].parser = _CompletingParser(name)
+  return holder
 
 
 def parse_flags(argv: list[str]) -> list[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pathlib
 import typing
 from collections.abc import Mapping
 from typing import Any
@@ -56,6 +57,10 @@ class RLConfig:
   def __post_init__(self):
     if not self.verifier.judge:
       raise ValueError("RLConfig.verifier.judge is empty: training needs a judge")
+    # Here, not in `RunConfig.check`: `RunConfig.__post_init__` divides by the batch.
+    for name in ("steps", "batch_prompts"):
+      if isinstance(getattr(self, name), int) and getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 # Fields of a module's config that the run fills from another group (one source each):
@@ -146,6 +151,10 @@ class RunConfig:
         f"config.data.max_prompt_tokens ({self.data.max_prompt_tokens}), the longest prompt "
         "kept: raise the largest bucket or lower max_prompt_tokens"
       )
+    for axis in ("data", "fsdp", "tensor"):
+      size = getattr(self.mesh, axis)
+      if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
+        raise ConfigError(f"config.mesh.{axis}={size!r}: must be -1 (the rest) or in [1, 2**16]")
     if self.rl.steps < 1:
       raise ConfigError(f"config.rl.steps must be >= 1, got {self.rl.steps}")
     if self.rl.batch_prompts < 1:
@@ -181,6 +190,158 @@ class RunConfig:
         "each step costs that much more decoding"
       )
     return out
+
+
+# The valid range of every numeric field of every group ('Class.field': interval; a tuple
+# field's items each). The groups' own checks catch what the code cannot run; these add the
+# upper ends that fail only later (a verifier timeout too large for the OS's timers
+# overflowed at RL step 1, after the warm start and the first evaluation) and the lower
+# ends no group checked. tests/test_config.py checks every numeric field is listed.
+_TOKENS = 2**20  # any token count or length: far beyond any context
+_ROWS = 2**24  # any row, slot or prompt count: far beyond any slice's memory
+_STEPS = 10**9
+_RANGES = {
+  "RunConfig.seed": "[0, 2**63)",
+  "TokenizerConfig.eos_ids": "[0, 2**31)",
+  "DataConfig.max_prompt_tokens": "[1, _TOKENS]",
+  "DataConfig.arith_prompts": "[1, 10**8]",
+  "ArithConfig.levels": "[1, 9]",
+  "ArithConfig.level_weights": "[0, 1e6]",
+  "ArithConfig.heldout_fraction": "(0, 1)",
+  "SamplerSpec.temperature": "[0, 100]",
+  "SamplerSpec.top_k": "[0, _TOKENS]",
+  "SamplerSpec.top_p": "(0, 1]",
+  "SamplerSpec.max_new_tokens": "[1, _TOKENS]",
+  "SamplerSpec.chunk_rows": "[1, _ROWS]",
+  "SamplerSpec.prompts_per_chunk": "[0, _ROWS]",
+  "SamplerSpec.prompt_buckets": "[1, _TOKENS]",
+  "SamplerSpec.segment_steps": "[0, _TOKENS]",
+  "SamplerSpec.queue_rows": "[0, 16 * _ROWS]",
+  "SamplerSpec.attention_block": "[0, _TOKENS]",
+  "AdaConfig.n": "[1, 2**16]",
+  "AdaConfig.samples_per_round": "[1, 2**16]",
+  "AdaConfig.max_rounds": "[1, 2**10]",
+  "AdaConfig.k_pos": "[0, 2**16]",
+  "AdaConfig.k_neg": "[0, 2**16]",
+  "AdaConfig.positive_threshold": "[-1, 1]",
+  "AdaConfig.std_eps": "(0, 1]",
+  "AdaConfig.inverse_p_weight": "[0, 10]",
+  "AdaConfig.min_exit_chance": "[0, 1]",
+  "AdaConfig.dapo_max_extra_passes": "[0, 2**10]",
+  "AdaConfig.dapo_prompts_per_pass": "[1, _ROWS]",
+  "AdaConfig.est_alpha": "(0, 1e6]",
+  "AdaConfig.est_beta": "(0, 1e6]",
+  "AdaConfig.est_decay": "[0, 1]",
+  "AdaConfig.est_budget_per_prompt": "(0, 2**16]",
+  "AdaConfig.est_weight": "[0, 10]",
+  "AdaConfig.est_p_min": "(0, 0.5]",
+  "AdaConfig.est_head_lr": "(0, 100]",
+  "AdaConfig.est_head_steps": "[0, 10**6]",
+  "AdaConfig.est_n_min": "[0, 2**16]",
+  "AdaConfig.est_n_max": "[1, 2**16]",
+  "RLConfig.steps": "[1, _STEPS]",
+  "RLConfig.batch_prompts": "[1, _ROWS]",
+  # Timeouts: a day at most (poll(2) takes milliseconds as a C int: 24.8 days overflow).
+  "VerifierConfig.num_workers": "[0, 4096]",
+  "VerifierConfig.timeout_s": "(0, 86400]",
+  "VerifierConfig.soft_timeout_frac": "(0, 1]",
+  "VerifierConfig.startup_timeout_s": "(0, 86400]",
+  "VerifierConfig.max_memory_mb": "[64, 2**30]",
+  "VerifierConfig.max_answer_chars": "[1, 10**8]",
+  "LossConfig.clip_low": "[0, 1)",
+  "LossConfig.clip_high": "[0, 100]",
+  "LossConfig.dual_clip": "(1, 1e6]",
+  "LossConfig.log_ratio_clamp": "(0, 100]",
+  "LossConfig.entropy_coeff": "[-100, 100]",
+  "LossConfig.kl_coeff": "[0, 1e6]",
+  "OptimConfig.learning_rate": "(0, 100]",
+  "OptimConfig.warmup_steps": "[0, _STEPS]",
+  "OptimConfig.b1": "[0, 1)",
+  "OptimConfig.b2": "[0, 1)",
+  "OptimConfig.eps": "(0, 1]",
+  "OptimConfig.weight_decay": "[0, 100]",
+  "OptimConfig.grad_clip": "[0, 1e12]",
+  "TrainConfig.mini_batch_prompts": "[0, _ROWS]",
+  "TrainConfig.micro_batch_size": "[0, 16 * _ROWS]",
+  "CheckpointConfig.every_steps": "[0, _STEPS]",
+  "CheckpointConfig.keep": "[1, 10**6]",
+  "WarmStartConfig.steps": "[1, _STEPS]",
+  "WarmStartConfig.batch_size": "[1, _ROWS]",
+  "WarmStartConfig.learning_rate": "(0, 100]",
+  "WarmStartConfig.warmup_steps": "[0, _STEPS]",
+  "WarmStartConfig.final_lr_fraction": "[0, 1]",
+  "WarmStartConfig.weight_decay": "[0, 100]",
+  "WarmStartConfig.grad_clip": "[0, 1e12]",
+  "WarmStartConfig.seed": "[0, 2**63)",
+  "WarmStartConfig.target_accuracy": "[0, 1]",
+  "WarmStartConfig.target_level": "[0, 9]",
+  "WarmStartConfig.check_every": "[1, _STEPS]",
+  "EvalConfig.k": "[1, 2**16]",
+  "EvalConfig.pass_at": "[1, 2**16]",
+  "EvalConfig.max_prompt_tokens": "[1, _TOKENS]",
+  "EvalConfig.limit": "[0, 10**9]",
+  "EvalConfig.seed": "[0, 2**63)",
+  "EvalConfig.problems_per_batch": "[1, _ROWS]",
+  "EvalConfig.arith_levels": "[1, 9]",
+  "EvalConfig.arith_problems": "[1, 10**8]",
+  "EvalConfig.every_steps": "[0, _STEPS]",
+  "MeshConfig.data": "[-1, 2**16]",
+  "MeshConfig.fsdp": "[-1, 2**16]",
+  "MeshConfig.tensor": "[-1, 2**16]",
+}
+
+
+def _interval(text: str) -> tuple[float, float, bool, bool]:
+  """(low, high, low closed, high closed) of an interval written as in `_RANGES`."""
+  low, high = text[1:-1].split(",")
+  return _number(low), _number(high), text[0] == "[", text[-1] == "]"
+
+
+def _number(text: str) -> float:
+  """`2**63`, `16 * _TOKENS`, `1e6`: the products and powers `_RANGES` writes."""
+  names = {"_TOKENS": _TOKENS, "_ROWS": _ROWS, "_STEPS": _STEPS}
+  out = 1
+  for factor in text.split(" * "):
+    base, _, power = factor.strip().partition("**")
+    x = names[base] if base in names else float(base) if "." in base or "e" in base else int(base)
+    out *= x ** int(power) if power else x
+  return out
+
+
+def check_range(cls: type, name: str, value: Any, path: str) -> None:
+  """Refuses a number (or a tuple item) of field `cls.name` outside its `_RANGES` interval.
+
+  Raises:
+    ConfigError: naming `config.<path>`, the value and the interval.
+  """
+  interval = _RANGES.get(f"{cls.__name__}.{name}")
+  if interval is None:
+    return
+  low, high, low_closed, high_closed = _interval(interval)
+  for x in value if isinstance(value, tuple) else (value,):
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+      continue  # a string of a str-or-float field, None for "derived": the group checks it
+    above = x > low if not low_closed else x >= low
+    below = x < high if not high_closed else x <= high
+    if not (above and below):
+      for symbol, text in (("_TOKENS", "2**20"), ("_ROWS", "2**24"), ("_STEPS", "10**9")):
+        interval = interval.replace(symbol, text)
+      raise ConfigError(f"config.{path}.{name}={value!r}: must be in {interval}")
+
+
+def check_workdir(workdir: str | None, flag: str = "--workdir") -> pathlib.Path:
+  """The absolute path of a `--workdir` value, refused when empty (an unset shell variable
+  would write into the current directory) or naming something that is not a directory.
+
+  Raises:
+    ConfigError: naming the flag and the value.
+  """
+  if not workdir or not workdir.strip():
+    raise ConfigError(f"{flag} is empty: name the run's directory ({flag}=DIR)")
+  path = pathlib.Path(workdir).absolute()
+  if path.exists() and not path.is_dir():
+    raise ConfigError(f"{flag}={workdir}: not a directory")
+  return path
 
 
 def _fields(cls) -> dict[str, Any]:
@@ -223,9 +384,12 @@ def build(cls, group: Mapping[str, Any] | None, path: str, base: Any = None):
     _check_finite(value, f"config.{path}.{key}")
     kwargs[key] = value
   try:
-    return cls(**kwargs) if base is None else dataclasses.replace(base, **kwargs)
+    out = cls(**kwargs) if base is None else dataclasses.replace(base, **kwargs)
   except (TypeError, ValueError) as e:
     raise ConfigError(f"config.{path}: {e}") from None
+  for key, value in kwargs.items():  # after the group's own checks, whose words are sharper
+    check_range(cls, key, value, path)
+  return out
 
 
 def _check_finite(value: Any, name: str) -> None:
@@ -235,6 +399,50 @@ def _check_finite(value: Any, name: str) -> None:
   for x in items:
     if isinstance(x, float) and not math.isfinite(x):
       raise ConfigError(f"{name}={value!r}: must be a finite number")
+
+
+def complete(config: Any) -> None:
+  """Adds to an experiment ConfigDict, in place, every field of its groups' dataclasses it
+  lacks, with the value `parse` would take for it (a None default as a typed placeholder),
+  so that every field can be set from the command line (`--config.ada.k_pos=2`,
+  `--config.eval.sampler.temperature=0.6`): ml_collections' flags override only fields the
+  dict has, of a type other than None. A group the config sets to None (no warm start)
+  stays None. `cli` calls it on every `--config` file as it loads."""
+  from ml_collections import config_dict
+
+  def fill(group, cls, base, path):
+    # Every field given, so `build` gets the same values whatever base it starts from:
+    # `base`'s (the group's default instance), else the dataclass's own defaults.
+    hints = _fields(cls)
+    for f in dataclasses.fields(cls):
+      name, hint = f.name, hints[f.name]
+      if name in _FILLED.get(path, {}):
+        continue
+      default = getattr(base, name) if base is not None else f.default
+      sub = _dataclass_of(hint)
+      if sub is not None:
+        if name not in group and dataclasses.is_dataclass(default):
+          group[name] = config_dict.ConfigDict()
+        if isinstance(group.get(name), config_dict.ConfigDict):
+          nested = default if dataclasses.is_dataclass(default) else None
+          fill(group[name], sub, nested, f"{path}.{name}")
+      elif group.get(name, default) is None:  # a typed placeholder: None until set
+        kinds = [t for t in typing.get_args(hint) if t is not type(None)]
+        if kinds and kinds[0] in (int, float, str):
+          group[name] = config_dict.placeholder(kinds[0])
+      elif name not in group and not isinstance(default, Mapping | type(dataclasses.MISSING)):
+        group[name] = default
+
+  defaults = RunConfig()
+  with config.unlocked():
+    for f in dataclasses.fields(RunConfig):
+      sub, base = _dataclass_of(_fields(RunConfig)[f.name]), getattr(defaults, f.name)
+      if f.name not in config and base is not None:  # parse would take RunConfig's default
+        config[f.name] = config_dict.ConfigDict() if sub is not None else base
+      else:
+        base = None  # `build` starts a group the config has from the dataclass's defaults
+      if sub is not None and isinstance(config.get(f.name), config_dict.ConfigDict):
+        fill(config[f.name], sub, base, f.name)
 
 
 def parse(config: Mapping[str, Any]) -> RunConfig:

@@ -14,7 +14,6 @@ from typing import Any
 
 import jax
 from absl import app, flags
-from ml_collections import config_flags
 
 from ada_jax import checkpoint as checkpoint_lib
 from ada_jax import cli, runstate
@@ -30,7 +29,7 @@ def define_flags(flag_values=None, sys_argv: list[str] | None = None) -> None:
   """Registers the CLI flags on `flag_values` (default: absl's global FLAGS)."""
   fv = flags.FLAGS if flag_values is None else flag_values
   help_ = "Experiment config file (as for training); its eval, model, tokenizer, mesh are read."
-  config_flags.DEFINE_config_file("config", None, help_, fv, lock_config=True, sys_argv=sys_argv)
+  cli.define_config_file("config", help_, fv, sys_argv=sys_argv)
   for define, name, help_ in (
     (flags.DEFINE_string, "workdir", "Run directory; reports go to <workdir>/eval."),
     (flags.DEFINE_integer, "checkpoint", "Orbax checkpoint step to evaluate."),
@@ -65,8 +64,7 @@ def main(argv: Sequence[str], flag_values=None) -> dict[str, Any]:
   """
   del argv
   fv = flags.FLAGS if flag_values is None else flag_values
-  if not fv.workdir:
-    raise config_lib.ConfigError("--workdir is required")
+  config_lib.check_workdir(fv.workdir)
   if (fv.hf_dir is None) == (fv.checkpoint is None):
     raise config_lib.ConfigError("give exactly one of --hf_dir=PATH and --checkpoint=STEP")
   if fv.config is not None:

@@ -41,6 +41,8 @@ def load_model_files(
     try:
       model_dir = weights.resolve(model.hf_dir).absolute()
       hf_config = json.loads((model_dir / "config.json").read_text())
+    except json.JSONDecodeError as e:  # its message names no file
+      raise ConfigError(f"{hf_field}: {model_dir / 'config.json'}: not valid JSON ({e})") from None
     except (OSError, ValueError) as e:
       raise ConfigError(f"{hf_field}: {e}") from None
   folder = tokenizer.dir or model_dir

@@ -92,6 +92,13 @@ def load_pretrained(path: str | os.PathLike, target: Params) -> Params:
   return params
 
 
+def not_this_model(error: Exception) -> str:
+  """Orbax's refusal of a checkpoint whose params tree or shapes differ from the target's,
+  in one short line."""
+  first = " ".join(str(error).split("\n")[0].split())
+  return f"a checkpoint of another model than the configured one ({first[:200]})"
+
+
 def initial_params(
   cfg,
   model_config: ModelConfig,
@@ -125,7 +132,8 @@ def initial_params(
 
   Raises:
     FileNotFoundError: `ckpt.init_from` holds no checkpoint (named).
-    weights.CheckpointError: as `load_pretrained`.
+    ConfigError: `ckpt.init_from` holds another model's params, or `model_dir` does not
+      load (`load_pretrained`'s error, the file named).
   """
   # 2. Another run's params (a fresh optimizer and step 0 are the caller's).
   if cfg.ckpt.init_from:
@@ -133,10 +141,17 @@ def initial_params(
       params = checkpoint.restore_params(cfg.ckpt.init_from, target)
     except FileNotFoundError as e:
       raise FileNotFoundError(f"config.ckpt.init_from: {e}") from None
+    except ValueError as e:  # orbax: another tree or shapes (a 50-line message)
+      raise ConfigError(
+        f"config.ckpt.init_from={cfg.ckpt.init_from}: {not_this_model(e)}"
+      ) from None
     return params, f"init_from:{cfg.ckpt.init_from}", None
   # 3. Pretrained weights.
   if model_dir:
-    return load_pretrained(model_dir, target), f"pretrained:{model_dir}", None
+    try:
+      return load_pretrained(model_dir, target), f"pretrained:{model_dir}", None
+    except weights.CheckpointError as e:  # the file named: a bad input, not a failure
+      raise ConfigError(f"config.model.hf_dir: {e}") from None
   # 4. Random init, then the warm start.
   if scratch_cache is not None and (scratch_cache / "params").is_dir():
     return checkpoint.restore_params(scratch_cache, target), "scratch", None
@@ -189,7 +204,7 @@ def initial_state(
 
   Raises:
     checkpoint.UnreadableCheckpoint: checkpoints exist but none restores.
-    FileNotFoundError, weights.CheckpointError: as `initial_params`.
+    FileNotFoundError, ConfigError: as `initial_params`.
   """
   # 1. The latest checkpoint of this run that restores: the whole run state.
   latest = checkpoint.restore_latest(manager, target, check_host=check_host)
@@ -265,7 +280,7 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
     checkpoint.UnreadableCheckpoint: the workdir has checkpoints but none restores.
     checkpoint.DiskFullError: a checkpoint did not fit on the disk.
   """
-  workdir = str(pathlib.Path(workdir).absolute())
+  workdir = str(config_lib.check_workdir(workdir))
   with runstate.stop_signals("the set-up") as stop, contextlib.ExitStack() as stack:
     return _train(cfg, workdir, stop, stack)
 
@@ -306,7 +321,8 @@ def _train(cfg, workdir: str, stop: runstate.StopRequest, stack: contextlib.Exit
   with_ref = cfg.loss.kl_coeff > 0
   target = train.abstract_state(model_cfg, train_cfg, mesh, with_ref=with_ref)
   iterator = prompts.PromptIterator(len(ps), cfg.rl.batch_prompts, seed=cfg.seed)
-  record = runstate.config_record(cfg, model_cfg)
+  # What the run depends on, with the prompts' fingerprint standing for where they were read.
+  record = {**runstate.config_record(cfg, model_cfg), **runstate.prompts_record(ps)}
   if cfg.ckpt.init_from:
     try:
       checkpoint.params_step_dir(cfg.ckpt.init_from)
@@ -346,9 +362,24 @@ def _train(cfg, workdir: str, stop: runstate.StopRequest, stack: contextlib.Exit
   stop.enter(None)  # signals are polled from here: a save is never cut
   if source.startswith("checkpoint"):
     resumed = int(host["step"])
+    if resumed > cfg.rl.steps:  # nothing is run or written: the run's results stay
+      raise ConfigError(
+        f"config.rl.steps={cfg.rl.steps} is below the workdir's latest checkpoint (RL step "
+        f"{resumed}): a run does not go back; rerun with config.rl.steps={resumed} for its "
+        f"results or more to go on, or start a new run in another --workdir "
+        f"(ckpt.init_from={workdir}/checkpoints/<step> starts it from these weights)"
+      )
+    finished = _finished_summary(workdir, resumed, record)
+    if resumed == cfg.rl.steps and finished is not None:
+      metrics_lib.console(
+        f"already finished: RL step {resumed} and its evaluation after RL are done; nothing "
+        f"to do ({workdir}/summary.json unchanged)"
+      )
+      return finished
     metrics_lib.console(
       f"resuming from step {resumed} (checkpoint {workdir}/checkpoints/{resumed})"
     )
+    _say_if_not_comparable(host, record)
   else:
     # Step 0 (the warm-started policy) is saved at once, so a restart never repeats the
     # warm start and other runs can `init_from` this folder's step 0.
@@ -362,6 +393,7 @@ def _train(cfg, workdir: str, stop: runstate.StopRequest, stack: contextlib.Exit
   if first == 0 and "before_rl" not in host:  # also after a stop during it: cached batches
     stop.enter("the held-out evaluation before RL")
     host["before_rl"] = _heldout_eval(evaluator, workdir, state.params, 0, keys.eval)
+    host["before_rl_eval"] = _eval_settings(record)
     stop.enter(None)
   if first == 0:
     writer.add_scalars(0, host["before_rl"])
@@ -410,7 +442,12 @@ def _train(cfg, workdir: str, stop: runstate.StopRequest, stack: contextlib.Exit
     "warmstart": host.get("warmstart"),
     "before_rl": host.get("before_rl", {}),
     "stop_ids": list(tokenizer.eos_ids),
+    "eval_settings": _eval_settings(record),
   }
+  changed = _eval_changes(host, record)
+  if changed:
+    summary["before_rl_comparable"] = False
+    summary["before_rl_eval_changes"] = changed
   if stopped_by is not None:
     summary["stopped_by"] = stopped_by
   if jax.process_count() > 1:  # equal on every process (tests/test_distributed.py)
@@ -429,6 +466,47 @@ def _train(cfg, workdir: str, stop: runstate.StopRequest, stack: contextlib.Exit
   if jax.process_index() == 0:
     (pathlib.Path(workdir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
   return summary
+
+
+def _eval_settings(record: dict[str, Any]) -> dict[str, Any]:
+  """The settings of a held-out evaluation in the run's config record: the `eval` group but
+  for how often it runs and where its files are (neither changes what it measures)."""
+  ignored = ("eval.every_steps", *runstate.LOCATIONS)
+  return {k: v for k, v in record.items() if k.startswith("eval.") and k not in ignored}
+
+
+def _eval_changes(host: dict[str, Any], record: dict[str, Any]) -> list[str]:
+  """'eval.k: 4 -> 2', ... for each setting of the evaluation before RL (saved in `host`;
+  a checkpoint of an older version has none: nothing to compare) that differs now."""
+  before, now = host.get("before_rl_eval"), _eval_settings(record)
+  if not before:
+    return []
+  keys = sorted(set(before) | set(now))
+  return [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in keys if before.get(k) != now.get(k)]
+
+
+def _say_if_not_comparable(host: dict[str, Any], record: dict[str, Any]) -> None:
+  changed = _eval_changes(host, record)
+  if changed:
+    metrics_lib.console(
+      f"the eval group changed since the evaluation before RL ({'; '.join(changed)}): the "
+      "scores after RL are not comparable with those before (summary.json says "
+      "before_rl_comparable: false); a new run measures both with these settings"
+    )
+
+
+def _finished_summary(workdir: str, step: int, record: dict[str, Any]) -> dict[str, Any] | None:
+  """The summary of a run that finished at RL step `step` with the current evaluation
+  settings (its `after_rl` in workdir/summary.json), else None (never finished, stopped
+  during the evaluation after RL, or evaluated with other settings: evaluate again)."""
+  try:
+    summary = json.loads((pathlib.Path(workdir) / "summary.json").read_text())
+  except (OSError, ValueError):
+    return None
+  same = summary.get("eval_settings") == _eval_settings(record)
+  if summary.get("steps_done") == step and "after_rl" in summary and same:
+    return summary
+  return None
 
 
 def _close(manager) -> None:

@@ -6,13 +6,16 @@ is one
 facts, hand over to `ada_jax.loop.run`.
 
 Exit codes, for scripts and job schedulers (README.md's table):
-  0  (`EXIT_FINISHED`) all RL steps and the held-out evaluation after RL are done.
+  0  (`EXIT_FINISHED`) all RL steps and the held-out evaluation after RL are done (by this
+     process, or already: a rerun of a finished run writes nothing).
   75 (`EXIT_STOPPED`, EX_TEMPFAIL) stopped by SIGTERM or a first Ctrl-C: after an RL step
      with a checkpoint of it, or at once outside the RL loop (set-up, warm start, held-out
      evaluation; nothing there is lost but the unfinished part): run the same command
      again to resume.
-  2  (`EXIT_USAGE`) a bad flag or config field, a resume with a changed config, or a
-     workdir held by another run (one line naming it); nothing was run.
+  2  (`EXIT_USAGE`) a bad flag or config field, an empty `--workdir` or a file, a resume
+     with a changed config or an `rl.steps` below its latest checkpoint, a workdir held by
+     another run, or a model folder or checkpoint that does not load as the configured
+     model (one line naming it); nothing was run.
   3  (`EXIT_NONFINITE`) a NaN or infinite loss, gradient norm or update: stopped before
      saving it (one line naming the step and the quantity); the checkpoints are finite.
   1  a failure: one line for a checkpoint that no longer restores or a full disk, else a
@@ -26,7 +29,8 @@ import os
 import sys
 
 from absl import app, flags, logging
-from ml_collections import config_flags
+
+from ada_jax import cli
 
 EXIT_FINISHED = 0
 EXIT_STOPPED = 75
@@ -34,15 +38,13 @@ EXIT_USAGE = 2
 EXIT_NONFINITE = 3
 EXIT_FAILED = 1
 
-_CONFIG = config_flags.DEFINE_config_file(
-  "config", None, "Experiment config file.", lock_config=True
-)
+_CONFIG = cli.define_config_file("config", "Experiment config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics.")
 
 
 def main(argv):
   del argv
-  from ada_jax import cli, distributed
+  from ada_jax import distributed
 
   cli.quiet_logs()  # before JAX probes its platforms
   distributed.initialize(distributed.DistributedConfig.from_env())  # before any JAX use
@@ -91,20 +93,29 @@ def report(summary: dict, workdir: str) -> tuple[str, int]:
       f"again to resume from the latest checkpoint, if any (exit code {EXIT_STOPPED}). "
       f"Files: {workdir}"
     ), EXIT_STOPPED
-  if "after_rl" not in summary:  # stopped early: say so, not "done"
+  if "stopped_by" in summary:  # stopped early: say so, not "done"
     return (
       f"stopped by {summary.get('stopped_by', 'a signal')} after RL step "
       f"{summary['steps_done']} with a checkpoint; run the same command again to "
       f"resume (exit code {EXIT_STOPPED}). Files: {workdir}"
     ), EXIT_STOPPED
-  before, after = summary.get("before_rl", {}), summary["after_rl"]
-  scores = "".join(
-    f"\n  {k}: {before.get(k, float('nan')):.4f} -> {v:.4f}"
-    for k, v in after.items()
-    if "avg@" in k
-  )
+  before, after = summary.get("before_rl", {}), summary.get("after_rl", {})
+  if summary.get("before_rl_comparable", True):
+    scores = "".join(
+      f"\n  {k}: {before.get(k, float('nan')):.4f} -> {v:.4f}"
+      for k, v in after.items()
+      if "avg@" in k
+    )
+    heading = "held-out before -> after RL"
+  else:  # the eval group changed on a resume: two numbers of different measurements
+    scores = "".join(f"\n  {k}: {v:.4f}" for k, v in after.items() if "avg@" in k)
+    changes = "; ".join(summary.get("before_rl_eval_changes", []))
+    heading = (
+      "held-out after RL (not comparable with before RL, measured with other eval "
+      f"settings: {changes})"
+    )
   held_out = (
-    f"; held-out before -> after RL:{scores}"
+    f"; {heading}:{scores}"
     if scores
     else " (no held-out benchmarks: config.eval.benchmarks is empty)"
   )
@@ -115,8 +126,6 @@ def report(summary: dict, workdir: str) -> tuple[str, int]:
 
 
 if __name__ == "__main__":
-  from ada_jax import cli
-
   cli.make_configs_importable()
   flags.mark_flags_as_required(["config", "workdir"])
   app.run(main, flags_parser=cli.parse_flags)  # exits with main's return value

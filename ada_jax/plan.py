@@ -16,11 +16,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pathlib
 import sys
 import time
 
 from absl import app, flags
-from ml_collections import config_flags
 
 EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_USAGE = 0, 1, 2
 # Hub ids of the experiment configs -> their architecture presets: a plan reads no
@@ -40,8 +40,6 @@ SPARE_GIB = 0.5
 def model_of(cfg):
   """The config's architecture: its preset, a known Hub id's preset, or a local folder's
   config.json. Raises ValueError naming `config.model.hf_dir` otherwise."""
-  import pathlib
-
   spec = cfg.model
   if spec.preset:
     return spec.model_config()
@@ -49,7 +47,12 @@ def model_of(cfg):
     return dataclasses.replace(spec, preset=PRESET_OF_HF[spec.hf_dir], hf_dir="").model_config()
   folder = pathlib.Path(spec.hf_dir)
   if (folder / "config.json").is_file():
-    return spec.model_config(json.loads((folder / "config.json").read_text()))
+    try:
+      return spec.model_config(json.loads((folder / "config.json").read_text()))
+    except json.JSONDecodeError as e:  # its message names no file
+      raise ValueError(
+        f"config.model.hf_dir: {folder / 'config.json'}: not valid JSON ({e})"
+      ) from None
   raise ValueError(
     f"config.model.hf_dir {spec.hf_dir!r}: not a folder with config.json and no known Hub "
     f"id ({', '.join(PRESET_OF_HF)}); pass --config.model.hf_dir=FOLDER"
@@ -264,10 +267,30 @@ def report(result: dict) -> str:
   return "\n".join(lines)
 
 
+def _check_writable(path: str) -> None:
+  """Refuses a `--json` path that cannot be written (checked, nothing created).
+
+  Raises:
+    ConfigError: naming the flag and why.
+  """
+  from ada_jax.config import ConfigError
+
+  target = pathlib.Path(path).absolute()
+  if not path or target.is_dir():
+    raise ConfigError(f"--json={path}: not a file name")
+  folder = target.parent
+  if not folder.is_dir():
+    raise ConfigError(f"--json={path}: no folder {folder}")
+  if not os.access(target if target.exists() else folder, os.W_OK):
+    raise ConfigError(f"--json={path}: not writable")
+
+
 def define_flags() -> None:
   """The command's flags, on absl's global FLAGS (only when run as the command: importing
   this module defines none, so it sits beside other entry points in one process)."""
-  config_flags.DEFINE_config_file("config", None, "Experiment config file.")
+  from ada_jax import cli
+
+  cli.define_config_file("config", "Experiment config file.")
   flags.DEFINE_string("topology", None, "TPU slice: v5e-8, v4-8, v4-32, v5p-8, v6e-8.")
   flags.DEFINE_string("json", None, "Also write the whole plan as JSON here.")
 
@@ -288,6 +311,8 @@ def main(argv) -> int:
       model_of(cfg)
     except ValueError as e:
       raise config_lib.ConfigError(str(e)) from None
+    if json_path is not None:  # before minutes of compiling, not after them
+      _check_writable(json_path)
     try:
       devices = aot.tpu_devices(aot.TARGETS[topology])
     except RuntimeError as e:
@@ -306,8 +331,12 @@ def main(argv) -> int:
   result["config"] = dataclasses.asdict(cfg)
   print(report(result), flush=True)
   if json_path:
-    with open(json_path, "w") as f:
-      json.dump(result, f, indent=1, default=str)
+    try:
+      with open(json_path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    except OSError as e:  # the file's folder went away while compiling
+      print(f"ada_jax: --json={json_path}: {e.strerror}", file=sys.stderr, flush=True)
+      return EXIT_USAGE
   return EXIT_FITS if result["fits"] else EXIT_DOES_NOT_FIT
 
 

@@ -9,7 +9,8 @@ stop on SIGTERM or Ctrl-C in every phase.
   multi-host job on the same workdir is refused on every host.
 - `config_record` / `check_resume`: the run's config (with the resolved architecture) is
   saved in every checkpoint; a resume compares it with the current one and refuses a
-  change of anything but `RESUMABLE`.
+  change of anything but `RESUMABLE` (folders, `LOCATIONS`, are compared by the
+  fingerprint of the prompts read from them, `prompts_record`).
 - `check_step`: a non-finite loss, gradient norm or update stops the run before it is
   saved (`checkpoint.save` refuses non-finite state too).
 - `run_keys`: the run's root key (checkpointed) split once into named keys (`RunKeys`).
@@ -26,6 +27,7 @@ import contextlib
 import dataclasses
 import datetime
 import fcntl
+import hashlib
 import json
 import math
 import os
@@ -105,6 +107,16 @@ RESUMABLE = (
 )
 # `train`'s loss, optimizer and temperature are copies of other groups (`config._FILLED`).
 _COPIES = ("train.loss", "train.optim", "train.temperature")
+# Where the files were found, not what they hold: a path the configs resolve at parse
+# (`shared_path` of configs/common.py) changes when a `../shared` folder appears or the checkout
+# moves. A resume compares the training prompts' fingerprint (`prompts_record`) instead.
+LOCATIONS = (
+  "data.manual_dir",
+  "data.data_dir",
+  "tokenizer.dir",
+  "eval.manual_dir",
+  "eval.data_dir",
+)
 
 
 def config_record(cfg: Any, architecture: Any) -> dict[str, Any]:
@@ -118,6 +130,21 @@ def config_record(cfg: Any, architecture: Any) -> dict[str, Any]:
   tree = {**dataclasses.asdict(cfg), "architecture": dataclasses.asdict(architecture)}
   flat = _flatten(json.loads(json.dumps(tree, default=str)))
   return {k: v for k, v in flat.items() if not k.startswith(_COPIES)}
+
+
+def prompts_record(ps: Any) -> dict[str, Any]:
+  """`{'data.prompts_sha256': ...}`: a fingerprint of the training prompts as the run reads
+  them (their token ids and reference answers, in order), which a resume compares in place
+  of the folders they came from (`LOCATIONS`).
+
+  Args:
+    ps: the run's `data.prompts.PromptSet`.
+  """
+  digest = hashlib.sha256()
+  for tokens, answer in zip(ps.tokens, ps.answers, strict=True):
+    digest.update(np.asarray(tokens, np.int64).tobytes())
+    digest.update(b"\0" + str(answer).encode() + b"\0")
+  return {"data.prompts_sha256": digest.hexdigest()}
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -141,7 +168,9 @@ def check_resume(saved: Mapping[str, Any] | None, current: Mapping[str, Any], st
   if saved is None:
     logging.warning("checkpoint %d has no saved config: resuming without comparing", step)
     return
-  changed = [k for k in sorted(set(saved) & set(current)) if saved[k] != current[k]]
+  changed = [
+    k for k in sorted(set(saved) & set(current)) if saved[k] != current[k] and k not in LOCATIONS
+  ]
   refused = [k for k in changed if not any(k == p or k.startswith(p + ".") for p in RESUMABLE)]
   if refused:
     diffs = "; ".join(

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
+from ada_jax import checkpoint as checkpoint_lib
 from ada_jax import cli
 from ada_jax import config as config_lib
 from ada_jax.eval.policy import load_model
@@ -26,7 +26,7 @@ def define_flags(flag_values=None, sys_argv: list[str] | None = None) -> None:
   """Registers the CLI flags on `flag_values` (default: absl's global FLAGS)."""
   fv = flags.FLAGS if flag_values is None else flag_values
   help_ = "Experiment config: its data (prompts), model, tokenizer, sampler, rl, mesh groups."
-  config_flags.DEFINE_config_file("config", None, help_, fv, lock_config=True, sys_argv=sys_argv)
+  cli.define_config_file("config", help_, fv, sys_argv=sys_argv)
   for define, name, default, help_ in (
     (flags.DEFINE_string, "workdir", None, "Outputs go to <workdir>/select."),
     (flags.DEFINE_string, "hf_dir", None, "Hugging Face folder or Hub id of the model."),
@@ -48,30 +48,42 @@ def main(argv: Sequence[str], flag_values=None) -> dict[str, Any]:
   """The CLI: loads prompts and model from the config and flags, then calls `run`.
 
   Raises:
-    ValueError: no --config or --workdir, both --hf_dir and --checkpoint, a bad rule or
-      config field (named).
+    config.ConfigError: no --config, an empty --workdir or one that is a file, both
+      --hf_dir and --checkpoint, a checkpoint that is not there or of another model, a
+      bad flag, rule or config field (named).
   """
   del argv
   fv = flags.FLAGS if flag_values is None else flag_values
   if flag_values is None and not fv["verbosity"].present:
     # orbax and TFDS log every file they touch at INFO; the progress bar says what matters.
     logging.set_verbosity(logging.WARNING)
-  if fv.config is None or not fv.workdir:
-    raise config_lib.ConfigError("--config and --workdir are required")
+  if fv.config is None:
+    raise config_lib.ConfigError("--config is required")
+  out = config_lib.check_workdir(fv.workdir) / "select"
+  if fv.hf_dir and fv.checkpoint is not None:
+    raise config_lib.ConfigError("give at most one of --hf_dir and --checkpoint")
+  if fv.limit < 0:
+    raise config_lib.ConfigError(f"--limit={fv.limit}: must be >= 0 (0 = all)")
   cfg = config_lib.parse(fv.config)
   sampler = {n: getattr(fv, n) for n in ("temperature", "max_new_tokens")}
-  config = SelectConfig.from_run_config(
-    cfg,
-    rules=parse_rules(fv.rules),
-    sampler={k: v for k, v in sampler.items() if v is not None},
-    **{n: getattr(fv, n) for n in ("k", "problems_per_batch", "seed")},
-  )
-  out = pathlib.Path(fv.workdir).absolute() / "select"
+  try:
+    config = SelectConfig.from_run_config(
+      cfg,
+      rules=parse_rules(fv.rules),
+      sampler={k: v for k, v in sampler.items() if v is not None},
+      **{n: getattr(fv, n) for n in ("k", "problems_per_batch", "seed")},
+    )
+    mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+  except (TypeError, ValueError) as e:  # a flag SelectConfig or the mesh refuses
+    raise config_lib.ConfigError(f"a bad flag: {' '.join(str(e).split())}") from None
   ckpt = None
   if fv.checkpoint is not None:
     ckpt = pathlib.Path(fv.checkpoint_dir or pathlib.Path(fv.workdir) / "checkpoints")
     ckpt = ckpt.absolute() / str(fv.checkpoint)
-  mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    try:
+      checkpoint_lib.params_step_dir(ckpt)
+    except FileNotFoundError as e:  # as evaluate: a usage error, named
+      raise config_lib.ConfigError(f"--checkpoint={fv.checkpoint}: {e}") from None
   base = load_model(
     cfg,
     mesh,

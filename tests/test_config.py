@@ -3,7 +3,9 @@
 import dataclasses
 import math
 import pathlib
+import re
 
+import ml_collections
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -259,3 +261,196 @@ def test_absurd_samples_per_round_is_warned(m, n):
   assert bool(warnings) == (max(m, n) > 16 * n)
   if warnings:
     assert f"config.ada.samples_per_round={max(m, n)}" in warnings[0]
+
+
+# ----------------------------------------------------------------------------- ranges
+
+
+def _group_fields(cls=config_lib.RunConfig, path="config"):
+  """(config path, dataclass, field name, type) of every leaf field of the run's groups,
+  nested groups included (`train`'s copies of other groups left out)."""
+  import typing
+
+  out = []
+  for name, hint in config_lib._fields(cls).items():
+    if name in config_lib._FILLED.get(path.removeprefix("config."), {}):
+      continue
+    sub = config_lib._dataclass_of(hint)
+    if sub is not None:
+      out += _group_fields(sub, f"{path}.{name}")
+    elif not (typing.get_origin(hint) is not None and "Mapping" in str(hint)):
+      out.append((path, cls, name, hint))
+  return out
+
+
+def _is_numeric(hint) -> bool:
+  import typing
+
+  kinds = {hint, *typing.get_args(hint)}
+  for k in list(kinds):
+    kinds |= set(typing.get_args(k))  # tuple[int, ...]
+  return bool(kinds & {int, float})
+
+
+NUMERIC = [f for f in _group_fields() if _is_numeric(f[3])]
+
+
+def test_every_numeric_field_has_a_range():
+  """A field added without a range would let a value through that fails only later."""
+  missing = sorted(
+    {f"{cls.__name__}.{name}" for _, cls, name, _ in NUMERIC} - set(config_lib._RANGES)
+  )
+  assert not missing
+  assert len(NUMERIC) > 80  # the nested groups (eval.sampler, rl.verifier, ...) are walked
+
+
+def _outside(interval: str) -> list[float]:
+  low, high, low_closed, high_closed = config_lib._interval(interval)
+  return [low - 1 if low_closed else low, high + 1 if high_closed else high]
+
+
+def _set(cfg: dict, path: str, name: str, value) -> None:
+  group = cfg
+  for part in path.split(".")[1:]:
+    if group.get(part) is None:
+      group[part] = {}
+    group = group[part]
+  group[name] = value
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+  field=st.sampled_from([f for f in NUMERIC if f[1] is not config_lib.RunConfig]),
+  side=st.sampled_from([0, 1]),
+)
+def test_a_value_outside_its_range_is_refused_at_parse_naming_the_bound(field, side):
+  """Just below the low end or just above the high end of every numeric field: a
+  `ConfigError` naming the field (never another exception, nor a value let through)."""
+  import typing
+
+  path, cls, name, hint = field
+  interval = config_lib._RANGES[f"{cls.__name__}.{name}"]
+  value = _outside(interval)[side]
+  is_int = int in {hint, *typing.get_args(hint)} or hint == tuple[int, ...]
+  value = int(value) if is_int and float(value).is_integer() else float(value)
+  if "tuple" in str(hint):
+    value = (value,)
+  cfg = tiny_arith_pos.get_config().to_dict()
+  _set(cfg, path, name, value)
+  with pytest.raises(config_lib.ConfigError, match=re.escape(path.removeprefix("config."))):
+    config_lib.parse(cfg)
+
+
+@pytest.mark.parametrize(
+  "edit,match",
+  [
+    # The examples: an overflow at RL step 1, a ZeroDivisionError in the config's own check.
+    (
+      {"rl": {"verifier": {"timeout_s": 1e9}}},
+      r"rl\.verifier\.timeout_s=1000000000\.0: must be in \(0, 86400\]",
+    ),
+    ({"rl": {"batch_prompts": 0}}, r"config\.rl: batch_prompts must be >= 1, got 0"),
+    # Neighbours: the evaluation's verifier, the start-up timeout, an int at its high end.
+    ({"eval": {"verifier": {"timeout_s": 1e7}}}, r"eval\.verifier\.timeout_s"),
+    ({"rl": {"verifier": {"startup_timeout_s": 1e9}}}, r"startup_timeout_s=.*\(0, 86400\]"),
+    ({"rl": {"steps": 0}}, r"config\.rl: steps must be >= 1"),
+    (
+      {"sampler": {"max_new_tokens": 2**40}},
+      r"sampler\.max_new_tokens=.*: must be in \[1, 2\*\*20\]",
+    ),
+    ({"mesh": {"fsdp": 0}}, r"config\.mesh\.fsdp=0"),
+  ],
+)
+def test_range_examples(edit, match):
+  cfg = tiny_arith_pos.get_config().to_dict()
+  for group, fields in edit.items():
+    for key, value in fields.items():
+      if isinstance(value, dict):
+        cfg[group].setdefault(key, {}).update(value)
+      else:
+        cfg[group][key] = value
+  with pytest.raises(config_lib.ConfigError, match=match):
+    config_lib.parse(cfg)
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def _flag_value(hint, default):
+  """A value other than `default` for a field of type `hint`, as typed on a command line,
+  and as the ConfigDict then holds it; None: not settable by one flag (a tuple)."""
+  import typing
+
+  kinds = [t for t in (hint, *typing.get_args(hint)) if t is not type(None)]
+  if "tuple" in str(hint):
+    return None
+  if str in kinds and float in kinds:  # 'none', '1/p' or an α: a string the group reads
+    return "0.375", "0.375"
+  if bool in kinds:
+    return ("false", False) if default else ("true", True)
+  if int in kinds and float not in kinds:
+    return str((default or 0) + 1), (default or 0) + 1
+  if float in kinds:
+    return "0.375", 0.375
+  return "plain", "plain"
+
+
+def _parse_flags(*overrides):
+  from absl import flags
+
+  from ada_jax import cli
+
+  argv = ["prog", f"--config={CONFIGS[0].parent / 'tiny_arith_pos.py'}", *overrides]
+  fv = flags.FlagValues()
+  cli.define_config_file("config", "test", fv, sys_argv=argv)
+  fv(argv)
+  return fv.config
+
+
+def test_every_field_is_settable_from_the_command_line():
+  """`--config.<group>.<field>=value` for every field the run's groups have (the examples:
+  ada.k_pos / k_neg, default None; eval.prompt_style, not in the config file;
+  eval.sampler.temperature, a nested group's field the file leaves out)."""
+  base = _parse_flags()
+  flags_, expected = [], {}
+  for path, _, name, hint in _group_fields():
+    dotted = f"{path.removeprefix('config')}.{name}".lstrip(".")
+    node = base
+    for part in dotted.split(".")[:-1]:
+      node = node[part] if node is not None else None
+    if node is None:
+      continue  # a group the file sets to None
+    value = _flag_value(hint, node[name])
+    if value is not None:
+      flags_.append(f"--config.{dotted}={value[0]}")
+      expected[dotted] = value[1]
+  assert {"ada.k_pos", "ada.k_neg", "eval.prompt_style", "eval.sampler.temperature"} <= set(
+    expected
+  )
+  assert len(expected) > 100
+  got = _parse_flags(*flags_)
+  for dotted, value in expected.items():
+    node = got
+    for part in dotted.split("."):
+      node = node[part]
+    assert node == value, dotted
+
+
+def test_completed_configs_parse_as_before():
+  """Filling in the fields a file leaves out changes nothing `parse` returns."""
+  from ada_jax import cli
+
+  for path in CONFIGS:
+    parser = cli._CompletingParser("config")
+    plain = config_flags.config_flags._LoadConfigModule(path.stem, str(path)).get_config()
+    assert config_lib.parse(parser.parse(str(path))) == config_lib.parse(plain), path.stem
+  # A config of one group: the others are RunConfig's defaults, the warm start stays off.
+  minimal = ml_collections.ConfigDict({"rl": {"steps": 3}})
+  config_lib.complete(minimal)
+  assert "warmstart" not in minimal and minimal.eval.k == config_lib.RunConfig().eval.k
+  assert config_lib.parse(minimal) == config_lib.parse({"rl": {"steps": 3}})
+
+
+def test_command_line_k_pos_reaches_the_run():
+  run = config_lib.parse(_parse_flags("--config.ada.k_pos=1", "--config.eval.prompt_style=plain"))
+  assert run.ada.k_pos == 1 and run.eval.prompt_style == "plain"

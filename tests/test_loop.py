@@ -431,3 +431,89 @@ def test_rollouts_decode_from_one_compute_dtype_copy_per_step(tmp_path, no_impli
     tmp_path / "checkpoints", sharding_lib.abstract_params(model_cfg, mesh)
   )
   assert {x.dtype for x in jax.tree.leaves(saved)} == {jnp.dtype(jnp.float32)}
+
+
+# ----------------------------------------------------------------------------- reruns
+
+
+def _copy_run(reference_run, tmp_path):
+  """A copy of the finished reference run (its lock files left out) to rerun in."""
+  import shutil
+
+  workdir = tmp_path / "run"
+  shutil.copytree(reference_run[0], workdir, ignore=shutil.ignore_patterns(".lock.*"))
+  return workdir
+
+
+def _files(workdir):
+  """Every file of the run but the lock, with its bytes."""
+  return {
+    str(p.relative_to(workdir)): p.read_bytes()
+    for p in sorted(pathlib.Path(workdir).rglob("*"))
+    if p.is_file() and not p.name.startswith(".lock")
+  }
+
+
+@pytest.mark.parametrize("steps", [2, 3])
+def test_rerun_below_the_latest_checkpoint_is_refused_and_keeps_the_results(
+  reference_run, tmp_path, steps
+):
+  """A finished 4-step run rerun with rl.steps=2 (the example) or 3 (a neighbour): one line
+  naming the fields, exit 2, and summary.json keeps its `after_rl` (it was rewritten without
+  it, and the run exited 75 forever)."""
+  workdir = _copy_run(reference_run, tmp_path)
+  before = _files(workdir)
+  with pytest.raises(config_lib.ConfigError) as e:
+    loop.run(tiny_config(steps=steps), str(workdir))
+  text = str(e.value)
+  assert f"config.rl.steps={steps} is below the workdir's latest checkpoint (RL step 4)" in text
+  assert "\n" not in text
+  assert _files(workdir) == before
+  assert "after_rl" in json.loads((workdir / "summary.json").read_text())
+
+
+def test_rerun_of_a_finished_run_writes_nothing(reference_run, tmp_path, capsys):
+  """The same command again: "already finished", the saved summary (exit 0), and no file
+  changes (the evaluation after RL went to TensorBoard a second time, summary.json was
+  rewritten); a moved data folder (`data.manual_dir`, resolved at parse) is no change."""
+  from ada_jax import main
+
+  workdir = _copy_run(reference_run, tmp_path)
+  before = _files(workdir)
+  for edit in (lambda c: None, lambda c: setattr(c.data, "manual_dir", str(tmp_path))):
+    config = tiny_config(steps=4)
+    edit(config)
+    summary = loop.run(config, str(workdir))
+    assert summary == json.loads((workdir / "summary.json").read_text())
+    assert _files(workdir) == before
+    text, code = main.report(summary, str(workdir))
+    assert code == 0 and text.startswith("done: 4 RL steps; held-out before -> after RL:")
+  assert "already finished: RL step 4" in capsys.readouterr().err
+
+
+def test_a_real_change_is_still_refused_on_resume(reference_run, tmp_path):
+  workdir = _copy_run(reference_run, tmp_path)
+  config = tiny_config(steps=4)
+  config.data.arith_prompts = 128
+  with pytest.raises(config_lib.ConfigError, match=r"config\.data\.arith_prompts: 256 -> 128"):
+    loop.run(config, str(workdir))
+
+
+def test_a_changed_evaluation_is_not_compared_with_the_one_before_rl(reference_run, tmp_path):
+  """A resume that changes the eval group (allowed): the evaluation after RL is redone with
+  the new settings, and the summary and closing lines say that the one before RL was made
+  with other settings instead of printing them as a before -> after pair."""
+  from ada_jax import main
+
+  workdir = _copy_run(reference_run, tmp_path)
+  config = tiny_config(steps=4)
+  config.eval.k = 1
+  summary = loop.run(config, str(workdir))
+  assert summary["before_rl_comparable"] is False
+  assert summary["before_rl_eval_changes"] == ["eval.k: 2 -> 1"]
+  assert "eval/arith/avg@1" in summary["after_rl"]
+  assert json.loads((workdir / "summary.json").read_text()) == summary
+  text, code = main.report(summary, str(workdir))
+  assert code == 0
+  assert "not comparable with before RL, measured with other eval settings: eval.k: 2 -> 1" in text
+  assert "->" not in text.split("eval.k: 2 -> 1")[1]  # no before -> after pair of scores

@@ -425,3 +425,40 @@ def test_sigterm_during_the_final_evaluation_stops_and_the_rerun_finishes(
   summary = loop.run(tiny_config(steps=2), str(workdir))
   assert summary["after_rl"] == base_run[1]["after_rl"] and _cache_lines(workdir) == lines
   assert [m["step"] for m in _metrics(workdir)] == [1, 2]
+
+
+@pytest.mark.parametrize(
+  "field,old,new",
+  [
+    # The example: a `../shared` folder appeared (the configs' default resolves it at parse).
+    ("data.manual_dir", "", "/work/shared/data"),
+    # Neighbours: the checkout moved; the tokenizer's and the benchmarks' folders alike.
+    ("data.manual_dir", "/old/checkout/../shared/data", "/new/shared/data"),
+    ("tokenizer.dir", "/old/shared/tokenizers/llama3", "/new/shared/tokenizers/llama3"),
+    ("data.data_dir", "", "/tfds"),
+    ("eval.manual_dir", "/a", "/b"),
+  ],
+)
+def test_resume_compares_the_prompts_not_the_folders_they_were_read_from(field, old, new):
+  base, sha = _record(), {"data.prompts_sha256": "ab12"}
+  runstate.check_resume({**base, field: old, **sha}, {**base, field: new, **sha}, 4)
+  # What the run depends on did change: the same folder, other prompts, is refused.
+  with pytest.raises(config_lib.ConfigError, match=r"config\.data\.prompts_sha256: 'ab12' -> "):
+    runstate.check_resume(
+      {**base, field: old, **sha}, {**base, field: new, "data.prompts_sha256": "cd"}, 4
+    )
+
+
+def test_prompts_record_changes_with_the_prompts_only():
+  from ada_jax.data.prompts import PromptSet
+
+  def prompt_set(tokens, answers):
+    n = len(tokens)
+    return PromptSet(
+      ("p",) * n, ("q",) * n, answers, ("s",) * n, tuple(np.asarray(t) for t in tokens), 0
+    )
+
+  a = runstate.prompts_record(prompt_set([[1, 2], [3]], ("4", "5")))
+  assert a == runstate.prompts_record(prompt_set([[1, 2], [3]], ("4", "5")))
+  assert a != runstate.prompts_record(prompt_set([[1], [2, 3]], ("4", "5")))  # other tokens
+  assert a != runstate.prompts_record(prompt_set([[1, 2], [3]], ("4", "6")))  # other answer

@@ -207,3 +207,31 @@ def _load(name):
 def test_paper_configs_train_on_the_matching_released_set(name, hub_id):
   c = _load(name)
   assert c.data.source == "verl" and c.data.verl_set == hub_id
+
+
+def test_a_float_reference_column_is_refused_naming_file_row_and_field(tmp_path):
+  """The example: a Parquet float column, where a missing answer is NaN, was read as the
+  reference 'nan' (which `\\boxed{nan}` then matched, scoring 1)."""
+  rows = [_row(i, f"{i}+1?", a) for i, a in enumerate([3.0, float("nan"), 6.0])]
+  path = write_parquet(tmp_path / "train.parquet", rows)
+  with pytest.raises(ValueError) as e:
+    verl.load_examples(str(path))
+  message = str(e.value)
+  assert str(path) in message and "row 0" in message and "'reward_model.ground_truth'" in message
+  assert "a float (3.0), not a string" in message
+
+
+@pytest.mark.parametrize(
+  "value,kind",
+  [(float("nan"), "a float (nan)"), (float("inf"), "a float (inf)"), (7, "an int (7)")],
+)
+def test_a_non_string_reference_is_refused_in_jsonl_too(tmp_path, value, kind):
+  """Neighbours: NaN and infinity in a JSONL file (json writes them), an int, and the
+  unformatted layout's `gt` field."""
+  path = write_jsonl(tmp_path / "train.jsonl", _bad("reward_model.ground_truth", value))
+  with pytest.raises(ValueError, match=r"row 1.*'reward_model\.ground_truth' is a"):
+    verl.load_examples(str(path))
+  unformatted = [{"problem": "1+1?", "gt": "2"}, {"problem": "2+2?", "gt": value}]
+  path = write_jsonl(tmp_path / "raw.jsonl", unformatted)
+  with pytest.raises(ValueError, match=r"row 1.*'gt' is a"):
+    verl.load_examples(str(path))

@@ -184,3 +184,38 @@ def test_missing_folder_and_offline_hub_id(tmp_path, monkeypatch):
   monkeypatch.setenv("HF_HUB_OFFLINE", "1")
   with pytest.raises(weights.CheckpointError, match="huggingface-cli download"):
     weights.load_hf("meta-llama/Llama-3.2-3B-Instruct")
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.0, 8])
+def test_a_truncated_or_empty_weights_file_is_named(saved, keep):
+  """Half a file (the example: a copy cut short), an empty one, or a header cut short:
+  safetensors' own error named no file."""
+  file = saved / "model.safetensors"
+  data = file.read_bytes()
+  file.write_bytes(data[: int(len(data) * keep) if isinstance(keep, float) else keep])
+  with pytest.raises(weights.CheckpointError, match=f"{file}: not a readable safetensors file"):
+    weights.load_hf(saved)
+
+
+@pytest.mark.parametrize("shard_bytes", [4 << 30, 64 << 10])
+def test_saved_weights_have_the_mode_of_the_other_files(tmp_path, shard_bytes):
+  """0644 under the usual umask, as config.json (safetensors writes 0600: an inference
+  server run as another user could not read the exported folder); every shard alike."""
+  import os
+  import stat
+
+  config = model_lib.preset("tiny-llama")
+  old = os.umask(0o022)
+  try:
+    weights.save_hf(
+      config,
+      model_lib.init_params(config, jax.random.key(0)),
+      tmp_path,
+      max_shard_bytes=shard_bytes,
+    )
+  finally:
+    os.umask(old)
+  shards = sorted(tmp_path.glob("*.safetensors"))
+  assert len(shards) == (1 if shard_bytes > 1 << 20 else len(shards)) and shards
+  for path in [*shards, tmp_path / "config.json"]:
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644, path.name

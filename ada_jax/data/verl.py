@@ -139,10 +139,17 @@ def _messages(value: Any, where: str) -> list[dict[str, str]]:
   return out
 
 
+def _a(noun: str) -> str:
+  return f"an {noun}" if noun[0] in "aeiou" else f"a {noun}"
+
+
 def _answer(value: Any, where: str, field: str) -> str:
-  if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-    raise ValueError(f"{where}: field {field!r} is missing or not a string")
-  text = str(value).strip()
+  # Only text: a float column turns a missing answer into NaN, whose text 'nan' a
+  # `\boxed{nan}` would match, and a float's text is not the number as written (1e-05).
+  if not isinstance(value, str):
+    kind = "missing" if value is None else f"{_a(type(value).__name__)} ({value!r}), not a string"
+    raise ValueError(f"{where}: field {field!r} is {kind}")
+  text = value.strip()
   if not text:
     raise ValueError(f"{where}: field {field!r} is empty")
   return text

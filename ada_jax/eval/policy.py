@@ -88,6 +88,8 @@ def load_model(
       model folder (named as '--hf_dir' or 'config.model.hf_dir') or a tokenizer larger
       than the model's vocabulary.
     FileNotFoundError: a checkpoint path without a checkpoint.
+    config.ConfigError: a checkpoint of another model, or weights that do not load
+      (`weights.CheckpointError`, the file named).
   """
   if hf_dir is not None and checkpoint_path is not None:
     raise ValueError("give at most one of --hf_dir and --checkpoint")
@@ -127,10 +129,18 @@ def load_model(
     return LoadedModel(params, model_config, tok, weights_tag(params, model_config), init_from)
   if checkpoint_path is not None:
     path = pathlib.Path(checkpoint_path).absolute()
-    params = checkpoint_lib.restore_params(path, target)
+    try:
+      params = checkpoint_lib.restore_params(path, target)
+    except ValueError as e:  # orbax: another tree or shapes (a 50-line message)
+      raise config_lib.ConfigError(
+        f"{path}: {loop.not_this_model(e)}; load it with the config of the run that wrote it"
+      ) from None
     return LoadedModel(params, model_config, tok, weights_tag(params, model_config), str(path))
   if model_dir is not None:
     shardings = sharding.param_shardings(model_config, mesh)
-    _, params = weights.load_hf(model_dir, dtype=model_config.param_dtype, shardings=shardings)
+    try:
+      _, params = weights.load_hf(model_dir, dtype=model_config.param_dtype, shardings=shardings)
+    except weights.CheckpointError as e:
+      raise config_lib.ConfigError(f"{field}: {e}") from None
     return LoadedModel(params, model_config, tok, weights_tag(params, model_config))
   return LoadedModel(None, model_config, tok, "")

@@ -295,8 +295,9 @@ class Tokenizer:
     if chat_template is None:
       if len(self.chat_templates) > 1 and "default" not in self.chat_templates:
         raise ValueError(
-          "the tokenizer has several chat templates and none is 'default': "
-          f"pass chat_template= one of {sorted(self.chat_templates)}"
+          "the tokenizer has several chat templates and none is 'default' "
+          f"({sorted(self.chat_templates)}): point config.tokenizer.dir at a folder whose "
+          "template is named 'default' (in Python: Tokenizer.from_dir(chat_template=NAME))"
         )
       return self.chat_templates.get("default")
     return self.chat_templates.get(chat_template, chat_template)
@@ -421,7 +422,9 @@ class Tokenizer:
     if self._template is None:
       raise ValueError(
         f"no chat template: the tokenizer folder has no {CONFIG_FILE} field "
-        f"'chat_template' and no {chat_template_lib.TEMPLATE_FILE}; pass chat_template= to from_dir"
+        f"'chat_template' and no {chat_template_lib.TEMPLATE_FILE}; point config.tokenizer.dir "
+        "at a folder with one (e.g. the instruct model's), or set config.data.prompt_style "
+        "(and config.eval.prompt_style) to 'plain', which needs none"
       )
     chat = []
     for i, m in enumerate(messages):

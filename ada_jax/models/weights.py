@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from ada_jax.models import decoder as model_lib
@@ -325,6 +325,24 @@ def resolve(path: str | os.PathLike) -> pathlib.Path:
     ) from None
 
 
+def _open_safetensors(file: pathlib.Path):
+  """`safe_open` of one weights file; a truncated or empty one is named (safetensors' own
+  error names no file)."""
+  try:
+    return safe_open(str(file), framework="numpy")
+  except (SafetensorError, OSError) as e:
+    raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+
+
+def _mode_of_a_new_file(path: pathlib.Path) -> None:
+  """Gives `path` the mode `open` gives a new file (0644 under the usual umask 022), as the
+  folder's other files have: safetensors writes its files 0600, readable by their owner
+  only, which an inference server run as another user cannot load."""
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(path, 0o666 & ~umask)
+
+
 def _safetensors_files(folder: pathlib.Path) -> list[pathlib.Path]:
   index = folder / "model.safetensors.index.json"
   if index.exists():
@@ -376,7 +394,7 @@ def load_hf(
   params: Params = {}
   seen: set[str] = set()
   for file in _safetensors_files(folder):
-    with safe_open(str(file), framework="numpy") as f:
+    with _open_safetensors(file) as f:
       for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
         if _IGNORED.match(name) or (name == "lm_head.weight" and config.tie_embeddings):
           continue
@@ -452,6 +470,7 @@ def save_hf(
   weight_map = {}
   for name, shard in zip(names, shards, strict=True):
     save_file(shard, str(folder / name), metadata={"format": "pt"})
+    _mode_of_a_new_file(folder / name)
     weight_map.update(dict.fromkeys(shard, name))
   if len(shards) > 1:
     (folder / "model.safetensors.index.json").write_text(
