@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from ada_jax import checkpoint, loop, runstate
+from ada_jax.config import ConfigError
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding, weights
 from ada_jax.rl import train
@@ -159,7 +160,9 @@ def test_resume_order(tmp_path):
   assert source == "scratch"
   _assert_tree_equal(run.train.params, fresh_params)
   np.testing.assert_array_equal(jax.random.key_data(run.rng), jax.random.key_data(root))
-  with pytest.raises(weights.CheckpointError, match="no_such_weights: no such folder"):
+  with pytest.raises(
+    ConfigError, match=r"config\.model\.hf_dir: .*no_such_weights: no such folder"
+  ):
     initial("d", pretrained=str(tmp_path / "no_such_weights"))
   with pytest.raises(FileNotFoundError, match="init_from"):
     initial("e", init_from=str(tmp_path / "c"))
