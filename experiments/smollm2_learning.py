@@ -55,6 +55,7 @@ import pathlib
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -223,8 +224,8 @@ def progress_line(name: str, m: dict, steps: int, tokens: float, spent_s: float)
 
 def run(workdir: pathlib.Path, config: str, overrides: dict[str, object], steps: int) -> None:
   """Runs (or resumes) one training run unless finished; a progress line per finished
-  step. Raises RuntimeError with the log's tail when it fails, SystemExit(75) when it was
-  stopped by a signal (rerun to resume)."""
+  step. Raises RuntimeError with the log's tail when it fails, SystemExit(75) (as
+  `ada_jax.main`'s) when it was stopped by Ctrl-C or SIGTERM (rerun to resume)."""
   name = workdir.name
   if finished(workdir, steps):
     print(f"[{name}] finished already: skipped", flush=True)
@@ -256,6 +257,9 @@ def run(workdir: pathlib.Path, config: str, overrides: dict[str, object], steps:
     proc = subprocess.Popen(
       command(workdir, config, overrides), cwd=REPO, stdout=log, stderr=subprocess.STDOUT
     )
+    # SIGTERM to this script reaches the job too (a Ctrl-C reaches the whole foreground
+    # group by itself): it saves a checkpoint after the current step and exits 75.
+    previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
     while True:
       try:
         rc = proc.wait(timeout=POLL_S)
@@ -265,11 +269,13 @@ def run(workdir: pathlib.Path, config: str, overrides: dict[str, object], steps:
         report_new()
       except KeyboardInterrupt:  # the job got the Ctrl-C too: it saves and exits 75
         print(f"[{name}] stopping after the current step ...", flush=True)
+    signal.signal(signal.SIGTERM, previous)
   session["rc"] = rc
   checkpoint_wall()
   report_new()
   if rc == 75:
-    raise SystemExit(f"[{name}] stopped (exit 75): rerun the same command to resume")
+    print(f"[{name}] stopped (exit 75): rerun the same command to resume", flush=True)
+    raise SystemExit(75)
   if rc:
     tail = (workdir / "log.txt").read_text()[-2000:]
     raise RuntimeError(f"run {workdir} failed (exit {rc}):\n{tail}")
