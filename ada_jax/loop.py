@@ -249,7 +249,11 @@ def _heldout_eval(evaluator, workdir, params, step, rng):
   flat = benchmarks.flat_metrics(report["results"])
   metrics_lib.console(
     f"held-out at RL step {step}: "
-    + ", ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in flat.items() if "avg@" in k)
+    + ", ".join(
+      f"{k.removeprefix('eval/')} {v:.4f}"
+      for k, v in flat.items()
+      if "avg@" in k or k.endswith("/boxed_rate")
+    )
   )
   return flat
 

@@ -3,6 +3,7 @@ of known accuracy, the problem-weighted average, the resumable results cache and
 of `EvalConfig` (also as the `eval` group of an experiment config)."""
 
 import dataclasses
+import json
 import math
 
 import jax
@@ -170,6 +171,47 @@ def test_interrupted_evaluation_resumes_without_recomputation(tmp_path):
   assert fourth.rows == 12 * 8
   with pytest.raises(ValueError, match="model_tag"):
     _run(fourth, [a, b], config, cache=benchmarks.ResultCache(path))
+
+
+class BoxingPolicy:
+  """Row j of every problem answers `\\boxed{<answer>}` when j < boxed, else the bare answer
+  (j = boxed) or an unclosed box (j > boxed): right or wrong, only boxes count as boxed."""
+
+  def __init__(self, bench, boxed):
+    self.answer = dict(zip(map(tuple, bench.prompts.tokens), bench.prompts.answers, strict=True))
+    self.boxed, self.calls = boxed, 0
+
+  def __call__(self, prompt_tokens, row_prompt, rng):
+    self.calls += 1
+    texts, seen = [], {}
+    for p in row_prompt:
+      j = seen[p] = seen.get(p, -1) + 1
+      ans = self.answer[tuple(prompt_tokens[p])]
+      texts.append(
+        f"so \\boxed{{{ans}}}" if j < self.boxed else ans if j == self.boxed else "\\boxed{" + ans
+      )
+    return texts, np.ones(len(texts), np.int32)
+
+
+def test_boxed_rate_counts_complete_boxes_and_old_cache_lines_are_redone(tmp_path):
+  bench = _bench("a", 3)
+  config = EvalConfig(k=4, problems_per_batch=2)
+  m = _run(BoxingPolicy(bench, 1), [bench], config)["a"]
+  assert m["boxed_rate"] == pytest.approx(1 / 4)  # one of 4 rows boxed, the rest not
+  assert m["avg@4"] == pytest.approx(1 / 4)  # the exact judge reads the box only
+  assert _run(BoxingPolicy(bench, 3), [bench], config)["a"]["boxed_rate"] == pytest.approx(3 / 4)
+  assert benchmarks.flat_metrics({"a": m})["eval/a/boxed_rate"] == m["boxed_rate"]
+  # A cache line written before `boxed` was recorded is generated again, not read back.
+  path = tmp_path / "cache.jsonl"
+  kw = dict(model_tag="stub", cache=benchmarks.ResultCache(path))
+  _run(BoxingPolicy(bench, 2), [bench], config, **kw)
+  lines = [json.loads(x) for x in path.read_text().splitlines()]
+  assert [r["boxed"] for r in lines] == [[1, 1, 0, 0]] * 3
+  lines[0].pop("boxed")
+  path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+  again = BoxingPolicy(bench, 2)
+  m = _run(again, [bench], config, model_tag="stub", cache=benchmarks.ResultCache(path))["a"]
+  assert again.calls == 1 and m["boxed_rate"] == pytest.approx(1 / 2)
 
 
 def test_missing_scorer_is_named():

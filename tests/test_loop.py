@@ -157,6 +157,7 @@ def test_run_writes_metrics_checkpoints_summary(reference_run):
     "decode_steps",
     "token_slot_utilization",
     "tokens_cancelled",
+    "tokens_decoded",
   ):
     assert key in lines[-1], key
   # pos: M = 8 per active prompt and round, at most 2 rounds.

@@ -150,6 +150,9 @@ def test_graded_rows_are_the_seeds_tokens_whatever_was_cancelled(tiny, no_implic
   out = drive.responses()
   graded = out["lengths"] > 0
   assert drive.counters.tokens_cancelled > 0 and (~graded).any()
+  # The step's decode cost in tokens: finished responses' tokens and the cancelled ones.
+  c = drive.counters
+  assert c.metrics()["tokens_decoded"] == out["lengths"].sum() + c.tokens_cancelled
   key = jax.random.fold_in(jax.random.key(0), 0)
   row_prompt = [drive.row_prompt[r] for r in range(len(drive.row_prompt))]
   ref, _ = smp.generate(params, prompts.tokens, row_prompt, key)

@@ -43,6 +43,7 @@ from absl import logging
 from ada_jax.data import arith, prompts
 from ada_jax.data import sets as data
 from ada_jax.models.tokenizer import Tokenizer
+from ada_jax.rewards.grader import last_boxed
 from ada_jax.rewards.verifier import VerifierConfig
 from ada_jax.rollout.spec import SamplerSpec
 
@@ -189,13 +190,16 @@ def benchmark_metrics(
   """Metrics of one benchmark from its per-problem records.
 
   Args:
-    samples: one record per problem with `rewards` (k floats in {0, 1}) and `lengths`.
+    samples: one record per problem with `rewards` (k floats in {0, 1}), `lengths` and
+      `boxed` (k flags: the response has a complete `\\boxed{...}`).
     greedy: one record per problem with a single reward, or None.
     config: gives k and the pass@j values.
 
   Returns:
     `avg@k` (mean reward over all samples: the mean over problems of the per-problem mean),
-    `pass@j` for j in `config.pass_ks`, `greedy` (if given), `response_tokens` (mean
+    `pass@j` for j in `config.pass_ks`, `greedy` (if given), `boxed_rate` (the fraction of
+    samples with a complete, non-empty `\\boxed{...}`, `grader.last_boxed`: whether the
+    model answers in the asked format at all, right or wrong), `response_tokens` (mean
     generated tokens per sample) and `num_problems`.
   """
   rewards_ = np.asarray([r["rewards"] for r in samples], np.float64).reshape(len(samples), -1)
@@ -205,6 +209,7 @@ def benchmark_metrics(
     out[f"pass@{j}"] = float(np.mean([pass_at_k(config.k, int(c), j) for c in correct] or [0]))
   if greedy is not None:
     out["greedy"] = float(np.mean([r["rewards"][0] for r in greedy] or [0]))
+  out["boxed_rate"] = float(np.mean([b for r in samples for b in r["boxed"]])) if samples else 0.0
   out["response_tokens"] = float(np.mean([r["lengths"] for r in samples])) if samples else 0.0
   out["num_problems"] = len(samples)
   return out
@@ -235,7 +240,8 @@ def flat_metrics(
 class ResultCache:
   """Per-problem results, appended as JSON lines to `path` after every finished batch.
 
-  A line is `{"key", "benchmark", "mode", "prompt_id", "prompt", "rewards", "lengths"}`:
+  A line is `{"key", "benchmark", "mode", "prompt_id", "prompt", "rewards", "lengths",
+  "boxed"}`:
   `key` hashes the model, the PRNG key and every setting that changes the samples, `prompt`
   the prompt's token ids, so a cache shared by several models, settings or prompt formats
   never mixes them. A torn last line (a kill mid-write) is skipped.
@@ -322,7 +328,8 @@ def run_benchmark(
 
   Returns:
     One record per problem, in benchmark order: `rewards` (float list of k, or 1 when
-    greedy), `lengths` (generated tokens), `prompt_id`, `benchmark`, `mode`, `key`.
+    greedy), `lengths` (generated tokens), `boxed` (1 where the response has a complete
+    `\\boxed{...}`, else 0), `prompt_id`, `benchmark`, `mode`, `key`.
 
   Raises:
     ValueError: a cache without a `model_tag`, an unknown mode, duplicate prompt ids, or a
@@ -340,7 +347,8 @@ def run_benchmark(
   done = {}
   for i, pid in enumerate(p.prompt_ids if cache is not None else ()):
     r = cache.get(key, bench.name, mode, pid)
-    if r is not None and r.get("prompt") == digests[i]:  # Same id, same prompt tokens.
+    # Same id, same prompt tokens; a line written before `boxed` was recorded is redone.
+    if r is not None and r.get("prompt") == digests[i] and "boxed" in r:
       done[pid] = r
   bench_rng = jax.random.fold_in(rng, _stable_id(f"{bench.name}/{mode}"))
   desc = f"{bench.name} {mode}"
@@ -357,6 +365,7 @@ def run_benchmark(
       raise ValueError(f"policy returned {len(texts)} responses for {len(row_prompt)} rows")
     scores = np.asarray(score(texts, [p.answers[todo[j]] for j in row_prompt]), np.float32)
     lengths = np.asarray(lengths).astype(int)
+    boxed = [int(last_boxed(t) is not None) for t in texts]
     records = []
     for j, i in enumerate(todo):
       part = slice(j * rows, (j + 1) * rows)
@@ -369,6 +378,7 @@ def run_benchmark(
           prompt=digests[i],
           rewards=scores[part].tolist(),
           lengths=lengths[part].tolist(),
+          boxed=boxed[part],
         )
       )
     if cache is not None:

@@ -64,6 +64,9 @@ class RolloutCounters:
       # Decoded tokens ÷ slot-steps: 1 when no slot ever idles.
       "token_slot_utilization": (self.tokens + self.tokens_cancelled) / max(self.slot_steps, 1),
       "tokens_cancelled": self.tokens_cancelled,
+      # Every token the step decoded (finished responses and cancelled rows): its
+      # sampling cost in tokens, summed over steps for curves against decode spent.
+      "tokens_decoded": self.tokens + self.tokens_cancelled,
     }
 
 
