@@ -21,7 +21,7 @@ import pytest
 from ada_jax import checkpoint, loop, runstate
 from ada_jax.config import ConfigError
 from ada_jax.models import decoder as model_lib
-from ada_jax.models import sharding, weights
+from ada_jax.models import sharding
 from ada_jax.rl import train
 
 CONFIG = model_lib.preset("tiny-llama")
