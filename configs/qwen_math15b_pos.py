@@ -23,6 +23,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.tokenizer.eos_ids = ()  # the folder's stop ids (generation_config.json), as released
   # The released script's override (config.json: 4,096), so that 1,024 + 4,096 evaluates.
   c.model.overrides.max_position_embeddings = 32768
+  # The Qwen configs' slices (v4-32 for the 7B) hold the train state beside the sampler.
+  c.train.offload_state = False
   c.sampler.max_new_tokens = 2048  # training response budget (released script: 2,048)
   c.eval.sampler.max_new_tokens = 4096  # evaluation response budget (authors' evaluation: 4,096)
   c.eval.sampler.temperature = 1.0  # Avg@32 sampled at T = 1 (authors' evaluation)
