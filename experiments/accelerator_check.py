@@ -8,8 +8,8 @@ Parts (`--parts`, comma-separated; each catches its own failure and records it, 
 failing part never loses the others' figures; the JSON is rewritten after every part):
 
 * `decode`: the slot-pool sampler (`Sampler.from_spec`, `RolloutPool`) on a
-  Qwen2.5-Math-1.5B-shaped model with random bf16 weights, S in {64, 256, 1024} slots,
-  S/8 prompts of 512 tokens with 8 rows each, forced lengths (the stop id is outside the
+  Qwen2.5-Math-1.5B-shaped model with random weights (float32 masters, decoded from
+  their bf16 copy), S in {64, 256, 1024} slots, S/8 prompts of 512 tokens with 8 rows each, forced lengths (the stop id is outside the
   vocabulary, so every row runs to the budget). The first segment compiles and fills the
   slots; the middle segments are timed. Per S: decode tokens/s, step time, the step's HBM
   bytes (weights read + the live KV cache read, computed from the model's shapes:
@@ -147,7 +147,8 @@ class Check:
     self.rng = np.random.default_rng(0)
 
   def model(self, name: str) -> tuple[model_lib.ModelConfig, dict]:
-    """A preset in bf16 and its random params on the first device (made once)."""
+    """A preset computing in bf16 (float32 master params, as a run keeps them) and its
+    random params on the first device (made once)."""
     if name not in self._params:
       cfg = weights.ModelSpec(preset=name, dtype="bfloat16").model_config()
       params = jax.jit(functools.partial(model_lib.init_params, cfg))(jax.random.key(0))
@@ -220,6 +221,7 @@ def decode_at(check: Check, cfg, params, slots: int, memory: bool) -> dict:
   first compiles and fills the slots, the last ends every row, the middle two are timed."""
   z = check.sizes
   smp = check.sampler(cfg, slots)
+  params = smp.rollout_params(params)  # what a run decodes from: the bf16 copy of the masters
   n_prompts = check.prompts_for(slots)
   prompts, row_prompt = check.random_prompts(cfg, n_prompts), np.arange(slots) % n_prompts
   box = capture_segment(smp, z.prompt_len) if memory else {}
