@@ -9,8 +9,9 @@ failing part never loses the others' figures; the JSON is rewritten after every 
 
 * `decode`: the slot-pool sampler (`Sampler.from_spec`, `RolloutPool`) on a
   Qwen2.5-Math-1.5B-shaped model with random weights (float32 masters, decoded from
-  their bf16 copy), S in {64, 256, 1024} slots, S/8 prompts of 512 tokens with 8 rows each, forced lengths (the stop id is outside the
-  vocabulary, so every row runs to the budget). The first segment compiles and fills the
+  their bf16 copy), S in {64, 256, 1024} slots, S/8 prompts of 512 tokens with 8 rows
+  each, forced lengths (the stop id is outside the vocabulary, so every row runs to the
+  budget). The first segment compiles and fills the
   slots; the middle segments are timed. Per S: decode tokens/s, step time, the step's HBM
   bytes (weights read + the live KV cache read, computed from the model's shapes:
   2 × layers × S × kv_heads × head_dim × live length × itemsize) and MBU = bytes per step
