@@ -311,7 +311,8 @@ def run_decode(check: Check, model: str, slots_list, memory: bool) -> dict:
     "model": model,
     "model_config": dataclasses.asdict(cfg),
     "params": param_count(params),
-    "param_bytes": param_bytes(params),
+    # Of the compute-dtype copy the decode reads (the float32 masters are twice that).
+    "param_bytes": param_count(params) * jnp.dtype(cfg.compute_dtype).itemsize,
     "peak_hbm_bytes_per_s": check.peaks["hbm_bytes_per_s"],
     "by_slots": rows,
   }
