@@ -1,5 +1,5 @@
-"""The run: its start (named keys, `initial_state`), the loop over RL steps, evaluations,
-checkpoints.
+"""The run: the loop over RL steps from the state `start.initial_state` gives it,
+evaluations, checkpoints.
 
 Per RL step `step.rl_step` runs prompts -> the one controller's rollouts -> training batch
 -> policy update (docs/design.md, "One RL step"); here the step's metrics go to
@@ -20,29 +20,22 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import pathlib
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 from absl import logging
 
-from ada_jax import checkpoint, distributed, inputs, runstate
+from ada_jax import checkpoint, distributed, inputs, runstate, start
 from ada_jax import config as config_lib
 from ada_jax import metrics as metrics_lib
 from ada_jax.config import ConfigError
 from ada_jax.data import prompts
 from ada_jax.eval import benchmarks, evaluation
-from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding as sharding_lib
-from ada_jax.models import weights
-from ada_jax.models.decoder import ModelConfig, Params
-from ada_jax.models.tokenizer import Tokenizer
 from ada_jax.rewards.verifier import RewardPool
 from ada_jax.rl import train, update
-from ada_jax.rl import warmstart as warmstart_lib
 from ada_jax.rollout import sampler
 from ada_jax.step import StepContext, rl_step
 
@@ -59,176 +52,6 @@ _AGREED = (
   "decode_steps",
   "tokens_cancelled",
 )
-
-
-# ------------------------------------------------------------------- the run's start
-#
-# Where a run's state comes from, in this order (`initial_state`; docs/design.md "Run
-# state"): 1. the latest checkpoint in the run's own directory that restores (the whole run
-# state: params, optimizer, root key, Est statistics, prompt position, host Generator);
-# 2. `ckpt.init_from`: another run's params, a fresh optimizer, step 0; 3. the pretrained
-# weights of `model.hf_dir`; 4. random init (the init key), then the config's warm start.
-# An evaluation or a prompt selection of "the policy a fresh run would train"
-# (`eval.policy.load_model` with `init_dir`) takes steps 2-4 from `initial_params`.
-
-
-def load_pretrained(path: str | os.PathLike, target: Params) -> Params:
-  """A Hugging Face folder's weights (`weights.load_hf`) on `target`'s dtype and shardings.
-
-  Raises:
-    weights.CheckpointError: the folder is missing, or its architecture or parameter
-      shapes differ from `target`'s.
-  """
-  dtype = jax.tree.leaves(target)[0].dtype
-  shardings = jax.tree.map(lambda s: s.sharding, target)
-  try:
-    _, params = weights.load_hf(path, dtype=dtype, shardings=shardings)
-  except (KeyError, TypeError) as e:
-    raise weights.CheckpointError(
-      f"{path}: its architecture does not match the configured model ({e!r})"
-    ) from None
-  if jax.tree.map(lambda x: x.shape, params) != jax.tree.map(lambda s: s.shape, target):
-    raise weights.CheckpointError(f"{path}: parameter shapes differ from the configured model's")
-  return params
-
-
-def not_this_model(error: Exception) -> str:
-  """Orbax's refusal of a checkpoint whose params tree or shapes differ from the target's,
-  in one short line."""
-  first = " ".join(str(error).split("\n")[0].split())
-  return f"a checkpoint of another model than the configured one ({first[:200]})"
-
-
-def initial_params(
-  cfg,
-  model_config: ModelConfig,
-  tokenizer: Tokenizer,
-  target: Params,
-  *,
-  model_dir: str | os.PathLike | None,
-  init_key: jax.Array,
-  phase: Callable[[str], None] | None = None,
-  progress: bool = True,
-  scratch_cache: pathlib.Path | None = None,
-) -> tuple[Params, str, dict[str, Any] | None]:
-  """Steps 2-4 of the module docstring's order: the params a fresh run of `cfg` starts from.
-
-  Args:
-    cfg: the run config (`ckpt.init_from`, `warmstart`).
-    model_config: the architecture.
-    tokenizer: the warm start's.
-    target: abstract params (shapes, dtypes and shardings) of steps 2 and 3.
-    model_dir: the pretrained folder of step 3 (`inputs.load_model_files`), or None.
-    init_key: step 4's key (`runstate.RunKeys.init`).
-    phase: called with 'the warm start' before it and 'the set-up' after it (the run's
-      signal handling, `runstate.StopRequest.enter`).
-    progress: the warm start's progress bar.
-    scratch_cache: step 4 reads its params back from this folder when a run saved them
-      there, else saves them there (evaluations of the initial policy); None: neither.
-
-  Returns:
-    (params, source, warm-start summary or None) with source 'init_from:<path>',
-    'pretrained:<path>' or 'scratch'.
-
-  Raises:
-    FileNotFoundError: `ckpt.init_from` holds no checkpoint (named).
-    ConfigError: `ckpt.init_from` holds another model's params, or `model_dir` does not
-      load (`load_pretrained`'s error, the file named).
-  """
-  # 2. Another run's params (a fresh optimizer and step 0 are the caller's).
-  if cfg.ckpt.init_from:
-    try:
-      params = checkpoint.restore_params(cfg.ckpt.init_from, target)
-    except FileNotFoundError as e:
-      raise FileNotFoundError(f"config.ckpt.init_from: {e}") from None
-    except ValueError as e:  # orbax: another tree or shapes (a 50-line message)
-      raise ConfigError(
-        f"config.ckpt.init_from={cfg.ckpt.init_from}: {not_this_model(e)}"
-      ) from None
-    return params, f"init_from:{cfg.ckpt.init_from}", None
-  # 3. Pretrained weights.
-  if model_dir:
-    try:
-      return load_pretrained(model_dir, target), f"pretrained:{model_dir}", None
-    except weights.CheckpointError as e:  # the file named: a bad input, not a failure
-      raise ConfigError(f"config.model.hf_dir: {e}") from None
-  # 4. Random init, then the warm start.
-  if scratch_cache is not None and (scratch_cache / "params").is_dir():
-    return checkpoint.restore_params(scratch_cache, target), "scratch", None
-  params, summary = model_lib.init_params(model_config, init_key), None
-  if cfg.warmstart is not None:
-    if phase:
-      phase("the warm start")
-    params, ws = warmstart_lib.warm_start(
-      model_config, params, tokenizer, cfg.warmstart, progress=progress
-    )
-    if phase:
-      phase("the set-up")
-    line, summary = warmstart_lib.describe(ws, cfg.warmstart), warmstart_lib.summary(ws)
-    metrics_lib.console(line)
-  if scratch_cache is not None:
-    params = jax.device_put(params, jax.tree.map(lambda s: s.sharding, target))
-    checkpoint.save_params(scratch_cache, params)
-  return params, "scratch", summary
-
-
-def initial_state(
-  cfg,
-  manager,
-  target: train.TrainState,
-  model_config: ModelConfig,
-  tokenizer: Tokenizer,
-  mesh: jax.sharding.Mesh,
-  *,
-  model_dir: str | os.PathLike | None,
-  host: dict[str, Any],
-  check_host: Callable[[dict[str, Any], int], None] | None = None,
-  phase: Callable[[str], None] | None = None,
-  progress: bool = True,
-) -> tuple[checkpoint.RunState, str]:
-  """The run's state, from the first of the module docstring's four sources that exists.
-
-  Args:
-    cfg: the run config.
-    manager: the run's checkpoint manager (step 1).
-    target: `train.abstract_state(...)` of the run (its `ref_params` set iff the run has a
-      KL reference).
-    model_config, tokenizer, mesh: the run's.
-    model_dir: the pretrained folder of step 3, or None.
-    host: the host state of a fresh run (step, iterator position, Generator state).
-    check_host: step 1's resume-compatibility check (`checkpoint.restore`).
-    phase, progress: `initial_params`'.
-
-  Returns:
-    (run state, source): source 'checkpoint:<step>' or `initial_params`' source.
-
-  Raises:
-    checkpoint.UnreadableCheckpoint: checkpoints exist but none restores.
-    FileNotFoundError, ConfigError: as `initial_params`.
-  """
-  # 1. The latest checkpoint of this run that restores: the whole run state.
-  latest = checkpoint.restore_latest(manager, target, check_host=check_host)
-  if latest is not None:
-    run, step = latest
-    return run, f"checkpoint:{step}"
-  # 2-4. The params a fresh run starts from; its optimizer, root key and host state.
-  root = jax.random.key(cfg.seed)
-  params, source, warm = initial_params(
-    cfg,
-    model_config,
-    tokenizer,
-    target.params,
-    model_dir=model_dir,
-    init_key=runstate.run_keys(root).init,
-    phase=phase,
-    progress=progress,
-  )
-  with_ref = target.ref_params is not None
-  state = train.init_train_state(
-    model_config, cfg.train, params, mesh, ref_params=params if with_ref else None
-  )
-  host = {**host, **({"warmstart": warm} if warm else {})}
-  return checkpoint.RunState(train=state, rng=root, est=None, host=host), source
 
 
 def _heldout_eval(evaluator, workdir, params, step, rng):
@@ -336,8 +159,8 @@ def _train(cfg, workdir: str, stop: runstate.StopRequest, stack: contextlib.Exit
   manager = checkpoint.make_manager(pathlib.Path(workdir) / "checkpoints", cfg.ckpt)
   stack.callback(_close, manager)
   # The start order (latest checkpoint, ckpt.init_from, pretrained, init + warm start) is
-  # `initial_state`'s; a checkpoint made with an incompatible config is refused.
-  run_state, source = initial_state(
+  # `start.initial_state`'s; a checkpoint made with an incompatible config is refused.
+  run_state, source = start.initial_state(
     cfg,
     manager,
     target,

@@ -108,7 +108,7 @@ def plan(cfg, target_name: str, *, devices=None, progress=print) -> dict:
   resident = aot.per_device_bytes(state)
   params_differ = model_cfg.dtype != model_cfg.param_dtype
   # `train.offload_state`: during a step's rollouts the state waits in host memory
-  # (`train.to_memory`); evaluations run with it on the device.
+  # (`sharding.to_memory`); evaluations run with it on the device.
   offloaded = cfg.train.offload_state and params_differ
   resident_rollout = 0 if offloaded else resident
   if train_out is not None:

@@ -224,7 +224,7 @@ class RunKeys:
   """The run's root key (`jax.random.key(config.seed)`, checkpointed) split once.
 
   Attributes:
-    init: the random init (`loop.initial_params`' step 4).
+    init: the random init (`start.initial_params`' step 4).
     rollout: the RL steps' rollouts (step s: `fold_in(rollout, s)`).
     eval: the held-out evaluations' sampling.
   """

@@ -32,6 +32,7 @@ from ada_jax import distributed
 from ada_jax import metrics as metrics_lib
 from ada_jax.data import prompts
 from ada_jax.data.prompts import PromptSet
+from ada_jax.models import sharding
 from ada_jax.models.tokenizer import Tokenizer
 from ada_jax.rl import controller, estimate, rules, train, update
 from ada_jax.rollout import engine as rollout_engine
@@ -137,7 +138,7 @@ def rl_step(
     rollout = ctx.sampler.rollout_params(state.params)
     offload = cfg.train.offload_state and rollout is not state.params
     if offload:  # the masters and moments wait in host memory while the step samples
-      state = train.to_memory(state, "pinned_host")
+      state = sharding.to_memory(state, "pinned_host")
     engine = rollout_engine.PoolEngine(
       ctx.sampler,
       rollout,
@@ -155,7 +156,7 @@ def rl_step(
     )
     engine.finish()
     if offload:
-      state = train.to_memory(state, "device")
+      state = sharding.to_memory(state, "device")
     responses = engine.responses()
     # Batch and update.
     start = time.perf_counter()

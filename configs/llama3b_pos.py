@@ -14,8 +14,9 @@ Memory (XLA:TPU, `python -m ada_jax.plan --topology=v5e-8`; results/memory_plan_
 4-way tensor parallelism times FSDP over the remaining chips, remat, one sequence per
 data-parallel group per micro-batch, 192 rollout slots and the float32 train state parked
 in host memory while the step samples keep the paper's batch (512 prompts × 4 responses,
-1024 + 2048 tokens) at a 12.3 GiB peak per device on a v5e-8 (15.75 usable). On a larger slice set `--config.train.micro_batch_size` to data × fsdp (e.g. 8 on
-32 devices) and run the plan; see docs/tpu.md.
+1024 + 2048 tokens) at a 12.3 GiB peak per device on a v5e-8 (15.75 usable). On a larger
+slice set `--config.train.micro_batch_size` to data × fsdp (e.g. 8 on 32 devices) and run
+the plan; see docs/tpu.md.
 """
 
 import ml_collections

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ada_jax import checkpoint, loop, runstate
+from ada_jax import checkpoint, runstate, start
 from ada_jax.config import ConfigError
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding
@@ -116,7 +116,7 @@ def test_reference_params_and_no_est(tmp_path):
 
 
 def test_resume_order(tmp_path):
-  """`loop.initial_state`'s order: 1. the run's own latest checkpoint; 2. `init_from`;
+  """`start.initial_state`'s order: 1. the run's own latest checkpoint; 2. `init_from`;
   3. pretrained weights; 4. random init (the run's init key)."""
   mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
   target = train.abstract_state(CONFIG, TRAIN, mesh)
@@ -136,7 +136,7 @@ def test_resume_order(tmp_path):
       seed=0, ckpt=types.SimpleNamespace(init_from=init_from), warmstart=None, train=TRAIN
     )
     manager = checkpoint.make_manager(tmp_path / workdir)
-    return loop.initial_state(
+    return start.initial_state(
       cfg, manager, target, CONFIG, None, mesh, model_dir=pretrained, host={"rl_step": 0}
     )
 

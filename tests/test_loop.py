@@ -384,7 +384,6 @@ def test_rollouts_decode_from_one_compute_dtype_copy_per_step(tmp_path, no_impli
   step (the sampler's counter), and the train state stays float32; with
   `train.offload_state` it waits in host memory while each step samples."""
   from ada_jax.models import sharding as sharding_lib
-  from ada_jax.rl import train
   from ada_jax.rollout import queue, sampler
 
   c = tiny_config(steps=2)
@@ -394,7 +393,7 @@ def test_rollouts_decode_from_one_compute_dtype_copy_per_step(tmp_path, no_impli
   c.ckpt.every_steps = 0
   seen, copies, moves = [], [], []
   real_pool, real_copy = queue.RolloutPool.__init__, sampler.Sampler.rollout_params
-  real_move = train.to_memory
+  real_move = sharding_lib.to_memory
 
   def to_memory(state, kind):
     moves.append(kind)
@@ -416,7 +415,7 @@ def test_rollouts_decode_from_one_compute_dtype_copy_per_step(tmp_path, no_impli
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(queue.RolloutPool, "__init__", pool_init)
     patch.setattr(sampler.Sampler, "rollout_params", rollout_params)
-    patch.setattr(train, "to_memory", to_memory)
+    patch.setattr(sharding_lib, "to_memory", to_memory)
     summary = _guarded_run(c, str(tmp_path), no_implicit_transfers)
   cfg = config_lib.parse(c)
   model_cfg = cfg.model.model_config()

@@ -375,16 +375,16 @@ def test_bf16_compute_trains_at_the_paper_lr_only_with_float32_masters(param_dty
 
 
 def test_to_memory_moves_the_state_to_host_and_back_unchanged():
-  """`train.to_memory`: the same values and shardings in the other memory kind, the source
+  """`sharding.to_memory`: the same values and shardings in the other memory kind, the source
   buffers freed (`TrainConfig.offload_state`)."""
   config = train.TrainConfig(num_minibatches=1)
   mesh = _mesh(2, 2, 2)
   params = sharding.place_params(PARAMS, sharding.param_shardings(CONFIG, mesh))
   state = train.init_train_state(CONFIG, config, params, mesh)
   want = jax.device_get(state)
-  away = train.to_memory(state, "pinned_host")
+  away = sharding.to_memory(state, "pinned_host")
   assert all(x.is_deleted() for x in jax.tree.leaves(state))
-  back = train.to_memory(away, "device")
+  back = sharding.to_memory(away, "device")
   for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(want), strict=True):
     assert a.sharding.memory_kind == "device"
     np.testing.assert_array_equal(np.asarray(a), b)

@@ -3,7 +3,7 @@ tokenizer, placed on a mesh.
 
 `load_model` reads a Hugging Face folder (or Hub id), an orbax checkpoint of a run, or the
 config's `model.hf_dir`. With `init_dir` it measures the policy a fresh training run of the
-config would start from (`loop.initial_params`: `ckpt.init_from`, else `model.hf_dir`,
+config would start from (`start.initial_params`: `ckpt.init_from`, else `model.hf_dir`,
 else random init with the run's init key followed by the config's warm start, saved under
 `init_dir` so that a rerun reads it back and training can start from it).
 """
@@ -21,7 +21,7 @@ from absl import logging
 
 from ada_jax import checkpoint as checkpoint_lib
 from ada_jax import config as config_lib
-from ada_jax import inputs, loop, runstate
+from ada_jax import inputs, runstate, start
 from ada_jax.eval.evaluation import weights_tag
 from ada_jax.models import sharding, weights
 from ada_jax.models.decoder import ModelConfig, Params
@@ -110,7 +110,7 @@ def load_model(
     folder = pathlib.Path(init_dir).absolute() / f"base_params_{digest[:12]}"
     if not (cfg.ckpt.init_from or model_dir or cfg.warmstart):
       logging.warning("no checkpoint, hf_dir or warm start: measuring a RANDOM model")
-    params, _, _ = loop.initial_params(
+    params, _, _ = start.initial_params(
       cfg,
       model_config,
       tok,
@@ -133,7 +133,7 @@ def load_model(
       params = checkpoint_lib.restore_params(path, target)
     except ValueError as e:  # orbax: another tree or shapes (a 50-line message)
       raise config_lib.ConfigError(
-        f"{path}: {loop.not_this_model(e)}; load it with the config of the run that wrote it"
+        f"{path}: {start.not_this_model(e)}; load it with the config of the run that wrote it"
       ) from None
     return LoadedModel(params, model_config, tok, weights_tag(params, model_config), str(path))
   if model_dir is not None:

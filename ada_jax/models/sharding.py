@@ -353,3 +353,23 @@ def host_copy(tree: Any) -> Any:
   if jax.process_count() == 1:
     return tree
   return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def to_memory(tree: Any, memory_kind: str) -> Any:
+  """Every array of `tree` on its sharding in `memory_kind` ('pinned_host': the host's
+  pinned memory; 'device': the accelerator's), its old buffers freed as soon as the copies
+  are made (XLA cannot donate across memory kinds). Host memory holds a train state
+  between uses only: no program reads it there (`train.TrainConfig.offload_state`).
+
+  Raises:
+    ValueError: an unknown memory kind for these devices.
+  """
+
+  def move(x):
+    if x.sharding.memory_kind == memory_kind:
+      return x
+    y = jax.device_put(x, x.sharding.with_memory_kind(memory_kind))
+    x.delete()  # freed once the copy that reads it is done
+    return y
+
+  return jax.tree.map(move, tree)

@@ -92,7 +92,7 @@ class TrainConfig:
       must be the sampler's (`sampler.SamplingRule.logprob_temperature`, which
       `config.RunConfig` fills in), else the PPO ratio is off from the start.
     offload_state: while a step samples, the train state (master params, AdamW moments)
-      waits in the host's pinned memory (`to_memory`), leaving the accelerator's to the
+      waits in the host's pinned memory (`sharding.to_memory`), leaving the accelerator's to the
       rollout copy and the caches; it comes back before the update. Worth it where
       `python -m ada_jax.plan` says a sampling phase does not fit beside the state (the 3B
       on a v5e-8); costs two host transfers of the state per step.
@@ -249,26 +249,6 @@ def _init_unplaced(model_config, config, with_ref):
     opt_state=_optimizer(config).init(params),
     ref_params=params if with_ref else None,
   )
-
-
-def to_memory(state: TrainState, memory_kind: str) -> TrainState:
-  """`state` on the same shardings in `memory_kind` ('pinned_host': the host's pinned
-  memory; 'device': the accelerator's), its old buffers freed as soon as the copies are
-  made (XLA cannot donate across memory kinds). Host memory holds the state between uses
-  only: no program reads it there (`TrainConfig.offload_state`).
-
-  Raises:
-    ValueError: an unknown memory kind for these devices.
-  """
-
-  def move(x):
-    if x.sharding.memory_kind == memory_kind:
-      return x
-    y = jax.device_put(x, x.sharding.with_memory_kind(memory_kind))
-    x.delete()  # freed once the copy that reads it is done
-    return y
-
-  return jax.tree.map(move, state)
 
 
 def init_train_state(
