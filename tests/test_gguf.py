@@ -115,6 +115,7 @@ def test_config_is_the_files(ours):
   assert (config.num_heads, config.num_kv_heads, config.head_dim) == (9, 3, 64)
   assert (config.vocab_size, config.tie_embeddings, config.rope_theta) == (49152, True, 1e5)
   assert tok.eos_ids == (tok.token_to_id("<|im_end|>"),)
+  assert config == model_lib.PRESETS["smollm2-135m"]  # the preset plans and guards read
 
 
 @pytest.mark.slow

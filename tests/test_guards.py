@@ -24,6 +24,7 @@ from ada_jax.models import decoder as model_lib
 from ada_jax.models import weights
 from ada_jax.rollout import sampler as sampler_lib
 from ada_jax.rollout.spec import SamplerSpec
+from configs import smollm2_arith_pos
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = sorted(
@@ -34,6 +35,7 @@ HUB_PRESETS = {
   "Qwen/Qwen2.5-Math-1.5B": "qwen2.5-math-1.5b",
   "Qwen/Qwen2.5-Math-7B": "qwen2.5-math-7b",
   "meta-llama/Llama-3.2-3B-Instruct": "llama-3.2-3b-instruct",
+  smollm2_arith_pos.HF_DIR: "smollm2-135m",  # the converted GGUF's folder
 }
 
 

@@ -185,6 +185,21 @@ PRESETS: dict[str, ModelConfig] = {
     qk_norm=True,
     max_position_embeddings=40_960,
   ),
+  # SmolLM2-135M-Instruct (configs/smollm2_arith_*.py, from its GGUF: models/from_gguf.py).
+  "smollm2-135m": ModelConfig(
+    family="llama",
+    vocab_size=49_152,
+    embed_dim=576,
+    mlp_dim=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rope_theta=100_000.0,
+    rms_norm_eps=1e-5,
+    tie_embeddings=True,
+    max_position_embeddings=8192,
+  ),
   # Tiny shapes for tests and CPU runs; one per family so each code path is exercised.
   "tiny-llama": ModelConfig(
     family="llama",
