@@ -90,8 +90,8 @@ class PoolEngine:
 
   Args:
     sampler: the rollout engine.
-    params: the policy's parameters; the pool decodes from their compute-dtype copy
-      (`Sampler.rollout_params`, made here once per step, freed by `finish`).
+    params: the step's rollout copy of the policy's parameters (`Sampler.rollout_params`,
+      made once per step by `ada_jax.step.rl_step`; freed with the pool by `finish`).
     tokenizer: decodes responses for the verifier.
     grader: `submit(texts, answers) -> ticket`, `collect(ticket) -> float32[N]`
       (`distributed.SharedGrader`: identical on every process).
