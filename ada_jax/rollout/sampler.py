@@ -378,9 +378,9 @@ class Sampler:
 
     The decode loop reads every weight at every step, so it must read the compute-dtype
     copy, never cast the float32 masters inside the loop (twice the bytes per step). A
-    caller makes the copy once per RL step (`rollout.engine.PoolEngine`, which frees it
-    with the pool before the update), evaluation or prompt selection and passes it to
-    every `pool` / `generate` call; `pool` makes one itself when given the masters.
+    caller makes the copy once per RL step (`ada_jax.step.rl_step`; `PoolEngine.finish`
+    frees it with the pool before the update), evaluation or prompt selection and passes
+    it to every `pool` / `generate` call; `pool` makes one itself when given the masters.
 
     Args:
       params: the parameter tree (`param_dtype` leaves, placed on the mesh's
