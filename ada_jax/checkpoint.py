@@ -376,6 +376,8 @@ def restore_params(path: str | os.PathLike, target: Params) -> Params:
 
   Raises:
     FileNotFoundError: `path` holds no checkpoint (see `params_step_dir`).
+    weights.CheckpointError: the checkpoint's params tree or shapes are another model's
+      (orbax's 50-line refusal in one line, the folder named).
   """
   folder = params_step_dir(path) / "params"
   with ocp.StandardCheckpointer() as checkpointer:
@@ -389,7 +391,13 @@ def restore_params(path: str | os.PathLike, target: Params) -> Params:
         "/".join(sorted(stored)),
         "/".join(sorted(wanted)),
       )
-    return checkpointer.restore(folder, target)
+    try:
+      return checkpointer.restore(folder, target)
+    except ValueError as e:  # orbax: another tree or shapes
+      first = " ".join(str(e).split("\n")[0].split())
+      raise weights.CheckpointError(
+        f"{folder}: a checkpoint of another model than the configured one ({first[:200]})"
+      ) from None
 
 
 def save_params(folder: str | os.PathLike, params: Params) -> None:

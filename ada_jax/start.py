@@ -50,13 +50,6 @@ def load_pretrained(path: str | os.PathLike, target: Params) -> Params:
   return params
 
 
-def not_this_model(error: Exception) -> str:
-  """Orbax's refusal of a checkpoint whose params tree or shapes differ from the target's,
-  in one short line."""
-  first = " ".join(str(error).split("\n")[0].split())
-  return f"a checkpoint of another model than the configured one ({first[:200]})"
-
-
 def initial_params(
   cfg,
   model_config: ModelConfig,
@@ -99,10 +92,8 @@ def initial_params(
       params = checkpoint.restore_params(cfg.ckpt.init_from, target)
     except FileNotFoundError as e:
       raise FileNotFoundError(f"config.ckpt.init_from: {e}") from None
-    except ValueError as e:  # orbax: another tree or shapes (a 50-line message)
-      raise ConfigError(
-        f"config.ckpt.init_from={cfg.ckpt.init_from}: {not_this_model(e)}"
-      ) from None
+    except weights.CheckpointError as e:  # another model's params
+      raise ConfigError(f"config.ckpt.init_from={cfg.ckpt.init_from}: {e}") from None
     return params, f"init_from:{cfg.ckpt.init_from}", None
   # 3. Pretrained weights.
   if model_dir:

@@ -131,9 +131,9 @@ def load_model(
     path = pathlib.Path(checkpoint_path).absolute()
     try:
       params = checkpoint_lib.restore_params(path, target)
-    except ValueError as e:  # orbax: another tree or shapes (a 50-line message)
+    except weights.CheckpointError as e:  # another model's params
       raise config_lib.ConfigError(
-        f"{path}: {start.not_this_model(e)}; load it with the config of the run that wrote it"
+        f"{e}; load it with the config of the run that wrote it"
       ) from None
     return LoadedModel(params, model_config, tok, weights_tag(params, model_config), str(path))
   if model_dir is not None:
