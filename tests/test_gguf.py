@@ -321,6 +321,9 @@ def test_tiny_round_trip(tmp_path):
     "<|im_start|>user\nx<|im_end|>\n"
   )
   assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"] == _TEMPLATE
+  # Readable as the folder's other files are (safetensors alone writes 0600).
+  mode = lambda name: (out / name).stat().st_mode & 0o777
+  assert mode("model.safetensors") == mode("config.json")
 
 
 def test_unsupported_architecture_and_tokenizer_are_named(tmp_path):

@@ -44,7 +44,6 @@ from typing import Any
 import gguf
 import numpy as np
 import tokenizers
-from safetensors.numpy import save_file
 from tokenizers import decoders, models, pre_tokenizers
 
 from ada_jax.models import weights
@@ -329,7 +328,7 @@ def convert(source: str | pathlib.Path, out_dir: str | pathlib.Path) -> pathlib.
   tensors = dict(read_tensors(reader, hf_config, name))
   out = pathlib.Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
-  save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+  weights.write_safetensors(tensors, out / "model.safetensors")
   (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
   tok.save(out)
   # Tokenizer.save writes the template as chat_template.jinja (transformers >= 4.50); the

@@ -334,10 +334,12 @@ def _open_safetensors(file: pathlib.Path):
     raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
 
 
-def _mode_of_a_new_file(path: pathlib.Path) -> None:
-  """Gives `path` the mode `open` gives a new file (0644 under the usual umask 022), as the
-  folder's other files have: safetensors writes its files 0600, readable by their owner
-  only, which an inference server run as another user cannot load."""
+def write_safetensors(tensors: Mapping[str, np.ndarray], path: pathlib.Path) -> None:
+  """Writes one safetensors file (transformers' `format: pt` metadata) with the mode `open`
+  gives a new file (0644 under the usual umask 022), as the folder's other files have:
+  safetensors writes its files 0600, readable by their owner only, which an inference
+  server run as another user cannot load."""
+  save_file(dict(tensors), str(path), metadata={"format": "pt"})
   umask = os.umask(0)
   os.umask(umask)
   os.chmod(path, 0o666 & ~umask)
@@ -469,8 +471,7 @@ def save_hf(
   )
   weight_map = {}
   for name, shard in zip(names, shards, strict=True):
-    save_file(shard, str(folder / name), metadata={"format": "pt"})
-    _mode_of_a_new_file(folder / name)
+    write_safetensors(shard, folder / name)
     weight_map.update(dict.fromkeys(shard, name))
   if len(shards) > 1:
     (folder / "model.safetensors.index.json").write_text(
