@@ -155,10 +155,6 @@ class RunConfig:
       size = getattr(self.mesh, axis)
       if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
         raise ConfigError(f"config.mesh.{axis}={size!r}: must be -1 (the rest) or in [1, 2**16]")
-    if self.rl.steps < 1:
-      raise ConfigError(f"config.rl.steps must be >= 1, got {self.rl.steps}")
-    if self.rl.batch_prompts < 1:
-      raise ConfigError(f"config.rl.batch_prompts must be >= 1, got {self.rl.batch_prompts}")
     if self.train_rows % self.mini_batch_rows:
       raise ConfigError(
         f"config.train.mini_batch_prompts ({self.train.mini_batch_prompts}) × ada.n "
