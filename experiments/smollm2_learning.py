@@ -1,9 +1,9 @@
 """Does RL teach a real pretrained model on this CPU? SmolLM2-135M-Instruct, GRPO n = 4 vs
 Reinforce-Ada-pos and -balance, held-out accuracy against RL steps and decode tokens.
 
-  python experiments/smollm2_learning.py               # 3 methods x seed 0, 60 RL steps
+  python experiments/smollm2_learning.py               # 3 methods x seed 0, 8 RL steps
   python experiments/smollm2_learning.py --methods Ada-pos --seeds 0 1 2
-  python experiments/smollm2_learning.py --sweep       # pos at lr 1e-6, 3e-6, 1e-5; 8 steps
+  python experiments/smollm2_learning.py --sweep       # pos at lr 3e-6, 1e-5, 3e-5; 8 steps
   python experiments/smollm2_learning.py --report      # run nothing: rewrite JSON + PNG
   python experiments/smollm2_learning.py --sweep --report
 
@@ -76,7 +76,7 @@ METHODS = {
   "Ada-balance": "configs/smollm2_arith_balance.py",
 }
 SWEEP_METHOD = "Ada-pos"
-SWEEP_LRS = (1e-6, 3e-6, 1e-5)
+SWEEP_LRS = (3e-6, 1e-5, 3e-5)
 BENCH = "arith_text"  # the configs' held-out benchmark
 PASS_RATE = "first_round_pass_rate"  # unbiased for every method (compare_methods.py)
 # The GGUF of the set-up: ../shared beside the checkout where it exists, else the PyPI
@@ -540,9 +540,9 @@ def parser() -> argparse.ArgumentParser:
   )
   p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
   p.add_argument("--seeds", type=int, nargs="+", default=[0])
-  p.add_argument("--steps", type=int, default=None, help="RL steps (default 60; --sweep: 8)")
+  p.add_argument("--steps", type=int, default=8, help="RL steps")
   p.add_argument(
-    "--eval_every", type=int, default=None, help="eval.every_steps (default 10; --sweep: 0)"
+    "--eval_every", type=int, default=0, help="eval.every_steps (0: before and after RL only)"
   )
   p.add_argument(
     "--set",
@@ -560,9 +560,6 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
   args = parser().parse_args(argv)
-  args.steps = args.steps or (8 if args.sweep else 60)
-  if args.eval_every is None:
-    args.eval_every = 0 if args.sweep else 10
   root = pathlib.Path(args.root).expanduser().absolute()
   model_dir = pathlib.Path(args.model_dir or default_model_dir()).expanduser().absolute()
   out = pathlib.Path(
