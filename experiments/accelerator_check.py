@@ -29,7 +29,15 @@ failing part never loses the others' figures; the JSON is rewritten after every 
   use (`device.memory_stats()`; null on CPU, which has none) beside XLA's compiled
   memory analysis of the same program (the plan's prediction, as `memory_plan.py`).
 * `decode_7b`: the decode roofline of the Qwen2.5-Math-7B shape at `--decode_7b_slots`
-  slots (only when that is > 0; it runs last).
+  slots (only when that is > 0).
+* `smollm2`: a real pretrained model, SmolLM2-135M-Instruct, through `loop.run` on
+  `configs/smollm2_arith_pos.py` in the paper runs' precision (bf16 compute, float32
+  masters), no evaluation: seconds per step, decode tokens/s and the sampler–trainer
+  log-prob gap (`old_logprob_gap`) per step. It needs the converted model folder
+  (`--smollm2_dir`, default the config's; `python -m ada_jax.models.from_gguf`) and is
+  recorded as skipped, with the reason, where that folder is absent (`--tiny` skips it:
+  the tests cover that model in tests/test_gguf.py). The device machine cannot be handed
+  the model: the GGUF is 94 MiB, over the 64 MiB the device tool carries.
 
 Peaks (`accelerator_peaks.PEAKS`): vendor datasheet figures per chip, dense bf16, matched on
 `device.device_kind`; `--peak_hbm_bytes_per_s` / `--peak_bf16_flops` override them.
@@ -75,7 +83,7 @@ from ada_jax.rollout.spec import SamplerSpec  # noqa: E402
 sys.path.insert(0, str(ROOT / "experiments"))
 from accelerator_peaks import device_memory, memory_record, peaks_of, xla_memory  # noqa: E402
 
-PARTS = ("decode", "train", "rl", "agreement", "memory", "decode_7b")
+PARTS = ("decode", "train", "rl", "agreement", "memory", "decode_7b", "smollm2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +103,7 @@ class Sizes:
   rl_steps: int  # RL steps per schedule (step 1 compiles)
   rl_batch_prompts: int = 0  # 0 = the tiny config's
   rl_chunk_rows: int = 0  # 0 = the tiny config's
+  smollm2_steps: int = 3  # RL steps of the real model (step 1 compiles)
   big_model: str = "qwen2.5-math-7b"
 
   @property
@@ -411,14 +420,29 @@ def part_rl(check: Check) -> dict:
   return out
 
 
-def rl_run(c) -> dict:
+def part_smollm2(check: Check) -> dict:
+  """A few RL steps of the real SmolLM2-135M-Instruct in bf16 compute (float32 masters)."""
+  model_dir = pathlib.Path(check.args.smollm2_dir).expanduser() if check.args.smollm2_dir else None
+  if model_dir is None or not (model_dir / "config.json").is_file():
+    why = "--tiny" if model_dir is None else f"no converted model at {model_dir}"
+    return {"ok": None, "skipped": f"{why}: python -m ada_jax.models.from_gguf makes it"}
+  c = experiment_config("smollm2_arith_pos")
+  c.model.hf_dir = str(model_dir)
+  c.model.dtype = "bfloat16"  # compute; model.param_dtype stays float32
+  c.rl.steps = check.sizes.smollm2_steps
+  c.eval.benchmarks = ()
+  c.ckpt.every_steps = 0
+  return rl_run(c, extra=("tokens_decoded", "tokens_per_s", "old_logprob_gap", "pass_rate"))
+
+
+def rl_run(c, extra: tuple[str, ...] = ()) -> dict:
   with tempfile.TemporaryDirectory(prefix="accelerator_check_rl_") as workdir:
     start = time.perf_counter()
     loop.run(c, workdir)
     wall = time.perf_counter() - start
     lines = metrics_lib.read_jsonl(pathlib.Path(workdir) / "metrics.jsonl")
   keys = ("time_sample_s", "time_grade_wait_s", "time_train_s", "compiles", "samples_drawn")
-  steps = [{k: line.get(k) for k in ("step", *keys)} for line in lines]
+  steps = [{k: line.get(k) for k in ("step", *keys, *extra)} for line in lines]
   later = steps[1:]
   mean = lambda k: float(np.mean([s[k] for s in later])) if later else None
   return {
@@ -531,9 +555,7 @@ def _jsonable(x):
 def parse_args(argv):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--tiny", action="store_true", help="tiny sizes: every part on a CPU in minutes")
-  p.add_argument(
-    "--parts", default="decode,train,rl,agreement,memory,decode_7b", help=f"of {PARTS}"
-  )
+  p.add_argument("--parts", default=",".join(PARTS), help=f"of {PARTS}")
   p.add_argument(
     "--decode_7b_slots",
     type=int,
@@ -542,6 +564,12 @@ def parse_args(argv):
   )
   p.add_argument(
     "--out", default="", help="JSON path; default results/accelerator_check_<kind>.json"
+  )
+  p.add_argument(
+    "--smollm2_dir",
+    default=None,
+    help="converted SmolLM2-135M-Instruct folder of the smollm2 part (default: the config's; "
+    "--tiny: none, the part is skipped)",
   )
   p.add_argument("--peak_hbm_bytes_per_s", type=float, default=0.0, help="override the table")
   p.add_argument("--peak_bf16_flops", type=float, default=0.0, help="override the table")
@@ -552,6 +580,8 @@ def parse_args(argv):
     p.error(f"--parts: unknown {unknown}; choose from {PARTS}")
   if args.decode_7b_slots is None:
     args.decode_7b_slots = 4 if args.tiny else 0
+  if args.smollm2_dir is None and not args.tiny:
+    args.smollm2_dir = importlib.import_module("configs.smollm2_arith_pos").HF_DIR
   if args.decode_7b_slots < 0:
     p.error(f"--decode_7b_slots must be >= 0, got {args.decode_7b_slots}")
   return args
@@ -592,6 +622,7 @@ def main(argv=None) -> dict:
     "rl": lambda: part_rl(check),
     "agreement": lambda: part_agreement(check),
     "decode_7b": lambda: run_decode(check, z.big_model, (args.decode_7b_slots,), memory),
+    "smollm2": lambda: part_smollm2(check),
   }
   for name in PARTS:
     if name not in args.parts or name == "memory":
