@@ -1,11 +1,17 @@
-"""Ahead-of-time compiles of a run's device programs for a TPU slice, on a machine with none.
+"""Ahead-of-time compiles of a run's device programs for a TPU slice or a GPU host, on a
+machine with neither.
 
 libtpu (the TPU compiler, on PyPI) compiles for a named topology without the chips
-(`jax.experimental.topologies`, as MaxText's `train_compile.py`): every input here is a
-`jax.ShapeDtypeStruct` carrying its `NamedSharding` on a mesh over the slice's devices, so
-no weight is allocated, and XLA:TPU's buffer assignment says what each program holds per
-device, or refuses it ("Ran out of memory on HBM"). `plan.py` turns these figures into a
-verdict; `experiments/memory_plan.py` writes them for the shipped configs.
+(`jax.experimental.topologies`, as MaxText's `train_compile.py`); the CUDA plugin
+(`jax-cuda12-plugin`, with ptxas from `nvidia-cuda-nvcc-cu12`) does the same for GPUs
+described by a `GpuTargetConfigProto` (`gpu_targets/*.txtpb`), as compile-only devices
+"<slices>x<hosts>x<gpus per host>". Every input here is a `jax.ShapeDtypeStruct` carrying
+its `NamedSharding` on a mesh over the target's devices, so no weight is allocated, and
+XLA's buffer assignment says what each program holds per device. XLA:TPU refuses a
+program that does not fit ("Ran out of memory on HBM"); XLA:GPU never does, so the verdict
+compares its figures with the card's memory times JAX's allocator fraction. `plan.py`
+turns these figures into a verdict; `experiments/memory_plan.py` writes them for the
+shipped configs.
 
 A run holds at once, per device: the train state (parameters, optimizer state and, with
 a KL term, reference parameters) always, and one of these programs' working set:
@@ -27,6 +33,7 @@ import dataclasses
 import glob
 import math
 import os
+import pathlib
 import re
 import tempfile
 import types
@@ -47,17 +54,21 @@ GIB = 2**30
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-  """A TPU slice as users name it.
+  """A TPU slice or a GPU host (or hosts) as users name it.
 
   Attributes:
-    name: the slice, e.g. 'v5e-8'.
-    topology: `topologies.get_topology_desc`'s name for it, e.g. 'v5e:2x4'.
-    chip_config: its `chip_config_name` ('megacore' for v4: one device per chip), or ''.
-    devices: JAX devices of the slice.
-    hbm_gib: HBM per device that XLA:TPU lets a program use (GiB), as its out-of-memory
-      message states it (libtpu 0.0.42).
+    name: e.g. 'v5e-8', 'h100x8' (one host of 8), 'h200x16' (2 hosts of 8).
+    topology: `topologies.get_topology_desc`'s name for it: 'v5e:2x4'; for GPUs
+      '<slices>x<hosts>x<gpus per host>', e.g. '1x2x8'.
+    chip_config: a TPU's `chip_config_name` ('megacore' for v4: one device per chip), or ''.
+    devices: JAX devices of the target.
+    hbm_gib: memory per device (GiB): for a TPU what XLA:TPU lets a program use, as its
+      out-of-memory message states it (libtpu 0.0.42); for a GPU the card's whole memory
+      (`usable_gib` applies JAX's allocator fraction).
     hbm_gbs: peak HBM bandwidth per chip, GB/s (the vendor's figure).
-    peak_tflops: peak bf16 TFLOP/s per chip (the vendor's figure).
+    peak_tflops: peak dense bf16 TFLOP/s per chip (the vendor's figure).
+    platform: 'tpu' or 'gpu' (as `jax.Device.platform` names them).
+    spec: a GPU's `GpuTargetConfigProto` file in `ada_jax/gpu_targets/`, or ''.
   """
 
   name: str
@@ -67,6 +78,26 @@ class Target:
   hbm_gib: float
   hbm_gbs: float
   peak_tflops: float
+  platform: str = "tpu"
+  spec: str = ""
+
+  @property
+  def compiler(self) -> str:
+    return "XLA:TPU" if self.platform == "tpu" else "XLA:GPU"
+
+  def usable_gib(self, mem_fraction: float) -> float:
+    """Memory a run's programs may use per device: a TPU's `hbm_gib`; a GPU's times the
+    fraction JAX's allocator takes (`XLA_PYTHON_CLIENT_MEM_FRACTION`, default 0.75)."""
+    return self.hbm_gib if self.platform == "tpu" else self.hbm_gib * mem_fraction
+
+
+# JAX's GPU allocator takes this fraction of the card's memory unless told otherwise.
+DEFAULT_MEM_FRACTION = 0.75
+# (name, spec file, bytes of memory as the spec states it, GB/s, dense bf16 TFLOP/s).
+_GPUS = (
+  ("h100", "h100_sxm.txtpb", 84942979072, 3352.0, 989.0),
+  ("h200", "h200.txtpb", 151397597184, 4800.0, 989.0),
+)
 
 
 TARGETS = {
@@ -77,15 +108,59 @@ TARGETS = {
     Target("v4-32", "v4:2x2x4", "megacore", 16, 30.75, 1200.0, 275.0),
     Target("v5p-8", "v5p:2x2x1", "", 4, 95.74, 2765.0, 459.0),
     Target("v6e-8", "v6e:2x4", "", 8, 31.25, 1640.0, 918.0),
+    *(
+      Target(
+        f"{gpu}x{hosts * per_host}",
+        f"1x{hosts}x{per_host}",
+        "",
+        hosts * per_host,
+        round(memory / GIB, 2),
+        gbs,
+        tflops,
+        platform="gpu",
+        spec=spec,
+      )  # fmt: skip
+      for gpu, spec, memory, gbs, tflops in _GPUS
+      for hosts, per_host in ((1, 1), (1, 8), (2, 8))
+    ),
   )
 }
 
 
 def target(name: str) -> Target:
-  """The `TARGETS` entry `name`. Raises ValueError naming the known slices."""
+  """The `TARGETS` entry `name`. Raises ValueError naming the known targets."""
   if name not in TARGETS:
-    raise ValueError(f"unknown TPU slice {name!r}; known: {', '.join(TARGETS)}")
+    raise ValueError(f"unknown TPU slice or GPU host {name!r}; known: {', '.join(TARGETS)}")
   return TARGETS[name]
+
+
+def devices_for(t: Target) -> list:
+  """The target's compile-only devices (`tpu_devices` or `gpu_devices`)."""
+  return tpu_devices(t) if t.platform == "tpu" else gpu_devices(t)
+
+
+def gpu_devices(t: Target) -> list:
+  """The GPU target's devices for ahead-of-time compiles (needs the CUDA plugin; no GPU).
+  Run with `JAX_PLATFORMS=cpu`: the plugin then compiles without initialising a GPU.
+
+  Raises:
+    RuntimeError: the plugin is not installed (`pip install -r requirements-dev.txt`).
+  """
+  from jax.experimental import topologies
+
+  spec = (pathlib.Path(__file__).parent / "gpu_targets" / t.spec).read_text()
+  try:
+    topo = topologies.get_topology_desc(platform="cuda", target_config=spec, topology=t.topology)
+  except Exception as e:  # jax raises several kinds when the plugin is missing
+    raise RuntimeError(
+      f"no GPU compiler for {t.name}: {type(e).__name__}: {str(e)[:300]}; install "
+      "jax-cuda12-plugin and nvidia-cuda-nvcc-cu12 (requirements-dev.txt pins them)"
+    ) from None
+  if len(topo.devices) != t.devices:
+    raise RuntimeError(
+      f"{t.name}: expected {t.devices} devices, the plugin gives {len(topo.devices)}"
+    )
+  return list(topo.devices)
 
 
 def tpu_devices(t: Target) -> list:
@@ -154,7 +229,7 @@ class Program:
 
 
 class OutOfMemory(Exception):
-  """XLA:TPU refused a program: its message (with the bytes it needed) is the argument."""
+  """XLA refused a program: its message (with the bytes it needed) is the argument."""
 
 
 _ALLOC = re.compile(r"^allocation \d+: size (\d+), (.*)$")
@@ -198,7 +273,22 @@ def largest_temps(dump_dir: str, top: int = 8) -> list[dict]:
   return out
 
 
+# Compiler options per platform. XLA:GPU's Triton gemm fusions need the autotuner, which
+# needs a device ("Couldn't find output tile sizes"): compile-only devices use cuBLAS.
+PLATFORM_OPTIONS = {"gpu": {"xla_gpu_enable_triton_gemm": False}}
+
+
+def _platform(args) -> str:
+  """The platform of the devices the arguments are placed on ('cpu' when none are)."""
+  for leaf in jax.tree.leaves(args):
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is not None:
+      return next(iter(sharding.device_set)).platform
+  return "cpu"
+
+
 def _compile(fn, *args, what: str, options=None):
+  options = {**PLATFORM_OPTIONS.get(_platform(args), {}), **(options or {})}
   try:
     return fn.lower(*args).compile(compiler_options=options)
   except Exception as e:  # XlaRuntimeError; its text carries the sizes

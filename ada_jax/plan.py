@@ -1,14 +1,16 @@
-"""Will this config fit that TPU slice? `python -m ada_jax.plan --config=configs/<experiment>.py
---topology=v5e-8 [--config.group.field=value ...] [--json=PATH]`, on a laptop, before
-creating the TPU VM.
+"""Will this config fit that TPU slice or GPU host? `python -m ada_jax.plan
+--config=configs/<experiment>.py --topology=v5e-8|h100x8|... [--config.group.field=value ...]
+[--json=PATH] [--mem_fraction=0.75]`, on a laptop, before renting the machines.
 
-Compiles every program the run holds in HBM with the TPU compiler itself (libtpu, ahead
-of time, no TPU needed: `aot.py`) on the config's mesh over the slice's devices, and adds
-what stays resident beside each (the train state while sampling, the slot cache while
-prefilling). Prints per phase the bytes per device against the slice's HBM, the largest
-temporary buffers, and a compiler-derived decode roofline (not a measurement). Exit codes:
-0 every phase fits, 1 one does not (named, with its buffers, or XLA's refusal), 2 a bad
-flag, config field or slice name (one line, nothing compiled).
+Compiles every program the run holds in device memory with the target's own compiler
+(libtpu for TPU slices, the CUDA plugin for GPUs; ahead of time, no accelerator needed:
+`aot.py`) on the config's mesh over the target's devices, and adds what stays resident
+beside each (the train state while sampling, the slot cache while prefilling). Prints per
+phase the bytes per device against the memory a program may use (a TPU's HBM; a GPU's
+memory times JAX's allocator fraction, `--mem_fraction`), the largest temporary buffers,
+and on TPU a compiler-derived decode roofline (not a measurement). Exit codes: 0 every
+phase fits, 1 one does not (named, with its buffers, or XLA's refusal), 2 a bad flag,
+config field or target name (one line, nothing compiled).
 """
 
 from __future__ import annotations
@@ -59,14 +61,16 @@ def model_of(cfg):
   )
 
 
-def plan(cfg, target_name: str, *, devices=None, progress=print) -> dict:
-  """Compiles the run's programs for the slice and says whether each phase fits.
+def plan(cfg, target_name: str, *, devices=None, progress=print, mem_fraction=None) -> dict:
+  """Compiles the run's programs for the target and says whether each phase fits.
 
   Args:
     cfg: a parsed `config.RunConfig`.
-    target_name: a slice of `aot.TARGETS` ('v5e-8', 'v4-32', ...).
-    devices: the devices to compile for; None: the slice's TPU devices (libtpu).
+    target_name: a TPU slice or GPU host of `aot.TARGETS` ('v5e-8', 'h100x8', ...).
+    devices: the devices to compile for; None: the target's compile-only devices.
     progress: called with a line as each program compiles.
+    mem_fraction: on a GPU, the fraction of the card's memory JAX's allocator takes
+      (None: `aot.DEFAULT_MEM_FRACTION`, JAX's default); ignored on a TPU.
 
   Returns:
     A JSON-ready dict: the slice, the mesh, per phase its bytes per device
@@ -77,13 +81,14 @@ def plan(cfg, target_name: str, *, devices=None, progress=print) -> dict:
   Raises:
     ValueError: an unknown slice, a mesh or batch that does not divide over it, or an
       architecture `model_of` cannot find (the field named).
-    RuntimeError: libtpu is missing.
+    RuntimeError: the target's compiler (libtpu, the CUDA plugin) is missing.
   """
   from ada_jax import aot
 
   t = aot.target(target_name)
+  mem_fraction = aot.DEFAULT_MEM_FRACTION if mem_fraction is None else mem_fraction
   model_cfg = model_of(cfg)
-  devices = devices or aot.tpu_devices(t)
+  devices = devices or aot.devices_for(t)
   mesh = aot.mesh_for(cfg, devices)
   params = aot.rollout_params(model_cfg, mesh)  # what every sampler decodes from
   gib = lambda b: round(b / aot.GIB, 4)
@@ -94,7 +99,7 @@ def plan(cfg, target_name: str, *, devices=None, progress=print) -> dict:
     try:
       out = fn()
     except aot.OutOfMemory as e:
-      progress(f"  {name}: refused by XLA:TPU ({time.perf_counter() - start:.0f} s)")
+      progress(f"  {name}: refused by {t.compiler} ({time.perf_counter() - start:.0f} s)")
       phases[name] = {"refused": str(e), "fits": False}
       return None
     progress(f"  {name}: compiled ({time.perf_counter() - start:.0f} s)")
@@ -134,11 +139,12 @@ def plan(cfg, target_name: str, *, devices=None, progress=print) -> dict:
     programs["prefill"] = pool["prefill"].as_dict()
     phases["sample"] = {"bytes": pool["segment"].peak + resident_rollout}
     phases["prefill"] = {"bytes": pool["prefill"].peak + pool["pool_state"] + resident_rollout}
-    step = timed(
-      "decode step (roofline)", lambda: aot.decode_step_program(smp, params, pool["state"])
-    )
-    if step is not None:
-      programs["decode_step"] = step.as_dict()
+    if t.platform == "tpu":  # the roofline reads XLA:TPU's cost analysis (`roofline`)
+      step = timed(
+        "decode step (roofline)", lambda: aot.decode_step_program(smp, params, pool["state"])
+      )
+      if step is not None:
+        programs["decode_step"] = step.as_dict()
   if cfg.eval.benchmarks:
     ev = aot.eval_sampler(cfg, model_cfg, mesh)
     ev_pool = timed("eval", lambda: aot.pool_programs(ev, params, what="evaluation pool"))
@@ -161,14 +167,24 @@ def plan(cfg, target_name: str, *, devices=None, progress=print) -> dict:
       f"{model_cfg.param_dtype} master params, made once per RL step and evaluation (in the "
       "sample, prefill and eval phases' arguments) and freed before the train step"
     )
-  limit = t.hbm_gib * aot.GIB
+  usable = t.usable_gib(mem_fraction)
+  if t.platform != "tpu":
+    notes.append(
+      f"{t.compiler} never refuses a program for its size: each phase is held against "
+      f"{usable:.2f} GiB, {mem_fraction} of the card's {t.hbm_gib} GiB (JAX's allocator "
+      "fraction, XLA_PYTHON_CLIENT_MEM_FRACTION; --mem_fraction)"
+    )
   for phase in phases.values():
     if "bytes" in phase:
       phase["gib"] = gib(phase.pop("bytes"))
-      phase["spare_gib"] = round(t.hbm_gib - phase["gib"], 4)
-      phase["fits"] = phase["gib"] * aot.GIB + SPARE_GIB * aot.GIB <= limit
+      phase["spare_gib"] = round(usable - phase["gib"], 4)
+      phase["fits"] = phase["gib"] + SPARE_GIB <= usable
   return {
-    "target": dataclasses.asdict(t),
+    "target": dataclasses.asdict(t)
+    | {
+      "usable_gib": round(usable, 4),
+      "mem_fraction": mem_fraction if t.platform != "tpu" else None,
+    },
     "device_kind": devices[0].device_kind,
     "mesh": aot.shard_counts(mesh),
     "model": dataclasses.asdict(model_cfg),
@@ -206,7 +222,12 @@ def roofline(cfg, model_cfg, t, mesh, programs, smp) -> dict:
   from ada_jax import aot
 
   n = t.devices
-  out = {"what": "from XLA:TPU's cost analysis of the compiled programs, not measured"}
+  out = {"what": f"from {t.compiler}'s cost analysis of the compiled programs, not measured"}
+  if t.platform != "tpu":
+    # The compiled GPU executable has no cost analysis, and XLA:CPU's analysis of its HLO
+    # counts no cuBLAS custom call (a 6 MB gemm counted 0 bytes): no figure beats a wrong one.
+    out["what"] = f"not derived: {t.compiler} gives no cost analysis of a compiled program"
+    return out
   step = programs.get("decode_step")
   if step and step.get("bytes_accessed"):
     copy = aot.rollout_params(model_cfg, mesh)  # the weights the decode step reads
@@ -234,8 +255,13 @@ def report(result: dict) -> str:
   """The plan as a short table: one line per phase, then the largest temporaries of any
   phase that does not fit."""
   t = result["target"]
+  memory = f"{t['hbm_gib']} GiB HBM"
+  if t["platform"] != "tpu":
+    memory = (
+      f"{t['usable_gib']:.2f} of {t['hbm_gib']} GiB usable at --mem_fraction={t['mem_fraction']}"
+    )
   lines = [
-    f"{t['name']} ({result['device_kind']}, {t['devices']} devices, {t['hbm_gib']} GiB HBM "
+    f"{t['name']} ({result['device_kind']}, {t['devices']} devices, {memory} "
     f"each), mesh {result['mesh']}; resident: params {result['resident_gib']['params']} GiB, "
     f"optimizer state {result['resident_gib']['opt_state']} GiB, rollout copy "
     f"{result['resident_gib']['rollout_copy']} GiB (sampling only) per device",
@@ -291,21 +317,32 @@ def define_flags() -> None:
   from ada_jax import cli
 
   cli.define_config_file("config", "Experiment config file.")
-  flags.DEFINE_string("topology", None, "TPU slice: v5e-8, v4-8, v4-32, v5p-8, v6e-8.")
+  from ada_jax import aot
+
+  flags.DEFINE_string("topology", None, f"TPU slice or GPU host(s): {', '.join(aot.TARGETS)}.")
+  flags.DEFINE_float(
+    "mem_fraction",
+    aot.DEFAULT_MEM_FRACTION,
+    "GPU targets: the fraction of each card's memory JAX's allocator takes "
+    "(XLA_PYTHON_CLIENT_MEM_FRACTION).",
+  )
   flags.DEFINE_string("json", None, "Also write the whole plan as JSON here.")
 
 
 def main(argv) -> int:
   del argv
   topology, json_path = flags.FLAGS.topology, flags.FLAGS.json
+  mem_fraction = flags.FLAGS.mem_fraction
   from ada_jax import aot, cli, metrics
   from ada_jax import config as config_lib
 
   with cli.exit_on_config_error():
     if topology not in aot.TARGETS:
       raise config_lib.ConfigError(
-        f"--topology={topology}: unknown TPU slice; known: {', '.join(aot.TARGETS)}"
+        f"--topology={topology}: unknown TPU slice or GPU host; known: {', '.join(aot.TARGETS)}"
       )
+    if not 0 < mem_fraction <= 1:
+      raise config_lib.ConfigError(f"--mem_fraction={mem_fraction}: must be in (0, 1]")
     cfg = config_lib.parse(flags.FLAGS.config)
     try:
       model_of(cfg)
@@ -314,16 +351,23 @@ def main(argv) -> int:
     if json_path is not None:  # before minutes of compiling, not after them
       _check_writable(json_path)
     try:
-      devices = aot.tpu_devices(aot.TARGETS[topology])
+      devices = aot.devices_for(aot.TARGETS[topology])
     except RuntimeError as e:
       raise config_lib.ConfigError(f"--topology={topology}: {e}") from None
     try:
       aot.mesh_for(cfg, devices)
     except ValueError as e:
       raise config_lib.ConfigError(f"config.mesh on {topology}: {e}") from None
-  print(f"compiling for {topology} with XLA:TPU (minutes on a laptop)", flush=True)
+  compiler = aot.TARGETS[topology].compiler
+  print(f"compiling for {topology} with {compiler} (minutes on a laptop)", flush=True)
   try:
-    result = plan(cfg, topology, progress=lambda line: print(line, flush=True))
+    result = plan(
+      cfg,
+      topology,
+      devices=devices,
+      progress=lambda line: print(line, flush=True),
+      mem_fraction=mem_fraction,
+    )
   except ValueError as e:  # a batch or chunk that does not divide over this mesh
     print(f"ada_jax: {e}", file=sys.stderr)
     return EXIT_USAGE
@@ -341,7 +385,7 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for the TPU; run nothing
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for the target; run nothing
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from ada_jax import cli
 

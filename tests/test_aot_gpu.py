@@ -1,0 +1,107 @@
+"""The GPU compiler in the loop: a run's programs compiled by XLA:GPU (the CUDA plugin,
+ahead of time, compile-only devices, no GPU) for H100 and H200 hosts, and the plan
+command's verdicts on them.
+
+CI has no GPU; jax-cuda12-plugin with ptxas (requirements-dev.txt) is the compiler. Every
+figure asserted here is XLA:GPU's, never XLA:CPU's.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from ada_jax import aot, plan
+from ada_jax import config as config_lib
+
+pytest.importorskip("jax_plugins.xla_cuda12", reason="jax-cuda12-plugin (requirements-dev.txt)")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _tiny_arith():
+  sys.path.insert(0, str(ROOT))
+  from configs import tiny_arith_pos
+
+  return tiny_arith_pos.get_config()
+
+
+@pytest.mark.parametrize(
+  "name, devices, hosts, kind, gib",
+  [
+    ("h200x1", 1, 1, "NVIDIA H200 141GB HBM3e", 141.0),
+    ("h100x8", 8, 1, "NVIDIA H100 80GB HBM3", 79.11),
+    ("h100x16", 16, 2, "NVIDIA H100 80GB HBM3", 79.11),
+  ],
+)
+def test_gpu_targets_give_the_compilers_devices(name, devices, hosts, kind, gib):
+  t = aot.target(name)
+  got = aot.devices_for(t)
+  assert len(got) == devices and {d.device_kind for d in got} == {kind}
+  assert {d.platform for d in got} == {"gpu"} and t.platform == "gpu"
+  assert len({d.process_index for d in got}) == hosts  # one process per host
+  assert t.hbm_gib == gib and t.usable_gib(0.75) == pytest.approx(0.75 * gib)
+  assert aot.target("v5e-8").usable_gib(0.75) == aot.target("v5e-8").hbm_gib  # TPU: whole
+
+
+def test_eight_gpu_train_step_all_reduces_the_gradients(monkeypatch):
+  """Data parallel over 8 GPUs: each device's gradients are summed across the 8 (an
+  all-reduce in XLA:GPU's program), so every replica applies the same update."""
+  texts = []
+  compile_ = aot._compile
+
+  def keep_text(fn, *args, **kw):
+    compiled = compile_(fn, *args, **kw)
+    texts.append(compiled.as_text())
+    return compiled
+
+  monkeypatch.setattr(aot, "_compile", keep_text)
+  cfg = config_lib.parse(_tiny_arith())
+  mesh = aot.mesh_for(cfg, aot.devices_for(aot.target("h100x8")))
+  assert mesh.shape["data"] == 8
+  program, _ = aot.train_program(cfg, plan.model_of(cfg), mesh)
+  (text,) = texts
+  # XLA:GPU's async all-reduce over all 8 devices (its replica groups printed as a mesh).
+  assert "all-reduce-start(" in text and "replica_groups=mesh['axis_0'=8" in text
+  assert program.peak > 0 and 'custom_call_target="__cublas' in text  # XLA:GPU's gemms
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["h200x1", "h100x8"])
+def test_tiny_run_compiles_for_gpus_and_fits(name):
+  cfg = config_lib.parse(_tiny_arith())
+  result = plan.plan(cfg, name, progress=lambda _: None)
+  assert result["device_kind"].startswith("NVIDIA H")
+  assert set(result["phases"]) == {"train", "sample", "prefill", "eval"}
+  assert result["fits"] and all(p["fits"] and p["gib"] > 0 for p in result["phases"].values())
+  assert result["target"]["usable_gib"] == pytest.approx(0.75 * result["target"]["hbm_gib"])
+  assert "never refuses" in " ".join(result["notes"])
+  assert result["roofline"]["what"].startswith("not derived")  # no cost analysis on GPU
+  # The same run against a card a thousandth as large: XLA:GPU compiles it, the verdict
+  # (not the compiler) says it does not fit.
+  small = plan.plan(cfg, name, progress=lambda _: None, mem_fraction=0.00075)
+  assert not small["fits"] and "DOES NOT FIT" in plan.report(small)
+
+
+def _plan_cli(*args):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run(
+    [sys.executable, "-m", "ada_jax.plan", "--config=configs/tiny_arith_pos.py", *args],
+    cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+  )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_plan_command_on_a_gpu_host_exit_codes(tmp_path):
+  ok = _plan_cli("--topology=h200x1", f"--json={tmp_path}/p.json")
+  assert ok.returncode == 0, ok.stderr[-2000:]
+  assert "with XLA:GPU" in ok.stdout and "FITS" in ok.stdout
+  written = json.loads((tmp_path / "p.json").read_text())
+  assert written["target"]["name"] == "h200x1" and written["git_commit"]
+  tight = _plan_cli("--topology=h200x1", "--mem_fraction=0.0001")
+  assert tight.returncode == 1 and "DOES NOT FIT" in tight.stdout, tight.stderr[-2000:]
+  bad = _plan_cli("--topology=h200x1", "--mem_fraction=1.5")
+  assert bad.returncode == 2 and "--mem_fraction=1.5: must be in (0, 1]" in bad.stderr
+  assert "Traceback" not in bad.stderr
