@@ -69,20 +69,19 @@ def test_eight_gpu_train_step_all_reduces_the_gradients(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["h200x1", "h100x8"])
-def test_tiny_run_compiles_for_gpus_and_fits(name):
+def test_tiny_run_compiles_for_eight_h100s_and_fits():
   cfg = config_lib.parse(_tiny_arith())
-  result = plan.plan(cfg, name, progress=lambda _: None)
-  assert result["device_kind"].startswith("NVIDIA H")
+  result = plan.plan(cfg, "h100x8", progress=lambda _: None)
+  assert result["device_kind"] == "NVIDIA H100 80GB HBM3" and result["mesh"]["data"] == 8
   assert set(result["phases"]) == {"train", "sample", "prefill", "eval"}
   assert result["fits"] and all(p["fits"] and p["gib"] > 0 for p in result["phases"].values())
   assert result["target"]["usable_gib"] == pytest.approx(0.75 * result["target"]["hbm_gib"])
   assert "never refuses" in " ".join(result["notes"])
   assert result["roofline"]["what"].startswith("not derived")  # no cost analysis on GPU
-  # The same run against a card a thousandth as large: XLA:GPU compiles it, the verdict
-  # (not the compiler) says it does not fit.
-  small = plan.plan(cfg, name, progress=lambda _: None, mem_fraction=0.00075)
-  assert not small["fits"] and "DOES NOT FIT" in plan.report(small)
+  # The verdict is the plan's (XLA:GPU never refuses): spare = 0.75 x 79.11 GiB - the phase.
+  assert all(
+    p["spare_gib"] == pytest.approx(59.33 - p["gib"], abs=0.01) for p in result["phases"].values()
+  )
 
 
 def _plan_cli(*args):
@@ -100,8 +99,6 @@ def test_plan_command_on_a_gpu_host_exit_codes(tmp_path):
   assert "with XLA:GPU" in ok.stdout and "FITS" in ok.stdout
   written = json.loads((tmp_path / "p.json").read_text())
   assert written["target"]["name"] == "h200x1" and written["git_commit"]
-  tight = _plan_cli("--topology=h200x1", "--mem_fraction=0.0001")
-  assert tight.returncode == 1 and "DOES NOT FIT" in tight.stdout, tight.stderr[-2000:]
   bad = _plan_cli("--topology=h200x1", "--mem_fraction=1.5")
   assert bad.returncode == 2 and "--mem_fraction=1.5: must be in (0, 1]" in bad.stderr
   assert "Traceback" not in bad.stderr
