@@ -16,6 +16,9 @@ import pytest
 
 from ada_jax import aot, plan
 from ada_jax import config as config_lib
+from ada_jax.models import decoder as model_lib
+from ada_jax.models import sharding as sharding_lib
+from ada_jax.rollout import sampler as sampler_lib
 
 pytest.importorskip("jax_plugins.xla_cuda12", reason="jax-cuda12-plugin (requirements-dev.txt)")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -66,6 +69,27 @@ def test_eight_gpu_train_step_all_reduces_the_gradients(monkeypatch):
   # XLA:GPU's async all-reduce over all 8 devices (its replica groups printed as a mesh).
   assert "all-reduce-start(" in text and "replica_groups=mesh['axis_0'=8" in text
   assert program.peak > 0 and 'custom_call_target="__cublas' in text  # XLA:GPU's gemms
+
+
+@pytest.mark.slow
+def test_pool_cache_stays_in_place_under_xla_gpu():
+  """The slot cache is updated in place by XLA:GPU too: before the pool ran its idle decode
+  steps outside a `lax.cond` (`slots.skips_idle_steps`) and copied one prompt-cache entry
+  per refill (`pool.prompt_entry`), the segment's temporaries were 1.05x the cache."""
+  config = model_lib.preset(
+    "tiny-llama", num_layers=4, embed_dim=256, num_heads=8, num_kv_heads=8, head_dim=128,
+    mlp_dim=512, vocab_size=1024, dtype="bfloat16",
+  )  # fmt: skip
+  mesh = sharding_lib.make_mesh(8, 1, 1, devices=aot.devices_for(aot.target("h100x8")))
+  smp = sampler_lib.Sampler(
+    config, max_new_tokens=2048, stop_ids=(1,), chunk_rows=64, prompts_per_chunk=8,
+    prompt_buckets=(128,), mesh=mesh,
+  )  # fmt: skip
+  out = aot.pool_programs(smp, aot.abstract_params(config, mesh), what="pool")
+  kv, segment = out["slot_cache"], out["segment"]
+  assert kv == 2 * 4 * (64 // 8) * 8 * (128 + 2048) * 128 * 2  # bf16 K and V per device
+  assert segment.temp <= 0.25 * kv, segment.largest
+  assert segment.alias >= kv  # the donated cache is the output's
 
 
 @pytest.mark.slow

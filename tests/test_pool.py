@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from ada_jax import testing
 from ada_jax.models import decoder as model_lib
 from ada_jax.rollout import sampler as sampler_lib
+from ada_jax.rollout import slots as slots_lib
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [13], [20, 21, 22, 23, 24, 25, 26]]
 GREEDY = sampler_lib.SamplingRule(temperature=0.0)
@@ -95,6 +96,33 @@ def test_tokens_do_not_depend_on_the_schedule(tiny, pools):
   chunked = outs["S=64, no refill"][1]
   assert base_stats.token_slot_utilization > chunked.token_slot_utilization
   assert base_stats.slot_steps < chunked.slot_steps
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)])
+def test_running_idle_decode_steps_draws_the_same_tokens(tiny, monkeypatch, mesh_shape):
+  """XLA:GPU's schedule (`slots.skips_idle_steps` False: the decode step runs even when no
+  slot goes on) draws what skipping it draws: 2 slots, 3-step segments, many refills and
+  steps where every live row ends at once; on a 2 x 2 x 2 mesh as well."""
+  config, params = tiny
+  mesh = None
+  if mesh_shape:
+    auto = (jax.sharding.AxisType.Auto,) * 3
+    mesh = jax.make_mesh(mesh_shape, ("data", "fsdp", "tensor"), axis_types=auto)
+  rows = np.random.default_rng(1).integers(0, 4, 24)
+  rule = sampler_lib.SamplingRule(temperature=1.0)
+  kw = dict(max_new_tokens=6, stop_ids=STOPS, prompt_buckets=(8,), segment_steps=3)
+  kw |= dict(chunk_rows=4 if mesh else 2, prompts_per_chunk=2, queue_rows=4, rule=rule)
+  draw = lambda: sampler_lib.Sampler(config, mesh=mesh, **kw).generate(
+    params, PROMPTS, rows, jax.random.key(4)
+  )
+  skipped, stats = draw()
+  monkeypatch.setattr(slots_lib, "skips_idle_steps", lambda mesh: False)
+  always, always_stats = draw()
+  assert len(set(skipped["lengths"].tolist())) > 2  # rows end at different steps
+  np.testing.assert_array_equal(always["tokens"], skipped["tokens"])
+  np.testing.assert_array_equal(always["lengths"], skipped["lengths"])
+  np.testing.assert_allclose(always["logprobs"], skipped["logprobs"], atol=1e-6)
+  assert always_stats.kv_read_useful_fraction == stats.kv_read_useful_fraction
 
 
 @hypothesis.settings(max_examples=6, deadline=None)

@@ -223,7 +223,44 @@ def init_pool(
   )
 
 
-def _refill(config, params, s: PoolState, prompts: PromptCache, queue: Queue, take, qi):
+def prompt_entry(config: ModelConfig, layer: jax.Array, index: jax.Array, mesh=None):
+  """Entry `index` of one layer of the prompt cache, `dtype[1, K, Lp, H]`, without moving
+  the rest of the cache between devices.
+
+  The entries are sharded over the data axes (`_constrain_prompts`). A dynamic slice of
+  the sharded axis makes XLA's partitioner all-gather the whole layer for every refilled
+  slot (XLA:GPU then held every layer's gathered copy at once: 0.57x the slot cache in
+  temporaries); here each device slices its own shard at the clipped local index, the
+  shards' slices are all-gathered (one entry per device) and the owner's is kept, an
+  exact copy.
+  """
+  if mesh is None:
+    return jax.lax.dynamic_slice_in_dim(layer, index, 1, 0)
+  spec = sharding_lib.kv_cache_shardings(config, mesh, layer.shape[0], layer.shape[2]).k[0].spec
+  axes = spec[0] if spec else None
+  if axes is None:  # entries replicated: every device holds the entry
+    return jax.lax.dynamic_slice_in_dim(layer, index, 1, 0)
+  axes = (axes,) if isinstance(axes, str) else tuple(axes)
+
+  def local(shard, i):
+    n = shard.shape[0]
+    mine = jax.lax.dynamic_slice_in_dim(
+      shard, jnp.clip(i - jax.lax.axis_index(axes) * n, 0, n - 1), 1, 0
+    )
+    every = jax.lax.all_gather(mine, axes, axis=0, tiled=True)  # one entry per device
+    return jax.lax.dynamic_slice_in_dim(every, i // n, 1, 0)
+
+  rest = tuple(spec[1:]) + (None,) * (layer.ndim - len(spec))
+  return jax.shard_map(
+    local,
+    mesh=mesh,
+    in_specs=(spec, jax.sharding.PartitionSpec()),
+    out_specs=jax.sharding.PartitionSpec(None, *rest),
+    check_vma=False,  # all_gather's result is the same on every device of `axes`
+  )(layer, index)
+
+
+def _refill(config, params, s: PoolState, prompts: PromptCache, queue: Queue, take, qi, mesh):
   """Slots `take` (bool[S]) start queue rows `qi` (int32[S]): prompt KV copied in, the
   ring masked, counters and output rows reset."""
   entry = queue.prompt[qi]
@@ -234,7 +271,7 @@ def _refill(config, params, s: PoolState, prompts: PromptCache, queue: Queue, ta
   def copy(i, kv):
     slot = slots[i]
     one = lambda cache, prompt: jax.lax.dynamic_update_slice(
-      cache, jax.lax.dynamic_slice_in_dim(prompt, entry[slot], 1, 0).astype(cache.dtype),
+      cache, prompt_entry(config, prompt, entry[slot], mesh).astype(cache.dtype),
       (slot, 0, 0, 0),
     )  # fmt: skip
     return tuple(
@@ -378,7 +415,7 @@ def run_segment(
     take = ready & (head + rank < queue.count)
     qi = jnp.clip(head + rank, 0, queue.prompt.shape[0] - 1)
     s = jax.lax.cond(
-      jnp.any(take), lambda: _refill(config, params, s, prompts, queue, take, qi), lambda: s
+      jnp.any(take), lambda: _refill(config, params, s, prompts, queue, take, qi, mesh), lambda: s
     )
     head = head + take.sum(dtype=jnp.int32)
     u = row_uniforms(key, s.row_id, s.length)
@@ -403,7 +440,16 @@ def run_segment(
     decode = lambda s: decode_step(
       config, params, s, token, still, attention_block=attention_block, mesh=mesh
     )
-    s = jax.lax.cond(jnp.any(still), decode, lambda s: s, s)
+    went_on = jnp.any(still)
+    if slots_lib.skips_idle_steps(mesh):
+      s = jax.lax.cond(went_on, decode, lambda s: s, s)
+    else:  # the step's cache write lands at the unchanged column: masked, then overwritten
+      stepped, keep = decode(s), lambda new, old: jnp.where(went_on, new, old)
+      s = stepped.replace(
+        cache=stepped.cache.replace(column=keep(stepped.cache.column, s.cache.column)),
+        kv_read=keep(stepped.kv_read, s.kv_read),
+        kv_useful=keep(stepped.kv_useful, s.kv_useful),
+      )
     return i + 1, head, s
 
   state = state.replace(live=state.live & ~queue.cancel)

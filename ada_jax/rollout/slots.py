@@ -96,6 +96,18 @@ def constrain(config: ModelConfig, cache: SlotCache, mesh) -> SlotCache:
   return jax.tree.map(jax.lax.with_sharding_constraint, cache, sh)
 
 
+def skips_idle_steps(mesh: jax.sharding.Mesh | None) -> bool:
+  """Whether a decode step no slot needs is skipped under a `lax.cond` (`pool.run_segment`).
+
+  The compilers differ on a cache that passes through a conditional: XLA:TPU writes it in
+  place inside the branch, XLA:GPU copies all of it into the branch (1.05x the slot cache
+  in temporaries). On GPU the step always runs instead (the idle step's write is masked
+  and overwritten by the next row, so the tokens are the same: tests/test_pool.py).
+  """
+  platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+  return platform != "gpu"
+
+
 def ring_windows(ring: int, block: int) -> tuple[int, ...]:
   """The ring window lengths decode attention can read: multiples of `block` up to Lr."""
   return tuple(sorted({min(ring, block * i) for i in range(1, -(-ring // block) + 1)}))
