@@ -1,19 +1,23 @@
-"""Per-device memory of the shipped configs on TPU slices, from XLA:TPU (libtpu, ahead of time).
+"""Per-device memory of the shipped configs on TPU slices and GPU hosts, from XLA:TPU
+(libtpu) or XLA:GPU (the CUDA plugin's compile-only devices), ahead of time.
 
   python experiments/memory_plan.py --target=v5e-8 --configs=llama3b_pos
   python experiments/memory_plan.py --target=v4-32 --configs=qwen_math7b_pos
   python experiments/memory_plan.py --target=v4-8 --configs=llama3b_pos --set=sampler.chunk_rows=256
+  python experiments/memory_plan.py --target=h100x8 --configs=qwen_math7b_pos --set=mesh.fsdp=2
 
-For each config, `ada_jax.plan.plan` compiles with the TPU compiler, on this CPU with no
-TPU and no weight allocated, every program the run holds in HBM (the train step, the
-rollout pool's segment and prefill, the held-out evaluation's pool on the run's mesh) and
-one decode step for the roofline, and says per phase whether it fits the slice with 0.5
-GiB to spare. `python -m ada_jax.plan` is the same plan for one config as a user command.
+For each config, `ada_jax.plan.plan` compiles with the target's compiler, on this CPU with
+no accelerator and no weight allocated, every program the run holds in device memory (the
+train step, the rollout pool's segment and prefill, the held-out evaluation's pool on the
+run's mesh) and, on TPU, one decode step for the roofline, and says per phase whether it
+fits with 0.5 GiB to spare (on a GPU, of the card's memory times JAX's allocator fraction,
+0.75). `python -m ada_jax.plan` is the same plan for one config as a user command.
 
-Where libtpu is absent (`pip install -r requirements-dev.txt` installs it), the same
-programs compile with XLA:CPU on as many fake CPU devices: labelled `XLA:CPU fallback`,
-an upper bound for nothing in particular (XLA:CPU computes bf16 in f32 and lays out and
-copies buffers differently); every figure the docs quote comes from XLA:TPU.
+Where the compiler is absent (`pip install -r requirements-dev.txt` installs both), the
+same programs compile with XLA:CPU on as many fake CPU devices: labelled `XLA:CPU
+fallback`, an upper bound for nothing in particular (XLA:CPU computes bf16 in f32 and lays
+out and copies buffers differently); every figure the docs quote comes from XLA:TPU or
+XLA:GPU.
 
 Output: a table on stdout and JSON (default experiments/results/memory_plan_<target>.json)
 naming the git commit, the compiler and each row's full run config.
@@ -29,7 +33,7 @@ import sys
 
 def _parse_args(argv):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--target", default="v5e-8", help="TPU slice (ada_jax.aot.TARGETS)")
+  parser.add_argument("--target", default="v5e-8", help="TPU slice or GPU host (aot.TARGETS)")
   parser.add_argument("--configs", default="llama3b_pos", help="config modules under configs/")
   parser.add_argument(
     "--out", default="", help="JSON path (default: results/memory_plan_<target>.json)"
@@ -80,12 +84,14 @@ def load_config(name: str, overrides: list[str]) -> config_lib.RunConfig:
 
 
 def compiler(target: aot.Target) -> tuple[str, list | None]:
-  """('XLA:TPU libtpu <version>', None), or the XLA:CPU fallback's name and its devices."""
+  """('XLA:TPU (libtpu <version>)' or 'XLA:GPU (jax-cuda12-plugin <version>)', None), or
+  the XLA:CPU fallback's name and its devices."""
+  package = "libtpu" if target.platform == "tpu" else "jax-cuda12-plugin"
   try:
-    aot.tpu_devices(target)
-    return f"XLA:TPU (libtpu {importlib.metadata.version('libtpu')})", None
+    aot.devices_for(target)
+    return f"{target.compiler} ({package} {importlib.metadata.version(package)})", None
   except RuntimeError as e:
-    print(f"libtpu absent ({e}): XLA:CPU fallback on fake CPU devices", flush=True)
+    print(f"{package} absent ({e}): XLA:CPU fallback on fake CPU devices", flush=True)
     return "XLA:CPU fallback (not a TPU figure)", jax.devices("cpu")[: target.devices]
 
 
@@ -102,7 +108,8 @@ def main() -> None:
     rows.append({"config": name, "run_config": dataclasses.asdict(cfg)} | result)
   out = ARGS.out or os.path.join(os.path.dirname(__file__), "results", f"memory_plan_{t.name}.json")
   result = {
-    "what": "per-device bytes of every program a run holds in HBM, compiled ahead of time "
+    "what": "per-device bytes of every program a run holds in device memory, compiled ahead "
+    "of time "
     "on abstract (unallocated) inputs; GiB = 2**30 bytes",
     "compiler": name_of_compiler,
     "target": t.name,
