@@ -6,6 +6,7 @@ importable from any working directory. Nothing in the library imports it.
 from __future__ import annotations
 
 import contextlib
+import logging as std_logging
 import pathlib
 import sys
 import typing
@@ -93,9 +94,27 @@ def parse_flags(argv: list[str]) -> list[str]:
 def quiet_logs() -> None:
   """For command-line entry points, before JAX picks its backend: log at WARNING unless
   `--verbosity` was given (orbax, TFDS, JAX's platform probe and the multi-process set-up
-  log every file and probe at INFO; progress bars and status lines say what matters)."""
+  log every file and probe at INFO; progress bars and status lines say what matters).
+  Either way, the CUDA plugin's start-up traceback on a machine with no CUDA at all is
+  dropped (`_NoCudaHere`)."""
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
+  std_logging.getLogger("jax._src.xla_bridge").addFilter(_NoCudaHere())
+
+
+class _NoCudaHere(std_logging.Filter):
+  """Drops JAX's "Jax plugin configuration error" traceback when the CUDA plugin finds no
+  CUDA libraries: the dev requirements install the plugin to compile GPU plans on CPU
+  machines (docs/gpu.md), where JAX then runs on the CPU as it would without it. Any other
+  CUDA failure (a GPU machine with mismatched libraries) is still logged."""
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    error = record.exc_info[1] if record.exc_info else None
+    return not (
+      "xla_cuda12" in record.getMessage()
+      and error is not None
+      and "Unable to load CUDA. Is it installed?" in str(error)
+    )
 
 
 _HELP_FLAGS = ("-h", "--help", "-?", "--helpshort", "--helpfull", "--helpxml")

@@ -319,3 +319,25 @@ def test_a_nan_loss_exits_3_in_one_line_keeping_the_last_finite_checkpoint(tmp_p
   assert len(lines) == 1 and "RL step 2: the loss is nan" in lines[0]
   assert "Traceback" not in proc.stderr and "done" not in proc.stdout
   assert _steps_saved(workdir) == [1]  # keep=1: the last finite one, never rotated away
+
+
+def test_no_cuda_here_drops_only_the_plugins_missing_cuda_traceback():
+  """The dev requirements' CUDA compile plugin on a machine with no CUDA: JAX's start-up
+  traceback is dropped; the same plugin failing otherwise, or other errors, are kept."""
+  import logging
+
+  from ada_jax import cli
+
+  def record(message, error):
+    try:
+      raise error
+    except RuntimeError:
+      return logging.LogRecord("jax", logging.ERROR, "", 0, message, (), sys.exc_info())
+
+  plugin = "Jax plugin configuration error: Exception when calling %s.initialize()"
+  no_cuda = RuntimeError("Unable to load CUDA. Is it installed?")
+  keep = cli._NoCudaHere().filter
+  assert not keep(record(plugin % "jax_plugins.xla_cuda12", no_cuda))
+  assert keep(record(plugin % "jax_plugins.xla_cuda12", RuntimeError("cuDNN 9.1 < 9.8")))
+  assert keep(record(plugin % "jax_plugins.xla_tpu", no_cuda))
+  assert keep(logging.LogRecord("jax", logging.ERROR, "", 0, "another error", (), None))
