@@ -4,7 +4,7 @@
 
 For each candidate setting (model size; supervised warm-start steps, learning rate, batch,
 level mix and operators, early-stop target), the script warm-starts a fresh model
-(`ada_jax.warmstart`), then per difficulty level samples k responses at temperature 1.0
+(`ada_jax.rl.warmstart`), then per difficulty level samples k responses at temperature 1.0
 for `--prompts` training-split prompts with `ada_jax.rollout.sampler.Sampler`, scores them with
 the RL reward (last `\\boxed{}`, exact match after normalisation: `rewards.JUDGES['exact']`)
 and records each prompt's pass rate. It also measures greedy accuracy on held-out

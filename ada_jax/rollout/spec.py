@@ -15,17 +15,18 @@ class SamplerSpec:
     temperature, top_k, top_p: the sampling rule (`SamplingRule`).
     max_new_tokens: response budget Lr (tokens).
     chunk_rows: S, slots of the pool (rows decoding at once).
-    prompts_per_chunk: prompts prefilled per S rows (0 = derived so that S rows need no
-      more prompts than this, see `RunConfig.prompts_per_chunk`); the prompt cache holds
-      this × queue_rows / chunk_rows prompts.
+    prompts_per_chunk: P, prompts prefilled per S rows; 0 = S // the method's fewest rows
+      per prompt, rounded up to the mesh's row axes (`sampler.prompts_per_chunk`); the
+      prompt cache holds this × queue_rows / chunk_rows prompts.
     prompt_buckets: padded prompt lengths (tokens), one compile each.
     segment_steps: decode steps per device call, after which the host may add, cancel
       and collect rows (under `ada.schedule='stream'`, decide); 0 = derived:
       max_new_tokens under 'rounds', max_new_tokens // 32 (at least 1) under 'stream'
       (`config.RunConfig`).
     queue_rows: Q, rows queued per device call; 0 = 4 × chunk_rows.
-    attention_block: decode attention reads the cache in blocks of this many columns up
-      to the longest live row; 0 = a sixteenth of prompt bucket + budget (at least 16).
+    attention_block: decode attention reads the response ring in windows of whole blocks
+      of this many columns, up to the longest live row; 0 = a sixteenth of the budget Lr
+      (at least 16; `Sampler.attention_block`).
   """
 
   temperature: float = 1.0
