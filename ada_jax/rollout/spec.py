@@ -26,7 +26,7 @@ class SamplerSpec:
     queue_rows: Q, rows queued per device call; 0 = 4 × chunk_rows.
     attention_block: decode attention reads the response ring in windows of whole blocks
       of this many columns, up to the longest live row; 0 = a sixteenth of the budget Lr
-      (at least 16; `Sampler.attention_block`).
+      (at least 16; `Sampler._block`).
   """
 
   temperature: float = 1.0
