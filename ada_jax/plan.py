@@ -208,11 +208,11 @@ def roofline(cfg, model_cfg, t, mesh, programs, smp) -> dict:
   """Compiler-derived (not measured) traffic of one decode step.
 
   `decode_bytes_ratio`: HBM bytes XLA:TPU's cost analysis gives one decode step at S slots
-  (every slot reading its whole cache; the step compiled alone, no loop) ÷ (the rollout
-  copy's bytes per device + the KV cache it reads), goal <= 1.3. The copy is whole along
-  'fsdp' (`sharding.decode_param_shardings`), so a step reads the weights each device
-  multiplies with and gathers none; `decode_bytes_ratio_gathered` (against the parameters
-  split over 'tensor' only) is then the same figure, kept for plans made before. The
+  (every slot reading its whole cache; the step compiled alone, no loop) ÷ (the step's
+  parameter shard + the KV cache it reads), goal <= 1.3. Under FSDP a decode step
+  all-gathers the other shards of every weight and reads the gathered copy, so the ratio
+  against the weights each device multiplies with (`decode_bytes_ratio_gathered`: the
+  parameters split over 'tensor' only) says how much of the excess is that gather. The
   tokens/s per chip are what the slice's peak bandwidth allows at that traffic.
 
   The train step's FLOPs are not derived: XLA's cost analysis counts a while loop's body
