@@ -341,10 +341,9 @@ def abstract_params(model_cfg: model_lib.ModelConfig, mesh) -> model_lib.Params:
 
 def rollout_params(model_cfg: model_lib.ModelConfig, mesh) -> model_lib.Params:
   """The samplers' rollout copy of the parameters (`Sampler.rollout_params`: the compute
-  dtype on `sharding.decode_param_shardings`) as sharded `ShapeDtypeStruct`s."""
+  dtype on the parameters' shardings) as sharded `ShapeDtypeStruct`s."""
   dtype = model_cfg.compute_dtype
-  shapes = jax.tree.map(lambda x: x.update(dtype=dtype), model_lib.param_shapes(model_cfg))
-  return _placed(shapes, sharding_lib.decode_param_shardings(model_cfg, mesh))
+  return jax.tree.map(lambda x: x.update(dtype=dtype), abstract_params(model_cfg, mesh))
 
 
 def train_program(cfg: config_lib.RunConfig, model_cfg, mesh) -> tuple[Program, dict]:

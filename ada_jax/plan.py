@@ -112,7 +112,6 @@ def plan(cfg, target_name: str, *, devices=None, progress=print, mem_fraction=No
   state = aot.train.abstract_state(model_cfg, cfg.train, mesh, with_ref=cfg.loss.kl_coeff > 0)
   resident = aot.per_device_bytes(state)
   params_differ = model_cfg.dtype != model_cfg.param_dtype
-  copy_made = params_differ or mesh.shape["fsdp"] > 1  # a cast, a relayout or both
   # `train.offload_state`: during a step's rollouts the state waits in host memory
   # (`sharding.to_memory`); evaluations run with it on the device.
   offloaded = cfg.train.offload_state and params_differ
@@ -162,12 +161,11 @@ def plan(cfg, target_name: str, *, devices=None, progress=print, mem_fraction=No
       f"train.offload_state: the train state ({gib(resident)} GiB per device) is in host "
       "memory during the sample and prefill phases, on the device in train and eval"
     )
-  if copy_made:
+  if params_differ:
     notes.append(
       f"rollout copy: the samplers decode from a {model_cfg.dtype} copy of the "
-      f"{model_cfg.param_dtype} master params, split over 'tensor' and whole along 'fsdp' "
-      "(no weight gathered inside the decode loop), made once per RL step and evaluation "
-      "(in the sample, prefill and eval phases' arguments) and freed before the train step"
+      f"{model_cfg.param_dtype} master params, made once per RL step and evaluation (in the "
+      "sample, prefill and eval phases' arguments) and freed before the train step"
     )
   usable = t.usable_gib(mem_fraction)
   if t.platform != "tpu":
@@ -193,7 +191,7 @@ def plan(cfg, target_name: str, *, devices=None, progress=print, mem_fraction=No
     "resident_gib": {
       "params": gib(aot.per_device_bytes(state.params)),
       "opt_state": gib(aot.per_device_bytes(state.opt_state)),
-      "rollout_copy": gib(aot.per_device_bytes(params)) if copy_made else 0.0,
+      "rollout_copy": gib(aot.per_device_bytes(params)) if params_differ else 0.0,
       "offloaded_while_sampling": gib(resident) if offloaded else 0.0,
     },
     "phases": phases,

@@ -98,43 +98,6 @@ def test_decode_loop_moves_no_cache_sized_operand_between_devices(v5e_devices):
   assert all(b < layer_shard for b in moved), sorted(moved)[-3:]
 
 
-def weight_gathers(config, mesh, devices) -> list[str]:
-  """The all-gathers in a rollout pool segment (compiled for `devices`) whose operand or
-  result has the shape of one device's weight in the rollout copy's layout: a weight
-  gathered inside the decode loop. (Test helper; tests/test_aot_gpu.py uses it too.)"""
-  smp = sampler_lib.Sampler(
-    config, max_new_tokens=256, stop_ids=(1,), chunk_rows=32, prompts_per_chunk=4,
-    prompt_buckets=(64,), mesh=mesh,
-  )  # fmt: skip
-  fns, args = aot.segment_args(smp, aot.rollout_params(config, mesh))
-  options = aot.PLATFORM_OPTIONS.get(devices[0].platform)
-  text = fns.run.lower(*args).compile(compiler_options=options).as_text()
-  # A weight gathered over 'fsdp' inside the loop has its decode-layout shard's shape.
-  layout = sharding_lib.decode_param_shardings(config, mesh)
-  shards = {
-    ",".join(map(str, sh.shard_shape(leaf.shape)))
-    for leaf, sh in zip(
-      jax.tree.leaves(model_lib.param_shapes(config)), jax.tree.leaves(layout), strict=True
-    )
-  }
-  found = []
-  for line in text.splitlines():
-    if " all-gather(" in line or " all-gather-start(" in line:
-      head = line.split(" all-gather")[0]
-      found += [f"{t}[{d}]" for t, d in re.findall(r"(\w+)\[([\d,]*)\]", head) if d in shards]
-  return found
-
-
-@pytest.mark.slow
-def test_decode_loop_gathers_no_weight(v5e_devices):
-  """The rollout copy is whole along 'fsdp' (`sharding.decode_param_shardings`): on an
-  fsdp 2 x tensor 2 mesh the compiled segment all-gathers no weight (the parameters'
-  own layout made it gather every weight at every decode step)."""
-  config = _kv_model(num_kv_heads=4, num_heads=8)
-  mesh = sharding_lib.make_mesh(2, 2, 2, devices=v5e_devices)
-  assert weight_gathers(config, mesh, v5e_devices) == []
-
-
 @pytest.mark.slow
 def test_tiny_run_compiles_for_v5e_and_fits(v5e_devices):
   cfg = config_lib.parse(_tiny_arith())

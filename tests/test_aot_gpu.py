@@ -72,17 +72,6 @@ def test_eight_gpu_train_step_all_reduces_the_gradients(monkeypatch):
 
 
 @pytest.mark.slow
-def test_gpu_decode_loop_gathers_no_weight():
-  """As tests/test_aot.py's on XLA:TPU: 8 GPUs as data 2 x fsdp 2 x tensor 2."""
-  sys.path.insert(0, str(ROOT / "tests"))
-  from test_aot import _kv_model, weight_gathers
-
-  devices = aot.devices_for(aot.target("h100x8"))
-  mesh = sharding_lib.make_mesh(2, 2, 2, devices=devices)
-  assert weight_gathers(_kv_model(num_kv_heads=4, num_heads=8), mesh, devices) == []
-
-
-@pytest.mark.slow
 def test_pool_cache_stays_in_place_under_xla_gpu():
   """The slot cache is updated in place by XLA:GPU too: before the pool ran its idle decode
   steps outside a `lax.cond` (`slots.skips_idle_steps`) and copied one prompt-cache entry

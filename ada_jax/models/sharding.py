@@ -195,31 +195,6 @@ def param_shardings(config: ModelConfig, mesh: Mesh) -> Params:
   )
 
 
-def decode_param_shardings(config: ModelConfig, mesh: Mesh) -> Params:
-  """`NamedSharding` of every parameter of the rollout copy: split over 'tensor' as
-  `param_shardings`, whole along 'fsdp' (replicated over it).
-
-  The decode loop multiplies with every weight at every step. Split over 'fsdp', each
-  weight is all-gathered inside the loop at every step (XLA:TPU's cost analysis: 3.2 to
-  6.1 times the bytes a decode step must read); laid out this way the gather happens once,
-  when the copy is made (`Sampler.rollout_params`, once per RL step), at the cost of the
-  copy taking 'fsdp' times its sharded bytes per device (`python -m ada_jax.plan` counts
-  it in the sampling phases). With 'fsdp' of size 1 this is `param_shardings`.
-  """
-
-  def whole_over_fsdp(spec: P) -> NamedSharding:
-    out = []
-    for entry in spec:
-      entries = (entry,) if isinstance(entry, str) else tuple(entry or ())
-      kept = tuple(a for a in entries if a != "fsdp")
-      out.append(kept[0] if len(kept) == 1 else (kept or None))
-    return NamedSharding(mesh, P(*out))
-
-  return jax.tree.map(
-    whole_over_fsdp, param_specs(config, mesh), is_leaf=lambda x: isinstance(x, P)
-  )
-
-
 def abstract(shapes: Any, shardings: Any) -> Any:
   """A restore target: `jax.ShapeDtypeStruct`s of `shapes` (any tree of arrays or structs)
   carrying the matching `shardings` leaf."""

@@ -373,39 +373,32 @@ class Sampler:
 
   def rollout_params(self, params: Params) -> Params:
     """The weights the pool decodes from: `params` cast to the compute dtype
-    (`ModelConfig.dtype`) and laid out for decoding (`sharding.decode_param_shardings`:
-    split over 'tensor', whole along 'fsdp'), or `params` themselves when they already
-    are both (a float32 run without 'fsdp', or a copy made before).
+    (`ModelConfig.dtype`) on their own shardings, or `params` themselves when they already
+    are in it (float32 runs, or a copy made before).
 
-    The decode loop reads every weight at every step, so it must read this copy: never
-    cast the float32 masters inside the loop (twice the bytes per step), never all-gather
-    an 'fsdp'-split weight there (every step). A caller makes the copy once per RL step
-    (`ada_jax.step.rl_step`; `PoolEngine.finish` frees it with the pool before the
-    update), evaluation or prompt selection and passes it to every `pool` / `generate`
-    call; `pool` makes one itself when given the masters.
+    The decode loop reads every weight at every step, so it must read the compute-dtype
+    copy, never cast the float32 masters inside the loop (twice the bytes per step). A
+    caller makes the copy once per RL step (`ada_jax.step.rl_step`; `PoolEngine.finish`
+    frees it with the pool before the update), evaluation or prompt selection and passes
+    it to every `pool` / `generate` call; `pool` makes one itself when given the masters.
 
     Args:
       params: the parameter tree (`param_dtype` leaves, placed on the mesh's
         `sharding.param_shardings` when the sampler has a mesh).
 
     Returns:
-      The same tree in `config.compute_dtype` on the decode layout, one new buffer per
-      leaf (counted in `copies`) unless every leaf already was.
+      The same tree in `config.compute_dtype`, one new buffer per leaf (counted in
+      `copies`) unless no leaf needed a cast.
     """
     dtype = self.config.compute_dtype
-    target = None
-    if self.mesh is not None:
-      target = sharding_lib.decode_param_shardings(self.config, self.mesh)
-    leaves = jax.tree.leaves(params)
-    placed = target is None or all(
-      leaf.sharding.is_equivalent_to(t, leaf.ndim)
-      for leaf, t in zip(leaves, jax.tree.leaves(target), strict=True)
-    )
-    if placed and all(leaf.dtype == dtype for leaf in leaves):
+    if all(leaf.dtype == dtype for leaf in jax.tree.leaves(params)):
       return params
     if self._cast is None:
+      shardings = None
+      if self.mesh is not None:
+        shardings = sharding_lib.param_shardings(self.config, self.mesh)
       self._cast = jax.jit(
-        lambda p: jax.tree.map(lambda x: x.astype(dtype), p), out_shardings=target
+        lambda p: jax.tree.map(lambda x: x.astype(dtype), p), out_shardings=shardings
       )
     self.copies += 1
     return self._cast(params)
