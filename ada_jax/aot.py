@@ -135,52 +135,37 @@ def target(name: str) -> Target:
 
 
 def devices_for(t: Target) -> list:
-  """The target's compile-only devices (`tpu_devices` or `gpu_devices`)."""
-  return tpu_devices(t) if t.platform == "tpu" else gpu_devices(t)
-
-
-def gpu_devices(t: Target) -> list:
-  """The GPU target's devices for ahead-of-time compiles (needs the CUDA plugin; no GPU).
-  Run with `JAX_PLATFORMS=cpu`: the plugin then compiles without initialising a GPU.
+  """The target's compile-only devices, for ahead-of-time compiles with no accelerator:
+  libtpu's for a TPU slice, the CUDA plugin's (from the card's `gpu_targets/` file) for a
+  GPU host. Run with `JAX_PLATFORMS=cpu`: the plugin then compiles without looking for a
+  GPU.
 
   Raises:
-    RuntimeError: the plugin is not installed (`pip install -r requirements-dev.txt`).
+    RuntimeError: the target's compiler is not installed (`pip install -r
+      requirements-dev.txt` pins both).
   """
   from jax.experimental import topologies
 
-  spec = (pathlib.Path(__file__).parent / "gpu_targets" / t.spec).read_text()
+  if t.platform == "tpu":
+    kwargs = {"platform": "tpu", "topology_name": t.topology}
+    if t.chip_config:
+      kwargs["chip_config_name"] = t.chip_config
+    package = "libtpu"
+  else:
+    spec = (pathlib.Path(__file__).parent / "gpu_targets" / t.spec).read_text()
+    kwargs = {"platform": "cuda", "target_config": spec, "topology": t.topology}
+    package = "jax-cuda12-plugin and nvidia-cuda-nvcc-cu12"
   try:
-    topo = topologies.get_topology_desc(platform="cuda", target_config=spec, topology=t.topology)
+    topo = topologies.get_topology_desc(**kwargs)
   except Exception as e:  # jax raises several kinds when the plugin is missing
     raise RuntimeError(
-      f"no GPU compiler for {t.name}: {type(e).__name__}: {str(e)[:300]}; install "
-      "jax-cuda12-plugin and nvidia-cuda-nvcc-cu12 (requirements-dev.txt pins them)"
+      f"no {t.compiler} compiler for {t.name}: {type(e).__name__}: {str(e)[:300]}; install "
+      f"{package} (requirements-dev.txt pins them)"
     ) from None
   if len(topo.devices) != t.devices:
     raise RuntimeError(
-      f"{t.name}: expected {t.devices} devices, the plugin gives {len(topo.devices)}"
+      f"{t.name}: expected {t.devices} devices, {package} gives {len(topo.devices)}"
     )
-  return list(topo.devices)
-
-
-def tpu_devices(t: Target) -> list:
-  """The slice's devices for ahead-of-time compiles (needs libtpu; no TPU).
-
-  Raises:
-    RuntimeError: libtpu is not installed (`pip install -r requirements-dev.txt`).
-  """
-  from jax.experimental import topologies
-
-  try:
-    kwargs = {"chip_config_name": t.chip_config} if t.chip_config else {}
-    topo = topologies.get_topology_desc(platform="tpu", topology_name=t.topology, **kwargs)
-  except Exception as e:  # jax raises several kinds when the plugin is missing
-    raise RuntimeError(
-      f"no TPU compiler for {t.name}: {type(e).__name__}: {e}; install libtpu "
-      "(requirements-dev.txt pins it)"
-    ) from None
-  if len(topo.devices) != t.devices:
-    raise RuntimeError(f"{t.name}: expected {t.devices} devices, libtpu gives {len(topo.devices)}")
   return list(topo.devices)
 
 

@@ -36,7 +36,7 @@ def _tiny_arith():
 
 @pytest.fixture(scope="module")
 def v5e_devices():
-  return aot.tpu_devices(V5E)
+  return aot.devices_for(V5E)
 
 
 def test_targets_name_the_compilers_devices_and_hbm(v5e_devices):
