@@ -62,9 +62,10 @@ DRIVER = textwrap.dedent(
   """
 )
 
-# absl's log lines (`W1202 10:00:00.000 123 file.py:10] ...`): the process's facts, not the
-# error's line.
-_LOG_LINE = re.compile(r"^[IWEF]\d{4} ")
+# absl's log lines (`W1202 10:00:00.000 123 file.py:10] ...`) and the notice absl's C++
+# logging prints before its first line (the dev requirements' CUDA compile plugin logs
+# "no CUDA here" from C++ at start-up): the process's facts, not the error's line.
+_LOG_LINE = re.compile(r"^([IWEF]\d{4} |WARNING: All log messages before absl::InitializeLog\(\))")
 
 
 def _model_folder(path: pathlib.Path, cfg: config_lib.RunConfig) -> pathlib.Path:
