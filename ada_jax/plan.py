@@ -314,11 +314,9 @@ def _check_writable(path: str) -> None:
 def define_flags() -> None:
   """The command's flags, on absl's global FLAGS (only when run as the command: importing
   this module defines none, so it sits beside other entry points in one process)."""
-  from ada_jax import cli
+  from ada_jax import aot, cli
 
   cli.define_config_file("config", "Experiment config file.")
-  from ada_jax import aot
-
   flags.DEFINE_string("topology", None, f"TPU slice or GPU host(s): {', '.join(aot.TARGETS)}.")
   flags.DEFINE_float(
     "mem_fraction",

@@ -4,7 +4,7 @@
   python experiments/memory_plan.py --target=v5e-8 --configs=llama3b_pos
   python experiments/memory_plan.py --target=v4-32 --configs=qwen_math7b_pos
   python experiments/memory_plan.py --target=v4-8 --configs=llama3b_pos --set=sampler.chunk_rows=256
-  python experiments/memory_plan.py --target=h100x8 --configs=qwen_math7b_pos --set=mesh.fsdp=2
+  python experiments/memory_plan.py --target=h100x8 --configs=qwen_math7b_pos
 
 For each config, `ada_jax.plan.plan` compiles with the target's compiler, on this CPU with
 no accelerator and no weight allocated, every program the run holds in device memory (the

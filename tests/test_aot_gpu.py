@@ -16,19 +16,13 @@ import pytest
 
 from ada_jax import aot, plan
 from ada_jax import config as config_lib
-from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.rollout import sampler as sampler_lib
 
 pytest.importorskip("jax_plugins.xla_cuda12", reason="jax-cuda12-plugin (requirements-dev.txt)")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _tiny_arith():
-  sys.path.insert(0, str(ROOT))
-  from configs import tiny_arith_pos
-
-  return tiny_arith_pos.get_config()
+sys.path.insert(0, str(ROOT / "tests"))
+from test_aot import _kv_model, _tiny_arith  # noqa: E402  (the TPU tests' config and model)
 
 
 @pytest.mark.parametrize(
@@ -76,10 +70,7 @@ def test_pool_cache_stays_in_place_under_xla_gpu():
   """The slot cache is updated in place by XLA:GPU too: before the pool ran its idle decode
   steps outside a `lax.cond` (`slots.skips_idle_steps`) and copied one prompt-cache entry
   per refill (`pool.prompt_entry`), the segment's temporaries were 1.05x the cache."""
-  config = model_lib.preset(
-    "tiny-llama", num_layers=4, embed_dim=256, num_heads=8, num_kv_heads=8, head_dim=128,
-    mlp_dim=512, vocab_size=1024, dtype="bfloat16",
-  )  # fmt: skip
+  config = _kv_model()
   mesh = sharding_lib.make_mesh(8, 1, 1, devices=aot.devices_for(aot.target("h100x8")))
   smp = sampler_lib.Sampler(
     config, max_new_tokens=2048, stop_ids=(1,), chunk_rows=64, prompts_per_chunk=8,
