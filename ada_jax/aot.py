@@ -326,9 +326,11 @@ def abstract_params(model_cfg: model_lib.ModelConfig, mesh) -> model_lib.Params:
 
 def rollout_params(model_cfg: model_lib.ModelConfig, mesh) -> model_lib.Params:
   """The samplers' rollout copy of the parameters (`Sampler.rollout_params`: the compute
-  dtype on the parameters' shardings) as sharded `ShapeDtypeStruct`s."""
-  dtype = model_cfg.compute_dtype
-  return jax.tree.map(lambda x: x.update(dtype=dtype), abstract_params(model_cfg, mesh))
+  dtype on `sharding.rollout_param_shardings`) as sharded `ShapeDtypeStruct`s."""
+  shapes = jax.tree.map(
+    lambda x: x.update(dtype=model_cfg.compute_dtype), model_lib.param_shapes(model_cfg)
+  )
+  return _placed(shapes, sharding_lib.rollout_param_shardings(model_cfg, mesh))
 
 
 def train_program(cfg: config_lib.RunConfig, model_cfg, mesh) -> tuple[Program, dict]:

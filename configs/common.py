@@ -7,6 +7,7 @@ names for it.
 """
 
 import pathlib
+from collections.abc import Mapping
 
 import ml_collections
 
@@ -134,6 +135,32 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh.data = -1  # data-parallel axis; -1 = all remaining devices
   c.mesh.fsdp = 1  # parameter-sharded data-parallel axis
   c.mesh.tensor = 1  # tensor-parallel axis (heads, MLP)
+  return c
+
+
+def on_host(
+  c: ml_collections.ConfigDict, host: str, hosts: Mapping[str, Mapping[str, int]]
+) -> ml_collections.ConfigDict:
+  """Applies a GPU host's settings (in place): `--config=configs/<name>.py:<host>`.
+
+  Args:
+    c: the experiment's config.
+    host: '' (the config as written, sized for its TPU slice) or a key of `hosts`.
+    hosts: per host, `chunk_rows` (rollout slots), `prompts_per_chunk` (prompts per prefill
+      launch: chunk_rows / 4, grpo's n, so that one entry fits pos, balance and grpo alike)
+      and `eval_chunk_rows` (evaluation slots), from XLA:GPU's plan of that host.
+
+  Raises:
+    ValueError: `host` is not a key of `hosts` (the known ones named).
+  """
+  if not host:
+    return c
+  if host not in hosts:
+    raise ValueError(f"no GPU host settings named {host!r} in this config (known: {sorted(hosts)})")
+  settings = hosts[host]
+  c.sampler.chunk_rows = settings["chunk_rows"]
+  c.sampler.prompts_per_chunk = settings["prompts_per_chunk"]
+  c.eval.sampler.chunk_rows = settings["eval_chunk_rows"]
   return c
 
 

@@ -8,7 +8,7 @@ import ml_collections
 from configs import llama3b_pos
 
 
-def get_config() -> ml_collections.ConfigDict:
-  c = llama3b_pos.get_config()
+def get_config(host: str = "") -> ml_collections.ConfigDict:
+  c = llama3b_pos.get_config(host)
   c.ada.method = "balance"
   return c

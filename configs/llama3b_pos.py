@@ -23,8 +23,16 @@ import ml_collections
 
 from configs import common
 
+# GPU hosts (`--config=configs/llama3b_pos.py:h100x8`): rollout slots, prompts per prefill and
+# evaluation slots that fill 8 GPUs' memory on the default mesh (fsdp 2 x tensor 4), from
+# XLA:GPU's plan (experiments/results/memory_plan_<host>.json, docs/gpu.md).
+HOSTS = {
+  "h100x8": dict(chunk_rows=512, prompts_per_chunk=128, eval_chunk_rows=256),
+  "h200x8": dict(chunk_rows=1024, prompts_per_chunk=256, eval_chunk_rows=512),
+}
 
-def get_config() -> ml_collections.ConfigDict:
+
+def get_config(host: str = "") -> ml_collections.ConfigDict:
   c = common.get_config()
   c.model.hf_dir = "meta-llama/Llama-3.2-3B-Instruct"  # local folder or Hub id
   c.model.dtype = "bfloat16"
@@ -64,4 +72,4 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh.data = 1
   c.mesh.fsdp = -1  # parameters and rows over the remaining chips
   c.mesh.tensor = 4  # heads, kv heads, MLP and vocabulary split 4 ways (3B: 24/8 heads)
-  return c
+  return common.on_host(c, host, HOSTS)

@@ -11,5 +11,5 @@ import ml_collections
 from configs import common, qwen_math15b_pos
 
 
-def get_config() -> ml_collections.ConfigDict:
-  return common.released_baseline(qwen_math15b_pos.get_config())
+def get_config(host: str = "") -> ml_collections.ConfigDict:
+  return common.released_baseline(qwen_math15b_pos.get_config(host))

@@ -12,10 +12,18 @@ length check, positions past 4,096 are ones the checkpoint was not trained on).
 
 import ml_collections
 
-from configs import llama3b_pos
+from configs import common, llama3b_pos
+
+# GPU hosts (`--config=configs/qwen_math15b_pos.py:h100x8`): rollout slots, prompts per prefill and
+# evaluation slots that fill 8 GPUs' memory on the default mesh (fsdp 2 x tensor 4), from
+# XLA:GPU's plan (experiments/results/memory_plan_<host>.json, docs/gpu.md).
+HOSTS = {
+  "h100x8": dict(chunk_rows=512, prompts_per_chunk=128, eval_chunk_rows=256),
+  "h200x8": dict(chunk_rows=1024, prompts_per_chunk=256, eval_chunk_rows=512),
+}
 
 
-def get_config() -> ml_collections.ConfigDict:
+def get_config(host: str = "") -> ml_collections.ConfigDict:
   c = llama3b_pos.get_config()
   c.model.hf_dir = "Qwen/Qwen2.5-Math-1.5B"  # local folder or Hub id
   # The authors' released hard set (their easy set: RLHFlow/reinforce_ada_simple_prompt_1-5b).
@@ -28,4 +36,4 @@ def get_config() -> ml_collections.ConfigDict:
   c.sampler.max_new_tokens = 2048  # training response budget (released script: 2,048)
   c.eval.sampler.max_new_tokens = 4096  # evaluation response budget (authors' evaluation: 4,096)
   c.eval.sampler.temperature = 1.0  # Avg@32 sampled at T = 1 (authors' evaluation)
-  return c
+  return common.on_host(c, host, HOSTS)

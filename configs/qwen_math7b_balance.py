@@ -9,7 +9,7 @@ import ml_collections
 from configs import qwen_math7b_pos
 
 
-def get_config() -> ml_collections.ConfigDict:
-  c = qwen_math7b_pos.get_config()
+def get_config(host: str = "") -> ml_collections.ConfigDict:
+  c = qwen_math7b_pos.get_config(host)
   c.ada.method = "balance"
   return c

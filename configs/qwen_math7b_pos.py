@@ -9,14 +9,22 @@ and micro-batches sized for a v4-32.
 
 import ml_collections
 
-from configs import qwen_math15b_pos
+from configs import common, qwen_math15b_pos
+
+# GPU hosts (`--config=configs/qwen_math7b_pos.py:h100x8`): rollout slots, prompts per prefill and
+# evaluation slots that fill 8 GPUs' memory on the default mesh (fsdp 2 x tensor 4), from
+# XLA:GPU's plan (experiments/results/memory_plan_<host>.json, docs/gpu.md).
+HOSTS = {
+  "h100x8": dict(chunk_rows=768, prompts_per_chunk=192, eval_chunk_rows=512),
+  "h200x8": dict(chunk_rows=1536, prompts_per_chunk=384, eval_chunk_rows=1024),
+}
 
 
-def get_config() -> ml_collections.ConfigDict:
+def get_config(host: str = "") -> ml_collections.ConfigDict:
   c = qwen_math15b_pos.get_config()
   c.model.hf_dir = "Qwen/Qwen2.5-Math-7B"  # local folder or Hub id
   # The authors' released hard set (their easy set: RLHFlow/reinforce_ada_easy_prompt).
   c.data.verl_set = "RLHFlow/reinforce_ada_hard_prompt"
   # Sized for a v4-32 (16 devices: tensor 4 × fsdp 4): one row per data-parallel group.
   c.train.micro_batch_size = 4
-  return c
+  return common.on_host(c, host, HOSTS)

@@ -4,7 +4,7 @@
   python experiments/memory_plan.py --target=v5e-8 --configs=llama3b_pos
   python experiments/memory_plan.py --target=v4-32 --configs=qwen_math7b_pos
   python experiments/memory_plan.py --target=v4-8 --configs=llama3b_pos --set=sampler.chunk_rows=256
-  python experiments/memory_plan.py --target=h100x8 --configs=qwen_math7b_pos
+  python experiments/memory_plan.py --target=h100x8 --configs=qwen_math7b_pos:h100x8
 
 For each config, `ada_jax.plan.plan` compiles with the target's compiler, on this CPU with
 no accelerator and no weight allocated, every program the run holds in device memory (the
@@ -70,8 +70,10 @@ from ada_jax import config as config_lib  # noqa: E402
 
 
 def load_config(name: str, overrides: list[str]) -> config_lib.RunConfig:
-  """configs/<name>.py's `get_config()` with `--set` overrides, parsed and checked."""
-  c = importlib.import_module(f"configs.{name}").get_config()
+  """configs/<name>.py's `get_config()` (`<name>:<host>`: `get_config(host)`, a GPU host's
+  settings) with `--set` overrides, parsed and checked."""
+  module, _, host = name.partition(":")
+  c = importlib.import_module(f"configs.{module}").get_config(*([host] if host else []))
   for item in overrides:
     key, _, raw = item.partition("=")
     group, _, field = key.partition(".")

@@ -9,13 +9,16 @@ figure asserted here is XLA:GPU's, never XLA:CPU's.
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from ada_jax import aot, plan
 from ada_jax import config as config_lib
+from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.rollout import sampler as sampler_lib
 
@@ -43,9 +46,8 @@ def test_gpu_targets_give_the_compilers_devices(name, devices, hosts, kind, gib)
   assert aot.target("v5e-8").usable_gib(0.75) == aot.target("v5e-8").hbm_gib  # TPU: whole
 
 
-def test_eight_gpu_train_step_all_reduces_the_gradients(monkeypatch):
-  """Data parallel over 8 GPUs: each device's gradients are summed across the 8 (an
-  all-reduce in XLA:GPU's program), so every replica applies the same update."""
+def _keep_texts(monkeypatch) -> list[str]:
+  """The HLO text of every program `aot` compiles from here on, in order."""
   texts = []
   compile_ = aot._compile
 
@@ -55,6 +57,13 @@ def test_eight_gpu_train_step_all_reduces_the_gradients(monkeypatch):
     return compiled
 
   monkeypatch.setattr(aot, "_compile", keep_text)
+  return texts
+
+
+def test_eight_gpu_train_step_all_reduces_the_gradients(monkeypatch):
+  """Data parallel over 8 GPUs: each device's gradients are summed across the 8 (an
+  all-reduce in XLA:GPU's program), so every replica applies the same update."""
+  texts = _keep_texts(monkeypatch)
   cfg = config_lib.parse(_tiny_arith())
   mesh = aot.mesh_for(cfg, aot.devices_for(aot.target("h100x8")))
   assert mesh.shape["data"] == 8
@@ -66,21 +75,32 @@ def test_eight_gpu_train_step_all_reduces_the_gradients(monkeypatch):
 
 
 @pytest.mark.slow
-def test_pool_cache_stays_in_place_under_xla_gpu():
+def test_pool_cache_stays_in_place_under_xla_gpu(monkeypatch):
   """The slot cache is updated in place by XLA:GPU too: before the pool ran its idle decode
   steps outside a `lax.cond` (`slots.skips_idle_steps`) and copied one prompt-cache entry
-  per refill (`pool.prompt_entry`), the segment's temporaries were 1.05x the cache."""
+  per refill (`pool.prompt_entry`), the segment's temporaries were 1.05x the cache. Under
+  FSDP the decode loop moves no weight between GPUs: the rollout copy is whole along 'fsdp'
+  (`sharding.rollout_param_shardings`); from the masters' layout XLA:GPU all-gathered the
+  output table inside the loop."""
   config = _kv_model()
-  mesh = sharding_lib.make_mesh(8, 1, 1, devices=aot.devices_for(aot.target("h100x8")))
+  mesh = sharding_lib.make_mesh(4, 2, 1, devices=aot.devices_for(aot.target("h100x8")))
   smp = sampler_lib.Sampler(
     config, max_new_tokens=2048, stop_ids=(1,), chunk_rows=64, prompts_per_chunk=8,
     prompt_buckets=(128,), mesh=mesh,
   )  # fmt: skip
-  out = aot.pool_programs(smp, aot.abstract_params(config, mesh), what="pool")
+  texts = _keep_texts(monkeypatch)
+  out = aot.pool_programs(smp, aot.rollout_params(config, mesh), what="pool")
   kv, segment = out["slot_cache"], out["segment"]
   assert kv == 2 * 4 * (64 // 8) * 8 * (128 + 2048) * 128 * 2  # bf16 K and V per device
   assert segment.temp <= 0.25 * kv, segment.largest
   assert segment.alias >= kv  # the donated cache is the output's
+  (run,) = [t for t in texts if "jit(run_segment)" in t]
+  gathered = set()
+  for m in re.finditer(r"= (.*?) all-gather-done\(", run):
+    gathered |= set(re.findall(r"bf16\[([\d,]+)\]", m.group(1)))
+  weights = {",".join(map(str, x.shape)) for x in jax.tree.leaves(model_lib.param_shapes(config))}
+  assert gathered, "expected the pool's row and prompt-cache gathers in the program"
+  assert not gathered & weights, sorted(gathered & weights)
 
 
 def _plan_cli(*args):

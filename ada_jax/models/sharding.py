@@ -195,6 +195,34 @@ def param_shardings(config: ModelConfig, mesh: Mesh) -> Params:
   )
 
 
+def rollout_param_shardings(config: ModelConfig, mesh: Mesh) -> Params:
+  """`NamedSharding` of every leaf of the samplers' rollout copy (`Sampler.rollout_params`).
+
+  The decode loop reads every weight at every step. Under FSDP a weight split over 'fsdp'
+  is all-gathered inside the loop at every step, so on GPU the copy is laid out whole
+  along 'fsdp' (split over 'tensor' only), gathered once per RL step when the copy is
+  made: 'fsdp' times the copy's bytes per device, no weight moved between devices while
+  decoding (tests/test_aot_gpu.py reads XLA:GPU's program). On TPU (and the CPU) the copy
+  keeps the parameters' own shardings: given the whole copy, XLA:TPU re-laid out the MLP
+  weights at every decode step, and the llama3b_pos decode step on a v5e-8 read 18.3 GB
+  per device instead of 12.8 (docs/tpu.md, "Decode traffic").
+
+  Args:
+    config: the model config.
+    mesh: the mesh; its devices' platform picks the layout.
+
+  Returns:
+    A params-shaped tree of `NamedSharding`s.
+  """
+  specs = param_specs(config, mesh)
+  if mesh.devices.flat[0].platform == "gpu":
+    no_fsdp = lambda axis: None if axis == "fsdp" else axis
+    specs = jax.tree.map(
+      lambda s: P(*(no_fsdp(a) for a in s)), specs, is_leaf=lambda x: isinstance(x, P)
+    )
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
 def abstract(shapes: Any, shardings: Any) -> Any:
   """A restore target: `jax.ShapeDtypeStruct`s of `shapes` (any tree of arrays or structs)
   carrying the matching `shardings` leaf."""

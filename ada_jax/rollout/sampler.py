@@ -373,8 +373,9 @@ class Sampler:
 
   def rollout_params(self, params: Params) -> Params:
     """The weights the pool decodes from: `params` cast to the compute dtype
-    (`ModelConfig.dtype`) on their own shardings, or `params` themselves when they already
-    are in it (float32 runs, or a copy made before).
+    (`ModelConfig.dtype`) and laid out for decoding (`sharding.rollout_param_shardings`:
+    the parameters' own shardings on TPU, whole along 'fsdp' on GPU), or `params`
+    themselves when they already are both (float32 runs, or a copy made before).
 
     The decode loop reads every weight at every step, so it must read the compute-dtype
     copy, never cast the float32 masters inside the loop (twice the bytes per step). A
@@ -391,12 +392,17 @@ class Sampler:
       `copies`) unless no leaf needed a cast.
     """
     dtype = self.config.compute_dtype
-    if all(leaf.dtype == dtype for leaf in jax.tree.leaves(params)):
+    shardings = None
+    if self.mesh is not None:
+      shardings = sharding_lib.rollout_param_shardings(self.config, self.mesh)
+    leaves = jax.tree.leaves(params)
+    laid_out = shardings is None or all(
+      isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sh, x.ndim)
+      for x, sh in zip(leaves, jax.tree.leaves(shardings), strict=True)
+    )
+    if laid_out and all(leaf.dtype == dtype for leaf in leaves):
       return params
     if self._cast is None:
-      shardings = None
-      if self.mesh is not None:
-        shardings = sharding_lib.param_shardings(self.config, self.mesh)
       self._cast = jax.jit(
         lambda p: jax.tree.map(lambda x: x.astype(dtype), p), out_shardings=shardings
       )
