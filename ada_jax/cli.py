@@ -34,6 +34,10 @@ def exit_on_config_error() -> Iterator[None]:
     _usage_exit(str(e))
 
 
+class _GetConfigFailed(Exception):
+  """A `--config` file's `get_config(arg)` raised (not a ValueError, which absl would wrap)."""
+
+
 class _CompletingParser(ConfigFileFlagParser):
   """Loads a `--config` file as ml_collections does, then adds the fields it leaves out
   (`config.complete`) before the `--config.x.y` overrides are matched against it."""
@@ -42,7 +46,13 @@ class _CompletingParser(ConfigFileFlagParser):
     super().__init__(name, lock_config=False)
 
   def parse(self, path):
-    config = super().parse(path)
+    try:
+      config = super().parse(path)
+    except (TypeError, ValueError) as e:
+      # ml_collections re-raises get_config's error with its traceback as the message;
+      # the original (e.g. an unknown `:host` argument) is the one line a user needs.
+      original = e.__context__ if isinstance(e.__context__, (TypeError, ValueError)) else e
+      raise _GetConfigFailed(f"--config={path}: {original}") from None
     if isinstance(config, config_dict.ConfigDict):  # else a deferred load error
       complete(config)
       config.lock()
@@ -79,6 +89,8 @@ def parse_flags(argv: list[str]) -> list[str]:
     raise
   except OSError as e:  # the config file itself did not load
     _usage_exit(f"--config: {e}")
+  except _GetConfigFailed as e:
+    _usage_exit(str(e))
   except (AttributeError, KeyError) as e:
     inner = e
     while inner.args and isinstance(inner.args[0], BaseException):  # ml_collections nests

@@ -130,6 +130,12 @@ def bad_inputs(tmp_path_factory):
       2,
       "no field named by config.rl.batch_prompt",
     ),
+    "main_unknown_gpu_host": (
+      "ada_jax.main",
+      [f"--config={ROOT / 'configs' / 'llama3b_pos.py'}:h100", main_w],
+      2,
+      "llama3b_pos.py:h100: no GPU host settings named 'h100' in this config (known: ['h100x8', '",
+    ),
     "main_init_from_other_model": (
       "ada_jax.main",
       [conf, main_w, f"--config.ckpt.init_from={other}"],
@@ -229,6 +235,7 @@ CASES = [
   "main_timeout_1e9",
   "main_top_p_2",
   "main_unknown_field",
+  "main_unknown_gpu_host",
   "main_init_from_other_model",
   "eval_empty_workdir",
   "eval_missing_checkpoint",

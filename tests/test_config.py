@@ -31,6 +31,32 @@ def test_every_config_parses(path):
   assert run.train_rows % run.train.num_minibatches == 0
 
 
+def test_gpu_host_settings_parse_for_every_method():
+  """`--config=configs/<name>.py:<host>`: each paper config's GPU hosts (the pos file's
+  table, reached from balance and grpo) parse, fill every slot chunk whatever the method's
+  fewest rows per prompt, and change only the sampler sizes; an unknown host is named."""
+  modules = {p.stem: _module(p) for p in CONFIGS}
+  tables = {name: m.HOSTS for name, m in modules.items() if hasattr(m, "HOSTS")}
+  assert set(tables) == {"llama3b_pos", "qwen_math15b_pos", "qwen_math7b_pos"}
+  for name, table in tables.items():
+    for variant in ("pos", "balance", "grpo"):
+      module = modules[name.replace("_pos", f"_{variant}")]
+      plain = config_lib.parse(module.get_config())
+      for host, sizes in table.items():
+        run = config_lib.parse(module.get_config(host))
+        assert run.sampler.chunk_rows == sizes["chunk_rows"], (name, variant, host)
+        assert run.eval.sampler.chunk_rows == sizes["eval_chunk_rows"]
+        assert run.prompts_per_chunk * run.ada.min_rows_per_prompt >= run.sampler.chunk_rows
+        assert (run.ada, run.train, run.mesh) == (plain.ada, plain.train, plain.mesh)
+  with pytest.raises(ValueError, match=r"'h300x8'.*known: \['h100x8', 'h200x8'\]"):
+    modules["qwen_math7b_grpo"].get_config("h300x8")
+
+
+def _module(path: pathlib.Path):
+  """configs/<path>'s module, loaded as `--config` loads it."""
+  return config_flags.config_flags._LoadConfigModule(path.stem, str(path))
+
+
 def test_paper_hyper_parameters_are_the_defaults():
   cfg = common.get_config()
   cfg.model.preset = "llama-3.2-3b"

@@ -7,8 +7,35 @@ import pytest
 
 from ada_jax import testing
 from ada_jax.models import decoder as model_lib
+from ada_jax.models.layers import attend
 
 TINY = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
+
+
+def _decode(config, params, tokens, positions, cache, attention_mask=None):
+  """The plain cache's incremental forward, the reference the slot pool's ring is held to:
+  writes `tokens` (`int32[B, T]`) at columns `[index, index + T)` of `cache` (a `prefill`
+  result) and attends over it, causally within the new tokens; `attention_mask` False marks
+  tokens never attended to. Returns (`float32[B, T, V]` logits, the updated cache)."""
+  if attention_mask is None:
+    attention_mask = jnp.ones(tokens.shape, bool)
+  t = tokens.shape[1]
+  mask = jax.lax.dynamic_update_slice(cache.mask, attention_mask, (0, cache.index))
+  causal = jnp.arange(cache.length) <= cache.index + jnp.arange(t)[:, None]  # [T, S]
+
+  def attention(layer):
+    def write_and_read(q, k, v):
+      put = lambda old, new: jax.lax.dynamic_update_slice(
+        old, new.astype(old.dtype), (0, 0, cache.index, 0)
+      )
+      k, v = put(cache.k[layer], k), put(cache.v[layer], v)
+      return attend(q, [(k, v, mask[:, None, :] & causal)]), (k, v)
+
+    return write_and_read
+
+  out, kvs = model_lib.forward(config, params, tokens, positions, attention)
+  k, v = tuple(k for k, _ in kvs), tuple(v for _, v in kvs)
+  return out, model_lib.KVCache(k=k, v=v, mask=mask, index=cache.index + t)
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -33,7 +60,7 @@ def test_incremental_decode_matches_full_forward(name, chunk):
     atol=1e-4 * max(1.0, float(jnp.abs(full).max())),
   )
   outs = [full[:, :prefix]]
-  decode = jax.jit(lambda *a: model_lib.decode(config, params, *a))
+  decode = jax.jit(lambda *a: _decode(config, params, *a))
   for t in range(prefix, 10, chunk):
     sl = slice(t, min(t + chunk, 10))
     out, cache = decode(tokens[:, sl], pos[:, sl], cache, mask[:, sl])
@@ -52,9 +79,9 @@ def test_cache_rows_can_be_shared():
   pos = model_lib.positions_from_mask(jnp.asarray(mask))
   _, cache = model_lib.prefill(config, params, tokens, pos, mask, cache_len=8)
   rows = jnp.array([1, 0, 1])
-  shared = model_lib.gather_cache_rows(cache, rows)
+  shared = jax.tree.map(lambda x: x if x.ndim == 0 else jnp.take(x, rows, axis=0), cache)
   nxt = jnp.array([[5], [6], [7]], jnp.int32)
-  out, _ = model_lib.decode(config, params, nxt, pos[rows, -1:] + 1, shared)
+  out, _ = _decode(config, params, nxt, pos[rows, -1:] + 1, shared)
   full_tokens = jnp.concatenate([jnp.asarray(tokens)[rows], nxt], 1)
   full_mask = jnp.concatenate([jnp.asarray(mask)[rows], jnp.ones((3, 1), bool)], 1)
   ref = model_lib.logits(

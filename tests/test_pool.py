@@ -100,9 +100,10 @@ def test_tokens_do_not_depend_on_the_schedule(tiny, pools):
 
 @pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)])
 def test_running_idle_decode_steps_draws_the_same_tokens(tiny, monkeypatch, mesh_shape):
-  """XLA:GPU's schedule (`slots.skips_idle_steps` False: the decode step runs even when no
-  slot goes on) draws what skipping it draws: 2 slots, 3-step segments, many refills and
-  steps where every live row ends at once; on a 2 x 2 x 2 mesh as well."""
+  """XLA:GPU's schedule (`slots.in_place_under_cond` False: the decode step runs even when no
+  slot goes on, the refill's cache copy runs outside its conditional) draws what the TPU's
+  draws: 2 slots, 3-step segments, many refills and steps where every live row ends at
+  once; on a 2 x 2 x 2 mesh as well."""
   config, params = tiny
   mesh = None
   if mesh_shape:
@@ -116,7 +117,7 @@ def test_running_idle_decode_steps_draws_the_same_tokens(tiny, monkeypatch, mesh
     params, PROMPTS, rows, jax.random.key(4)
   )
   skipped, stats = draw()
-  monkeypatch.setattr(slots_lib, "skips_idle_steps", lambda mesh: False)
+  monkeypatch.setattr(slots_lib, "in_place_under_cond", lambda mesh: False)
   always, always_stats = draw()
   assert len(set(skipped["lengths"].tolist())) > 2  # rows end at different steps
   np.testing.assert_array_equal(always["tokens"], skipped["tokens"])

@@ -33,7 +33,7 @@ from ada_jax.models.architecture import PRESETS as PRESETS
 from ada_jax.models.architecture import ModelConfig
 from ada_jax.models.architecture import RopeScaling as RopeScaling
 from ada_jax.models.architecture import preset as preset
-from ada_jax.models.layers import Block, RMSNorm, attend, make_param, rope_frequencies
+from ada_jax.models.layers import Block, RMSNorm, make_param, rope_frequencies
 
 Params = dict[str, Any]
 
@@ -79,14 +79,6 @@ def init_cache(config: ModelConfig, batch: int, cache_len: int, dtype=None) -> K
     v=zeros(),
     mask=jnp.zeros((batch, cache_len), bool),
     index=jnp.zeros((), jnp.int32),
-  )
-
-
-def gather_cache_rows(cache: KVCache, rows: jax.Array) -> KVCache:
-  """Cache rows `rows` (int32[C], indices into B), e.g. one shared prompt prefill per row."""
-  take = lambda x: jnp.take(x, rows, axis=0)
-  return cache.replace(
-    k=tuple(map(take, cache.k)), v=tuple(map(take, cache.v)), mask=take(cache.mask)
   )
 
 
@@ -341,52 +333,6 @@ def prefill(
     index=jnp.asarray(t, jnp.int32),
   )
   return out[:, 0], cache
-
-
-def decode(
-  config: ModelConfig,
-  params: Params,
-  tokens: jax.Array,
-  positions: jax.Array,
-  cache: KVCache,
-  attention_mask: jax.Array | None = None,
-) -> tuple[jax.Array, KVCache]:
-  """Incremental forward: writes `tokens` at columns `[index, index + T)` and attends over
-  the cache (causally within the new tokens).
-
-  Args:
-    tokens, positions: `int32[B, T]` (T = 1 for a decode step).
-    cache: the cache from `prefill`/`init_cache`/a previous `decode`.
-    attention_mask: `bool[B, T]`, False for tokens that must never be attended to (e.g.
-      rows that are already done); None means all real.
-
-  Returns:
-    (`float32[B, T, V]` logits, updated `KVCache`).
-  """
-  if attention_mask is None:
-    attention_mask = jnp.ones(tokens.shape, bool)
-  t = tokens.shape[1]
-  mask = jax.lax.dynamic_update_slice(cache.mask, attention_mask, (0, cache.index))
-  causal = jnp.arange(cache.length) <= cache.index + jnp.arange(t)[:, None]  # [T, S]
-
-  def attention(layer):
-    def write_and_read(q, k, v):
-      put = lambda old, new: jax.lax.dynamic_update_slice(
-        old, new.astype(old.dtype), (0, 0, cache.index, 0)
-      )
-      k, v = put(cache.k[layer], k), put(cache.v[layer], v)
-      return attend(q, [(k, v, mask[:, None, :] & causal)]), (k, v)
-
-    return write_and_read
-
-  out, kvs = _module(config, params)(tokens, positions, mask, attention=attention)
-  new = KVCache(
-    k=tuple(k for k, _ in kvs),
-    v=tuple(v for _, v in kvs),
-    mask=mask,
-    index=cache.index + t,
-  )
-  return out, new
 
 
 def forward(

@@ -205,7 +205,7 @@ def rollout_param_shardings(config: ModelConfig, mesh: Mesh) -> Params:
   decoding (tests/test_aot_gpu.py reads XLA:GPU's program). On TPU (and the CPU) the copy
   keeps the parameters' own shardings: given the whole copy, XLA:TPU re-laid out the MLP
   weights at every decode step, and the llama3b_pos decode step on a v5e-8 read 18.3 GB
-  per device instead of 12.8 (docs/tpu.md, "Decode traffic").
+  per device instead of 12.8 (docs/tpu.md, section 7).
 
   Args:
     config: the model config.

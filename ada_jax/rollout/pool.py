@@ -260,11 +260,10 @@ def prompt_entry(config: ModelConfig, layer: jax.Array, index: jax.Array, mesh=N
   )(layer, index)
 
 
-def _refill(config, params, s: PoolState, prompts: PromptCache, queue: Queue, take, qi, mesh):
-  """Slots `take` (bool[S]) start queue rows `qi` (int32[S]): prompt KV copied in, the
-  ring masked, counters and output rows reset."""
-  entry = queue.prompt[qi]
-  put = lambda old, new: jnp.where(take.reshape(-1, *[1] * (new.ndim - 1)), new, old)
+def _admit_prompts(config, cache: slots_lib.SlotCache, prompts: PromptCache, entry, take, mesh):
+  """The slot cache with slots `take` (bool[S]) holding prompt-cache entries `entry`
+  (int32[S]): their prompt keys, values and mask copied in, their ring masked. With no
+  slot to fill the copy loop runs no trip."""
   # One prompt's columns per refilled slot: the bytes copied follow the refills, not S.
   slots = jnp.nonzero(take, size=take.shape[0], fill_value=0)[0]
 
@@ -279,33 +278,57 @@ def _refill(config, params, s: PoolState, prompts: PromptCache, queue: Queue, ta
       for caches, prompt_kv in zip(kv, (prompts.k, prompts.v), strict=True)
     )
 
-  c = s.cache
-  k, v = jax.lax.fori_loop(0, take.sum(), copy, (c.prompt_k, c.prompt_v))
-  prompt_mask = prompts.mask[entry]
-  cache = c.replace(
+  k, v = jax.lax.fori_loop(0, take.sum(), copy, (cache.prompt_k, cache.prompt_v))
+  return cache.replace(
     prompt_k=k,
     prompt_v=v,
-    prompt_mask=put(c.prompt_mask, prompt_mask),
-    mask=c.mask & ~take[:, None],
+    prompt_mask=jnp.where(take[:, None], prompts.mask[entry], cache.prompt_mask),
+    mask=cache.mask & ~take[:, None],
   )
+
+
+def _start_rows(config, params, s: PoolState, prompts: PromptCache, queue: Queue, take, qi):
+  """The pool's bookkeeping for slots `take` (bool[S]) starting queue rows `qi` (int32[S]):
+  their first logits (from the prompt's last hidden state), ids, counters and output rows
+  reset. Reads no slot cache (`s.cache` may be None)."""
+  entry = queue.prompt[qi]
+  put = lambda old, new: jnp.where(take.reshape(-1, *[1] * (new.ndim - 1)), new, old)
   logits = model_lib.unembed(
     config, output_table(config, params), prompts.hidden[entry].astype(config.compute_dtype)
   )
   position = jnp.where(take, queue.position[qi], s.position)
   out_rows = jnp.where(take, position, s.tokens.shape[0])  # out of range: dropped
   return s.replace(
-    cache=cache,
     logits=put(s.logits, logits),
     live=s.live | take,
     position=position,
     row_id=jnp.where(take, queue.row_id[qi], s.row_id),
-    prompt_len=jnp.where(take, prompt_mask.sum(-1).astype(jnp.int32), s.prompt_len),
+    prompt_len=jnp.where(take, prompts.mask[entry].sum(-1).astype(jnp.int32), s.prompt_len),
     length=jnp.where(take, 0, s.length),
     tokens=s.tokens.at[out_rows].set(0, mode="drop"),
     logprobs=s.logprobs.at[out_rows].set(0.0, mode="drop"),
     lengths=s.lengths.at[out_rows].set(0, mode="drop"),
     finished=s.finished.at[out_rows].set(False, mode="drop"),
   )
+
+
+def _refill(config, params, s: PoolState, prompts: PromptCache, queue: Queue, take, qi, mesh):
+  """Slots `take` (bool[S]) start queue rows `qi` (int32[S]), when any does.
+
+  XLA:TPU updates a cache passed through a conditional in place; XLA:GPU copies all of it
+  into the branch (`slots.in_place_under_cond`: the prompt columns of a 7B's 768 slots on
+  8 x H100, 5.25 GiB of temporaries). On GPU the prompt columns are written outside the
+  conditional (a copy loop of no trip when no slot refills) and only the bookkeeping, which
+  holds no cache, runs under it.
+  """
+  start = lambda s: _start_rows(config, params, s, prompts, queue, take, qi)
+  admit = lambda c: _admit_prompts(config, c, prompts, queue.prompt[qi], take, mesh)
+  if slots_lib.in_place_under_cond(mesh):
+    both = lambda s: start(s.replace(cache=admit(s.cache)))
+    return jax.lax.cond(jnp.any(take), both, lambda s: s, s)
+  cache = admit(s.cache)
+  rest = jax.lax.cond(jnp.any(take), start, lambda r: r, s.replace(cache=None))
+  return rest.replace(cache=cache)
 
 
 def row_uniforms(key: jax.Array, row_id: jax.Array, index: jax.Array) -> jax.Array:
@@ -414,9 +437,7 @@ def run_segment(
     rank = jnp.cumsum(ready) - 1
     take = ready & (head + rank < queue.count)
     qi = jnp.clip(head + rank, 0, queue.prompt.shape[0] - 1)
-    s = jax.lax.cond(
-      jnp.any(take), lambda: _refill(config, params, s, prompts, queue, take, qi, mesh), lambda: s
-    )
+    s = _refill(config, params, s, prompts, queue, take, qi, mesh)
     head = head + take.sum(dtype=jnp.int32)
     u = row_uniforms(key, s.row_id, s.length)
     token, logprob = rule.draw(s.logits, u)
@@ -441,7 +462,7 @@ def run_segment(
       config, params, s, token, still, attention_block=attention_block, mesh=mesh
     )
     went_on = jnp.any(still)
-    if slots_lib.skips_idle_steps(mesh):
+    if slots_lib.in_place_under_cond(mesh):
       s = jax.lax.cond(went_on, decode, lambda s: s, s)
     else:  # the step's cache write lands at the unchanged column: masked, then overwritten
       stepped, keep = decode(s), lambda new, old: jnp.where(went_on, new, old)

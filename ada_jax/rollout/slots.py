@@ -96,13 +96,16 @@ def constrain(config: ModelConfig, cache: SlotCache, mesh) -> SlotCache:
   return jax.tree.map(jax.lax.with_sharding_constraint, cache, sh)
 
 
-def skips_idle_steps(mesh: jax.sharding.Mesh | None) -> bool:
-  """Whether a decode step no slot needs is skipped under a `lax.cond` (`pool.run_segment`).
+def in_place_under_cond(mesh: jax.sharding.Mesh | None) -> bool:
+  """Whether the slot cache may pass through a `lax.cond` (`pool.run_segment`: a decode
+  step no slot needs is skipped, a refill runs only when a slot frees) and stay in place.
 
   The compilers differ on a cache that passes through a conditional: XLA:TPU writes it in
   place inside the branch, XLA:GPU copies all of it into the branch (1.05x the slot cache
-  in temporaries). On GPU the step always runs instead (the idle step's write is masked
-  and overwritten by the next row, so the tokens are the same: tests/test_pool.py).
+  in temporaries for the skipped step; the prompt columns, a third of a 7B's cache, for
+  the refill). On GPU the decode step always runs (the idle step's write is masked and
+  overwritten by the next row) and the refill's cache copy runs outside the conditional
+  (no trip when no slot refills), so the tokens are the same (tests/test_pool.py).
   """
   platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
   return platform != "gpu"
