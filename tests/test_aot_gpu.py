@@ -80,10 +80,10 @@ def test_pool_cache_stays_in_place_under_xla_gpu(monkeypatch):
   steps outside a `lax.cond` (`slots.in_place_under_cond`) and copied one prompt-cache entry
   per refill (`pool.prompt_entry`), the segment's temporaries were 1.05x the cache. Under
   FSDP the decode loop moves no weight between GPUs: the rollout copy is whole along 'fsdp'
-  (`sharding.rollout_param_shardings`); from the masters' layout XLA:GPU all-gathered the
-  output table inside the loop."""
+  (`sharding.rollout_param_shardings`; from the masters' layout XLA:GPU all-gathered the
+  output table inside the loop), and no `[rows, V]` logits (drawn per vocabulary slice)."""
   config = _kv_model()
-  mesh = sharding_lib.make_mesh(4, 2, 1, devices=aot.devices_for(aot.target("h100x8")))
+  mesh = sharding_lib.make_mesh(2, 2, 2, devices=aot.devices_for(aot.target("h100x8")))
   smp = sampler_lib.Sampler(
     config, max_new_tokens=2048, stop_ids=(1,), chunk_rows=64, prompts_per_chunk=8,
     prompt_buckets=(128,), mesh=mesh,
@@ -91,16 +91,20 @@ def test_pool_cache_stays_in_place_under_xla_gpu(monkeypatch):
   texts = _keep_texts(monkeypatch)
   out = aot.pool_programs(smp, aot.rollout_params(config, mesh), what="pool")
   kv, segment = out["slot_cache"], out["segment"]
-  assert kv == 2 * 4 * (64 // 8) * 8 * (128 + 2048) * 128 * 2  # bf16 K and V per device
+  assert kv == 2 * 4 * (64 // 4) * (8 // 2) * (128 + 2048) * 128 * 2  # bf16 K, V per device
   assert segment.temp <= 0.25 * kv, segment.largest
   assert segment.alias >= kv  # the donated cache is the output's
   (run,) = [t for t in texts if "jit(run_segment)" in t]
   gathered = set()
   for m in re.finditer(r"= (.*?) all-gather-done\(", run):
-    gathered |= set(re.findall(r"bf16\[([\d,]+)\]", m.group(1)))
-  weights = {",".join(map(str, x.shape)) for x in jax.tree.leaves(model_lib.param_shapes(config))}
+    gathered |= set(re.findall(r"\w+\[[\d,]+\]", m.group(1)))
+  weights = {
+    f"bf16[{','.join(map(str, x.shape))}]" for x in jax.tree.leaves(model_lib.param_shapes(config))
+  }
   assert gathered, "expected the pool's row and prompt-cache gathers in the program"
   assert not gathered & weights, sorted(gathered & weights)
+  # Tokens are drawn from the vocab-sharded logits (`SamplingRule.draw` with the mesh).
+  assert not [g for g in gathered if g.endswith(f",{config.vocab_size}]")], sorted(gathered)
 
 
 def _plan_cli(*args):

@@ -247,6 +247,33 @@ def test_sharded_sampler_matches_single_device(tiny, no_implicit_transfers):
     pool.prefill([PROMPTS[0], PROMPTS[1]])
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 0.0])
+def test_vocab_sharded_draw_equals_the_whole_vocabulary_draw(temperature):
+  """`SamplingRule.draw` on logits split 4 ways along the vocabulary (rows 2 ways) draws the
+  tokens and log-probs the whole-vocabulary rule draws from the same uniforms: peaked and
+  flat rows, -inf logits, a row with mass in one slice only, u at 0 and just below 1."""
+  mesh = jax.make_mesh(
+    (2, 1, 4), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 3
+  )
+  rule = sampler_lib.SamplingRule(temperature=temperature)
+  rng = np.random.default_rng(0)
+  rows, vocab = 64, 96
+  logits = rng.normal(size=(rows, vocab)) * rng.choice([0.1, 1.0, 8.0], size=(rows, 1))
+  logits[3, :] = -np.inf
+  logits[3, 70] = 2.0  # all mass in the last-but-one slice
+  logits[5, ::3] = -np.inf
+  u = rng.uniform(size=rows)
+  u[:4], u[4:8] = 0.0, np.nextafter(np.float32(1), np.float32(0))
+  logits, u = jnp.asarray(logits, jnp.float32), jnp.asarray(u, jnp.float32)
+  assert rule.vocab_shards(mesh, logits.shape) == 4
+  assert sampler_lib.SamplingRule(top_k=5).vocab_shards(mesh, logits.shape) == 1
+  whole = jax.jit(rule.draw)(logits, u)
+  split = jax.jit(lambda z, u: rule.draw(z, u, mesh))(logits, u)
+  np.testing.assert_array_equal(np.asarray(split[0]), np.asarray(whole[0]))
+  np.testing.assert_allclose(np.asarray(split[1]), np.asarray(whole[1]), rtol=1e-5, atol=1e-5)
+  assert np.asarray(split[0])[3] == 70 and len(set(np.asarray(split[0]).tolist())) > 10
+
+
 def test_bad_input_is_reported():
   config = model_lib.preset("tiny-llama")
   with pytest.raises(ValueError, match="top_p"):

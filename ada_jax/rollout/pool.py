@@ -440,7 +440,7 @@ def run_segment(
     s = _refill(config, params, s, prompts, queue, take, qi, mesh)
     head = head + take.sum(dtype=jnp.int32)
     u = row_uniforms(key, s.row_id, s.length)
-    token, logprob = rule.draw(s.logits, u)
+    token, logprob = rule.draw(s.logits, u, mesh)
     live = s.live
     token = jnp.where(live, token, 0)
     rows = jnp.where(live, s.position, n_out)  # finished slots write nowhere

@@ -80,7 +80,9 @@ class SamplingRule:
       logits = jnp.where(keep, logits, -jnp.inf)
     return logits
 
-  def draw(self, logits: jax.Array, u: jax.Array) -> tuple[jax.Array, jax.Array]:
+  def draw(
+    self, logits: jax.Array, u: jax.Array, mesh: jax.sharding.Mesh | None = None
+  ) -> tuple[jax.Array, jax.Array]:
     """Draws one token per row from given uniform numbers (the pure part of `sample`).
 
     Inverse-CDF sampling: the first token whose cumulative mass reaches u·(total mass)
@@ -89,15 +91,24 @@ class SamplingRule:
     (u = 0 would otherwise select token 0). The last kept token's cumulative mass equals
     the total, so some token always qualifies.
 
+    With a `mesh` whose 'tensor' axis splits the vocabulary (no top-k or top-p, which
+    rank the whole vocabulary), each device draws from its own slice of the logits and
+    only per-row scalars cross devices (`_draw_vocab_sharded`): the gathered `[C, V]`
+    float32 logits were the largest temporaries of a 7B's decode loop on GPU.
+
     Args:
       logits: `float32[C, V]` raw next-token logits.
       u: `float32[C]` uniform numbers in [0, 1) (ignored when greedy).
+      mesh: the mesh the logits are on (rows over ('data', 'fsdp'), vocabulary over
+        'tensor'), or None.
 
     Returns:
       (tokens `int32[C]`, logprobs `float32[C]`): the log-probability of each drawn token
       under log_softmax(logits / T) over the full vocabulary (see the class docstring;
       T = 1 when greedy).
     """
+    if self.vocab_shards(mesh, logits.shape) > 1:
+      return _draw_vocab_sharded(self, logits, u, mesh)
     logits = logits.astype(jnp.float32)
     tempered = self.tempered(logits)
     if self.greedy:
@@ -109,6 +120,16 @@ class SamplingRule:
       tokens = jnp.argmax((cdf >= target) & (probs > 0), axis=-1)
     picked = jnp.take_along_axis(tempered, tokens[:, None], -1)[:, 0]
     return tokens.astype(jnp.int32), picked - jax.nn.logsumexp(tempered, axis=-1)
+
+  def vocab_shards(self, mesh: jax.sharding.Mesh | None, shape: tuple[int, int]) -> int:
+    """How many vocabulary slices `draw` samples from on `mesh` for `[C, V]` logits: the
+    'tensor' axis size when it divides V and C splits over the data axes, and neither
+    top-k nor top-p ranks the whole vocabulary; else 1 (the logits are drawn whole)."""
+    if mesh is None or self.top_k or self.top_p < 1.0:
+      return 1
+    rows = mesh.shape["data"] * mesh.shape["fsdp"]
+    tensor = mesh.shape["tensor"]
+    return tensor if shape[1] % tensor == 0 and shape[0] % rows == 0 else 1
 
   def sample(self, rng: jax.Array, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Draws one token per row: `draw` with one uniform number per row from `rng`.
@@ -125,3 +146,56 @@ class SamplingRule:
       (tokens `int32[C]`, logprobs `float32[C]`), as `draw`.
     """
     return self.draw(logits, jax.random.uniform(rng, (logits.shape[0],)))
+
+
+def _draw_vocab_sharded(rule: SamplingRule, logits, u, mesh) -> tuple[jax.Array, jax.Array]:
+  """`SamplingRule.draw` on logits split over 'tensor' along the vocabulary.
+
+  The same inverse-CDF rule, its cumulative sum in two levels: each device sums its slice's
+  masses, the T sums are all-gathered (`[T, C]` floats), and the device whose range of
+  the cumulative mass holds the target returns the first such token of its slice (the
+  smallest candidate over 'tensor'). Greedy takes the first index of the largest logit in
+  the same way. The draws equal `draw`'s on the whole logits except where u falls within
+  float rounding of a boundary between two tokens (tests/test_sampler.py).
+  """
+  from jax.sharding import PartitionSpec as P
+
+  vocab = logits.shape[1]
+  rows = ("data", "fsdp")
+
+  def local(z, u):
+    shard = jax.lax.axis_index("tensor")
+    first = shard * z.shape[1]  # this slice's first token id
+    z = rule.tempered(z.astype(jnp.float32))
+    top = jax.lax.pmax(z.max(-1), "tensor")
+    mass = jnp.exp(z - top[:, None])
+    sums = jax.lax.all_gather(mass.sum(-1), "tensor")  # [T, C]
+    total = sums.sum(0)
+    if rule.greedy:
+      mine = z.max(-1) == top
+      token = jnp.where(mine, first + jnp.argmax(z, -1), vocab)
+    else:
+      before = (jnp.cumsum(sums, 0) - sums)[shard]
+      cdf = before[:, None] + jnp.cumsum(mass, -1)
+      hit = (cdf >= (u.astype(jnp.float32) * total)[:, None]) & (mass > 0)
+      token = jnp.where(hit.any(-1), first + jnp.argmax(hit, -1), vocab)
+      # Rounding may leave the target just above the last slice's cumulative mass: then
+      # the last token with mass, as the whole-vocabulary rule's cdf[-1] would give.
+      last = first + z.shape[1] - 1 - jnp.argmax((mass > 0)[:, ::-1], -1)
+      fallback = jax.lax.pmax(jnp.where((mass > 0).any(-1), last, -1), "tensor")
+    token = jax.lax.pmin(token, "tensor")
+    if not rule.greedy:
+      token = jnp.where(token == vocab, fallback, token)
+    at = jnp.clip(token - first, 0, z.shape[1] - 1)
+    ours = (token >= first) & (token < first + z.shape[1])
+    picked = jnp.take_along_axis(z, at[:, None], -1)[:, 0]
+    picked = jax.lax.pmax(jnp.where(ours, picked, -jnp.inf), "tensor")
+    return token.astype(jnp.int32), picked - (top + jnp.log(total))
+
+  return jax.shard_map(
+    local,
+    mesh=mesh,
+    in_specs=(P(rows, "tensor"), P(rows)),
+    out_specs=(P(rows), P(rows)),
+    check_vma=False,  # pmin / pmax results are the same on every 'tensor' device
+  )(logits, u)
