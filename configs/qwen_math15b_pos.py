@@ -15,7 +15,7 @@ import ml_collections
 from configs import common, llama3b_pos
 
 # GPU hosts (`--config=configs/qwen_math15b_pos.py:h100x8`): rollout slots, prompts per prefill and
-# evaluation slots that fill 8 GPUs' memory on the default mesh (fsdp 2 x tensor 4), from
+# evaluation slots sized to 8 GPUs' memory on the default mesh (fsdp 2 x tensor 4), from
 # XLA:GPU's plan (experiments/results/memory_plan_<host>.json, docs/gpu.md).
 HOSTS = {
   "h100x8": dict(chunk_rows=512, prompts_per_chunk=128, eval_chunk_rows=256),

@@ -389,7 +389,7 @@ class Sampler:
 
     Returns:
       The same tree in `config.compute_dtype`, one new buffer per leaf (counted in
-      `copies`) unless no leaf needed a cast.
+      `copies`) unless every leaf already had that dtype and layout.
     """
     dtype = self.config.compute_dtype
     shardings = None
