@@ -201,6 +201,18 @@ def bad_inputs(tmp_path_factory):
       "--json=",
     ),
     "plan_unknown_slice": ("ada_jax.plan", [conf, "--topology=v9-1"], 2, "unknown TPU slice"),
+    "plan_unknown_field": (
+      "ada_jax.plan",
+      [conf, "--topology=v5e-8", "--config.rl.batchsize=3"],
+      2,
+      "batchsize",
+    ),
+    "plan_gpu_mem_fraction": (
+      "ada_jax.plan",
+      [conf, "--topology=h100x8", "--mem_fraction=1.5"],
+      2,
+      "--mem_fraction=1.5: must be in (0, 1]",
+    ),
     "plan_batch_0": (
       "ada_jax.plan",
       [conf, "--topology=v5e-8", "--config.rl.batch_prompts=0"],
@@ -251,6 +263,8 @@ CASES = [
   "select_workdir_file",
   "plan_unwritable_json",
   "plan_unknown_slice",
+  "plan_unknown_field",
+  "plan_gpu_mem_fraction",
   "plan_batch_0",
 ]
 
