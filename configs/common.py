@@ -146,9 +146,10 @@ def on_host(
   Args:
     c: the experiment's config.
     host: '' (the config as written, sized for its TPU slice) or a key of `hosts`.
-    hosts: per host, `chunk_rows` (rollout slots), `prompts_per_chunk` (prompts per prefill
-      launch: chunk_rows / 4, grpo's n, so that one entry fits pos, balance and grpo alike)
-      and `eval_chunk_rows` (evaluation slots), from XLA:GPU's plan of that host.
+    hosts: per host, `chunk_rows` (rollout slots) and `eval_chunk_rows` (evaluation
+      slots), from XLA:GPU's plan of that host. Prompts per prefill launch are the slots
+      over `ada.n` (grpo's rows per prompt, the fewest of pos, balance and grpo), so that
+      one entry fits the three alike.
 
   Raises:
     ValueError: `host` is not a key of `hosts` (the known ones named).
@@ -159,7 +160,7 @@ def on_host(
     raise ValueError(f"no GPU host settings named {host!r} in this config (known: {sorted(hosts)})")
   settings = hosts[host]
   c.sampler.chunk_rows = settings["chunk_rows"]
-  c.sampler.prompts_per_chunk = settings["prompts_per_chunk"]
+  c.sampler.prompts_per_chunk = settings["chunk_rows"] // c.ada.n
   c.eval.sampler.chunk_rows = settings["eval_chunk_rows"]
   return c
 

@@ -14,12 +14,12 @@ import ml_collections
 
 from configs import common, llama3b_pos
 
-# GPU hosts (`--config=configs/qwen_math15b_pos.py:h100x8`): rollout slots, prompts per prefill and
-# evaluation slots sized to 8 GPUs' memory on the default mesh (fsdp 2 x tensor 4), from
+# GPU hosts (`--config=configs/qwen_math15b_pos.py:h100x8`): rollout and evaluation slots
+# sized to 8 GPUs' memory on the default mesh (fsdp 2 x tensor 4), from
 # XLA:GPU's plan (experiments/results/memory_plan_<host>.json, docs/gpu.md).
 HOSTS = {
-  "h100x8": dict(chunk_rows=512, prompts_per_chunk=128, eval_chunk_rows=256),
-  "h200x8": dict(chunk_rows=1024, prompts_per_chunk=256, eval_chunk_rows=512),
+  "h100x8": dict(chunk_rows=512, eval_chunk_rows=256),
+  "h200x8": dict(chunk_rows=1024, eval_chunk_rows=512),
 }
 
 

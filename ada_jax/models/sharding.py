@@ -195,6 +195,12 @@ def param_shardings(config: ModelConfig, mesh: Mesh) -> Params:
   )
 
 
+def platform(mesh: Mesh | None) -> str:
+  """The platform of the mesh's devices ('cpu', 'gpu', 'tpu'), or JAX's default backend
+  without a mesh: the compilers differ where a layout choice depends on it."""
+  return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+
+
 def rollout_param_shardings(config: ModelConfig, mesh: Mesh) -> Params:
   """`NamedSharding` of every leaf of the samplers' rollout copy (`Sampler.rollout_params`).
 
@@ -215,7 +221,7 @@ def rollout_param_shardings(config: ModelConfig, mesh: Mesh) -> Params:
     A params-shaped tree of `NamedSharding`s.
   """
   specs = param_specs(config, mesh)
-  if mesh.devices.flat[0].platform == "gpu":
+  if platform(mesh) == "gpu":
     no_fsdp = lambda axis: None if axis == "fsdp" else axis
     specs = jax.tree.map(
       lambda s: P(*(no_fsdp(a) for a in s)), specs, is_leaf=lambda x: isinstance(x, P)

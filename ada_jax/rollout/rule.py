@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from ada_jax.models.sharding import DATA_AXES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +131,7 @@ class SamplingRule:
     top-k nor top-p ranks the whole vocabulary; else 1 (the logits are drawn whole)."""
     if mesh is None or self.top_k or self.top_p < 1.0:
       return 1
-    rows = mesh.shape["data"] * mesh.shape["fsdp"]
+    rows = math.prod(mesh.shape[a] for a in DATA_AXES)
     tensor = mesh.shape["tensor"]
     return tensor if shape[1] % tensor == 0 and shape[0] % rows == 0 else 1
 
@@ -158,10 +162,7 @@ def _draw_vocab_sharded(rule: SamplingRule, logits, u, mesh) -> tuple[jax.Array,
   the same way. The draws equal `draw`'s on the whole logits except where u falls within
   float rounding of a boundary between two tokens (tests/test_sampler.py).
   """
-  from jax.sharding import PartitionSpec as P
-
   vocab = logits.shape[1]
-  rows = ("data", "fsdp")
 
   def local(z, u):
     shard = jax.lax.axis_index("tensor")
@@ -195,7 +196,7 @@ def _draw_vocab_sharded(rule: SamplingRule, logits, u, mesh) -> tuple[jax.Array,
   return jax.shard_map(
     local,
     mesh=mesh,
-    in_specs=(P(rows, "tensor"), P(rows)),
-    out_specs=(P(rows), P(rows)),
+    in_specs=(P(DATA_AXES, "tensor"), P(DATA_AXES)),
+    out_specs=(P(DATA_AXES), P(DATA_AXES)),
     check_vma=False,  # pmin / pmax results are the same on every 'tensor' device
   )(logits, u)

@@ -107,8 +107,7 @@ def in_place_under_cond(mesh: jax.sharding.Mesh | None) -> bool:
   overwritten by the next row) and the refill's cache copy runs outside the conditional
   (no trip when no slot refills), so the tokens are the same (tests/test_pool.py).
   """
-  platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-  return platform != "gpu"
+  return sharding_lib.platform(mesh) != "gpu"
 
 
 def ring_windows(ring: int, block: int) -> tuple[int, ...]:
