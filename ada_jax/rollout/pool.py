@@ -362,7 +362,7 @@ def decode_step(
   c = s.cache
   mask = jax.lax.dynamic_update_slice(c.mask, still[:, None], (0, c.column))
   window = jnp.max(jnp.where(still, s.length, 1))  # ring columns of the longest live row
-  attention, read = slots_lib.slot_attention(c, mask, window, attention_block)
+  attention, read = slots_lib.slot_attention(c, mask, window, attention_block, config, mesh)
   logits, kvs = model_lib.forward(
     config, params, token[:, None], (s.prompt_len + s.length - 1)[:, None], attention
   )

@@ -16,11 +16,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import PartitionSpec as P
 
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import layers as layers_lib
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.decoder import ModelConfig
+from ada_jax.rollout import decode_kernel
 
 
 @struct.dataclass
@@ -115,19 +117,59 @@ def ring_windows(ring: int, block: int) -> tuple[int, ...]:
   return tuple(sorted({min(ring, block * i) for i in range(1, -(-ring // block) + 1)}))
 
 
-def slot_attention(cache: SlotCache, mask: jax.Array, window: jax.Array, block: int):
+def uses_kernel(mesh: jax.sharding.Mesh | None) -> bool:
+  """Whether decode attention runs as the Pallas TPU kernel (`decode_kernel`): on TPU,
+  where XLA's formulation writes every layer's float32 scores to HBM and reads them back;
+  elsewhere `layers.attend` over the pieces."""
+  return sharding_lib.platform(mesh) == "tpu"
+
+
+def slot_attention(
+  cache: SlotCache,
+  mask: jax.Array,
+  window: jax.Array,
+  block: int,
+  config: ModelConfig | None = None,
+  mesh: jax.sharding.Mesh | None = None,
+):
   """Each layer's write and read of one decode step (`decoder.forward(attention=...)`).
 
   The new keys and values go to ring column `cache.column` of every slot; attention reads
-  the prompt columns and the smallest window of `ring_windows` that ends at that column
-  and covers `window` columns (the longest live row's response so far), so the bytes read
-  follow the longest live row. A window that wraps past column 0 is read as its two
-  static ends (or the whole ring, when those would overlap).
+  the prompt columns and a window of the ring that ends at that column and covers `window`
+  columns (the longest live row's response so far), so the bytes read follow the longest
+  live row. On TPU the window is read block by block inside the Pallas kernel
+  (`decode_kernel`, whole blocks of its column block); elsewhere it is the smallest of
+  `ring_windows(Lr, block)` that covers `window`, a `lax.switch` over those lengths, and a
+  window that wraps past column 0 is read as its two static ends (or the whole ring, when
+  those would overlap).
+
+  Args:
+    cache: the slot cache before this step's write.
+    mask: `bool[S, Lr]` the ring mask after this step's write.
+    window: `int32[]` ring columns the longest live row has written, this step's included.
+    block: the XLA path's window granularity (`sampler.attention_block`).
+    config, mesh: the model and the mesh the cache is sharded on (`slot_cache_shardings`);
+      the kernel runs on each device's shard.
 
   Returns:
     (`attention(layer)` for `decoder.forward`, cache columns each slot reads `int32[]`).
   """
   c, ring = cache.column, cache.mask.shape[1]
+  write = lambda old, new: jax.lax.dynamic_update_slice(old, new.astype(old.dtype), (0, 0, c, 0))
+  if uses_kernel(mesh):
+    window = jnp.clip(window, 1, ring)
+    read = decode_kernel.ring_schedule(c, window, ring)[1] * decode_kernel.column_block(ring)
+
+    def kernel_attention(layer):
+      def write_and_read(q, k, v):
+        ring_k, ring_v = write(cache.k[layer], k), write(cache.v[layer], v)
+        prompt = (cache.prompt_k[layer], cache.prompt_v[layer], cache.prompt_mask)
+        out = _on_shards(config, mesh, q, prompt, (ring_k, ring_v, mask), c, window)
+        return out, (ring_k, ring_v)
+
+      return write_and_read
+
+    return kernel_attention, cache.prompt_mask.shape[1] + read
   lengths = ring_windows(ring, block)
   index = jnp.searchsorted(jnp.asarray(lengths), jnp.clip(window, 1, ring))
   n_read = jnp.asarray(lengths)[index]
@@ -137,8 +179,7 @@ def slot_attention(cache: SlotCache, mask: jax.Array, window: jax.Array, block: 
 
   def attention(layer):
     def write_and_read(q, k, v):
-      put = lambda old, new: jax.lax.dynamic_update_slice(old, new.astype(old.dtype), (0, 0, c, 0))
-      ring_k, ring_v = put(cache.k[layer], k), put(cache.v[layer], v)
+      ring_k, ring_v = write(cache.k[layer], k), write(cache.v[layer], v)
       prompt = (cache.prompt_k[layer], cache.prompt_v[layer], rows(cache.prompt_mask))
       whole = lambda: layers_lib.attend(q, [prompt, (ring_k, ring_v, rows(mask))])
 
@@ -164,3 +205,25 @@ def slot_attention(cache: SlotCache, mask: jax.Array, window: jax.Array, block: 
     return write_and_read
 
   return attention, cache.prompt_mask.shape[1] + read
+
+
+def _on_shards(config, mesh, q, prompt, ring, column, window):
+  """`decode_kernel.decode_attention` on each device's slots and kv heads (a Pallas call
+  is not partitioned by XLA), or whole without a mesh; in Pallas' interpreter off TPU."""
+  interpret = sharding_lib.platform(mesh) != "tpu"
+  run = lambda q, prompt, ring, c, w: decode_kernel.decode_attention(
+    q, prompt, ring, c, w, interpret=interpret
+  )
+  if mesh is None:
+    return run(q, prompt, ring, column, window)
+  s, lp = q.shape[0], prompt[0].shape[2]
+  spec = sharding_lib.kv_cache_shardings(config, mesh, s, lp).k[0].spec
+  rows, heads = (tuple(spec) + (None, None))[:2]
+  kv, m = P(rows, heads, None, None), P(rows, None)
+  return jax.shard_map(
+    run,
+    mesh=mesh,
+    in_specs=(P(rows, None, heads, None), (kv, kv, m), (kv, kv, m), P(), P()),
+    out_specs=P(rows, None, heads, None),
+    check_vma=False,
+  )(q, prompt, ring, column, window)

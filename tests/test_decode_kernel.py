@@ -1,0 +1,109 @@
+"""The Pallas TPU decode-attention kernel (`rollout.decode_kernel`), in Pallas' interpreter
+on the CPU: the attention XLA's formulation computes, for windows that wrap and windows
+that do not, and the same tokens through the whole slot pool (one device and a mesh)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ada_jax.models import decoder as model_lib
+from ada_jax.models import layers
+from ada_jax.rollout import decode_kernel
+from ada_jax.rollout import sampler as sampler_lib
+from ada_jax.rollout import slots as slots_lib
+
+S, K, G, H, LP, LR = 8, 2, 3, 128, 256, 1024
+
+
+@pytest.fixture(scope="module")
+def cache():
+  ks = jax.random.split(jax.random.key(0), 7)
+  normal = lambda k, shape: jax.random.normal(k, shape, jnp.float32)
+  return dict(
+    q=normal(ks[0], (S, 1, K * G, H)),
+    prompt=(normal(ks[1], (S, K, LP, H)), normal(ks[2], (S, K, LP, H))),
+    prompt_mask=jax.random.uniform(ks[3], (S, LP)) < 0.6,
+    ring=(normal(ks[4], (S, K, LR, H)), normal(ks[5], (S, K, LR, H))),
+    ring_mask=jax.random.uniform(ks[6], (S, LR)) < 0.6,
+  )
+
+
+def _window_mask(column, window):
+  inside = np.zeros(LR, bool)
+  inside[(column - np.arange(window)) % LR] = True
+  return inside
+
+
+@pytest.mark.parametrize(
+  "column, window", [(0, 1), (5, 3), (600, 256), (100, 100), (3, 700), (1000, 1024), (511, 512)]
+)
+def test_kernel_attends_like_xla_over_the_window(cache, column, window):
+  """The kernel's output equals `layers.attend` over the prompt and the ring window's
+  columns, whether the window wraps past column 0 or not; ring blocks outside the window
+  hold NaN (masked), so a block read that should not be would poison the output."""
+  c = cache
+  inside = _window_mask(column, window)
+  ring_mask = c["ring_mask"] & inside[None]
+  schedule = np.asarray(decode_kernel.ring_schedule(jnp.int32(column), jnp.int32(window), LR))
+  block = decode_kernel.column_block(LR)
+  read = np.zeros(LR, bool)
+  for b in (schedule[0] + np.arange(schedule[1])) % (LR // block):
+    read[b * block : (b + 1) * block] = True
+  assert read[inside].all()
+  poison = lambda x: jnp.where(jnp.asarray(read)[None, None, :, None], x, jnp.nan)
+  out = decode_kernel.decode_attention(
+    c["q"], (*c["prompt"], c["prompt_mask"]), (*map(poison, c["ring"]), ring_mask),
+    jnp.int32(column), jnp.int32(window), interpret=True,
+  )  # fmt: skip
+  ref = layers.attend(
+    c["q"], [(*c["prompt"], c["prompt_mask"][:, None]), (*c["ring"], ring_mask[:, None])]
+  )
+  np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_kernel_schedule_reads_only_the_windows_blocks():
+  """Blocks of 512 ring columns: a window inside one block reads one, a wrapping one the
+  blocks at both ends, the whole ring all of them."""
+  at = lambda column, window: np.asarray(
+    decode_kernel.ring_schedule(jnp.int32(column), jnp.int32(window), 2048)
+  ).tolist()
+  assert decode_kernel.column_block(2048) == 512
+  assert at(10, 5) == [0, 1]
+  assert at(600, 200) == [0, 2]  # columns 401..600 straddle blocks 0 and 1
+  assert at(100, 300) == [3, 2]  # columns 1849..2047 and 0..100: blocks 3, then 0
+  assert at(5, 2048) == [0, 4]
+  assert decode_kernel.column_block(24) == 24  # a budget no block divides: one block
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  config = model_lib.preset("tiny-llama")
+  return config, model_lib.init_params(config, jax.random.key(0))
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)])
+def test_pool_draws_the_same_tokens_through_the_kernel(tiny, monkeypatch, mesh_shape):
+  """The pool's decode attention as the kernel (what a TPU runs) or as XLA's pieces (what
+  a CPU or GPU runs): the same tokens and log-probs within float rounding, over refills
+  and ring windows of every length; on a 2 x 2 x 2 mesh the kernel runs on each device's
+  slots and kv heads."""
+  config, params = tiny
+  mesh = None
+  if mesh_shape:
+    auto = (jax.sharding.AxisType.Auto,) * 3
+    mesh = jax.make_mesh(mesh_shape, ("data", "fsdp", "tensor"), axis_types=auto)
+  rows = np.random.default_rng(2).integers(0, 4, 16)
+  prompts = [[5, 6, 7, 8, 9], [11, 12], [13], [20, 21, 22, 23, 24, 25, 26]]
+  kw = dict(max_new_tokens=20, stop_ids=tuple(range(3, 512, 16)), prompt_buckets=(8,))
+  kw |= dict(chunk_rows=8, prompts_per_chunk=4, segment_steps=7, attention_block=4)
+  draw = lambda: sampler_lib.Sampler(config, mesh=mesh, **kw).generate(
+    params, prompts, rows, jax.random.key(5)
+  )
+  xla, _ = draw()
+  monkeypatch.setattr(slots_lib, "uses_kernel", lambda mesh: True)
+  kernel, _ = draw()
+  assert len(set(xla["lengths"].tolist())) > 2
+  np.testing.assert_array_equal(kernel["tokens"], xla["tokens"])
+  np.testing.assert_array_equal(kernel["lengths"], xla["lengths"])
+  np.testing.assert_allclose(kernel["logprobs"], xla["logprobs"], atol=1e-4)
