@@ -78,7 +78,7 @@ def test_eight_gpu_train_step_all_reduces_the_gradients(monkeypatch):
 def test_pool_cache_stays_in_place_under_xla_gpu(monkeypatch):
   """The slot cache is updated in place by XLA:GPU too: before the pool ran its idle decode
   steps outside a `lax.cond` (`slots.in_place_under_cond`) and copied one prompt-cache entry
-  per refill (`pool.prompt_entry`), the segment's temporaries were 1.05x the cache. Under
+  per refill (`slots.prompt_entry`), the segment's temporaries were 1.05x the cache. Under
   FSDP the decode loop moves no weight between GPUs: the rollout copy is whole along 'fsdp'
   (`sharding.rollout_param_shardings`; from the masters' layout XLA:GPU all-gathered the
   output table inside the loop), and no `[rows, V]` logits (drawn per vocabulary slice)."""

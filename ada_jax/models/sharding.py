@@ -202,31 +202,33 @@ def platform(mesh: Mesh | None) -> str:
 
 
 def rollout_param_shardings(config: ModelConfig, mesh: Mesh) -> Params:
-  """`NamedSharding` of every leaf of the samplers' rollout copy (`Sampler.rollout_params`).
+  """`NamedSharding` of every leaf of the samplers' rollout copy (`Sampler.rollout_params`):
+  the parameters' specs without 'fsdp', i.e. whole along the model width and split over
+  'tensor' only.
 
-  The decode loop reads every weight at every step. Under FSDP a weight split over 'fsdp'
-  is all-gathered inside the loop at every step, so on GPU the copy is laid out whole
-  along 'fsdp' (split over 'tensor' only), gathered once per RL step when the copy is
-  made: 'fsdp' times the copy's bytes per device, no weight moved between devices while
-  decoding (tests/test_aot_gpu.py reads XLA:GPU's program). On TPU (and the CPU) the copy
-  keeps the parameters' own shardings: given the whole copy, XLA:TPU re-laid out the MLP
-  weights at every decode step, and the llama3b_pos decode step on a v5e-8 read 18.3 GB
-  per device instead of 12.8 (docs/tpu.md, section 7).
+  The decode loop reads every weight at every step. From weights split over 'fsdp' the
+  SPMD partitioner either all-gathers each weight inside the loop (XLA:GPU, and XLA:TPU on
+  small models) or keeps the weights and moves every layer's activations between the fsdp
+  devices (XLA:TPU on the paper's models: an all-gather and a reduce-scatter or all-reduce
+  per matmul, the 7B's MLP partial sums 14.5 MB per layer at 768 slots). Whole along
+  'fsdp', the copy is gathered once per RL step when it is made, and a decode step's
+  matmuls are local to each device's rows: no weight and no activation crosses 'fsdp'
+  while decoding (tests/test_aot.py, tests/test_aot_gpu.py read the compiled loops), at
+  'fsdp' times the copy's bytes per device (docs/tpu.md section 7 weighs the two).
 
   Args:
     config: the model config.
-    mesh: the mesh; its devices' platform picks the layout.
+    mesh: the mesh.
 
   Returns:
     A params-shaped tree of `NamedSharding`s.
   """
-  specs = param_specs(config, mesh)
-  if platform(mesh) == "gpu":
-    no_fsdp = lambda axis: None if axis == "fsdp" else axis
-    specs = jax.tree.map(
-      lambda s: P(*(no_fsdp(a) for a in s)), specs, is_leaf=lambda x: isinstance(x, P)
-    )
-  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+  no_fsdp = lambda s: P(*(None if axis == "fsdp" else axis for axis in s))
+  return jax.tree.map(
+    lambda s: NamedSharding(mesh, no_fsdp(s)),
+    param_specs(config, mesh),
+    is_leaf=lambda x: isinstance(x, P),
+  )
 
 
 def abstract(shapes: Any, shardings: Any) -> Any:

@@ -15,7 +15,7 @@ values, so nothing recompiles after warm-up. `run_segment` returns after at most
 more rows (`Queue.more`), as soon as the queue is drained, so that the host can add,
 cancel and collect rows (`sampler.RolloutPool`) while the live rows keep their slots.
 
-The slots' KV cache, its layout and its bounded read are `slots.py`'s.
+The prompt and slot caches, their layouts, writes and reads are `slots.py`'s.
 """
 
 from __future__ import annotations
@@ -31,24 +31,7 @@ from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.rollout import slots as slots_lib
 from ada_jax.rollout.rule import SamplingRule
-
-
-@struct.dataclass
-class PromptCache:
-  """Prefilled prompts, one entry per distinct prompt (P entries).
-
-  Attributes:
-    k: per layer, keys after RoPE `dtype[P, K, Lp, H]` (the `KVCache` layout).
-    v: per layer, values `dtype[P, K, Lp, H]`.
-    mask: `bool[P, Lp]`, True at real (non-padding) prompt tokens; prompts left-padded.
-    hidden: `float32[P, D]`, the final-normed hidden state at each prompt's last token
-      (its next-token logits are `decoder.unembed` of it).
-  """
-
-  k: tuple[jax.Array, ...]
-  v: tuple[jax.Array, ...]
-  mask: jax.Array
-  hidden: jax.Array
+from ada_jax.rollout.slots import PromptCache
 
 
 @struct.dataclass
@@ -122,35 +105,6 @@ def output_table(config: ModelConfig, params: Params) -> jax.Array:
   return params["embed"] if config.tie_embeddings else params["lm_head"]
 
 
-def _constrain_prompts(config: ModelConfig, prompts: PromptCache, mesh) -> PromptCache:
-  """Entries over ('data', 'fsdp') and kv heads over 'tensor', as the slot cache: a
-  replicated prompt cache of a 3B model's 4·P entries of 1,024 columns would take about
-  20 GiB on every device."""
-  if mesh is None:
-    return prompts
-  sh = sharding_lib.kv_cache_shardings(config, mesh, prompts.mask.shape[0], prompts.k[0].shape[2])
-  return prompts.replace(
-    k=tuple(map(_constrain, prompts.k, sh.k)),
-    v=tuple(map(_constrain, prompts.v, sh.v)),
-    mask=_constrain(prompts.mask, sh.mask),
-  )
-
-
-def empty_prompt_cache(
-  config: ModelConfig, entries: int, prompt_len: int, mesh: jax.sharding.Mesh | None = None
-) -> PromptCache:
-  """A prompt cache of `entries` empty entries of `prompt_len` columns (sharded like the
-  slot cache when `mesh` is given)."""
-  cache = model_lib.init_cache(config, entries, prompt_len)
-  prompts = PromptCache(
-    k=cache.k,
-    v=cache.v,
-    mask=cache.mask,
-    hidden=jnp.zeros((entries, config.embed_dim), jnp.float32),
-  )
-  return _constrain_prompts(config, prompts, mesh)
-
-
 def prefill_prompts(
   config: ModelConfig,
   params: Params,
@@ -169,7 +123,7 @@ def prefill_prompts(
     tokens: `int32[N, Lp]` left-padded prompts.
     mask: `bool[N, Lp]` True at real tokens.
     entries: `int32[N]` entry of each prompt; an entry `>= P` drops that prompt (padding).
-    mesh: when given, the cache keeps the slot cache's sharding (`_constrain_prompts`).
+    mesh: when given, the cache keeps the slot cache's sharding (`slots.constrain_prompts`).
 
   Returns:
     (the updated cache, `float32[N, D]` each prompt's final-normed hidden state at its last
@@ -188,7 +142,7 @@ def prefill_prompts(
     mask=put(prompts.mask, mask),
     hidden=put(prompts.hidden, hidden),
   )
-  return _constrain_prompts(config, updated, mesh), hidden
+  return slots_lib.constrain_prompts(config, updated, mesh), hidden
 
 
 def init_pool(
@@ -220,70 +174,6 @@ def init_pool(
     tokens_generated=zeros((), jnp.float32),
     kv_read=zeros((), jnp.float32),
     kv_useful=zeros((), jnp.float32),
-  )
-
-
-def prompt_entry(config: ModelConfig, layer: jax.Array, index: jax.Array, mesh=None):
-  """Entry `index` of one layer of the prompt cache, `dtype[1, K, Lp, H]`, without moving
-  the rest of the cache between devices.
-
-  The entries are sharded over the data axes (`_constrain_prompts`). A dynamic slice of
-  the sharded axis makes XLA's partitioner all-gather the whole layer for every refilled
-  slot (XLA:GPU then held every layer's gathered copy at once: 0.57x the slot cache in
-  temporaries); here each device slices its own shard at the clipped local index, the
-  shards' slices are all-gathered (one entry per device) and the owner's is kept, an
-  exact copy.
-  """
-  if mesh is None:
-    return jax.lax.dynamic_slice_in_dim(layer, index, 1, 0)
-  spec = sharding_lib.kv_cache_shardings(config, mesh, layer.shape[0], layer.shape[2]).k[0].spec
-  axes = spec[0] if spec else None
-  if axes is None:  # entries replicated: every device holds the entry
-    return jax.lax.dynamic_slice_in_dim(layer, index, 1, 0)
-  axes = (axes,) if isinstance(axes, str) else tuple(axes)
-
-  def local(shard, i):
-    n = shard.shape[0]
-    mine = jax.lax.dynamic_slice_in_dim(
-      shard, jnp.clip(i - jax.lax.axis_index(axes) * n, 0, n - 1), 1, 0
-    )
-    every = jax.lax.all_gather(mine, axes, axis=0, tiled=True)  # one entry per device
-    return jax.lax.dynamic_slice_in_dim(every, i // n, 1, 0)
-
-  rest = tuple(spec[1:]) + (None,) * (layer.ndim - len(spec))
-  return jax.shard_map(
-    local,
-    mesh=mesh,
-    in_specs=(spec, jax.sharding.PartitionSpec()),
-    out_specs=jax.sharding.PartitionSpec(None, *rest),
-    check_vma=False,  # all_gather's result is the same on every device of `axes`
-  )(layer, index)
-
-
-def _admit_prompts(config, cache: slots_lib.SlotCache, prompts: PromptCache, entry, take, mesh):
-  """The slot cache with slots `take` (bool[S]) holding prompt-cache entries `entry`
-  (int32[S]): their prompt keys, values and mask copied in, their ring masked. With no
-  slot to fill the copy loop runs no trip."""
-  # One prompt's columns per refilled slot: the bytes copied follow the refills, not S.
-  slots = jnp.nonzero(take, size=take.shape[0], fill_value=0)[0]
-
-  def copy(i, kv):
-    slot = slots[i]
-    one = lambda cache, prompt: jax.lax.dynamic_update_slice(
-      cache, prompt_entry(config, prompt, entry[slot], mesh).astype(cache.dtype),
-      (slot, 0, 0, 0),
-    )  # fmt: skip
-    return tuple(
-      tuple(map(one, caches, prompt_kv))
-      for caches, prompt_kv in zip(kv, (prompts.k, prompts.v), strict=True)
-    )
-
-  k, v = jax.lax.fori_loop(0, take.sum(), copy, (cache.prompt_k, cache.prompt_v))
-  return cache.replace(
-    prompt_k=k,
-    prompt_v=v,
-    prompt_mask=jnp.where(take[:, None], prompts.mask[entry], cache.prompt_mask),
-    mask=cache.mask & ~take[:, None],
   )
 
 
@@ -322,7 +212,7 @@ def _refill(config, params, s: PoolState, prompts: PromptCache, queue: Queue, ta
   holds no cache, runs under it.
   """
   start = lambda s: _start_rows(config, params, s, prompts, queue, take, qi)
-  admit = lambda c: _admit_prompts(config, c, prompts, queue.prompt[qi], take, mesh)
+  admit = lambda c: slots_lib.admit_prompts(config, c, prompts, queue.prompt[qi], take, mesh)
   if slots_lib.in_place_under_cond(mesh):
     both = lambda s: start(s.replace(cache=admit(s.cache)))
     return jax.lax.cond(jnp.any(take), both, lambda s: s, s)
@@ -381,6 +271,61 @@ def decode_step(
   )
 
 
+def draw_and_decode(
+  config: ModelConfig,
+  params: Params,
+  s: PoolState,
+  key: jax.Array,
+  *,
+  rule: SamplingRule,
+  stop_ids: tuple[int, ...],
+  attention_block: int,
+  mesh: jax.sharding.Mesh | None = None,
+) -> PoolState:
+  """One step of the decode loop after its refill (pure): every live slot draws a token
+  (`rule.draw` with `row_uniforms`), rows that drew a stop token or reached the budget Lr
+  finish, and one decode step runs for the slots still live. `run_segment`'s loop body
+  with `_refill`; `aot.decode_step_program` loops it alone for the roofline.
+
+  Args:
+    s: the pool after this step's refill.
+    key: the rollout key.
+    rule, stop_ids, attention_block, mesh: as `run_segment`.
+  """
+  budget, n_out = s.tokens.shape[1], s.tokens.shape[0]
+  u = row_uniforms(key, s.row_id, s.length)
+  token, logprob = rule.draw(s.logits, u, mesh)
+  live = s.live
+  token = jnp.where(live, token, 0)
+  rows = jnp.where(live, s.position, n_out)  # finished slots write nowhere
+  length = s.length + live
+  ends = live & (jnp.isin(token, jnp.asarray(stop_ids, jnp.int32)) | (length >= budget))
+  still = live & ~ends
+  s = s.replace(
+    tokens=s.tokens.at[rows, s.length].set(token, mode="drop"),
+    logprobs=s.logprobs.at[rows, s.length].set(jnp.where(live, logprob, 0.0), mode="drop"),
+    lengths=s.lengths.at[rows].set(length, mode="drop"),
+    finished=s.finished.at[jnp.where(ends, s.position, n_out)].set(True, mode="drop"),
+    live=still,
+    length=length,
+    steps=s.steps + 1,
+    tokens_generated=s.tokens_generated + live.sum(),
+  )
+  decode = lambda s: decode_step(
+    config, params, s, token, still, attention_block=attention_block, mesh=mesh
+  )
+  went_on = jnp.any(still)
+  if slots_lib.in_place_under_cond(mesh):
+    return jax.lax.cond(went_on, decode, lambda s: s, s)
+  # The step's cache write lands at the unchanged column: masked, then overwritten.
+  stepped, keep = decode(s), lambda new, old: jnp.where(went_on, new, old)
+  return stepped.replace(
+    cache=stepped.cache.replace(column=keep(stepped.cache.column, s.cache.column)),
+    kv_read=keep(stepped.kv_read, s.kv_read),
+    kv_useful=keep(stepped.kv_useful, s.kv_useful),
+  )
+
+
 def run_segment(
   config: ModelConfig,
   params: Params,
@@ -398,10 +343,10 @@ def run_segment(
 ) -> tuple[PoolState, jax.Array]:
   """Decodes the pool for one segment (pure; jit with everything after `key` static).
 
-  Each step: free slots take the next queued rows (in queue order), every live slot draws
-  one token (`rule.draw` with `row_uniforms`), rows that drew a stop token or reached the
-  budget Lr finish, and one decode step runs for the slots still live, attending over the
-  cache blocks up to the longest of them.
+  Each step: free slots take the next queued rows (in queue order), then
+  `draw_and_decode`: every live slot draws one token, rows that drew a stop token or
+  reached the budget Lr finish, and one decode step runs for the slots still live,
+  attending over the cache blocks up to the longest of them.
 
   Args:
     config, params: the model.
@@ -422,8 +367,6 @@ def run_segment(
   Returns:
     (the pool after the segment, `int32[]` queue rows started, i.e. consumed).
   """
-  budget, n_out = state.tokens.shape[1], state.tokens.shape[0]
-  stop = jnp.asarray(stop_ids, jnp.int32)
 
   def cond(carry):
     i, head, s = carry
@@ -439,38 +382,10 @@ def run_segment(
     qi = jnp.clip(head + rank, 0, queue.prompt.shape[0] - 1)
     s = _refill(config, params, s, prompts, queue, take, qi, mesh)
     head = head + take.sum(dtype=jnp.int32)
-    u = row_uniforms(key, s.row_id, s.length)
-    token, logprob = rule.draw(s.logits, u, mesh)
-    live = s.live
-    token = jnp.where(live, token, 0)
-    rows = jnp.where(live, s.position, n_out)  # finished slots write nowhere
-    length = s.length + live
-    ends = live & (jnp.isin(token, stop) | (length >= budget))
-    still = live & ~ends
-    s = s.replace(
-      tokens=s.tokens.at[rows, s.length].set(token, mode="drop"),
-      logprobs=s.logprobs.at[rows, s.length].set(jnp.where(live, logprob, 0.0), mode="drop"),
-      lengths=s.lengths.at[rows].set(length, mode="drop"),
-      finished=s.finished.at[jnp.where(ends, s.position, n_out)].set(True, mode="drop"),
-      live=still,
-      length=length,
-      steps=s.steps + 1,
-      tokens_generated=s.tokens_generated + live.sum(),
-    )
-
-    decode = lambda s: decode_step(
-      config, params, s, token, still, attention_block=attention_block, mesh=mesh
-    )
-    went_on = jnp.any(still)
-    if slots_lib.in_place_under_cond(mesh):
-      s = jax.lax.cond(went_on, decode, lambda s: s, s)
-    else:  # the step's cache write lands at the unchanged column: masked, then overwritten
-      stepped, keep = decode(s), lambda new, old: jnp.where(went_on, new, old)
-      s = stepped.replace(
-        cache=stepped.cache.replace(column=keep(stepped.cache.column, s.cache.column)),
-        kv_read=keep(stepped.kv_read, s.kv_read),
-        kv_useful=keep(stepped.kv_useful, s.kv_useful),
-      )
+    s = draw_and_decode(
+      config, params, s, key, rule=rule, stop_ids=stop_ids, attention_block=attention_block,
+      mesh=mesh,
+    )  # fmt: skip
     return i + 1, head, s
 
   state = state.replace(live=state.live & ~queue.cancel)

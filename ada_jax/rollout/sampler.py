@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.rollout import pool as pool_lib
+from ada_jax.rollout import slots as slots_lib
 from ada_jax.rollout.queue import RolloutPool, response_arrays
 from ada_jax.rollout.rule import SamplingRule as SamplingRule
 from ada_jax.rollout.spec import SamplerSpec
@@ -71,7 +72,7 @@ class PoolPrograms:
 
   Attributes:
     init: `() -> pool.PoolState`, an empty pool (`pool.init_pool`).
-    empty_prompts: `() -> pool.PromptCache`, an empty prompt cache.
+    empty_prompts: `() -> slots.PromptCache`, an empty prompt cache.
     prefill: `(params, prompts, tokens, mask, entries) -> (prompts, hidden)`
       (`pool.prefill_prompts`; the prompt cache is donated).
     run: `(params, state, prompts, queue, key) -> (state, started)` (`pool.run_segment`;
@@ -326,7 +327,7 @@ class Sampler:
     )
     empty = jax.jit(
       counted(
-        lambda: pool_lib.empty_prompt_cache(cfg, self.prompt_entries, prompt_len, mesh),
+        lambda: slots_lib.empty_prompt_cache(cfg, self.prompt_entries, prompt_len, mesh),
         "empty_prompt_cache",
       )
     )

@@ -1,5 +1,6 @@
-"""The rollout pool's KV cache (`SlotCache`): its layout, its one write per decode step and
-its bounded read.
+"""The rollout pool's two KV caches: the prompt cache (`PromptCache`, one entry per
+prefilled prompt) and the slots' cache (`SlotCache`), their layouts and shardings, the
+copy of a prompt's entry into a slot, the one write per decode step and the bounded read.
 
 Each slot holds its row's prompt columns, left-padded to the bucket Lp and copied from the
 prompt cache when the row starts, and a ring of Lr response columns that every slot writes
@@ -8,7 +9,8 @@ place (per-row write positions, a scatter, made it hold a second copy of the cac
 `[B, K, H, S]` key layout a transposed one). Keys carry their RoPE positions, so where a
 key sits does not change attention; a per-slot mask says which ring columns are the row's.
 Decode attention reads the prompt columns and the window of the ring that the longest
-live row has written (`layers.attend` over the pieces, one softmax).
+live row has written: on TPU in one Pallas kernel (`decode_kernel`), elsewhere
+`layers.attend` over the pieces (one softmax).
 """
 
 from __future__ import annotations
@@ -96,6 +98,117 @@ def constrain(config: ModelConfig, cache: SlotCache, mesh) -> SlotCache:
     config, mesh, cache.mask.shape[0], cache.prompt_mask.shape[1], cache.mask.shape[1]
   )
   return jax.tree.map(jax.lax.with_sharding_constraint, cache, sh)
+
+
+@struct.dataclass
+class PromptCache:
+  """Prefilled prompts, one entry per distinct prompt (P entries).
+
+  Attributes:
+    k: per layer, keys after RoPE `dtype[P, K, Lp, H]` (the `KVCache` layout).
+    v: per layer, values `dtype[P, K, Lp, H]`.
+    mask: `bool[P, Lp]`, True at real (non-padding) prompt tokens; prompts left-padded.
+    hidden: `float32[P, D]`, the final-normed hidden state at each prompt's last token
+      (its next-token logits are `decoder.unembed` of it).
+  """
+
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
+  mask: jax.Array
+  hidden: jax.Array
+
+
+def constrain_prompts(config: ModelConfig, prompts: PromptCache, mesh) -> PromptCache:
+  """Entries over ('data', 'fsdp') and kv heads over 'tensor', as the slot cache: a
+  replicated prompt cache of a 3B model's 4·P entries of 1,024 columns would take about
+  20 GiB on every device."""
+  if mesh is None:
+    return prompts
+  sh = sharding_lib.kv_cache_shardings(config, mesh, prompts.mask.shape[0], prompts.k[0].shape[2])
+  return prompts.replace(
+    k=tuple(map(jax.lax.with_sharding_constraint, prompts.k, sh.k)),
+    v=tuple(map(jax.lax.with_sharding_constraint, prompts.v, sh.v)),
+    mask=jax.lax.with_sharding_constraint(prompts.mask, sh.mask),
+  )
+
+
+def empty_prompt_cache(
+  config: ModelConfig, entries: int, prompt_len: int, mesh: jax.sharding.Mesh | None = None
+) -> PromptCache:
+  """A prompt cache of `entries` empty entries of `prompt_len` columns (sharded like the
+  slot cache when `mesh` is given)."""
+  cache = model_lib.init_cache(config, entries, prompt_len)
+  prompts = PromptCache(
+    k=cache.k,
+    v=cache.v,
+    mask=cache.mask,
+    hidden=jnp.zeros((entries, config.embed_dim), jnp.float32),
+  )
+  return constrain_prompts(config, prompts, mesh)
+
+
+def prompt_entry(config: ModelConfig, layer: jax.Array, index: jax.Array, mesh=None):
+  """Entry `index` of one layer of the prompt cache, `dtype[1, K, Lp, H]`, without moving
+  the rest of the cache between devices.
+
+  The entries are sharded over the data axes (`constrain_prompts`). A dynamic slice of
+  the sharded axis makes XLA's partitioner all-gather the whole layer for every refilled
+  slot (XLA:GPU then held every layer's gathered copy at once: 0.57x the slot cache in
+  temporaries); here each device slices its own shard at the clipped local index, the
+  shards' slices are all-gathered (one entry per device) and the owner's is kept, an
+  exact copy.
+  """
+  if mesh is None:
+    return jax.lax.dynamic_slice_in_dim(layer, index, 1, 0)
+  spec = sharding_lib.kv_cache_shardings(config, mesh, layer.shape[0], layer.shape[2]).k[0].spec
+  axes = spec[0] if spec else None
+  if axes is None:  # entries replicated: every device holds the entry
+    return jax.lax.dynamic_slice_in_dim(layer, index, 1, 0)
+  axes = (axes,) if isinstance(axes, str) else tuple(axes)
+
+  def local(shard, i):
+    n = shard.shape[0]
+    mine = jax.lax.dynamic_slice_in_dim(
+      shard, jnp.clip(i - jax.lax.axis_index(axes) * n, 0, n - 1), 1, 0
+    )
+    every = jax.lax.all_gather(mine, axes, axis=0, tiled=True)  # one entry per device
+    return jax.lax.dynamic_slice_in_dim(every, i // n, 1, 0)
+
+  rest = tuple(spec[1:]) + (None,) * (layer.ndim - len(spec))
+  return jax.shard_map(
+    local,
+    mesh=mesh,
+    in_specs=(spec, jax.sharding.PartitionSpec()),
+    out_specs=jax.sharding.PartitionSpec(None, *rest),
+    check_vma=False,  # all_gather's result is the same on every device of `axes`
+  )(layer, index)
+
+
+def admit_prompts(config, cache: SlotCache, prompts: PromptCache, entry, take, mesh) -> SlotCache:
+  """The slot cache with slots `take` (bool[S]) holding prompt-cache entries `entry`
+  (int32[S]): their prompt keys, values and mask copied in, their ring masked. With no
+  slot to fill the copy loop runs no trip."""
+  # One prompt's columns per refilled slot: the bytes copied follow the refills, not S.
+  slots = jnp.nonzero(take, size=take.shape[0], fill_value=0)[0]
+
+  def copy(i, kv):
+    slot = slots[i]
+    one = lambda cache, prompt: jax.lax.dynamic_update_slice(
+      cache, prompt_entry(config, prompt, entry[slot], mesh).astype(cache.dtype),
+      (slot, 0, 0, 0),
+    )  # fmt: skip
+    return tuple(
+      tuple(map(one, caches, prompt_kv))
+      for caches, prompt_kv in zip(kv, (prompts.k, prompts.v), strict=True)
+    )
+
+  k, v = jax.lax.fori_loop(0, take.sum(), copy, (cache.prompt_k, cache.prompt_v))
+  return cache.replace(
+    prompt_k=k,
+    prompt_v=v,
+    prompt_mask=jnp.where(take[:, None], prompts.mask[entry], cache.prompt_mask),
+    mask=cache.mask & ~take[:, None],
+  )
 
 
 def in_place_under_cond(mesh: jax.sharding.Mesh | None) -> bool:
