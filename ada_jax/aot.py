@@ -185,7 +185,10 @@ class Program:
 
   `peak = argument + output + temp - alias` (donated arguments alias their outputs).
   `largest` lists the largest temporary buffers of the TPU dump (bytes, shape, JAX op);
-  `cost` is XLA's cost analysis (per device: 'flops', 'bytes accessed').
+  `cost` is XLA's cost analysis (per device: 'flops', 'bytes accessed');
+  `memory_spaces` the bytes the buffer assignment puts in each memory space ('default' is
+  HBM; on TPU 'vmem' and, on v4, CMEM as 'hbm' hold prefetched blocks; empty where the
+  compiler writes no report).
   """
 
   argument: int
@@ -194,6 +197,7 @@ class Program:
   temp: int
   largest: list[dict]
   cost: dict[str, float]
+  memory_spaces: dict[str, int] = dataclasses.field(default_factory=dict)
 
   @property
   def peak(self) -> int:
@@ -215,6 +219,19 @@ class Program:
 
 class OutOfMemory(Exception):
   """XLA refused a program: its message (with the bytes it needed) is the argument."""
+
+
+_SPACE = re.compile(r"^Memory Space: (\S+) \(color=\d+\)\nTotal bytes: (\d+)", re.M)
+
+
+def memory_spaces(dump_dir: str) -> dict[str, int]:
+  """Bytes per memory space of the one program dumped in `dump_dir` (its memory-usage
+  report), e.g. {'default': ..., 'vmem': ...}."""
+  reports = glob.glob(os.path.join(dump_dir, "*memory-usage-report.txt"))
+  if not reports:
+    return {}
+  with open(reports[0]) as f:
+    return {name: int(size) for name, size in _SPACE.findall(f.read())}
 
 
 _ALLOC = re.compile(r"^allocation \d+: size (\d+), (.*)$")
@@ -283,15 +300,17 @@ def _compile(fn, *args, what: str, options=None):
     raise
 
 
-def compile_program(fn, *args, what: str) -> Program:
-  """`fn` (jitted) lowered on abstract `args` and compiled; its memory and cost analysis.
+def compile_program(fn, *args, what: str, options=None) -> Program:
+  """`fn` (jitted) lowered on abstract `args` and compiled (with XLA `options`); its
+  memory and cost analysis.
 
   Raises:
     OutOfMemory: XLA refused the program for lack of HBM (message names `what`).
   """
   with tempfile.TemporaryDirectory(prefix="aot_") as dump:
-    compiled = _compile(fn, *args, what=what, options={"xla_dump_to": dump})
+    compiled = _compile(fn, *args, what=what, options={**(options or {}), "xla_dump_to": dump})
     largest = largest_temps(dump)
+    spaces = memory_spaces(dump)
   m = compiled.memory_analysis()
   cost = compiled.cost_analysis() or {}
   if isinstance(cost, list):  # older jax: one dict per program
@@ -303,6 +322,7 @@ def compile_program(fn, *args, what: str) -> Program:
     temp=m.temp_size_in_bytes,
     largest=largest,
     cost={k: float(v) for k, v in cost.items() if k in ("flops", "bytes accessed")},
+    memory_spaces=spaces,
   )
 
 
@@ -325,10 +345,10 @@ def abstract_params(model_cfg: model_lib.ModelConfig, mesh) -> model_lib.Params:
 
 
 def rollout_params(model_cfg: model_lib.ModelConfig, mesh) -> model_lib.Params:
-  """The samplers' rollout copy of the parameters (`Sampler.rollout_params`: the compute
-  dtype on `sharding.rollout_param_shardings`) as sharded `ShapeDtypeStruct`s."""
+  """The samplers' rollout copy of the parameters (`Sampler.rollout_params`: fused, in the
+  compute dtype, on `sharding.rollout_param_shardings`) as sharded `ShapeDtypeStruct`s."""
   shapes = jax.tree.map(
-    lambda x: x.update(dtype=model_cfg.compute_dtype), model_lib.param_shapes(model_cfg)
+    lambda x: x.update(dtype=model_cfg.compute_dtype), model_lib.param_shapes(model_cfg, True)
   )
   return _placed(shapes, sharding_lib.rollout_param_shardings(model_cfg, mesh))
 
@@ -425,20 +445,64 @@ def pool_programs(smp: sampler_lib.Sampler, params, *, what: str) -> dict:
   }
 
 
-def decode_step_program(smp: sampler_lib.Sampler, params, state) -> Program:
-  """One decode step of `smp`'s pool (`state`: its abstract `PoolState`, from
-  `pool_programs`) that reads every cache column (the roofline's worst case: every slot at
-  the budget), compiled alone."""
-  s = smp.slots
-  step = jax.jit(
-    lambda params, state, token, still: pool_lib.decode_step(
-      smp.config, params, state, token, still, attention_block=smp.max_new_tokens, mesh=smp.mesh
-    ),
-    donate_argnums=(1,),
-  )
-  token = jax.ShapeDtypeStruct((s,), jnp.int32)
-  still = jax.ShapeDtypeStruct((s,), bool)
-  return compile_program(step, params, state, token, still, what="decode step")
+# XLA:TPU's cost analysis counts an operand once per instruction that touches it, whatever
+# memory holds it: a block its memory-space assignment prefetches into VMEM (v5e, v5p,
+# v6e) or CMEM (v4) is counted on the copy in and again on each read from there, though
+# HBM served it once (a 4-layer 3B decode loop on a v5e-8: 3.2x its weights and cache per
+# step with the prefetches, 1.25x without). The roofline's programs are compiled with
+# those prefetches off, so that every byte counted is an HBM byte.
+HBM_ONLY = {
+  "xla_tpu_cmem_memory_space_assignment": False,
+  "xla_jf_vmem_memory_space_assignment": False,
+  "xla_vf_vmem_memory_space_assignment": False,
+  "xla_gf_vmem_memory_space_assignment": False,
+}
+
+
+def decode_step_program(smp: sampler_lib.Sampler, params, state) -> dict:
+  """HBM bytes one step of `smp`'s decode loop reads and writes per device, from XLA's
+  cost analysis: the roofline's worst case, every slot live and reading its whole cache.
+
+  A while loop's body is counted once, so the loop is compiled twice, with one and with
+  two steps per trip (`pool.draw_and_decode`, tokens fed back from the step's own logits:
+  nothing is shared between the two steps), and the difference is one step, without what
+  the compiler hoisted out of the loop or runs once around it. Compiled with the target's
+  prefetches into on-chip memory off (`HBM_ONLY`).
+
+  Args:
+    smp: the sampler (its rule, stop ids, mesh, sizes).
+    params: its abstract rollout copy.
+    state: its abstract `PoolState` (`pool_programs`).
+
+  Returns:
+    {'bytes_accessed': per step per device, 'one_step', 'two_steps': the two programs'
+    figures, 'memory_spaces': bytes by memory space of the two-step program}.
+  """
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  trips = jax.ShapeDtypeStruct((), jnp.int32)
+
+  def loop(steps):
+    def run(params, state, key, n):
+      def body(_, s):
+        for _ in range(steps):
+          s = pool_lib.draw_and_decode(
+            smp.config, params, s, key, rule=smp.rule, stop_ids=smp.stop_ids,
+            attention_block=smp.max_new_tokens, mesh=smp.mesh,
+          )  # fmt: skip
+        return s
+
+      return jax.lax.fori_loop(0, n, body, state)
+
+    fn = jax.jit(run, donate_argnums=(1,))
+    return compile_program(fn, params, state, key, trips, what="decode loop", options=HBM_ONLY)
+
+  one, two = loop(1), loop(2)
+  return {
+    "bytes_accessed": two.cost["bytes accessed"] - one.cost["bytes accessed"],
+    "one_step": one.as_dict(),
+    "two_steps": two.as_dict(),
+    "memory_spaces": two.memory_spaces,
+  }
 
 
 def shard_counts(mesh) -> dict[str, int]:

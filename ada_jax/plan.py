@@ -144,7 +144,7 @@ def plan(cfg, target_name: str, *, devices=None, progress=print, mem_fraction=No
         "decode step (roofline)", lambda: aot.decode_step_program(smp, params, pool["state"])
       )
       if step is not None:
-        programs["decode_step"] = step.as_dict()
+        programs["decode_step"] = step
   if cfg.eval.benchmarks:
     ev = aot.eval_sampler(cfg, model_cfg, mesh)
     ev_pool = timed("eval", lambda: aot.pool_programs(ev, params, what="evaluation pool"))
@@ -203,25 +203,22 @@ def plan(cfg, target_name: str, *, devices=None, progress=print, mem_fraction=No
 
 
 def roofline(cfg, model_cfg, t, mesh, programs, smp) -> dict:
-  """Compiler-derived (not measured) traffic of one decode step.
+  """Compiler-derived (not measured) HBM traffic of one decode step, on TPU.
 
-  `decode_bytes_ratio`: HBM bytes XLA:TPU's cost analysis gives one decode step at S slots
-  (every slot reading its whole cache; the step compiled alone, no loop) ÷ (the step's
-  parameter shard + the KV cache it reads), goal <= 1.3. Under FSDP a decode step
-  all-gathers the other shards of every weight and reads the gathered copy, so the ratio
-  against the weights each device multiplies with (`decode_bytes_ratio_gathered`: the
-  parameters split over 'tensor' only) says how much of the excess is that gather. The
-  tokens/s per chip are what the slice's peak bandwidth allows at that traffic.
+  `decode_bytes_per_device`: what XLA:TPU's cost analysis gives one step of the rollout
+  pool's decode loop at S slots, every slot live and reading its whole cache
+  (`aot.decode_step_program`: the loop compiled with one and two steps per trip, VMEM/CMEM
+  prefetching off so that every byte counted is an HBM byte). `decode_bytes_ratio` holds
+  it against what a step must read: the rollout copy's weights on the device (of an untied
+  input embedding only the S rows looked up, not counted) and the slot cache. The tokens/s
+  per chip are what the slice's peak HBM bandwidth allows at that traffic, S tokens a step.
 
   The train step's FLOPs are not derived: XLA's cost analysis counts a while loop's body
   once (the micro-batch and block scans), so its figure is one body's, not the step's
   (`train_flops_per_loop_body`); `experiments/accelerator_check.py` measures MFU.
   """
-  import jax
-
   from ada_jax import aot
 
-  n = t.devices
   out = {"what": f"from {t.compiler}'s cost analysis of the compiled programs, not measured"}
   if t.platform != "tpu":
     # The compiled GPU executable has no cost analysis, and XLA:CPU's analysis of its HLO
@@ -231,19 +228,19 @@ def roofline(cfg, model_cfg, t, mesh, programs, smp) -> dict:
   step = programs.get("decode_step")
   if step and step.get("bytes_accessed"):
     copy = aot.rollout_params(model_cfg, mesh)  # the weights the decode step reads
-    params = aot.per_device_bytes(copy)
-    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(copy))
-    gathered = total / mesh.shape["tensor"]
+    if not model_cfg.tie_embeddings:
+      copy = {k: v for k, v in copy.items() if k != "embed"}
+    weights = aot.per_device_bytes(copy)
     kv = programs["pool_segment"]["kv_cache_gib"] * aot.GIB
     seconds = step["bytes_accessed"] / (t.hbm_gbs * 1e9)
     out |= {
       "decode_bytes_per_device": step["bytes_accessed"],
-      "decode_param_shard_bytes": params,
+      "decode_weight_bytes": weights,
       "decode_kv_bytes": kv,
-      "decode_bytes_ratio": round(step["bytes_accessed"] / (params + kv), 4),
-      "decode_bytes_ratio_gathered": round(step["bytes_accessed"] / (gathered + kv), 4),
-      "decode_tokens_per_s_per_chip": round(smp.slots / seconds / n, 1),
+      "decode_bytes_ratio": round(step["bytes_accessed"] / (weights + kv), 4),
+      "decode_tokens_per_s_per_chip": round(smp.slots / seconds / t.devices, 1),
       "hbm_gbs": t.hbm_gbs,
+      "slots": smp.slots,
     }
   train = programs.get("train")
   if train and train.get("flops"):
@@ -284,10 +281,9 @@ def report(result: dict) -> str:
   r = result["roofline"]
   if "decode_bytes_ratio" in r:
     lines.append(
-      f"roofline (compiler-derived): decode step bytes / (param shard + KV) = "
-      f"{r['decode_bytes_ratio']} (/ (gathered params + KV) = "
-      f"{r['decode_bytes_ratio_gathered']}), <= {r['decode_tokens_per_s_per_chip']:.0f} "
-      f"tokens/s/chip at {r['hbm_gbs']:.0f} GB/s"
+      f"roofline (compiler-derived): decode step HBM bytes / (weights + KV) = "
+      f"{r['decode_bytes_ratio']}, <= {r['decode_tokens_per_s_per_chip']:.0f} tokens/s/chip "
+      f"at {r['hbm_gbs']:.0f} GB/s and {r['slots']} slots"
     )
   lines.append("FITS" if result["fits"] else "DOES NOT FIT")
   return "\n".join(lines)

@@ -189,3 +189,45 @@ def test_float32_masters_compute_exactly_as_their_compute_dtype_copy(preset):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   hidden, _ = model_lib.hidden_states(masters_cfg, params, tokens, positions)
   assert hidden.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("preset", TINY)
+def test_fused_tree_computes_what_the_separate_weights_compute(preset):
+  """`decoder.fuse` (the rollout copy's q, k, v and gate, up each one array) holds the
+  same weights: the same logits from either tree, every leaf accounted for, and its
+  logical axes and shapes describe it (what `sharding.rollout_param_shardings` reads)."""
+  config = model_lib.preset(preset)
+  params = model_lib.init_params(config, jax.random.key(4))
+  fused = model_lib.fuse(params)
+  assert model_lib.is_fused(fused) and not model_lib.is_fused(params)
+  assert model_lib.fuse(fused) is fused
+  n = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
+  assert n(fused) == n(params)
+  shapes = jax.tree.map(lambda x: x.shape, model_lib.param_shapes(config, fused=True))
+  assert shapes == jax.tree.map(lambda x: x.shape, fused)
+  axes = model_lib.logical_axes(config, fused=True)
+  assert jax.tree.structure(axes, is_leaf=lambda x: isinstance(x, tuple)) == jax.tree.structure(
+    fused
+  )
+  tokens = jax.random.randint(jax.random.key(5), (2, 7), 1, config.vocab_size)
+  positions = jnp.broadcast_to(jnp.arange(7), (2, 7))
+  np.testing.assert_allclose(
+    model_lib.logits(config, fused, tokens, positions),
+    model_lib.logits(config, params, tokens, positions),
+    atol=1e-5,
+  )
+
+
+@pytest.mark.parametrize("block", [1, 3, 4])
+def test_blocked_causal_attention_equals_the_whole(block):
+  """`layers.causal_attend` `block` queries at a time equals all queries at once at every
+  real token (left-padded rows, one all padding but its last token; a padding query sees
+  no key, and its output, masked everywhere downstream, is a mean over other keys)."""
+  from ada_jax.models.layers import causal_attend
+
+  ks = jax.random.split(jax.random.key(6), 3)
+  q = jax.random.normal(ks[0], (3, 9, 4, 8))
+  k, v = (jax.random.normal(x, (3, 2, 9, 8)) for x in ks[1:])
+  valid = jnp.arange(9)[None] >= jnp.array([[0], [4], [8]])
+  got, want = causal_attend(q, k, v, valid, block), causal_attend(q, k, v, valid, 9)
+  np.testing.assert_allclose(got[valid], want[valid], atol=1e-6)

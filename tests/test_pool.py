@@ -5,6 +5,7 @@ import pathlib
 
 import hypothesis
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import strategies as st
@@ -205,3 +206,46 @@ def test_slot_cache_draws_the_tokens_of_the_engine_before_it():
     np.testing.assert_array_equal(out["tokens"], golden[f"float32_{slots}_tokens"])
     np.testing.assert_array_equal(out["lengths"], golden[f"float32_{slots}_lengths"])
     np.testing.assert_allclose(out["logprobs"], golden[f"float32_{slots}_logprobs"], atol=1e-5)
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)])
+def test_prefill_in_steps_and_query_blocks_fills_the_cache_of_one_forward(
+  tiny, monkeypatch, mesh_shape
+):
+  """`pool.prefill_prompts` (on a mesh one prompt per data-parallel device per step,
+  causal attention 3 queries at a time here) stores the keys, values and last hidden
+  state one whole forward over the prompts gives, at every real token; padded entries
+  (`>= P`) are dropped."""
+  from ada_jax.models import layers
+  from ada_jax.rollout import pool as pool_lib
+
+  config, params = tiny
+  mesh = None
+  if mesh_shape:
+    auto = (jax.sharding.AxisType.Auto,) * 3
+    mesh = jax.make_mesh(mesh_shape, ("data", "fsdp", "tensor"), axis_types=auto)
+  monkeypatch.setattr(pool_lib, "PREFILL_QUERY_BLOCK", 3)
+  tokens, mask = testing.left_padded_batch([8, 1, 5, 3, 7, 2, 6, 4], 8, config.vocab_size)
+  entries = jnp.array([5, 0, 7, 2, 9, 3, 1, 6])  # 9 >= P: dropped
+  cache = slots_lib.empty_prompt_cache(config, 8, 8, mesh)
+  filled, hidden = jax.jit(
+    lambda c, t, m, e: pool_lib.prefill_prompts(config, params, c, t, m, e, mesh)
+  )(cache, tokens, mask, entries)
+  positions = model_lib.positions_from_mask(jnp.asarray(mask))
+  whole = lambda layer: (
+    lambda q, k, v: (layers.causal_attend(q, k, v, jnp.asarray(mask), 8), (k, v))
+  )
+  want_hidden, kvs = model_lib.forward(
+    config, params, tokens, positions, whole, last_only=True, head=False
+  )
+  np.testing.assert_allclose(hidden, want_hidden[:, 0], atol=1e-5)
+  real = np.asarray(mask)
+  for row, entry in enumerate(np.asarray(entries)):
+    if entry >= 8:
+      continue
+    cols = real[row]
+    np.testing.assert_array_equal(np.asarray(filled.mask[entry]), cols)
+    for layer, (k, v) in enumerate(kvs):
+      np.testing.assert_allclose(filled.k[layer][entry][:, cols], k[row][:, cols], atol=1e-5)
+      np.testing.assert_allclose(filled.v[layer][entry][:, cols], v[row][:, cols], atol=1e-5)
+  assert not np.asarray(filled.mask[4]).any()  # entry 4 was given no prompt

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from ada_jax.models import layers as layers_lib
 from ada_jax.models.architecture import PRESETS as PRESETS
 from ada_jax.models.architecture import ModelConfig
 from ada_jax.models.architecture import RopeScaling as RopeScaling
@@ -84,9 +85,10 @@ def init_cache(config: ModelConfig, batch: int, cache_len: int, dtype=None) -> K
 
 class Transformer(nnx.Module):
   """The decoder. Layers are attributes `layer_0 ... layer_{L-1}` so that parameter paths
-  are plain strings (orbax and safetensors keys stay stable)."""
+  are plain strings (orbax and safetensors keys stay stable). `fused`: each layer's
+  projections in the layout their matmuls read (`fuse`), the samplers' rollout copy."""
 
-  def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, rngs: nnx.Rngs, fused: bool = False):
     pd = config.weight_dtype
     self.embed = make_param(
       rngs,
@@ -96,7 +98,7 @@ class Transformer(nnx.Module):
       1.0 / math.sqrt(config.embed_dim),
     )
     for i in range(config.num_layers):
-      setattr(self, f"layer_{i}", Block(config, rngs))
+      setattr(self, f"layer_{i}", Block(config, rngs, fused))
     self.final_norm = RMSNorm(config.embed_dim, config.rms_norm_eps, "embed", pd)
     if not config.tie_embeddings:
       self.lm_head = make_param(
@@ -180,13 +182,19 @@ def unembed(config: ModelConfig, table: jax.Array, x: jax.Array) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=32)
-def _graphdef(config: ModelConfig):
-  abstract = nnx.eval_shape(lambda: Transformer(config, nnx.Rngs(0)))
+def _graphdef(config: ModelConfig, fused: bool = False):
+  abstract = nnx.eval_shape(lambda: Transformer(config, nnx.Rngs(0), fused))
   return nnx.split(abstract)[0]
 
 
+def is_fused(params: Params) -> bool:
+  """Whether `params` is a fused tree (`fuse`): the layers' q, k, v as one `qkv`."""
+  layer = params.get("layer_0", {})
+  return "qkv" in layer.get("attn", {})
+
+
 def _module(config: ModelConfig, params: Params) -> Transformer:
-  return nnx.merge(_graphdef(config), params)
+  return nnx.merge(_graphdef(config, is_fused(params)), params)
 
 
 def init_params(config: ModelConfig, rng: jax.Array) -> Params:
@@ -203,18 +211,42 @@ def init_params(config: ModelConfig, rng: jax.Array) -> Params:
   return nnx.to_pure_dict(nnx.state(model))
 
 
-def param_shapes(config: ModelConfig) -> Params:
-  """`jax.ShapeDtypeStruct` of every parameter, with no allocation."""
-  return jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+def fuse(params: Params) -> Params:
+  """The same weights with each layer's projections in the layout their matmuls read:
+  `attn.qkv` `[K, G + 2, H, D]` (`layers.fuse_qkv`) for q, k, v and `mlp.gate_up`
+  `[2, D, F]` (`layers.fuse_gate_up`) for gate, up; every other leaf as it is. Every
+  function here takes either tree. The samplers' rollout copy is fused once per RL step
+  (`Sampler.rollout_params`): from separate weights a decode loop stacks them itself,
+  and XLA hoists that stack out of the loop as a copy of them all. A fused tree is
+  returned as it is."""
+  if is_fused(params):
+    return params
+
+  def layer(p):
+    attn = {k: v for k, v in p["attn"].items() if k not in ("q", "k", "v")}
+    mlp = {k: v for k, v in p["mlp"].items() if k not in ("gate", "up")}
+    attn["qkv"] = layers_lib.fuse_qkv(p["attn"]["q"], p["attn"]["k"], p["attn"]["v"])
+    mlp["gate_up"] = layers_lib.fuse_gate_up(p["mlp"]["gate"], p["mlp"]["up"])
+    return {**p, "attn": attn, "mlp": mlp}
+
+  return {k: layer(v) if k.startswith("layer_") else v for k, v in params.items()}
 
 
-def logical_axes(config: ModelConfig) -> Params:
-  """Logical axis names of every parameter (same tree as the params, tuples of str).
+def param_shapes(config: ModelConfig, fused: bool = False) -> Params:
+  """`jax.ShapeDtypeStruct` of every parameter (of the `fuse`d tree with `fused`), with no
+  allocation."""
+  shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+  return jax.eval_shape(fuse, shapes) if fused else shapes
+
+
+def logical_axes(config: ModelConfig, fused: bool = False) -> Params:
+  """Logical axis names of every parameter (same tree as the params, or the `fuse`d tree
+  with `fused`; tuples of str or None).
 
   Names: 'vocab', 'embed', 'heads', 'kv_heads', 'head_dim', 'mlp'. `sharding.py` maps them
   to mesh axes with one rule table.
   """
-  abstract = nnx.eval_shape(lambda: Transformer(config, nnx.Rngs(0)))
+  abstract = nnx.eval_shape(lambda: Transformer(config, nnx.Rngs(0), fused))
   return nnx.to_pure_dict(nnx.state(abstract), lambda v: tuple(v.get_metadata()["axes"]))
 
 
@@ -341,15 +373,23 @@ def forward(
   tokens: jax.Array,
   positions: jax.Array,
   attention: Callable[[int], Callable],
+  *,
+  last_only: bool = False,
+  head: bool = True,
 ) -> tuple[jax.Array, list]:
   """A forward pass whose attention is a cache's own (`Transformer(attention=...)`): the
-  rollout pool's slot cache writes and reads through it.
+  rollout pool's caches write and read through it.
 
   Args:
     tokens, positions: `int32[B, T]`.
     attention: `attention(layer)(q, k, v) -> (out, (keys, values))`, as `layers.Attention`.
+    last_only: only the last position's output (a prefill's).
+    head: False returns the final-normed hidden states (compute dtype) instead of logits.
 
   Returns:
-    (`float32[B, T, V]` logits, per layer the (keys, values) the attention returned).
+    (`float32[B, T, V]` logits (`[B, 1, V]` if last_only; `[B, T or 1, D]` hidden states
+    if not head), per layer the (keys, values) the attention returned).
   """
-  return _module(config, params)(tokens, positions, None, attention=attention)
+  return _module(config, params)(
+    tokens, positions, None, attention=attention, last_only=last_only, head=head
+  )

@@ -175,10 +175,10 @@ def logical_to_spec(
   return P(*spec)
 
 
-def param_specs(config: ModelConfig, mesh: Mesh) -> Params:
-  """`PartitionSpec` of every parameter (the params tree)."""
-  shapes = model_lib.param_shapes(config)
-  axes = model_lib.logical_axes(config)
+def param_specs(config: ModelConfig, mesh: Mesh, fused: bool = False) -> Params:
+  """`PartitionSpec` of every parameter (the params tree, or the `decoder.fuse`d one)."""
+  shapes = model_lib.param_shapes(config, fused)
+  axes = model_lib.logical_axes(config, fused)
   rules = model_rules(config, mesh)
   return jax.tree.map(
     lambda a, s: logical_to_spec(a, s.shape, mesh, rules=rules),
@@ -202,9 +202,9 @@ def platform(mesh: Mesh | None) -> str:
 
 
 def rollout_param_shardings(config: ModelConfig, mesh: Mesh) -> Params:
-  """`NamedSharding` of every leaf of the samplers' rollout copy (`Sampler.rollout_params`):
-  the parameters' specs without 'fsdp', i.e. whole along the model width and split over
-  'tensor' only.
+  """`NamedSharding` of every leaf of the samplers' rollout copy (`Sampler.rollout_params`,
+  a `decoder.fuse`d tree): the parameters' specs without 'fsdp', i.e. whole along the
+  model width and split over 'tensor' only.
 
   The decode loop reads every weight at every step. From weights split over 'fsdp' the
   SPMD partitioner either all-gathers each weight inside the loop (XLA:GPU, and XLA:TPU on
@@ -221,12 +221,12 @@ def rollout_param_shardings(config: ModelConfig, mesh: Mesh) -> Params:
     mesh: the mesh.
 
   Returns:
-    A params-shaped tree of `NamedSharding`s.
+    A `decoder.fuse`d params-shaped tree of `NamedSharding`s.
   """
   no_fsdp = lambda s: P(*(None if axis == "fsdp" else axis for axis in s))
   return jax.tree.map(
     lambda s: NamedSharding(mesh, no_fsdp(s)),
-    param_specs(config, mesh),
+    param_specs(config, mesh, fused=True),
     is_leaf=lambda x: isinstance(x, P),
   )
 

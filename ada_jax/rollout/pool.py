@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from ada_jax.models import decoder as model_lib
+from ada_jax.models import layers as layers_lib
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.rollout import slots as slots_lib
@@ -105,6 +106,10 @@ def output_table(config: ModelConfig, params: Params) -> jax.Array:
   return params["embed"] if config.tie_embeddings else params["lm_head"]
 
 
+# Queries per block of the prefill's causal attention (`layers.causal_attend`).
+PREFILL_QUERY_BLOCK = 256
+
+
 def prefill_prompts(
   config: ModelConfig,
   params: Params,
@@ -116,6 +121,13 @@ def prefill_prompts(
 ) -> tuple[PromptCache, jax.Array]:
   """Prefills prompts once each and stores them in prompt-cache entries (pure; jit it).
 
+  With a mesh the N prompts go through the model in N / (data x fsdp) steps of one prompt
+  per data-parallel device (a `lax.scan`), each step's keys and values stored before the
+  next starts, and causal attention runs `PREFILL_QUERY_BLOCK` queries at a time: the
+  launch's temporaries are one prompt's activations and one block's scores per device,
+  not every prompt's at once (XLA:TPU, docs/tpu.md section 7). Without a mesh all N run
+  in one step.
+
   Args:
     config: the architecture.
     params: model parameters.
@@ -123,26 +135,47 @@ def prefill_prompts(
     tokens: `int32[N, Lp]` left-padded prompts.
     mask: `bool[N, Lp]` True at real tokens.
     entries: `int32[N]` entry of each prompt; an entry `>= P` drops that prompt (padding).
-    mesh: when given, the cache keeps the slot cache's sharding (`slots.constrain_prompts`).
+    mesh: when given, the prompts' rows are split over ('data', 'fsdp') and the cache
+      keeps its sharding (`slots.constrain_prompts`).
 
   Returns:
     (the updated cache, `float32[N, D]` each prompt's final-normed hidden state at its last
     token: the input of a pass-rate head, or of `decoder.unembed` for the next-token
     logits), from the one forward pass that also fills the cache.
   """
+  n = tokens.shape[0]
+  group = n if mesh is None else sharding_lib.data_parallel_size(mesh)
+  if n % group:
+    group = n
   positions = model_lib.positions_from_mask(mask)
-  hidden, cache = model_lib.prefill(
-    config, params, tokens, positions, mask, cache_len=tokens.shape[1], head=False
+
+  def step(prompts, inputs):
+    tokens, mask, positions, entries = inputs
+    if mesh is not None:
+      rows = sharding_lib.batch_sharding(mesh)
+      tokens, mask, positions = (_constrain(x, rows) for x in (tokens, mask, positions))
+    causal = lambda q, k, v: (
+      layers_lib.causal_attend(q, k, v, mask, PREFILL_QUERY_BLOCK),
+      (k, v),
+    )
+    hidden, kvs = model_lib.forward(
+      config, params, tokens, positions, lambda layer: causal, last_only=True, head=False
+    )
+    hidden = hidden[:, 0].astype(jnp.float32)
+    put = lambda old, new: old.at[entries].set(new.astype(old.dtype), mode="drop")
+    updated = PromptCache(
+      k=tuple(put(old, k) for old, (k, _) in zip(prompts.k, kvs, strict=True)),
+      v=tuple(put(old, v) for old, (_, v) in zip(prompts.v, kvs, strict=True)),
+      mask=put(prompts.mask, mask),
+      hidden=put(prompts.hidden, hidden),
+    )
+    return slots_lib.constrain_prompts(config, updated, mesh), hidden
+
+  steps = lambda x: x.reshape(n // group, group, *x.shape[1:])
+  prompts, hidden = jax.lax.scan(
+    step, prompts, tuple(map(steps, (tokens, mask, positions, entries)))
   )
-  hidden = hidden.astype(jnp.float32)
-  put = lambda old, new: old.at[entries].set(new.astype(old.dtype), mode="drop")
-  updated = PromptCache(
-    k=tuple(map(put, prompts.k, cache.k)),
-    v=tuple(map(put, prompts.v, cache.v)),
-    mask=put(prompts.mask, mask),
-    hidden=put(prompts.hidden, hidden),
-  )
-  return slots_lib.constrain_prompts(config, updated, mesh), hidden
+  return prompts, hidden.reshape(n, -1)
 
 
 def init_pool(

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.rollout import pool as pool_lib
@@ -373,40 +374,41 @@ class Sampler:
     return self._fns[prompt_len]
 
   def rollout_params(self, params: Params) -> Params:
-    """The weights the pool decodes from: `params` cast to the compute dtype
+    """The weights the pool decodes from: `params` fused (`decoder.fuse`: q, k, v and
+    gate, up each one array, as their matmuls read them), cast to the compute dtype
     (`ModelConfig.dtype`) and laid out for decoding (`sharding.rollout_param_shardings`:
-    the parameters' own shardings on TPU, whole along 'fsdp' on GPU), or `params`
-    themselves when they already are both (float32 runs, or a copy made before).
+    whole along 'fsdp', split over 'tensor'); `params` themselves when they already are
+    all three (a copy made before).
 
-    The decode loop reads every weight at every step, so it must read the compute-dtype
-    copy, never cast the float32 masters inside the loop (twice the bytes per step). A
-    caller makes the copy once per RL step (`ada_jax.step.rl_step`; `PoolEngine.finish`
-    frees it with the pool before the update), evaluation or prompt selection and passes
-    it to every `pool` / `generate` call; `pool` makes one itself when given the masters.
+    The decode loop reads every weight at every step, so it must read this copy, never
+    cast, stack or gather the float32 masters inside the loop. A caller makes the copy
+    once per RL step (`ada_jax.step.rl_step`; `PoolEngine.finish` frees it with the pool
+    before the update), evaluation or prompt selection and passes it to every `pool` /
+    `generate` call; `pool` makes one itself when given the masters.
 
     Args:
       params: the parameter tree (`param_dtype` leaves, placed on the mesh's
         `sharding.param_shardings` when the sampler has a mesh).
 
     Returns:
-      The same tree in `config.compute_dtype`, one new buffer per leaf (counted in
-      `copies`) unless every leaf already had that dtype and layout.
+      The fused tree in `config.compute_dtype`, new buffers (counted in `copies`) unless
+      `params` already was that copy.
     """
     dtype = self.config.compute_dtype
     shardings = None
     if self.mesh is not None:
       shardings = sharding_lib.rollout_param_shardings(self.config, self.mesh)
-    leaves = jax.tree.leaves(params)
-    laid_out = shardings is None or all(
-      isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sh, x.ndim)
-      for x, sh in zip(leaves, jax.tree.leaves(shardings), strict=True)
-    )
-    if laid_out and all(leaf.dtype == dtype for leaf in leaves):
-      return params
-    if self._cast is None:
-      self._cast = jax.jit(
-        lambda p: jax.tree.map(lambda x: x.astype(dtype), p), out_shardings=shardings
+    if model_lib.is_fused(params):
+      leaves = jax.tree.leaves(params)
+      laid_out = shardings is None or all(
+        isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sh, x.ndim)
+        for x, sh in zip(leaves, jax.tree.leaves(shardings), strict=True)
       )
+      if laid_out and all(leaf.dtype == dtype for leaf in leaves):
+        return params
+    if self._cast is None:
+      cast = lambda p: jax.tree.map(lambda x: x.astype(dtype), p)
+      self._cast = jax.jit(lambda p: model_lib.fuse(cast(p)), out_shardings=shardings)
     self.copies += 1
     return self._cast(params)
 
