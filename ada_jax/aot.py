@@ -218,7 +218,14 @@ class Program:
 
 
 class OutOfMemory(Exception):
-  """XLA refused a program: its message (with the bytes it needed) is the argument."""
+  """XLA refused a program: its message (with the bytes it needed) is the argument;
+  `needed` those bytes where the message states them (XLA:TPU: "the total memory required
+  for HLO temporaries (39.12G) exceeds ..."), else None."""
+
+  @property
+  def needed(self) -> float | None:
+    m = re.search(r"required[^(]*\((\d+(?:\.\d+)?)([KMGT])\)", str(self))
+    return None if m is None else float(m.group(1)) * 1024 ** "KMGT".index(m.group(2)) * 1024
 
 
 _SPACE = re.compile(r"^Memory Space: (\S+) \(color=\d+\)\nTotal bytes: (\d+)", re.M)

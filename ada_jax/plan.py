@@ -61,7 +61,71 @@ def model_of(cfg):
   )
 
 
-def plan(cfg, target_name: str, *, devices=None, progress=print, mem_fraction=None) -> dict:
+def with_slots(spec, slots: int):
+  """`spec` (a `SamplerSpec`) at `slots` slots, its queue and prompts per launch scaled
+  with them where the config sets them (0 stays derived)."""
+  scale = lambda n: max(1, round(n * slots / spec.chunk_rows)) if n else 0
+  return dataclasses.replace(
+    spec,
+    chunk_rows=slots,
+    queue_rows=scale(spec.queue_rows),
+    prompts_per_chunk=scale(spec.prompts_per_chunk),
+  )
+
+
+def largest_fitting(measure, start: int, start_bytes, step: int, limit: int, tries: int = 5):
+  """The largest multiple of `step` slots whose phases fit in `limit` bytes, from the
+  compiler: a phase's bytes are linear in the slots (caches, per-slot temporaries) to
+  within a few buffers, so a line through two compiles predicts the count, a compile at
+  the prediction checks it, and the search ends when a count fits and one step more does
+  not (or after `tries` compiles, with the largest count that fitted).
+
+  Args:
+    measure: `measure(slots)` -> the largest phase's bytes per device (at least, when the
+      compiler refused a program and said what it needed), or None (refused, unsaid).
+    start: the config's slots; `start_bytes` its `measure` (None: refused).
+    step: the granularity (data-parallel devices x the kernel's slot block).
+    limit: bytes a phase may use (usable memory less the spare).
+
+  Returns:
+    (slots, bytes), or (0, None) when not even `step` slots fit.
+  """
+  known = {start: start_bytes}
+  fits = lambda n: known.get(n) is not None and known[n] <= limit
+  down = not fits(start)
+  probe = max(step, start // 2 // step * step) if down else 2 * start
+  for _ in range(tries):
+    if probe in known or probe < step:
+      break
+    known[probe] = measure(probe)
+    good = [n for n in known if fits(n)]
+    best = max(good, default=0)
+    if best and best + step in known and not fits(best + step):
+      break  # the answer: it fits, one step more does not
+    points = sorted((n, b) for n, b in known.items() if b is not None)
+    over = [p for p in points if p[1] > limit]
+    under = [p for p in points if p[1] <= limit]
+    line = (under[-1:] + over[:1]) if under and over else points[-2:]
+    if len(line) < 2 or line[1][0] == line[0][0] or line[1][1] <= line[0][1]:
+      probe = (2 * max(known) if not over else min(n for n, _ in over) // 2) // step * step
+      continue
+    (n0, b0), (n1, b1) = line
+    guess = n0 + (limit - b0) * (n1 - n0) / (b1 - b0)
+    probe = max(step, int(guess + 1e-6) // step * step)
+    if fits(probe):  # measured already and fits: is one step more over?
+      probe += step
+    while probe in known and not fits(probe) and probe - step > best:
+      probe -= step
+  good = [n for n in known if fits(n)]
+  if not good:
+    return 0, None
+  best = max(good)
+  return best, known[best]
+
+
+def plan(
+  cfg, target_name: str, *, devices=None, progress=print, mem_fraction=None, size_slots=True
+) -> dict:
   """Compiles the run's programs for the target and says whether each phase fits.
 
   Args:
@@ -71,12 +135,16 @@ def plan(cfg, target_name: str, *, devices=None, progress=print, mem_fraction=No
     progress: called with a line as each program compiles.
     mem_fraction: on a GPU, the fraction of the card's memory JAX's allocator takes
       (None: `aot.DEFAULT_MEM_FRACTION`, JAX's default); ignored on a TPU.
+    size_slots: also find the largest rollout and evaluation slot counts that fit
+      (`largest_fitting`: a few more compiles of the pools) and, on TPU, the decode
+      roofline at the largest.
 
   Returns:
     A JSON-ready dict: the slice, the mesh, per phase its bytes per device
     (`phases[name]['gib']`), whether it fits with `SPARE_GIB` to spare, the programs'
-    memory analyses and largest temporaries, the roofline figures, and `fits` overall.
-    A phase XLA refused has `refused` (XLA's message) instead of figures.
+    memory analyses and largest temporaries, the roofline figures, the largest slot
+    counts (`slots`), and `fits` overall. A phase XLA refused has `refused` (XLA's
+    message) instead of figures.
 
   Raises:
     ValueError: an unknown slice, a mesh or batch that does not divide over it, or an
@@ -92,6 +160,8 @@ def plan(cfg, target_name: str, *, devices=None, progress=print, mem_fraction=No
   mesh = aot.mesh_for(cfg, devices)
   params = aot.rollout_params(model_cfg, mesh)  # what every sampler decodes from
   gib = lambda b: round(b / aot.GIB, 4)
+  usable = t.usable_gib(mem_fraction)
+  limit = int((usable - SPARE_GIB) * aot.GIB)
   phases, programs, notes = {}, {}, []
 
   def timed(name, fn):
@@ -100,8 +170,7 @@ def plan(cfg, target_name: str, *, devices=None, progress=print, mem_fraction=No
       out = fn()
     except aot.OutOfMemory as e:
       progress(f"  {name}: refused by {t.compiler} ({time.perf_counter() - start:.0f} s)")
-      phases[name] = {"refused": str(e), "fits": False}
-      return None
+      return e
     progress(f"  {name}: compiled ({time.perf_counter() - start:.0f} s)")
     return out
 
@@ -116,7 +185,9 @@ def plan(cfg, target_name: str, *, devices=None, progress=print, mem_fraction=No
   # (`sharding.to_memory`); evaluations run with it on the device.
   offloaded = cfg.train.offload_state and params_differ
   resident_rollout = 0 if offloaded else resident
-  if train_out is not None:
+  if isinstance(train_out, aot.OutOfMemory):
+    phases["train"] = {"refused": str(train_out), "fits": False}
+  else:
     program, layout = train_out
     programs["train"] = program.as_dict() | {
       "mini_batch_rows": layout["mini_batch_rows"],
@@ -132,25 +203,102 @@ def plan(cfg, target_name: str, *, devices=None, progress=print, mem_fraction=No
       "temp_over_kv": round(pool["segment"].temp / pool["slot_cache"], 4),
     }
 
-  smp = aot.rollout_sampler(cfg, model_cfg, mesh)
-  pool = timed("sample", lambda: aot.pool_programs(smp, params, what="rollout pool"))
-  if pool is not None:
+  def rollout(slots, name="sample"):
+    """The rollout pool at `slots`: (sampler, its programs or the refusal, phase bytes)."""
+    c = dataclasses.replace(cfg, sampler=with_slots(cfg.sampler, slots))
+    smp = aot.rollout_sampler(c, model_cfg, mesh)
+    pool = timed(name, lambda: aot.pool_programs(smp, params, what="rollout pool"))
+    if isinstance(pool, aot.OutOfMemory):
+      return smp, pool, None
+    return (
+      smp,
+      pool,
+      {
+        "sample": pool["segment"].peak + resident_rollout,
+        "prefill": pool["prefill"].peak + pool["pool_state"] + resident_rollout,
+      },
+    )
+
+  def evaluation(slots, name="eval"):
+    eval_cfg = dataclasses.replace(cfg.eval, sampler=with_slots(cfg.eval.sampler, slots))
+    ev = aot.eval_sampler(dataclasses.replace(cfg, eval=eval_cfg), model_cfg, mesh)
+    pool = timed(name, lambda: aot.pool_programs(ev, params, what="evaluation pool"))
+    if isinstance(pool, aot.OutOfMemory):
+      return ev, pool, None
+    return ev, pool, {"eval": pool["segment"].peak + resident}
+
+  def decode_roofline(smp, pool):
+    step = timed(
+      f"decode step at {smp.slots} slots (roofline)",
+      lambda: aot.decode_step_program(smp, params, pool["state"]),
+    )
+    return None if isinstance(step, aot.OutOfMemory) else step
+
+  smp, pool, sampled = rollout(cfg.sampler.chunk_rows)
+  if sampled is None:
+    phases["sample"] = phases["prefill"] = {"refused": str(pool), "fits": False}
+  else:
     programs["pool_segment"] = segment_figures(smp, pool)
-    programs["prefill"] = pool["prefill"].as_dict()
-    phases["sample"] = {"bytes": pool["segment"].peak + resident_rollout}
-    phases["prefill"] = {"bytes": pool["prefill"].peak + pool["pool_state"] + resident_rollout}
+    programs["prefill"] = pool["prefill"].as_dict() | {
+      "prompts": smp.prompts_per_chunk,
+      "prompt_cache_filled_gib": gib(
+        pool["prompt_cache"] * smp.prompts_per_chunk / smp.prompt_entries
+      ),
+    }
+    phases |= {name: {"bytes": b} for name, b in sampled.items()}
     if t.platform == "tpu":  # the roofline reads XLA:TPU's cost analysis (`roofline`)
-      step = timed(
-        "decode step (roofline)", lambda: aot.decode_step_program(smp, params, pool["state"])
-      )
+      step = decode_roofline(smp, pool)
       if step is not None:
         programs["decode_step"] = step
   if cfg.eval.benchmarks:
-    ev = aot.eval_sampler(cfg, model_cfg, mesh)
-    ev_pool = timed("eval", lambda: aot.pool_programs(ev, params, what="evaluation pool"))
-    if ev_pool is not None:
+    ev, ev_pool, evaluated = evaluation(cfg.eval.sampler.chunk_rows)
+    if evaluated is None:
+      phases["eval"] = {"refused": str(ev_pool), "fits": False}
+    else:
       programs["eval_segment"] = segment_figures(ev, ev_pool)
-      phases["eval"] = {"bytes": ev_pool["segment"].peak + resident}
+      phases["eval"] = {"bytes": evaluated["eval"]}
+  slots = {}
+  if size_slots:
+    granule = slot_step(mesh)
+    peak = lambda phases_bytes: None if phases_bytes is None else max(phases_bytes.values())
+    progress(f"  sizing the rollout slots (multiples of {granule})")
+    memo = {}
+
+    def rollout_bytes(n):
+      memo[n] = rollout(n, name=f"sample at {n} slots")
+      return peak(memo[n][2]) if memo[n][2] else memo[n][1].needed
+
+    best, best_bytes = largest_fitting(
+      rollout_bytes, cfg.sampler.chunk_rows, peak(sampled) if sampled else pool.needed,
+      granule, limit,
+    )  # fmt: skip
+    slots["rollout"] = {"config": cfg.sampler.chunk_rows, "largest": best}
+    if best:
+      slots["rollout"]["gib"] = gib(best_bytes)
+      if t.platform == "tpu":
+        at = (smp, pool) if best == cfg.sampler.chunk_rows else memo[best][:2]
+        step_at = programs.get("decode_step") if best == cfg.sampler.chunk_rows else None
+        step_at = step_at or decode_roofline(*at)
+        if step_at is not None:
+          figures = roofline_figures(model_cfg, t, mesh, *at, step_at)
+          slots["rollout"]["roofline"] = figures
+    if cfg.eval.benchmarks:
+      progress(f"  sizing the evaluation slots (multiples of {granule})")
+
+      def eval_bytes(n):
+        _, pool, phase = evaluation(n, name=f"eval at {n} slots")
+        return peak(phase) if phase else pool.needed
+
+      best, best_bytes = largest_fitting(
+        eval_bytes,
+        cfg.eval.sampler.chunk_rows,
+        peak(evaluated) if evaluated else ev_pool.needed,
+        granule,
+        limit,
+      )
+      slots["eval"] = {"config": cfg.eval.sampler.chunk_rows, "largest": best}
+      if best:
+        slots["eval"]["gib"] = gib(best_bytes)
   if cfg.ada.method == "est" and cfg.ada.est_estimator == "head":
     notes.append(
       "est head: its features come from the rollout pool's own prefill (the prefill "
@@ -161,13 +309,11 @@ def plan(cfg, target_name: str, *, devices=None, progress=print, mem_fraction=No
       f"train.offload_state: the train state ({gib(resident)} GiB per device) is in host "
       "memory during the sample and prefill phases, on the device in train and eval"
     )
-  if params_differ:
-    notes.append(
-      f"rollout copy: the samplers decode from a {model_cfg.dtype} copy of the "
-      f"{model_cfg.param_dtype} master params, made once per RL step and evaluation (in the "
-      "sample, prefill and eval phases' arguments) and freed before the train step"
-    )
-  usable = t.usable_gib(mem_fraction)
+  notes.append(
+    f"rollout copy: the samplers decode from a fused {model_cfg.dtype} copy of the params "
+    "whole along 'fsdp' (split over 'tensor'), made once per RL step and evaluation (in "
+    "the sample, prefill and eval phases' arguments) and freed before the train step"
+  )
   if t.platform != "tpu":
     notes.append(
       f"{t.compiler} never refuses a program for its size: each phase is held against "
@@ -191,34 +337,26 @@ def plan(cfg, target_name: str, *, devices=None, progress=print, mem_fraction=No
     "resident_gib": {
       "params": gib(aot.per_device_bytes(state.params)),
       "opt_state": gib(aot.per_device_bytes(state.opt_state)),
-      "rollout_copy": gib(aot.per_device_bytes(params)) if params_differ else 0.0,
+      "rollout_copy": gib(aot.per_device_bytes(params)),
       "offloaded_while_sampling": gib(resident) if offloaded else 0.0,
     },
     "phases": phases,
     "programs": programs,
-    "roofline": roofline(cfg, model_cfg, t, mesh, programs, smp),
+    "roofline": roofline(cfg, model_cfg, t, mesh, programs, smp, pool),
+    "slots": slots,
     "notes": notes,
     "fits": bool(phases) and all(p["fits"] for p in phases.values()),
   }
 
 
-def roofline(cfg, model_cfg, t, mesh, programs, smp) -> dict:
-  """Compiler-derived (not measured) HBM traffic of one decode step, on TPU.
-
-  `decode_bytes_per_device`: what XLA:TPU's cost analysis gives one step of the rollout
-  pool's decode loop at S slots, every slot live and reading its whole cache
-  (`aot.decode_step_program`: the loop compiled with one and two steps per trip, VMEM/CMEM
-  prefetching off so that every byte counted is an HBM byte). `decode_bytes_ratio` holds
-  it against what a step must read: the rollout copy's weights on the device (of an untied
-  input embedding only the S rows looked up, not counted) and the slot cache. The tokens/s
-  per chip are what the slice's peak HBM bandwidth allows at that traffic, S tokens a step.
+def roofline(cfg, model_cfg, t, mesh, programs, smp, pool) -> dict:
+  """Compiler-derived (not measured) HBM traffic of one decode step, on TPU
+  (`roofline_figures` of the config's rollout pool), and the train step's FLOPs.
 
   The train step's FLOPs are not derived: XLA's cost analysis counts a while loop's body
   once (the micro-batch and block scans), so its figure is one body's, not the step's
   (`train_flops_per_loop_body`); `experiments/accelerator_check.py` measures MFU.
   """
-  from ada_jax import aot
-
   out = {"what": f"from {t.compiler}'s cost analysis of the compiled programs, not measured"}
   if t.platform != "tpu":
     # The compiled GPU executable has no cost analysis, and XLA:CPU's analysis of its HLO
@@ -227,25 +365,51 @@ def roofline(cfg, model_cfg, t, mesh, programs, smp) -> dict:
     return out
   step = programs.get("decode_step")
   if step and step.get("bytes_accessed"):
-    copy = aot.rollout_params(model_cfg, mesh)  # the weights the decode step reads
-    if not model_cfg.tie_embeddings:
-      copy = {k: v for k, v in copy.items() if k != "embed"}
-    weights = aot.per_device_bytes(copy)
-    kv = programs["pool_segment"]["kv_cache_gib"] * aot.GIB
-    seconds = step["bytes_accessed"] / (t.hbm_gbs * 1e9)
-    out |= {
-      "decode_bytes_per_device": step["bytes_accessed"],
-      "decode_weight_bytes": weights,
-      "decode_kv_bytes": kv,
-      "decode_bytes_ratio": round(step["bytes_accessed"] / (weights + kv), 4),
-      "decode_tokens_per_s_per_chip": round(smp.slots / seconds / t.devices, 1),
-      "hbm_gbs": t.hbm_gbs,
-      "slots": smp.slots,
-    }
+    out |= roofline_figures(model_cfg, t, mesh, smp, pool, step)
   train = programs.get("train")
   if train and train.get("flops"):
     out["train_flops_per_loop_body"] = train["flops"]
   return out
+
+
+def roofline_figures(model_cfg, t, mesh, smp, pool, step) -> dict:
+  """One decode step's HBM traffic per device against what it must read.
+
+  `decode_bytes_per_device`: what XLA:TPU's cost analysis gives one step of the rollout
+  pool's decode loop at S slots, every slot live and reading its whole cache
+  (`aot.decode_step_program`: the loop compiled with one and two steps per trip, VMEM and
+  CMEM prefetching off so that every byte counted is an HBM byte). `decode_bytes_ratio`
+  holds it against what a step must read: the rollout copy's weights on the device (of an
+  untied input embedding only the S rows looked up, not counted) and the slot cache. The
+  tokens/s per chip are what the slice's peak HBM bandwidth allows at that traffic, S
+  tokens a step.
+  """
+  from ada_jax import aot
+
+  copy = aot.rollout_params(model_cfg, mesh)  # the weights the decode step reads
+  if not model_cfg.tie_embeddings:
+    copy = {k: v for k, v in copy.items() if k != "embed"}
+  weights = aot.per_device_bytes(copy)
+  kv = pool["slot_cache"]
+  seconds = step["bytes_accessed"] / (t.hbm_gbs * 1e9)
+  return {
+    "decode_bytes_per_device": step["bytes_accessed"],
+    "decode_weight_bytes": weights,
+    "decode_kv_bytes": kv,
+    "decode_bytes_ratio": round(step["bytes_accessed"] / (weights + kv), 4),
+    "decode_tokens_per_s_per_chip": round(smp.slots / seconds / t.devices, 1),
+    "hbm_gbs": t.hbm_gbs,
+    "slots": smp.slots,
+  }
+
+
+def slot_step(mesh) -> int:
+  """The granularity of a slot count: the data-parallel devices times the decode kernel's
+  block of slots (`rollout.decode_kernel`), so that every device's slots fill its blocks."""
+  from ada_jax.models import sharding as sharding_lib
+  from ada_jax.rollout import decode_kernel
+
+  return sharding_lib.data_parallel_size(mesh) * decode_kernel.SLOT_BLOCK
 
 
 def report(result: dict) -> str:
@@ -285,6 +449,18 @@ def report(result: dict) -> str:
       f"{r['decode_bytes_ratio']}, <= {r['decode_tokens_per_s_per_chip']:.0f} tokens/s/chip "
       f"at {r['hbm_gbs']:.0f} GB/s and {r['slots']} slots"
     )
+  for which, sized in result.get("slots", {}).items():
+    line = f"largest {which} slots that fit every phase with {SPARE_GIB} GiB spare: "
+    line += f"{sized['largest']} (config: {sized['config']})"
+    if sized["largest"]:
+      line += f", {sized['gib']:.2f} GiB/device"
+    if "roofline" in sized:
+      f = sized["roofline"]
+      line += (
+        f"; decode bytes / (weights + KV) = {f['decode_bytes_ratio']}, "
+        f"<= {f['decode_tokens_per_s_per_chip']:.0f} tokens/s/chip"
+      )
+    lines.append(line)
   lines.append("FITS" if result["fits"] else "DOES NOT FIT")
   return "\n".join(lines)
 
@@ -321,6 +497,11 @@ def define_flags() -> None:
     "(XLA_PYTHON_CLIENT_MEM_FRACTION).",
   )
   flags.DEFINE_string("json", None, "Also write the whole plan as JSON here.")
+  flags.DEFINE_bool(
+    "size_slots",
+    True,
+    "Also find the largest rollout and evaluation slot counts that fit (more compiles).",
+  )
 
 
 def main(argv) -> int:
@@ -361,6 +542,7 @@ def main(argv) -> int:
       devices=devices,
       progress=lambda line: print(line, flush=True),
       mem_fraction=mem_fraction,
+      size_slots=flags.FLAGS.size_slots,
     )
   except ValueError as e:  # a batch or chunk that does not divide over this mesh
     print(f"ada_jax: {e}", file=sys.stderr)

@@ -32,7 +32,7 @@ _MASK_VALUE = -1e30
 # Cache columns per block (the largest that divides the piece, else the whole piece): a
 # key block of 8 slots x 512 columns x 128 dims in bf16 is 1 MiB of VMEM.
 _COLUMN_BLOCKS = (512, 256, 128)
-_SLOT_BLOCK = 8
+SLOT_BLOCK = 8
 
 
 def column_block(columns: int) -> int:
@@ -141,7 +141,7 @@ def decode_attention(
   schedule = ring_schedule(column, window, lr)
   prompt_block = lambda j: jnp.minimum(j, jp - 1)
   ring_block = lambda j, sch: (sch[0] + jnp.clip(j - jp, 0, sch[1] - 1)) % jr
-  sb = _SLOT_BLOCK if s % _SLOT_BLOCK == 0 else s
+  sb = SLOT_BLOCK if s % SLOT_BLOCK == 0 else s
   kv = lambda cols, at: pl.BlockSpec((sb, 1, cols, h), lambda i, k, j, sch: (i, k, at(j, sch), 0))
   mask = lambda cols, at: pl.BlockSpec((sb, cols), lambda i, k, j, sch: (i, at(j, sch)))
   at_prompt = lambda j, sch: prompt_block(j)
