@@ -45,6 +45,9 @@ def _parse_args(argv):
     metavar="GROUP.FIELD=VALUE",
     help="override a config value, e.g. sampler.chunk_rows=256 (repeatable)",
   )
+  parser.add_argument(
+    "--no_size_slots", action="store_true", help="skip the search for the largest slot counts"
+  )
   return parser.parse_args(argv)
 
 
@@ -105,7 +108,10 @@ def main() -> None:
   for name in ARGS.configs.split(","):
     cfg = load_config(name, ARGS.set)
     print(f"[{time.perf_counter() - start:6.0f} s] {name} on {t.name}", flush=True)
-    result = plan.plan(cfg, t.name, devices=devices, progress=lambda line: print(line, flush=True))
+    result = plan.plan(
+      cfg, t.name, devices=devices, progress=lambda line: print(line, flush=True),
+      size_slots=not ARGS.no_size_slots,
+    )  # fmt: skip
     print(plan.report(result), flush=True)
     rows.append({"config": name, "run_config": dataclasses.asdict(cfg)} | result)
   out = ARGS.out or os.path.join(os.path.dirname(__file__), "results", f"memory_plan_{t.name}.json")

@@ -274,6 +274,47 @@ def test_vocab_sharded_draw_equals_the_whole_vocabulary_draw(temperature):
   assert np.asarray(split[0])[3] == 70 and len(set(np.asarray(split[0]).tolist())) > 10
 
 
+@pytest.mark.parametrize("vocab", [8192, 8704])
+def test_two_level_cumulative_sum_draws_the_flat_rule(vocab):
+  """Vocabularies summed in blocks (`rule.cdf_block`: 1,024 tokens for 8,192 and its
+  2,048-token slices; 512 and 128 for 8,704 and its slices) draw the flat inverse-CDF rule's
+  token (a float64 reference) for every u not within float rounding of a boundary, whole
+  and split 4 ways: mass in one block only, -inf runs, u at 0 and just below 1."""
+  from ada_jax.rollout import rule as rule_lib
+
+  assert rule_lib.cdf_block(vocab) and rule_lib.cdf_block(vocab // 4)
+  mesh = jax.make_mesh(
+    (2, 1, 4), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 3
+  )
+  rng = np.random.default_rng(1)
+  rows = 64
+  logits = rng.normal(size=(rows, vocab)) * rng.choice([0.1, 1.0, 8.0], size=(rows, 1))
+  logits[3, :] = -np.inf
+  logits[3, vocab - 70] = 2.0  # all mass in one block of the last slice
+  logits[5, : vocab // 2] = -np.inf
+  u = rng.uniform(size=rows)
+  u[:4], u[4:8] = 0.0, np.nextafter(np.float32(1), np.float32(0))
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  cdf = np.cumsum(p / p.sum(-1, keepdims=True), -1)
+  want = np.argmax((cdf >= u[:, None]) & (p > 0), -1)
+  clear = np.abs(cdf - u[:, None]).min(-1) > 1e-5  # u away from every boundary
+  rule = sampler_lib.SamplingRule()
+  z, uu = jnp.asarray(logits, jnp.float32), jnp.asarray(u, jnp.float32)
+  for got in (jax.jit(rule.draw)(z, uu), jax.jit(lambda z, u: rule.draw(z, u, mesh))(z, uu)):
+    tokens = np.asarray(got[0])
+    np.testing.assert_array_equal(tokens[clear], want[clear])
+    assert (
+      tokens[3] == vocab - 70 and (tokens[5] >= vocab // 2) and (p[range(rows), tokens] > 0).all()
+    )
+    logp = (
+      logits[range(rows), tokens]
+      - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1))
+      - logits.max(-1)
+    )
+    np.testing.assert_allclose(np.asarray(got[1]), logp, rtol=1e-4, atol=1e-4)
+  assert clear.sum() > 40  # most rows: the assertion above is not vacuous
+
+
 def test_bad_input_is_reported():
   config = model_lib.preset("tiny-llama")
   with pytest.raises(ValueError, match="top_p"):
