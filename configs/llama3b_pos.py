@@ -12,9 +12,10 @@ from `shared/data` beside the checkout): an easier mix than the paper's.
 
 Memory (XLA:TPU, `python -m ada_jax.plan --topology=v5e-8`; results/memory_plan_v5e-8.json):
 4-way tensor parallelism times FSDP over the remaining chips, remat, one sequence per
-data-parallel group per micro-batch, 192 rollout slots and the float32 train state parked
-in host memory while the step samples keep the paper's batch (512 prompts × 4 responses,
-1024 + 2048 tokens) at a 12.3 GiB peak per device on a v5e-8 (15.75 usable). On a larger
+data-parallel group per micro-batch, the float32 train state parked in host memory while
+the step samples, and as many rollout slots (304) and evaluation slots (128) as the slice
+holds keep the paper's batch (512 prompts × 4 responses, 1024 + 2048 tokens) within 15.75
+GiB per device on a v5e-8. On a larger
 slice set `--config.train.micro_batch_size` to data × fsdp (e.g. 8 on 32 devices) and run
 the plan; see docs/tpu.md.
 """
@@ -56,8 +57,11 @@ def get_config(host: str = "") -> ml_collections.ConfigDict:
   )
   c.rl.verifier.timeout_s = 20.0  # the released reward's limit per response
 
-  c.sampler.chunk_rows = 192  # slots: a KV cache of 192 × 3,072 columns, 7.9 GiB/device on 8 chips
-  # Q = S queued rows: the prompt cache holds Q/S × P prompts of 1,024 tokens (0.33 GiB/device).
+  # Slots: the most that fit a v5e-8 with 0.5 GiB spare in every phase (XLA:TPU's plan,
+  # `python -m ada_jax.plan --topology=v5e-8`; docs/tpu.md section 7 has other slices):
+  # a KV cache of 304 × 3,072 columns, 12.5 GiB/device on 8 chips.
+  c.sampler.chunk_rows = 304
+  # Q = S queued rows: the prompt cache holds Q/S × P prompts of 1,024 tokens.
   c.sampler.queue_rows = c.sampler.get_ref("chunk_rows")
 
   c.train.micro_batch_size = 2  # rows per accumulation step: 1 per data-parallel group on 8 chips
@@ -68,6 +72,7 @@ def get_config(host: str = "") -> ml_collections.ConfigDict:
 
   c.eval.benchmarks = ("math500", "minerva_math", "olympiadbench", "aime24", "amc23")
   c.eval.k = 32
+  c.eval.sampler.chunk_rows = 128  # evaluation slots (4,096-token budget): the most a v5e-8 fits
 
   c.mesh.data = 1
   c.mesh.fsdp = -1  # parameters and rows over the remaining chips

@@ -27,4 +27,8 @@ def get_config(host: str = "") -> ml_collections.ConfigDict:
   c.data.verl_set = "RLHFlow/reinforce_ada_hard_prompt"
   # Sized for a v4-32 (16 devices: tensor 4 × fsdp 4): one row per data-parallel group.
   c.train.micro_batch_size = 4
+  # Rollout and evaluation slots: the most that fit a v4-32 with 0.5 GiB spare in every
+  # phase (XLA:TPU's plan, `python -m ada_jax.plan --topology=v4-32`; docs/tpu.md).
+  c.sampler.chunk_rows = 1856
+  c.eval.sampler.chunk_rows = 1152
   return common.on_host(c, host, HOSTS)
