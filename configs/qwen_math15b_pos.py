@@ -36,4 +36,8 @@ def get_config(host: str = "") -> ml_collections.ConfigDict:
   c.sampler.max_new_tokens = 2048  # training response budget (released script: 2,048)
   c.eval.sampler.max_new_tokens = 4096  # evaluation response budget (authors' evaluation: 4,096)
   c.eval.sampler.temperature = 1.0  # Avg@32 sampled at T = 1 (authors' evaluation)
+  # Slots: the most that fit a v5e-8 beside the train state (XLA:TPU's plan,
+  # `python -m ada_jax.plan --topology=v5e-8`; docs/tpu.md section 7).
+  c.sampler.chunk_rows = 256
+  c.eval.sampler.chunk_rows = 160
   return common.on_host(c, host, HOSTS)
