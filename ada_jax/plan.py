@@ -61,68 +61,6 @@ def model_of(cfg):
   )
 
 
-def with_slots(spec, slots: int):
-  """`spec` (a `SamplerSpec`) at `slots` slots, its queue and prompts per launch scaled
-  with them where the config sets them (0 stays derived)."""
-  scale = lambda n: max(1, round(n * slots / spec.chunk_rows)) if n else 0
-  return dataclasses.replace(
-    spec,
-    chunk_rows=slots,
-    queue_rows=scale(spec.queue_rows),
-    prompts_per_chunk=scale(spec.prompts_per_chunk),
-  )
-
-
-def largest_fitting(measure, start: int, start_bytes, step: int, limit: int, tries: int = 5):
-  """The largest multiple of `step` slots whose phases fit in `limit` bytes, from the
-  compiler: a phase's bytes are linear in the slots (caches, per-slot temporaries) to
-  within a few buffers, so a line through two compiles predicts the count, a compile at
-  the prediction checks it, and the search ends when a count fits and one step more does
-  not (or after `tries` compiles, with the largest count that fitted).
-
-  Args:
-    measure: `measure(slots)` -> the largest phase's bytes per device (at least, when the
-      compiler refused a program and said what it needed), or None (refused, unsaid).
-    start: the config's slots; `start_bytes` its `measure` (None: refused).
-    step: the granularity (data-parallel devices x the kernel's slot block).
-    limit: bytes a phase may use (usable memory less the spare).
-
-  Returns:
-    (slots, bytes), or (0, None) when not even `step` slots fit.
-  """
-  known = {start: start_bytes}
-  fits = lambda n: known.get(n) is not None and known[n] <= limit
-  down = not fits(start)
-  probe = max(step, start // 2 // step * step) if down else 2 * start
-  for _ in range(tries):
-    if probe in known or probe < step:
-      break
-    known[probe] = measure(probe)
-    good = [n for n in known if fits(n)]
-    best = max(good, default=0)
-    if best and best + step in known and not fits(best + step):
-      break  # the answer: it fits, one step more does not
-    points = sorted((n, b) for n, b in known.items() if b is not None)
-    over = [p for p in points if p[1] > limit]
-    under = [p for p in points if p[1] <= limit]
-    line = (under[-1:] + over[:1]) if under and over else points[-2:]
-    if len(line) < 2 or line[1][0] == line[0][0] or line[1][1] <= line[0][1]:
-      probe = (2 * max(known) if not over else min(n for n, _ in over) // 2) // step * step
-      continue
-    (n0, b0), (n1, b1) = line
-    guess = n0 + (limit - b0) * (n1 - n0) / (b1 - b0)
-    probe = max(step, int(guess + 1e-6) // step * step)
-    if fits(probe):  # measured already and fits: is one step more over?
-      probe += step
-    while probe in known and not fits(probe) and probe - step > best:
-      probe -= step
-  good = [n for n in known if fits(n)]
-  if not good:
-    return 0, None
-  best = max(good)
-  return best, known[best]
-
-
 def plan(
   cfg, target_name: str, *, devices=None, progress=print, mem_fraction=None, size_slots=True
 ) -> dict:
@@ -151,7 +89,7 @@ def plan(
       architecture `model_of` cannot find (the field named).
     RuntimeError: the target's compiler (libtpu, the CUDA plugin) is missing.
   """
-  from ada_jax import aot
+  from ada_jax import aot, capacity
 
   t = aot.target(target_name)
   mem_fraction = aot.DEFAULT_MEM_FRACTION if mem_fraction is None else mem_fraction
@@ -205,7 +143,7 @@ def plan(
 
   def rollout(slots, name="sample"):
     """The rollout pool at `slots`: (sampler, its programs or the refusal, phase bytes)."""
-    c = dataclasses.replace(cfg, sampler=with_slots(cfg.sampler, slots))
+    c = dataclasses.replace(cfg, sampler=capacity.with_slots(cfg.sampler, slots))
     smp = aot.rollout_sampler(c, model_cfg, mesh)
     pool = timed(name, lambda: aot.pool_programs(smp, params, what="rollout pool"))
     if isinstance(pool, aot.OutOfMemory):
@@ -220,7 +158,7 @@ def plan(
     )
 
   def evaluation(slots, name="eval"):
-    eval_cfg = dataclasses.replace(cfg.eval, sampler=with_slots(cfg.eval.sampler, slots))
+    eval_cfg = dataclasses.replace(cfg.eval, sampler=capacity.with_slots(cfg.eval.sampler, slots))
     ev = aot.eval_sampler(dataclasses.replace(cfg, eval=eval_cfg), model_cfg, mesh)
     pool = timed(name, lambda: aot.pool_programs(ev, params, what="evaluation pool"))
     if isinstance(pool, aot.OutOfMemory):
@@ -230,7 +168,7 @@ def plan(
   def decode_roofline(smp, pool):
     step = timed(
       f"decode step at {smp.slots} slots (roofline)",
-      lambda: aot.decode_step_program(smp, params, pool["state"]),
+      lambda: capacity.decode_step_program(smp, params, pool["state"]),
     )
     return None if isinstance(step, aot.OutOfMemory) else step
 
@@ -259,7 +197,7 @@ def plan(
       phases["eval"] = {"bytes": evaluated["eval"]}
   slots = {}
   if size_slots:
-    granule = slot_step(mesh)
+    granule = capacity.slot_step(mesh)
     peak = lambda phases_bytes: None if phases_bytes is None else max(phases_bytes.values())
     progress(f"  sizing the rollout slots (multiples of {granule})")
     memo = {}
@@ -268,7 +206,7 @@ def plan(
       memo[n] = rollout(n, name=f"sample at {n} slots")
       return peak(memo[n][2]) if memo[n][2] else memo[n][1].needed
 
-    best, best_bytes = largest_fitting(
+    best, best_bytes = capacity.largest_fitting(
       rollout_bytes, cfg.sampler.chunk_rows, peak(sampled) if sampled else pool.needed,
       granule, limit,
     )  # fmt: skip
@@ -280,7 +218,7 @@ def plan(
         step_at = programs.get("decode_step") if best == cfg.sampler.chunk_rows else None
         step_at = step_at or decode_roofline(*at)
         if step_at is not None:
-          figures = roofline_figures(model_cfg, t, mesh, *at, step_at)
+          figures = capacity.roofline_figures(model_cfg, t, mesh, *at, step_at)
           slots["rollout"]["roofline"] = figures
     if cfg.eval.benchmarks:
       progress(f"  sizing the evaluation slots (multiples of {granule})")
@@ -289,7 +227,7 @@ def plan(
         _, pool, phase = evaluation(n, name=f"eval at {n} slots")
         return peak(phase) if phase else pool.needed
 
-      best, best_bytes = largest_fitting(
+      best, best_bytes = capacity.largest_fitting(
         eval_bytes,
         cfg.eval.sampler.chunk_rows,
         peak(evaluated) if evaluated else ev_pool.needed,
@@ -342,74 +280,11 @@ def plan(
     },
     "phases": phases,
     "programs": programs,
-    "roofline": roofline(cfg, model_cfg, t, mesh, programs, smp, pool),
+    "roofline": capacity.roofline(cfg, model_cfg, t, mesh, programs, smp, pool),
     "slots": slots,
     "notes": notes,
     "fits": bool(phases) and all(p["fits"] for p in phases.values()),
   }
-
-
-def roofline(cfg, model_cfg, t, mesh, programs, smp, pool) -> dict:
-  """Compiler-derived (not measured) HBM traffic of one decode step, on TPU
-  (`roofline_figures` of the config's rollout pool), and the train step's FLOPs.
-
-  The train step's FLOPs are not derived: XLA's cost analysis counts a while loop's body
-  once (the micro-batch and block scans), so its figure is one body's, not the step's
-  (`train_flops_per_loop_body`); `experiments/accelerator_check.py` measures MFU.
-  """
-  out = {"what": f"from {t.compiler}'s cost analysis of the compiled programs, not measured"}
-  if t.platform != "tpu":
-    # The compiled GPU executable has no cost analysis, and XLA:CPU's analysis of its HLO
-    # counts no cuBLAS custom call (a 6 MB gemm counted 0 bytes): no figure beats a wrong one.
-    out["what"] = f"not derived: {t.compiler} gives no cost analysis of a compiled program"
-    return out
-  step = programs.get("decode_step")
-  if step and step.get("bytes_accessed"):
-    out |= roofline_figures(model_cfg, t, mesh, smp, pool, step)
-  train = programs.get("train")
-  if train and train.get("flops"):
-    out["train_flops_per_loop_body"] = train["flops"]
-  return out
-
-
-def roofline_figures(model_cfg, t, mesh, smp, pool, step) -> dict:
-  """One decode step's HBM traffic per device against what it must read.
-
-  `decode_bytes_per_device`: what XLA:TPU's cost analysis gives one step of the rollout
-  pool's decode loop at S slots, every slot live and reading its whole cache
-  (`aot.decode_step_program`: the loop compiled with one and two steps per trip, VMEM and
-  CMEM prefetching off so that every byte counted is an HBM byte). `decode_bytes_ratio`
-  holds it against what a step must read: the rollout copy's weights on the device (of an
-  untied input embedding only the S rows looked up, not counted) and the slot cache. The
-  tokens/s per chip are what the slice's peak HBM bandwidth allows at that traffic, S
-  tokens a step.
-  """
-  from ada_jax import aot
-
-  copy = aot.rollout_params(model_cfg, mesh)  # the weights the decode step reads
-  if not model_cfg.tie_embeddings:
-    copy = {k: v for k, v in copy.items() if k != "embed"}
-  weights = aot.per_device_bytes(copy)
-  kv = pool["slot_cache"]
-  seconds = step["bytes_accessed"] / (t.hbm_gbs * 1e9)
-  return {
-    "decode_bytes_per_device": step["bytes_accessed"],
-    "decode_weight_bytes": weights,
-    "decode_kv_bytes": kv,
-    "decode_bytes_ratio": round(step["bytes_accessed"] / (weights + kv), 4),
-    "decode_tokens_per_s_per_chip": round(smp.slots / seconds / t.devices, 1),
-    "hbm_gbs": t.hbm_gbs,
-    "slots": smp.slots,
-  }
-
-
-def slot_step(mesh) -> int:
-  """The granularity of a slot count: the data-parallel devices times the decode kernel's
-  block of slots (`rollout.decode_kernel`), so that every device's slots fill its blocks."""
-  from ada_jax.models import sharding as sharding_lib
-  from ada_jax.rollout import decode_kernel
-
-  return sharding_lib.data_parallel_size(mesh) * decode_kernel.SLOT_BLOCK
 
 
 def report(result: dict) -> str:

@@ -70,8 +70,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from ada_jax import capacity, loop  # noqa: E402
 from ada_jax import config as config_lib  # noqa: E402
-from ada_jax import loop  # noqa: E402
 from ada_jax import metrics as metrics_lib  # noqa: E402
 from ada_jax.models import decoder as model_lib  # noqa: E402
 from ada_jax.models import sharding as sharding_lib  # noqa: E402
@@ -278,6 +278,7 @@ def decode_at(check: Check, cfg, params, slots: int, memory: bool) -> dict:
     "compiles_first_segment": segments[0][3],
     "compiles_timed": sum(t[3] for t in timed),
   }
+  row |= expected_decode(smp, params, pool.state, step_s, bw)
   if memory:
     predicted = None
     try:
@@ -291,6 +292,31 @@ def decode_at(check: Check, cfg, params, slots: int, memory: bool) -> dict:
     )
   del pool
   return row
+
+
+def expected_decode(smp, params, state, measured_step_s: float, bw: float | None) -> dict:
+  """On a TPU, the compiler's expectation beside the measurement: the HBM bytes XLA:TPU's
+  cost analysis gives one step of this pool's decode loop, every slot reading its whole
+  cache (`capacity.decode_step_program`, the plan's roofline), over the chip's peak bandwidth,
+  against the measured step (whose rows read their live columns only, so it can beat
+  it). Elsewhere nothing: XLA:GPU and XLA:CPU give the plan no cost analysis."""
+  if jax.devices()[0].platform != "tpu" or not bw:
+    return {"expected": "not derived: only XLA:TPU's cost analysis is the plan's"}
+  abstract = lambda t: jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), t
+  )
+  try:
+    bytes_per_step = capacity.decode_step_program(smp, abstract(params), abstract(state))[
+      "bytes_accessed"
+    ]
+  except Exception as e:  # noqa: BLE001 -- the measured figures stand without it
+    return {"expected": f"not derived: {type(e).__name__}: {e}"}
+  expected_s = bytes_per_step / bw
+  return {
+    "expected_hbm_bytes_per_step_worst_case": bytes_per_step,
+    "expected_step_s_worst_case": expected_s,
+    "measured_over_expected_step": measured_step_s / expected_s,
+  }
 
 
 def param_bytes(params) -> int:

@@ -7,7 +7,7 @@ configs on their slices, at their slot counts.
   python experiments/decode_roofline.py                      # both configs, about 25 min
   python experiments/decode_roofline.py --configs=llama3b_pos --slots=192,384
 
-Each figure is `aot.decode_step_program`'s: the pool's decode loop compiled with one and
+Each figure is `capacity.decode_step_program`'s: the pool's decode loop compiled with one and
 two steps per trip (every slot live, reading its whole cache), VMEM/CMEM prefetching off so
 that XLA's cost analysis counts HBM bytes; the ratio holds them against the copy's weights
 on a device (an untied input embedding not counted) plus the slot cache. Compiler-derived,
@@ -41,7 +41,7 @@ import jax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from ada_jax import aot, metrics, plan  # noqa: E402
+from ada_jax import aot, capacity, metrics, plan  # noqa: E402
 from ada_jax import config as config_lib  # noqa: E402
 from ada_jax.models import sharding as sharding_lib  # noqa: E402
 from ada_jax.rollout import slots as slots_lib  # noqa: E402
@@ -61,14 +61,14 @@ def measure(cfg, target, devices, slots, layout, kernel):
   slots_lib.uses_kernel = SHIPPED_KERNEL if kernel else (lambda mesh: False)
   model_cfg = plan.model_of(cfg)
   mesh = aot.mesh_for(cfg, devices)
-  c = dataclasses.replace(cfg, sampler=plan.with_slots(cfg.sampler, slots))
+  c = dataclasses.replace(cfg, sampler=capacity.with_slots(cfg.sampler, slots))
   smp = aot.rollout_sampler(c, model_cfg, mesh)
   params = aot.rollout_params(model_cfg, mesh)
   _, (_, state, *_) = aot.segment_args(smp, params)
-  step = aot.decode_step_program(smp, params, state)
+  step = capacity.decode_step_program(smp, params, state)
   cache = state.cache
   pool = {"slot_cache": aot.per_device_bytes((cache.prompt_k, cache.prompt_v, cache.k, cache.v))}
-  return plan.roofline_figures(model_cfg, target, mesh, smp, pool, step)
+  return capacity.roofline_figures(model_cfg, target, mesh, smp, pool, step)
 
 
 def main():

@@ -32,7 +32,7 @@ LAYERS = (
   (
     "run drivers",
     ("ada_jax.loop", "ada_jax.eval.evaluation", "ada_jax.eval.policy", "ada_jax.eval.selection")
-    + ("ada_jax.aot",),
+    + ("ada_jax.aot", "ada_jax.capacity"),
   ),
   (
     "command lines",

@@ -380,7 +380,7 @@ def test_evaluation_samplers_are_on_the_run_mesh(tmp_path, monkeypatch):
 
 def test_rollouts_decode_from_one_compute_dtype_copy_per_step(tmp_path, no_implicit_transfers):
   """docs/design.md "Precision": float32 masters, bf16 compute. Every array the pool reads
-  is the bfloat16 copy on the params' own shardings (never a master), made once per RL
+  is the fused bfloat16 copy on the rollout layout (never a master), made once per RL
   step (the sampler's counter), and the train state stays float32; with
   `train.offload_state` it waits in host memory while each step samples."""
   from ada_jax.models import sharding as sharding_lib
@@ -402,7 +402,7 @@ def test_rollouts_decode_from_one_compute_dtype_copy_per_step(tmp_path, no_impli
     return out
 
   def pool_init(self, programs, params, key):
-    seen.append([(x.dtype, x.sharding) for x in jax.tree.leaves(params)])
+    seen.append([(x.dtype, x.sharding, x.ndim) for x in jax.tree.leaves(params)])
     assert moves[-1:] == ["pinned_host"]  # the state is away while the pool exists
     real_pool(self, programs, params, key)
 
@@ -420,13 +420,13 @@ def test_rollouts_decode_from_one_compute_dtype_copy_per_step(tmp_path, no_impli
   cfg = config_lib.parse(c)
   model_cfg = cfg.model.model_config()
   mesh = sharding_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-  want = sharding_lib.param_shardings(model_cfg, mesh)
+  want = sharding_lib.rollout_param_shardings(model_cfg, mesh)
   assert len(seen) == sum(copies) == 2  # one pool, one copy per RL step
   assert moves == ["pinned_host", "device"] * 2 and summary["steps_done"] == 2
   assert all(np.isfinite(m["loss"]) for m in _metrics(tmp_path))
   for params in seen:
-    for (dtype, got), sh in zip(params, jax.tree.leaves(want), strict=True):
-      assert dtype == jnp.bfloat16 and got == sh
+    for (dtype, got, ndim), sh in zip(params, jax.tree.leaves(want), strict=True):
+      assert dtype == jnp.bfloat16 and got.is_equivalent_to(sh, ndim)
   saved = checkpoint_lib.restore_params(
     tmp_path / "checkpoints", sharding_lib.abstract_params(model_cfg, mesh)
   )

@@ -1,20 +1,20 @@
 """The plan's pure parts: a sampler group at another slot count, and the search for the
-largest slot count that fits (`plan.largest_fitting`) on made-up byte counts."""
+largest slot count that fits (`capacity.largest_fitting`) on made-up byte counts."""
 
 import hypothesis
 import pytest
 from hypothesis import strategies as st
 
-from ada_jax import plan
+from ada_jax import capacity
 from ada_jax.rollout.spec import SamplerSpec
 
 
 def test_with_slots_scales_what_the_config_sets_and_keeps_derived_sizes_derived():
   spec = SamplerSpec(chunk_rows=192, queue_rows=192, prompts_per_chunk=48)
-  assert plan.with_slots(spec, 384) == SamplerSpec(
+  assert capacity.with_slots(spec, 384) == SamplerSpec(
     chunk_rows=384, queue_rows=384, prompts_per_chunk=96
   )
-  derived = plan.with_slots(SamplerSpec(chunk_rows=64), 256)
+  derived = capacity.with_slots(SamplerSpec(chunk_rows=64), 256)
   assert (derived.chunk_rows, derived.queue_rows, derived.prompts_per_chunk) == (256, 0, 0)
 
 
@@ -37,7 +37,7 @@ def test_largest_fitting_finds_the_largest_multiple_that_fits(base, per_slot, wo
     measure_calls.append(slots)
     return base + per_slot * slots + wobble * (slots // 64 % 3)
 
-  best, best_bytes = plan.largest_fitting(measure, start, measure(start), step, limit)
+  best, best_bytes = capacity.largest_fitting(measure, start, measure(start), step, limit)
   measure_calls.pop(0)
   assert len(measure_calls) <= 5
   if best == 0:
@@ -55,11 +55,14 @@ def test_largest_fitting_when_the_compiler_refuses():
   def measure(slots):
     return None if slots > 100 else 10 * slots
 
-  assert plan.largest_fitting(measure, 192, None, 16, 10**6) == (96, 960)
-  assert plan.largest_fitting(lambda s: None, 192, None, 16, 10**6) == (0, None)
+  assert capacity.largest_fitting(measure, 192, None, 16, 10**6) == (96, 960)
+  assert capacity.largest_fitting(lambda s: None, 192, None, 16, 10**6) == (0, None)
 
 
 @pytest.mark.parametrize("start", [32, 48])
 def test_largest_fitting_from_a_config_that_already_fits(start):
   measure = lambda slots: 1000 + 10 * slots
-  assert plan.largest_fitting(measure, start, measure(start), 16, 1000 + 10 * 400) == (400, 5000)
+  assert capacity.largest_fitting(measure, start, measure(start), 16, 1000 + 10 * 400) == (
+    400,
+    5000,
+  )

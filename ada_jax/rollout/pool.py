@@ -141,7 +141,8 @@ def prefill_prompts(
   Returns:
     (the updated cache, `float32[N, D]` each prompt's final-normed hidden state at its last
     token: the input of a pass-rate head, or of `decoder.unembed` for the next-token
-    logits), from the one forward pass that also fills the cache.
+    logits), from the one forward pass that also fills the cache; replicated over the
+    mesh, when given, so that every process reads it.
   """
   n = tokens.shape[0]
   group = n if mesh is None else sharding_lib.data_parallel_size(mesh)
@@ -175,7 +176,10 @@ def prefill_prompts(
   prompts, hidden = jax.lax.scan(
     step, prompts, tuple(map(steps, (tokens, mask, positions, entries)))
   )
-  return prompts, hidden.reshape(n, -1)
+  hidden = hidden.reshape(n, -1)
+  if mesh is not None:  # every process reads every prompt's hidden state (the host queue)
+    hidden = _constrain(hidden, sharding_lib.replicated(mesh))
+  return prompts, hidden
 
 
 def init_pool(
@@ -318,7 +322,7 @@ def draw_and_decode(
   """One step of the decode loop after its refill (pure): every live slot draws a token
   (`rule.draw` with `row_uniforms`), rows that drew a stop token or reached the budget Lr
   finish, and one decode step runs for the slots still live. `run_segment`'s loop body
-  with `_refill`; `aot.decode_step_program` loops it alone for the roofline.
+  with `_refill`; `capacity.decode_step_program` loops it alone for the roofline.
 
   Args:
     s: the pool after this step's refill.
