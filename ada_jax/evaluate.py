@@ -1,7 +1,7 @@
 """Command line of the held-out evaluation: `python -m ada_jax.evaluate --config=...
 --workdir=DIR (--checkpoint=STEP | --hf_dir=PATH) [--benchmarks=...] [--k=K] [--json]`.
 
-Thin on purpose: flags, then `eval.policy.load_model` and `eval.evaluation.run`; the
+Thin on purpose: flags, then `policy.load_model` and `evaluation.run`; the
 report goes to `<workdir>/eval/` and its table (or JSON) to stdout.
 """
 
@@ -20,9 +20,9 @@ from ada_jax import cli, runstate
 from ada_jax import config as config_lib
 from ada_jax.eval import benchmarks as benchmarks_lib
 from ada_jax.eval.benchmarks import EvalConfig
-from ada_jax.eval.evaluation import report_text, run
-from ada_jax.eval.policy import load_model
+from ada_jax.evaluation import report_text, run
 from ada_jax.models import sharding
+from ada_jax.policy import load_model
 
 
 def define_flags(flag_values=None, sys_argv: list[str] | None = None) -> None:

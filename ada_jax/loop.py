@@ -27,12 +27,12 @@ import jax
 import numpy as np
 from absl import logging
 
-from ada_jax import checkpoint, distributed, inputs, runstate, start
+from ada_jax import checkpoint, distributed, evaluation, inputs, runstate, start
 from ada_jax import config as config_lib
 from ada_jax import metrics as metrics_lib
 from ada_jax.config import ConfigError
 from ada_jax.data import prompts
-from ada_jax.eval import benchmarks, evaluation
+from ada_jax.eval import benchmarks
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.rewards.verifier import RewardPool
 from ada_jax.rl import train, update
@@ -56,7 +56,7 @@ _AGREED = (
 
 def _heldout_eval(evaluator, workdir, params, step, rng):
   """The held-out benchmarks of the current policy (`evaluator`, the run's
-  `eval.evaluation.Evaluator`, or None: none set), report in workdir/eval/step_<step>.*,
+  `evaluation.Evaluator`, or None: none set), report in workdir/eval/step_<step>.*,
   with a progress bar and a closing line on the console; `rng` the run's eval key
   (`runstate.RunKeys.eval`: every evaluation of the run samples with it, so two
   evaluations differ only by the policy). Returns the flat metrics."""

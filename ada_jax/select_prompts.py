@@ -2,7 +2,7 @@
 --config=configs/<experiment>.py --workdir=DIR [--hf_dir=PATH | --checkpoint=STEP] [--k=16]
 [--rules=hard:0.125:1,easy:0.3125:1] [--limit=N]`.
 
-Thin on purpose: flags, then `eval.selection` (what the outputs in `<workdir>/select/`
+Thin on purpose: flags, then `selection` (what the outputs in `<workdir>/select/`
 are is described there).
 """
 
@@ -17,9 +17,9 @@ from absl import app, flags, logging
 from ada_jax import checkpoint as checkpoint_lib
 from ada_jax import cli
 from ada_jax import config as config_lib
-from ada_jax.eval.policy import load_model
-from ada_jax.eval.selection import SelectConfig, parse_rules, run, training_prompts
 from ada_jax.models import sharding
+from ada_jax.policy import load_model
+from ada_jax.selection import SelectConfig, parse_rules, run, training_prompts
 
 
 def define_flags(flag_values=None, sys_argv: list[str] | None = None) -> None:

@@ -6,7 +6,7 @@ step 0; 3. the pretrained weights of `model.hf_dir`; 4. random init (the init ke
 the config's warm start.
 
 An evaluation or a prompt selection of "the policy a fresh run would train"
-(`eval.policy.load_model` with `init_dir`) takes steps 2-4 from `initial_params`.
+(`policy.load_model` with `init_dir`) takes steps 2-4 from `initial_params`.
 `loop.py` runs the RL loop from the state this module gives it.
 """
 

@@ -25,7 +25,7 @@ across sessions:
 A fresh run's workdir gets a copy of the held-out results cache of a sibling run (same
 seed): the policy before RL is the same pretrained model under the same eval key for every
 method, so its evaluation before RL is read back, not sampled again (the cache is keyed by
-the weights' values, `eval.evaluation.weights_tag`, so nothing else is reused).
+the weights' values, `evaluation.weights_tag`, so nothing else is reused).
 
 The held-out figures are the runs' own evaluations (`eval/step_<s>.json`, written before
 RL, every `--eval_every` RL steps and after RL): Avg@4 on 200 unseen `arith_text` problems

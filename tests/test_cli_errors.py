@@ -33,7 +33,7 @@ DRIVER = textwrap.dedent(
   """
   import json, os, runpy, sys
   from ada_jax import checkpoint, cli, config, loop, runstate  # the shared imports, once
-  from ada_jax.eval import policy, selection
+  from ada_jax import policy, selection
   from ada_jax.data import sets
   sets.reachable = lambda url, timeout_s=3.0: False  # no test reaches the network
   codes = {}

@@ -31,7 +31,7 @@ LAYERS = (
   ("the RL step", ("ada_jax.step",)),
   (
     "run drivers",
-    ("ada_jax.loop", "ada_jax.eval.evaluation", "ada_jax.eval.policy", "ada_jax.eval.selection")
+    ("ada_jax.loop", "ada_jax.evaluation", "ada_jax.policy", "ada_jax.selection")
     + ("ada_jax.aot", "ada_jax.capacity"),
   ),
   (

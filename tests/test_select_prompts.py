@@ -13,10 +13,10 @@ import pytest
 from absl import flags
 
 from ada_jax import select_prompts as select_cli
+from ada_jax import selection as select_prompts
 from ada_jax.data import prompts
 from ada_jax.eval import benchmarks
-from ada_jax.eval import selection as select_prompts
-from ada_jax.eval.selection import FilterRule, SelectConfig
+from ada_jax.selection import FilterRule, SelectConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # The config files import `configs.common`.
