@@ -19,6 +19,7 @@ exactly the steps an uninterrupted run would take.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import pathlib
 from typing import Any
@@ -31,12 +32,14 @@ from ada_jax import checkpoint, distributed, evaluation, inputs, runstate, start
 from ada_jax import config as config_lib
 from ada_jax import metrics as metrics_lib
 from ada_jax.config import ConfigError
-from ada_jax.data import prompts
+from ada_jax.data import prompts as prompts_lib
 from ada_jax.eval import benchmarks
 from ada_jax.models import sharding as sharding_lib
+from ada_jax.models.decoder import ModelConfig
+from ada_jax.models.tokenizer import Tokenizer
 from ada_jax.rewards.verifier import RewardPool
 from ada_jax.rl import train, update
-from ada_jax.rollout import sampler
+from ada_jax.rollout import sampler as sampler_lib
 from ada_jax.step import StepContext, rl_step
 
 # Controller outputs that must be identical on every process (`distributed.assert_same`).
@@ -113,14 +116,75 @@ def train_run(cfg: config_lib.RunConfig, workdir: str) -> dict[str, Any]:
 
 
 def _train(cfg, workdir: str, stop: runstate.StopRequest, stack: contextlib.ExitStack):
+  """The run's phases in order: set-up (nothing written), start (the workdir held, the
+  state restored or made), the evaluation before RL, the RL loop, the close-out."""
+  setup = _set_up(cfg, workdir)
+  started = _start(setup, stop, stack)
+  if isinstance(started, dict):  # already finished with these settings
+    return started
+  writer = metrics_lib.MetricsWriter(
+    workdir,
+    total_steps=cfg.rl.steps,
+    start_step=started.progress.step,
+    primary=jax.process_index() == 0,
+  )
+  stack.callback(writer.close)
+  _evaluate_before_rl(setup, started, writer, stop)
+  end = _rl_loop(setup, started, writer, stop)
+  return _close_out(setup, started, end, writer, stop)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SetUp:
+  """What the run reads and builds before it writes anything (`_set_up`)."""
+
+  cfg: config_lib.RunConfig
+  workdir: str
+  model_dir: str | None
+  model_cfg: ModelConfig
+  tokenizer: Tokenizer
+  mesh: jax.sharding.Mesh
+  prompts: prompts_lib.PromptSet
+  evaluator: evaluation.Evaluator | None
+  sampler: sampler_lib.Sampler
+  # What the run depends on, the prompts' fingerprint standing for where they were read.
+  record: dict[str, Any]
+
+
+@dataclasses.dataclass
+class _Started:
+  """The run's state after `_start`: restored from its latest checkpoint or made anew."""
+
+  manager: Any
+  source: str  # 'checkpoint:<step>' or `start.initial_params`' source
+  state: train.TrainState
+  est: Any
+  root: jax.Array  # the checkpoint's root key, not the config's seed (tests/test_guards.py)
+  progress: runstate.Progress
+  iterator: prompts_lib.PromptIterator
+  np_rng: np.random.Generator
+
+
+@dataclasses.dataclass(frozen=True)
+class _End:
+  """How the RL loop ended (`_rl_loop`)."""
+
+  step: int
+  state: train.TrainState
+  stopped_by: str | None  # the signal that stopped it, or None: ran to `rl.steps`
+  agreed: str | None  # the processes' common controller fingerprint
+
+
+def _set_up(cfg: config_lib.RunConfig, workdir: str) -> _SetUp:
+  """Model files, mesh, prompts, evaluator and sampler, each bad setting refused with the
+  field named (`ConfigError`) before anything is written or compiled."""
   model_dir, model_cfg, tokenizer = inputs.load_model_files(cfg.model, cfg.tokenizer)
   try:
     mesh = sharding_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
   except ValueError as e:
     raise ConfigError(f"config.mesh: {e}") from None
-  train_cfg = cfg.train
   try:
-    train.check_batch_layout(cfg.train_rows, train_cfg, mesh)
+    train.check_batch_layout(cfg.train_rows, cfg.train, mesh)
   except ValueError as e:
     raise ConfigError(
       f"config.rl.batch_prompts ({cfg.rl.batch_prompts}) with config.train and config.mesh: {e}"
@@ -135,7 +199,7 @@ def _train(cfg, workdir: str, stop: runstate.StopRequest, stack: contextlib.Exit
   if cfg.eval.benchmarks:  # set up once: every held-out evaluation reuses its data, compiles
     evaluator = evaluation.Evaluator.make(cfg.eval, model_cfg, tokenizer, mesh)
   try:
-    smp = sampler.Sampler.from_spec(
+    smp = sampler_lib.Sampler.from_spec(
       model_cfg,
       cfg.sampler,
       stop_ids=tokenizer.eos_ids,
@@ -145,50 +209,53 @@ def _train(cfg, workdir: str, stop: runstate.StopRequest, stack: contextlib.Exit
     )
   except ValueError as e:
     raise ConfigError(f"config.sampler: {e}") from None
-  with_ref = cfg.loss.kl_coeff > 0
-  target = train.abstract_state(model_cfg, train_cfg, mesh, with_ref=with_ref)
-  iterator = prompts.PromptIterator(len(ps), cfg.rl.batch_prompts, seed=cfg.seed)
-  # What the run depends on, with the prompts' fingerprint standing for where they were read.
-  record = {**runstate.config_record(cfg, model_cfg), **runstate.prompts_record(ps)}
   if cfg.ckpt.init_from:
     try:
       checkpoint.params_step_dir(cfg.ckpt.init_from)
     except FileNotFoundError as e:
       raise ConfigError(f"config.ckpt.init_from: {e}") from None
+  record = {**runstate.config_record(cfg, model_cfg), **runstate.prompts_record(ps)}
+  return _SetUp(cfg, workdir, model_dir, model_cfg, tokenizer, mesh, ps, evaluator, smp, record)
+
+
+def _start(
+  setup: _SetUp, stop: runstate.StopRequest, stack: contextlib.ExitStack
+) -> _Started | dict[str, Any]:
+  """Holds the workdir and starts the run (`start.initial_state`'s order: latest
+  checkpoint, `ckpt.init_from`, pretrained, init + warm start); a checkpoint made with an
+  incompatible config is refused. A fresh run's step 0 is saved at once, so a restart never
+  repeats the warm start and other runs can `init_from` it. Returns the summary instead when
+  the run had already finished with these settings (nothing written)."""
+  cfg, workdir, record = setup.cfg, setup.workdir, setup.record
+  with_ref = cfg.loss.kl_coeff > 0
+  target = train.abstract_state(setup.model_cfg, cfg.train, setup.mesh, with_ref=with_ref)
+  iterator = prompts_lib.PromptIterator(len(setup.prompts), cfg.rl.batch_prompts, seed=cfg.seed)
+  fresh = runstate.Progress(
+    iterator=_jsonable(iterator.state()),
+    np_rng=runstate.generator_state(np.random.default_rng(cfg.seed)),
+  )
   stack.enter_context(runstate.hold_workdir(workdir))  # one run per workdir
   manager = checkpoint.make_manager(pathlib.Path(workdir) / "checkpoints", cfg.ckpt)
   stack.callback(_close, manager)
-  # The start order (latest checkpoint, ckpt.init_from, pretrained, init + warm start) is
-  # `start.initial_state`'s; a checkpoint made with an incompatible config is refused.
   run_state, source = start.initial_state(
     cfg,
     manager,
     target,
-    model_cfg,
-    tokenizer,
-    mesh,
-    model_dir=model_dir,
-    host={
-      "step": 0,
-      "iterator": _jsonable(iterator.state()),
-      "np_rng": runstate.generator_state(np.random.default_rng(cfg.seed)),
-    },
+    setup.model_cfg,
+    setup.tokenizer,
+    setup.mesh,
+    model_dir=setup.model_dir,
+    host=fresh.to_host(),
     check_host=lambda host, step: runstate.check_resume(host.get("config"), record, step),
     phase=stop.enter,
     progress=jax.process_index() == 0,
   )
   logging.info("run state from %s", source)
-  host = run_state.host  # the saved run's prompt position and host Generator, or a fresh run's
-  np_rng = runstate.generator_from_state(host["np_rng"])
-  # The checkpoint's root key, not the config's seed: a resumed run draws the keys the saved
-  # run would have drawn (tests/test_guards.py).
-  root = run_state.rng
-  keys = runstate.run_keys(root)
-  iterator.restore(host["iterator"])
-  host["config"] = record  # with any change a resume may make
+  progress = runstate.Progress.from_host(run_state.host)
+  iterator.restore(progress.iterator)
   stop.enter(None)  # signals are polled from here: a save is never cut
   if source.startswith("checkpoint"):
-    resumed = int(host["step"])
+    resumed = progress.step
     if resumed > cfg.rl.steps:  # nothing is run or written: the run's results stay
       raise ConfigError(
         f"config.rl.steps={cfg.rl.steps} is below the workdir's latest checkpoint (RL step "
@@ -206,92 +273,125 @@ def _train(cfg, workdir: str, stop: runstate.StopRequest, stack: contextlib.Exit
     metrics_lib.console(
       f"resuming from step {resumed} (checkpoint {workdir}/checkpoints/{resumed})"
     )
-    _say_if_not_comparable(host, record)
-  else:
-    # Step 0 (the warm-started policy) is saved at once, so a restart never repeats the
-    # warm start and other runs can `init_from` this folder's step 0.
-    checkpoint.save(manager, 0, run_state)
-  state, est = run_state.train, run_state.est
-  first = int(host["step"])
-  writer = metrics_lib.MetricsWriter(
-    workdir, total_steps=cfg.rl.steps, start_step=first, primary=jax.process_index() == 0
+    _say_if_not_comparable(progress, record)
+  progress.config = record  # with any change a resume may make
+  if not source.startswith("checkpoint"):
+    checkpoint.save(manager, 0, dataclasses.replace(run_state, host=progress.to_host()))
+  return _Started(
+    manager,
+    source,
+    run_state.train,
+    run_state.est,
+    run_state.rng,
+    progress,
+    iterator,
+    runstate.generator_from_state(progress.np_rng),
   )
-  stack.callback(writer.close)
-  if first == 0 and "before_rl" not in host:  # also after a stop during it: cached batches
+
+
+def _evaluate_before_rl(setup, started, writer, stop) -> None:
+  """The held-out evaluation of the starting policy (once: also after a stop during it,
+  whose finished batches are cached), logged at step 0."""
+  progress = started.progress
+  if progress.step != 0:
+    return
+  if progress.before_rl is None:
     stop.enter("the held-out evaluation before RL")
-    host["before_rl"] = _heldout_eval(evaluator, workdir, state.params, 0, keys.eval)
-    host["before_rl_eval"] = _eval_settings(record)
+    keys = runstate.run_keys(started.root)
+    progress.before_rl = _heldout_eval(
+      setup.evaluator, setup.workdir, started.state.params, 0, keys.eval
+    )
+    progress.before_rl_eval = _eval_settings(setup.record)
     stop.enter(None)
-  if first == 0:
-    writer.add_scalars(0, host["before_rl"])
+  writer.add_scalars(0, progress.before_rl)
+
+
+def _rl_loop(setup, started, writer, stop) -> _End:
+  """RL steps from the one after the start to `rl.steps`: each step's metrics written, the
+  processes' controller state compared, a checkpoint every `ckpt.every_steps`, at the end
+  and when a signal asks the run to stop (after the current step)."""
+  cfg, progress = setup.cfg, started.progress
+  keys = runstate.run_keys(started.root)
   logprob_fn = None
-  if train_cfg.old_logprobs == "recompute":  # released: the trainer's old log-probs
-    logprob_fn = update.make_logprob_step(model_cfg, train_cfg, mesh)
-  step_fn = train.make_train_step(model_cfg, train_cfg, mesh, with_ref=with_ref)
+  if cfg.train.old_logprobs == "recompute":  # released: the trainer's old log-probs
+    logprob_fn = update.make_logprob_step(setup.model_cfg, cfg.train, setup.mesh)
+  with_ref = cfg.loss.kl_coeff > 0
+  step_fn = train.make_train_step(setup.model_cfg, cfg.train, setup.mesh, with_ref=with_ref)
   # The stop ids end responses in training and evaluation; the folder's are the default.
-  writer.log_text(f"stop ids {list(tokenizer.eos_ids)} (training and evaluation samplers)")
-  step = first
+  writer.log_text(f"stop ids {list(setup.tokenizer.eos_ids)} (training and evaluation samplers)")
+  state, est, step = started.state, started.est, progress.step
   agreed = stopped_by = None
   with RewardPool(cfg.rl.verifier) as pool:
     grader = distributed.SharedGrader(pool)  # identical rewards on every process
-    ctx = StepContext(cfg, ps, iterator, smp, step_fn, grader, tokenizer, mesh, np_rng, logprob_fn)
-    for step in range(first + 1, cfg.rl.steps + 1):
+    ctx = StepContext(
+      cfg, setup.prompts, started.iterator, setup.sampler, step_fn, grader, setup.tokenizer,
+      setup.mesh, started.np_rng, logprob_fn,
+    )  # fmt: skip
+    for step in range(progress.step + 1, cfg.rl.steps + 1):
       state, est, m = rl_step(ctx, step, state, est, jax.random.fold_in(keys.rollout, step))
       runstate.check_step(step, m, state.params)  # before anything of it is saved
       if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < cfg.rl.steps:
-        m.update(_heldout_eval(evaluator, workdir, state.params, step, keys.eval))
+        m.update(_heldout_eval(setup.evaluator, setup.workdir, state.params, step, keys.eval))
       writer.write(step, m)
-      host.update(
-        step=step, iterator=_jsonable(iterator.state()), np_rng=runstate.generator_state(np_rng)
-      )
+      progress.step = step
+      progress.iterator = _jsonable(started.iterator.state())
+      progress.np_rng = runstate.generator_state(started.np_rng)
       agreed = distributed.assert_same(
         f"controller state after RL step {step}",
-        [host["iterator"], host["np_rng"], est, [m.get(k) for k in _AGREED]],
+        [progress.iterator, progress.np_rng, est, [m.get(k) for k in _AGREED]],
       )
       stopping = runstate.stop_requested(stop)
-      if (
-        stopping
-        or step == cfg.rl.steps
-        or (cfg.ckpt.every_steps and step % cfg.ckpt.every_steps == 0)
-      ):
-        checkpoint.save(
-          manager, step, checkpoint.RunState(train=state, rng=root, est=est, host=host)
+      every = cfg.ckpt.every_steps
+      if stopping or step == cfg.rl.steps or (every and step % every == 0):
+        run_state = checkpoint.RunState(
+          train=state, rng=started.root, est=est, host=progress.to_host()
         )
+        checkpoint.save(started.manager, step, run_state)
       if stopping:
         # Another process's signal stops this one too (`stop_requested` combines them).
         stopped_by = stop.signal_name or "a signal to another process"
         writer.log_text(f"{stopped_by}: saved checkpoint {step}, exiting")
         break
-  checkpoint.close(manager)
+  return _End(step, state, stopped_by, agreed)
+
+
+def _close_out(setup, started, end: _End, writer, stop) -> dict[str, Any]:
+  """The summary (workdir/summary.json): steps done, the scores before RL and, when the
+  run reached `rl.steps`, the held-out evaluation after RL (and the Hugging Face export)."""
+  cfg, progress = setup.cfg, started.progress
+  checkpoint.close(started.manager)
   summary = {
-    "steps_done": step,
-    "source": source,
-    "warmstart": host.get("warmstart"),
-    "before_rl": host.get("before_rl", {}),
-    "stop_ids": list(tokenizer.eos_ids),
-    "eval_settings": _eval_settings(record),
+    "steps_done": end.step,
+    "source": started.source,
+    "warmstart": progress.warmstart,
+    "before_rl": progress.before_rl or {},
+    "stop_ids": list(setup.tokenizer.eos_ids),
+    "eval_settings": _eval_settings(setup.record),
   }
-  changed = _eval_changes(host, record)
+  changed = _eval_changes(progress, setup.record)
   if changed:
     summary["before_rl_comparable"] = False
     summary["before_rl_eval_changes"] = changed
-  if stopped_by is not None:
-    summary["stopped_by"] = stopped_by
+  if end.stopped_by is not None:
+    summary["stopped_by"] = end.stopped_by
   if jax.process_count() > 1:  # equal on every process (tests/test_distributed.py)
     summary["fingerprints"] = {
-      "controller": agreed,
-      "params": distributed.local_fingerprint(state.params),
+      "controller": end.agreed,
+      "params": distributed.local_fingerprint(end.state.params),
     }
-  if step == cfg.rl.steps and stopped_by is None:  # stopped: the rerun evaluates
+  if end.step == cfg.rl.steps and end.stopped_by is None:  # stopped: the rerun evaluates
     stop.enter("the held-out evaluation after RL")
-    summary["after_rl"] = _heldout_eval(evaluator, workdir, state.params, step, keys.eval)
-    writer.add_scalars(step, summary["after_rl"])
+    eval_key = runstate.run_keys(started.root).eval
+    summary["after_rl"] = _heldout_eval(
+      setup.evaluator, setup.workdir, end.state.params, end.step, eval_key
+    )
+    writer.add_scalars(end.step, summary["after_rl"])
     if cfg.ckpt.export_hf:
-      hf_final = pathlib.Path(workdir) / "hf_final"
-      checkpoint.export_hf(model_cfg, state.params, hf_final, tokenizer=tokenizer)
+      hf_final = pathlib.Path(setup.workdir) / "hf_final"
+      checkpoint.export_hf(setup.model_cfg, end.state.params, hf_final, tokenizer=setup.tokenizer)
     stop.enter(None)
   if jax.process_index() == 0:
-    (pathlib.Path(workdir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (pathlib.Path(setup.workdir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
   return summary
 
 
@@ -302,18 +402,19 @@ def _eval_settings(record: dict[str, Any]) -> dict[str, Any]:
   return {k: v for k, v in record.items() if k.startswith("eval.") and k not in ignored}
 
 
-def _eval_changes(host: dict[str, Any], record: dict[str, Any]) -> list[str]:
-  """'eval.k: 4 -> 2', ... for each setting of the evaluation before RL (saved in `host`;
-  a checkpoint of an older version has none: nothing to compare) that differs now."""
-  before, now = host.get("before_rl_eval"), _eval_settings(record)
+def _eval_changes(progress: runstate.Progress, record: dict[str, Any]) -> list[str]:
+  """'eval.k: 4 -> 2', ... for each setting of the evaluation before RL (saved in
+  `progress`; a checkpoint of an older version has none: nothing to compare) that differs
+  now."""
+  before, now = progress.before_rl_eval, _eval_settings(record)
   if not before:
     return []
   keys = sorted(set(before) | set(now))
   return [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in keys if before.get(k) != now.get(k)]
 
 
-def _say_if_not_comparable(host: dict[str, Any], record: dict[str, Any]) -> None:
-  changed = _eval_changes(host, record)
+def _say_if_not_comparable(progress: runstate.Progress, record: dict[str, Any]) -> None:
+  changed = _eval_changes(progress, record)
   if changed:
     metrics_lib.console(
       f"the eval group changed since the evaluation before RL ({'; '.join(changed)}): the "

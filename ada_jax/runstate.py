@@ -243,6 +243,43 @@ def run_keys(root: jax.Array) -> RunKeys:
 # ----------------------------------------------------------------------------- host state
 
 
+@dataclasses.dataclass
+class Progress:
+  """The run's host-side state, saved in every checkpoint as its JSON `host` item
+  (`checkpoint.RunState.host`): how far the run is and what it measured off the device.
+
+  Attributes:
+    step: the last RL step done (0: none yet).
+    iterator: the prompt iterator's position (`PromptIterator.state`, as JSON lists).
+    np_rng: the host Generator's state (`generator_state`).
+    config: the config record the run was last saved with (`config_record` and
+      `prompts_record`), compared with the current one on a resume (`check_resume`).
+    warmstart: the supervised warm start's summary, when the run made one.
+    before_rl: the held-out metrics before RL (flat; {} without benchmarks); None until
+      measured (a stop during that evaluation measures it again).
+    before_rl_eval: the evaluation settings `before_rl` was measured with.
+  """
+
+  step: int = 0
+  iterator: dict[str, Any] = dataclasses.field(default_factory=dict)
+  np_rng: dict[str, Any] = dataclasses.field(default_factory=dict)
+  config: dict[str, Any] | None = None
+  warmstart: dict[str, Any] | None = None
+  before_rl: dict[str, Any] | None = None
+  before_rl_eval: dict[str, Any] | None = None
+
+  @classmethod
+  def from_host(cls, host: Mapping[str, Any]) -> Progress:
+    """From a checkpoint's host JSON (keys it does not know, e.g. a newer version's, are
+    left out; missing ones keep their defaults)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in host.items() if k in names})
+
+  def to_host(self) -> dict[str, Any]:
+    """The checkpoint's host JSON (unset fields left out)."""
+    return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
 def generator_state(gen: np.random.Generator) -> dict[str, Any]:
   """The JSON-able state of a numpy Generator (its `bit_generator.state`)."""
   return gen.bit_generator.state

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from ada_jax.rl import advantages as adv_lib
 from ada_jax.rl import estimate, rules
 from ada_jax.rl.adaptive import AdaConfig
-from ada_jax.testing import rounds_step as run_step
+from ada_jax.testing import rounds_step
 
 
 class Scripted:
@@ -69,7 +69,7 @@ def _group(result, p):
 @pytest.mark.parametrize("method", ["pos", "balance"])
 def test_two_of_eight_keeps_two_and_two_with_global_advantages(method):
   draw = Scripted([[1, 0, 0, 1, 0, 0, 0, 0] + [0] * 24])
-  res, _ = run_step(AdaConfig(method=method), _ids(1), draw, _rng())
+  res, _ = rounds_step(AdaConfig(method=method), _ids(1), draw, _rng())
   rewards, advs, handles = _group(res, 0)
   np.testing.assert_array_equal(rewards, [1, 1, 0, 0])
   np.testing.assert_allclose(advs, [0.75, 0.75, -0.25, -0.25], atol=1e-7)
@@ -80,13 +80,13 @@ def test_two_of_eight_keeps_two_and_two_with_global_advantages(method):
 
 def test_one_positive_in_eight_keeps_it_with_three_negatives():
   draw = Scripted([[0, 0, 0, 0, 0, 1, 0, 0] + [0] * 24])
-  res, _ = run_step(AdaConfig(method="pos"), _ids(1), draw, _rng())
+  res, _ = rounds_step(AdaConfig(method="pos"), _ids(1), draw, _rng())
   rewards, advs, _ = _group(res, 0)
   np.testing.assert_array_equal(rewards, [1, 0, 0, 0])
   np.testing.assert_allclose(advs, [0.875, -0.125, -0.125, -0.125], atol=1e-7)
   # balance needs a second positive; with one round only it keeps the 1 + 3 it has.
   draw = Scripted([[0, 0, 0, 0, 0, 1, 0, 0]])
-  res, _ = run_step(AdaConfig(method="balance", max_rounds=1), _ids(1), draw, _rng())
+  res, _ = rounds_step(AdaConfig(method="balance", max_rounds=1), _ids(1), draw, _rng())
   np.testing.assert_array_equal(_group(res, 0)[0], [1, 0, 0, 0])
 
 
@@ -94,7 +94,7 @@ def test_one_positive_in_eight_keeps_it_with_three_negatives():
 @pytest.mark.parametrize("opts", [{}, {"std_normalize": True, "inverse_p_weight": "1/p"}])
 def test_all_negative_pool_after_r_rounds_gives_n_zero_advantages(method, opts):
   draw = Scripted([[0] * 32])
-  res, _ = run_step(AdaConfig(method=method, **opts), _ids(1), draw, _rng())
+  res, _ = rounds_step(AdaConfig(method=method, **opts), _ids(1), draw, _rng())
   rewards, advs, _ = _group(res, 0)
   assert res.stats.samples_per_round == (8, 8, 8, 8)
   assert rewards.shape == (4,) and not rewards.any()
@@ -109,7 +109,7 @@ def test_pos_retires_after_first_round_containing_a_positive():
     [0] * 16 + [0] * 7 + [1] + [1] * 8,  # first positive in round 3
   ]
   draw = Scripted(streams)
-  res, _ = run_step(AdaConfig(method="pos"), _ids(3), draw, _rng())
+  res, _ = rounds_step(AdaConfig(method="pos"), _ids(3), draw, _rng())
   assert res.stats.active_per_round == (3, 2, 1)
   assert res.stats.samples_per_round == (24, 16, 8)
   np.testing.assert_array_equal(res.stats.pool_size, [16, 8, 24])
@@ -135,9 +135,9 @@ def test_seq_batch_in_exit_order_as_released_or_in_prompt_order(method):
     [0, 1, 0, 0] + [0] * 4,  # round 1
   ]
   base = dict(method=method, n=2, samples_per_round=4, max_rounds=2)
-  exit_res, _ = run_step(AdaConfig(**base), _ids(4), Scripted(streams), _rng())
+  exit_res, _ = rounds_step(AdaConfig(**base), _ids(4), Scripted(streams), _rng())
   np.testing.assert_array_equal(exit_res.prompt_index, [2, 2, 3, 3, 1, 1, 0, 0])
-  prompt_res, _ = run_step(
+  prompt_res, _ = rounds_step(
     AdaConfig(**base, batch_order="prompt"), _ids(4), Scripted(streams), _rng()
   )
   np.testing.assert_array_equal(prompt_res.prompt_index, [0, 0, 1, 1, 2, 2, 3, 3])
@@ -163,7 +163,7 @@ def test_batch_order_ties_keep_prompt_order_and_never_exited_go_last():
 
 def test_pos_all_positive_first_round_exits_with_zero_signal():
   draw = Scripted([[1] * 32])
-  res, _ = run_step(AdaConfig(method="pos"), _ids(1), draw, _rng())
+  res, _ = rounds_step(AdaConfig(method="pos"), _ids(1), draw, _rng())
   assert res.stats.samples_per_round == (8,)
   assert np.all(_group(res, 0)[1] == 0)
 
@@ -177,7 +177,7 @@ def test_balance_n4_needs_two_positives_and_two_negatives():
     [1, 1, 0, 0, 1, 1, 1, 1] + [1] * 24,  # 2 + 2 in r1
   ]
   draw = Scripted(streams)
-  res, _ = run_step(AdaConfig(method="balance"), _ids(3), draw, _rng())
+  res, _ = rounds_step(AdaConfig(method="balance"), _ids(3), draw, _rng())
   np.testing.assert_array_equal(res.stats.pool_size, [16, 24, 8])
   assert res.stats.active_per_round == (3, 2, 1)
   r1, a1, _ = _group(res, 1)
@@ -187,12 +187,12 @@ def test_balance_n4_needs_two_positives_and_two_negatives():
 
 def test_grpo_local_mean_and_std_option():
   draw = Scripted([[1, 0, 0, 0], [1, 1, 1, 1]])
-  res, _ = run_step(AdaConfig(method="grpo"), _ids(2), draw, _rng())
+  res, _ = rounds_step(AdaConfig(method="grpo"), _ids(2), draw, _rng())
   np.testing.assert_allclose(_group(res, 0)[1], [0.75, -0.25, -0.25, -0.25])
   assert np.all(_group(res, 1)[1] == 0)
   assert res.stats.zero_signal_fraction == 0.5
   draw = Scripted([[1, 0, 0, 0]])
-  res, _ = run_step(AdaConfig(method="grpo", std_normalize=True), _ids(1), draw, _rng())
+  res, _ = rounds_step(AdaConfig(method="grpo", std_normalize=True), _ids(1), draw, _rng())
   # verl: mean 1/4, torch.std (Bessel) = sqrt(0.75 / 3) = 1/2, + 1e-6.
   np.testing.assert_allclose(_group(res, 0)[1], [1.5, -0.5, -0.5, -0.5], rtol=1e-5)
   np.testing.assert_allclose(
@@ -212,12 +212,12 @@ def test_shipped_grpo_configs_are_the_released_baselines(method):
     assert cfg.ada.std_normalize and cfg.loss.dual_clip == 3.0
     assert cfg.optim.weight_decay == 0.01 and cfg.optim.warmup_steps == 0
   draw = Scripted([[1, 0, 0, 0]])
-  res, _ = run_step(cfg.ada, _ids(1), draw, _rng())
+  res, _ = rounds_step(cfg.ada, _ids(1), draw, _rng())
   np.testing.assert_allclose(res.advantages, [1.5, -0.5, -0.5, -0.5], rtol=1e-5)
   # The Dr.GRPO-style variant stays one override away.
   c = common.released_baseline(tiny_arith_grpo.get_config(), method)
   c.ada.std_normalize = False
-  res, _ = run_step(config_lib.parse(c).ada, _ids(1), Scripted([[1, 0, 0, 0]]), _rng())
+  res, _ = rounds_step(config_lib.parse(c).ada, _ids(1), Scripted([[1, 0, 0, 0]]), _rng())
   np.testing.assert_allclose(res.advantages, [0.75, -0.25, -0.25, -0.25], rtol=1e-6)
 
 
@@ -263,7 +263,7 @@ def test_dapo_drops_uniform_groups_and_draws_more_prompts():
     draw.add([[1, 1, 1, 1], [0, 1, 0, 0]])
     return [f"extra{len(asked)}a", f"extra{len(asked)}b"]
 
-  res, _ = run_step(AdaConfig(method="dapo"), _ids(2), draw, _rng(), more_prompts=more_prompts)
+  res, _ = rounds_step(AdaConfig(method="dapo"), _ids(2), draw, _rng(), more_prompts=more_prompts)
   assert asked == [2]  # one extra pass collects the second mixed group
   assert res.prompt_ids == ("q0", "q1", "extra1a", "extra1b")
   np.testing.assert_array_equal(res.prompt_index, [1] * 4 + [3] * 4)
@@ -282,24 +282,24 @@ def test_dapo_stops_at_the_cap_of_extra_passes():
     return ["x"]
 
   cfg = AdaConfig(method="dapo", dapo_max_extra_passes=2)
-  res, _ = run_step(cfg, _ids(1), draw, _rng(), more_prompts=more_prompts)
+  res, _ = rounds_step(cfg, _ids(1), draw, _rng(), more_prompts=more_prompts)
   assert len(calls) == 2 and res.stats.samples_per_round == (4, 4, 4)
   assert res.rewards.size == 0 and res.stats.signal_fraction == 0.0
-  res, _ = run_step(cfg, _ids(1), Scripted([[0] * 4]), _rng())  # no source: one pass
+  res, _ = rounds_step(cfg, _ids(1), Scripted([[0] * 4]), _rng())  # no source: one pass
   assert res.stats.samples_per_round == (4,)
 
 
 def test_draw_with_wrong_answer_size_fails_clearly():
   bad = lambda rows: (np.zeros(rows.size - 1, np.float32), [None] * rows.size)
   with pytest.raises(ValueError, match="draw returned rewards"):
-    run_step(AdaConfig(method="grpo"), _ids(2), bad, _rng())
+    rounds_step(AdaConfig(method="grpo"), _ids(2), bad, _rng())
 
 
 def test_random_selection_is_deterministic_per_seed():
   stream = [[1, 0, 1, 0, 1, 0, 1, 0] + [0] * 24]
   cfg = AdaConfig(method="pos", selection="random")
-  a, _ = run_step(cfg, _ids(1), Scripted(stream), np.random.default_rng(3))
-  b, _ = run_step(cfg, _ids(1), Scripted(stream), np.random.default_rng(3))
+  a, _ = rounds_step(cfg, _ids(1), Scripted(stream), np.random.default_rng(3))
+  b, _ = rounds_step(cfg, _ids(1), Scripted(stream), np.random.default_rng(3))
   assert a.handles == b.handles
   np.testing.assert_array_equal(a.rewards, [1, 1, 0, 0])
 
@@ -367,7 +367,7 @@ def test_allocation_sums_to_budget_within_bounds(w, n_min, extra, n_max_extra):
 def test_est_state_updates_and_steers_the_budget():
   cfg = AdaConfig(method="est", est_budget_per_prompt=4)
   ids = ["easy", "hard"]
-  res, state = run_step(cfg, ids, Scripted([[1, 1, 1, 1], [0, 0, 0, 0]]), _rng())
+  res, state = rounds_step(cfg, ids, Scripted([[1, 1, 1, 1], [0, 0, 0, 0]]), _rng())
   assert res.stats.samples_per_round == (8,)  # unseen prompts share the prior: 4 + 4
   assert res.stats.rows_selected == res.rewards.size == 8
   keys = estimate.prompt_keys(ids)
@@ -376,7 +376,7 @@ def test_est_state_updates_and_steers_the_budget():
   )
   # Released rule w = 1/p̂: weights 21/5 and 21, budget 8: 1 each, then 6 * [1/6, 5/6].
   draw = Scripted([[1] * 8, [0, 0, 0, 0, 0, 1, 0, 0]])
-  res, state = run_step(cfg, ids, draw, _rng(), est_state=state)
+  res, state = rounds_step(cfg, ids, draw, _rng(), est_state=state)
   np.testing.assert_array_equal(res.stats.pool_size, [2, 6])
   # Decayed counts: pos 0.9*4 + 2 = 5.6, tot 0.9*4 + 2 = 5.6 for "easy".
   i = int(np.flatnonzero(state["keys"] == keys[0])[0])
@@ -402,11 +402,11 @@ def test_est_released_defaults_and_single_sample_advantage():
   state = estimate.update_est_state(
     estimate.init_est_state(), estimate.prompt_keys(["e"]), np.array([40.0]), np.array([40.0]), 1.0
   )
-  res, _ = run_step(cfg, ["e", "new"], Scripted([[1] * 2, [0] * 14]), _rng(), est_state=state)
+  res, _ = rounds_step(cfg, ["e", "new"], Scripted([[1] * 2, [0] * 14]), _rng(), est_state=state)
   np.testing.assert_array_equal(res.stats.pool_size, [2, 14])
   # Budget 3 over 3 prompts: one sample each; a lone sample's advantage is its reward.
   cfg = AdaConfig(method="est", est_budget_per_prompt=1)
-  res, _ = run_step(cfg, _ids(3), Scripted([[1], [0], [1]]), _rng())
+  res, _ = rounds_step(cfg, _ids(3), Scripted([[1], [0], [1]]), _rng())
   np.testing.assert_array_equal(res.stats.pool_size, [1, 1, 1])
   np.testing.assert_allclose(res.advantages, [1.0, 0.0, 1.0])
   assert res.stats.zero_signal_fraction == pytest.approx(1 / 3)
@@ -431,7 +431,7 @@ def test_est_paper_variant_clips_and_weights():
     1.0,
   )
   streams = [[1] * 6, [0] * 5 + [1], [1, 0] * 3]
-  res, _ = run_step(cfg, ["a", "b", "c"], Scripted(streams), _rng(), est_state=state)
+  res, _ = rounds_step(cfg, ["a", "b", "c"], Scripted(streams), _rng(), est_state=state)
   assert res.stats.pool_size.sum() == 12
   assert res.stats.pool_size.min() >= 2 and res.stats.pool_size.max() <= 6
   assert res.stats.pool_size[1] == 6  # hardest prompt hits the cap
@@ -518,7 +518,7 @@ def seq_case(draw):
 def test_seq_and_grpo_properties(case):
   cfg, streams = case
   draw = Scripted(streams)
-  res, _ = run_step(cfg, _ids(len(streams)), draw, _rng())
+  res, _ = rounds_step(cfg, _ids(len(streams)), draw, _rng())
   k_pos, k_neg = cfg.thresholds()
   for p, stream in enumerate(streams):
     drawn = draw.used[p]
@@ -561,7 +561,7 @@ def test_est_properties(b, k, seed, steps):
   draw = lambda rows: ((gen.random(rows.size) < p_true[rows]).astype(np.float32), list(rows))
   state = None
   for _ in range(steps):
-    res, state = run_step(cfg, _ids(b), draw, _rng(), est_state=state)
+    res, state = rounds_step(cfg, _ids(b), draw, _rng(), est_state=state)
     assert res.stats.rows_requested == int(round(k * b)) == res.rewards.size
     assert res.stats.pool_size.min() >= 1
     for p in range(b):
@@ -587,7 +587,7 @@ def test_dapo_properties(b, seed, cap):
     return (gen.random(rows.size) < np.asarray(rates)[rows]).astype(np.float32), list(rows)
 
   cfg = AdaConfig(method="dapo", dapo_max_extra_passes=cap)
-  res, _ = run_step(cfg, _ids(b), draw, _rng(), more_prompts=more)
+  res, _ = rounds_step(cfg, _ids(b), draw, _rng(), more_prompts=more)
   groups = np.unique(res.prompt_index)
   assert groups.size <= b and len(res.stats.samples_per_round) <= cap + 1
   for p in groups:
@@ -599,13 +599,13 @@ def test_first_round_pass_rate_counts_only_draws_before_any_exit():
   # pos, M = 8: prompt 0 misses in round 1 and hits once in round 2; prompt 1 hits in
   # round 1 and exits. First-round rates 0 and 1/8; pool rates 1/16 and 1/8.
   streams = [[0] * 8 + [1] + [0] * 7, [1] + [0] * 7]
-  res, _ = run_step(AdaConfig(method="pos"), _ids(2), Scripted(streams), _rng())
+  res, _ = rounds_step(AdaConfig(method="pos"), _ids(2), Scripted(streams), _rng())
   assert res.stats.first_round_pass_rate == pytest.approx((0 + 1 / 8) / 2)
   np.testing.assert_allclose(res.stats.pool_pass_rate, [1 / 16, 1 / 8])
   # dapo: only the step's own B prompts count, not the extra ones drawn to fill the batch.
   draw = Scripted([[1, 1, 1, 1], [1, 0, 0, 0]])
   more = lambda k: (draw.add([[0, 0, 0, 0]] * k), [f"x{i}" for i in range(k)])[1]
   cfg = AdaConfig(method="dapo", dapo_max_extra_passes=1)
-  res, _ = run_step(cfg, _ids(2), draw, _rng(), more_prompts=more)
+  res, _ = rounds_step(cfg, _ids(2), draw, _rng(), more_prompts=more)
   assert len(res.prompt_ids) == 4
   assert res.stats.first_round_pass_rate == pytest.approx((1 + 1 / 4) / 2)

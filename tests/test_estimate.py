@@ -12,7 +12,7 @@ from ada_jax.rl import estimate
 from ada_jax.rl import pass_rate_head as head_lib
 from ada_jax.rl import simulate as sim
 from ada_jax.rl.adaptive import AdaConfig
-from ada_jax.testing import rounds_step as run_step
+from ada_jax.testing import rounds_step
 
 # --- The power objective f(p) = (p^α − 1)/α, f'(p) = p^(α−1) --------------------------
 
@@ -201,9 +201,9 @@ def test_run_step_with_a_head(estimator):
   rates = [0.0, 0.1, 0.3, 0.5, 0.8, 1.0]
   rng = np.random.default_rng(0)
   with pytest.raises(ValueError, match="features"):
-    run_step(cfg, ids, _draw(rates, rng), rng)
+    rounds_step(cfg, ids, _draw(rates, rng), rng)
   features = sim.toy_features(np.asarray(rates), np.random.default_rng(1))
-  res, state = run_step(cfg, ids, _draw(rates, rng), rng, features=features)
+  res, state = rounds_step(cfg, ids, _draw(rates, rng), rng, features=features)
   # An untrained head predicts the prior for all, so the first budget is uniform.
   np.testing.assert_array_equal(res.stats.pool_size, 4)
   assert {"est/head_brier", "est/head_ece", "est/head_loss"} <= set(res.stats.est_metrics)
@@ -212,14 +212,14 @@ def test_run_step_with_a_head(estimator):
   before = head_lib.params_from_state({}, features.shape[1], cfg)
   after = head_lib.params_from_state(state, features.shape[1], cfg)
   assert not np.array_equal(before["w2"], after["w2"])  # it trained on the step's rewards
-  res2, state2 = run_step(cfg, ids, _draw(rates, rng), rng, est_state=state, features=features)
+  res2, state2 = rounds_step(cfg, ids, _draw(rates, rng), rng, est_state=state, features=features)
   assert res2.stats.pool_size.sum() == 24 and state2["keys"].size == 6
 
 
 def test_ema_estimator_ignores_features_and_keeps_no_head():
   cfg = AdaConfig("est")
   rng = np.random.default_rng(0)
-  _, state = run_step(cfg, ["a", "b"], _draw([0.5, 0.5], rng), rng, features=np.zeros((2, 3)))
+  _, state = rounds_step(cfg, ["a", "b"], _draw([0.5, 0.5], rng), rng, features=np.zeros((2, 3)))
   assert sorted(state) == ["keys", "pos", "tot"]
 
 

@@ -66,37 +66,37 @@ def test_every_row_at_the_budget(tiny):
   out, stats = smp.generate(params, PROMPTS, rows, jax.random.key(1))
   assert (out["lengths"] == 5).all() and out["mask"].all() and (out["logprobs"] < 0).all()
   assert stats.slot_steps == 3 * 4 * 5 and stats.token_slot_utilization == 1.0
-  assert 0 < stats.kv_read_useful_fraction <= 1
+  assert 0 < stats.kv_useful <= stats.kv_read
 
 
 @pytest.fixture(scope="module")
 def pools(tiny):
-  """Samplers that differ only in schedule: slots, refill and queue length."""
+  """Samplers that differ only in schedule: slots and queue length."""
   config, _ = tiny
   kw = dict(max_new_tokens=12, stop_ids=STOPS, prompt_buckets=(8,), prompts_per_chunk=2)
   return {
     "S=64": sampler_lib.Sampler(config, chunk_rows=64, **kw),
     "S=256": sampler_lib.Sampler(config, chunk_rows=256, **kw),
-    "S=64, no refill": sampler_lib.Sampler(config, chunk_rows=64, refill=False, **kw),
     "S=2, Q=2": sampler_lib.Sampler(config, chunk_rows=2, queue_rows=2, segment_steps=5, **kw),
   }
 
 
 def test_tokens_do_not_depend_on_the_schedule(tiny, pools):
-  """600 rows: many refills of a 64-slot pool, one 256-slot pool, static chunks."""
+  """600 rows: many refills of a 64-slot pool, one 256-slot pool."""
   _, params = tiny
   rows = np.random.default_rng(0).integers(0, 4, 600)
-  outs = {k: pools[k].generate(params, PROMPTS, rows, jax.random.key(3)) for k in list(pools)[:3]}
+  outs = {k: pools[k].generate(params, PROMPTS, rows, jax.random.key(3)) for k in list(pools)[:2]}
   base, base_stats = outs["S=64"]
   assert len(set(base["lengths"].tolist())) > 5  # varied lengths: refills really happen
   for name, (out, _) in outs.items():
     np.testing.assert_array_equal(out["tokens"], base["tokens"], err_msg=name)
     np.testing.assert_array_equal(out["lengths"], base["lengths"], err_msg=name)
     np.testing.assert_allclose(out["logprobs"], base["logprobs"], atol=1e-5, err_msg=name)
-  # Refill keeps the slots busy; static chunks wait for their longest row.
-  chunked = outs["S=64, no refill"][1]
-  assert base_stats.token_slot_utilization > chunked.token_slot_utilization
-  assert base_stats.slot_steps < chunked.slot_steps
+  # Refill keeps the slots busy: fewer slot-steps than static chunks of 64 rows in the same
+  # order, each decoding for its longest row (a row of length L takes L steps).
+  lengths = base["lengths"]
+  static = sum(64 * int(lengths[i : i + 64].max()) for i in range(0, len(lengths), 64))
+  assert base_stats.slot_steps < static
 
 
 @pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)])
@@ -124,7 +124,7 @@ def test_running_idle_decode_steps_draws_the_same_tokens(tiny, monkeypatch, mesh
   np.testing.assert_array_equal(always["tokens"], skipped["tokens"])
   np.testing.assert_array_equal(always["lengths"], skipped["lengths"])
   np.testing.assert_allclose(always["logprobs"], skipped["logprobs"], atol=1e-6)
-  assert always_stats.kv_read_useful_fraction == stats.kv_read_useful_fraction
+  assert (always_stats.kv_read, always_stats.kv_useful) == (stats.kv_read, stats.kv_useful)
 
 
 @hypothesis.settings(max_examples=6, deadline=None)
@@ -156,7 +156,7 @@ def test_cancelled_prompt_frees_its_slots_at_once(tiny, no_implicit_transfers):
     pool.add_rows(b, [3, 4])
     pool.run()  # 3 steps: rows 0 and 1 hold both slots, mid-decode
     assert pool.collect() == [] and len(pool.started) == 2
-    assert sorted(pool.cancel(a)) == [0, 1, 2]
+    assert pool.cancel_rows([0, 1, 2]) == 6  # row 2 leaves the queue; 0 and 1 drew 3 each
     pool.run()  # the cancelled rows' slots go to rows 3 and 4 at the first step
     assert sorted(r.row_id for r in pool.started.values()) == [3, 4]
     assert int(np.asarray(pool.state.length).min()) == 3  # both started at this call's step 0

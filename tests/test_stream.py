@@ -12,12 +12,7 @@ from ada_jax.rl import simulate as sim
 from ada_jax.rl.adaptive import AdaConfig
 from ada_jax.rl.controller import Controller
 from ada_jax.rl.rules import RULES, pool_meets_exit
-from ada_jax.testing import rounds_step as run_step
-
-
-def StreamController(*args, **kwargs):  # noqa: N802 - the controller under `stream`
-  return Controller(*args, schedule="stream", **kwargs)
-
+from ada_jax.testing import rounds_step
 
 SEQ = [
   AdaConfig(method="pos"),
@@ -83,7 +78,7 @@ def _run(cfg, rates, seed, finish_prob=0.4, shuffle=False, **kw):
     return [f"x{len(rates) - k + i}" for i in range(k)]
 
   _, plan = RULES[cfg.method].plan(cfg, [f"p{i}" for i in range(len(rates))], None, None)
-  ctl = StreamController(cfg, len(rates), more_prompts=more, plan=plan, **kw)
+  ctl = Controller(cfg, len(rates), more_prompts=more, plan=plan, **kw, schedule="stream")
   reward, issued, live, cancelled = {}, {}, [], set()
   log = []
 
@@ -154,7 +149,7 @@ def test_decisions_do_not_depend_on_the_order_rows_are_reported(cfg, rates, seed
 
 def test_exit_waits_for_grades_of_the_previous_segment():
   cfg = AdaConfig(method="pos", n=4, samples_per_round=4, max_rounds=2)
-  ctl = StreamController(cfg, 1)
+  ctl = Controller(cfg, 1, schedule="stream")
   rows, prompts = ctl.start()
   assert rows.tolist() == [0, 1, 2, 3] and prompts.tolist() == [0] * 4
   d = ctl.boundary([0, 1, 2, 3], [])  # All finished, none graded yet: no decision.
@@ -168,7 +163,7 @@ def test_exit_waits_for_grades_of_the_previous_segment():
 
 def test_retired_prompt_rows_are_cancelled_and_late_finishers_join_its_pool():
   cfg = AdaConfig(method="pos", n=4, samples_per_round=8, max_rounds=2)
-  ctl = StreamController(cfg, 2, window=8, min_pool=4)
+  ctl = Controller(cfg, 2, window=8, min_pool=4, schedule="stream")
   ctl.start()  # Rows 0-7: prompt 0; 8-15: prompt 1.
   ctl.boundary([0, 1, 2, 3, 8], [])
   d = ctl.boundary([4, 9], [1.0, 0.0, 0.0, 0.0, 0.0])
@@ -185,7 +180,7 @@ def test_under_stream_a_prompt_exits_on_a_rounds_worth_of_responses():
   """The default pool to exit on is M (a round's worth), so pos keeps the signal of
   `rounds`: four graded with a positive wait for the other four of the window."""
   cfg = AdaConfig(method="pos", n=4, samples_per_round=8, max_rounds=2)
-  ctl = StreamController(cfg, 1)
+  ctl = Controller(cfg, 1, schedule="stream")
   assert ctl.min_pool == 8 and Controller(cfg, 1, schedule="rounds").min_pool == 4
   ctl.start()
   ctl.boundary([0, 1, 2, 3], [])
@@ -200,7 +195,7 @@ def test_stream_lays_seq_groups_out_in_exit_order(order, expected):
   """Prompt 1 meets the rule at the second boundary; prompt 0 draws its R·M = 2 rows
   without a positive (never exits): under 'exit' its group goes last, as `rounds` does."""
   cfg = AdaConfig(method="pos", n=2, samples_per_round=2, max_rounds=1, batch_order=order)
-  ctl = StreamController(cfg, 2)
+  ctl = Controller(cfg, 2, schedule="stream")
   assert ctl.start()[0].tolist() == [0, 1, 2, 3]
   ctl.boundary([0, 1, 2, 3], [])
   d = ctl.boundary([], [0.0, 0.0, 1.0, 0.0])
@@ -238,7 +233,7 @@ def test_fixed_quota_methods_give_run_steps_result(method):
       np.testing.assert_array_equal(pool, table[p, : quotas[p]] < rates[p])
       np.testing.assert_array_equal(res.rewards[res.prompt_index == p], pool)
     return
-  ref, _ = run_step(cfg, [f"p{i}" for i in range(5)], draw, np.random.default_rng(0))
+  ref, _ = rounds_step(cfg, [f"p{i}" for i in range(5)], draw, np.random.default_rng(0))
   np.testing.assert_array_equal(res.prompt_index, ref.prompt_index)
   np.testing.assert_array_equal(res.rewards, ref.rewards)
   np.testing.assert_array_equal(res.advantages, ref.advantages)
@@ -271,14 +266,14 @@ def test_dapo_stream_keeps_at_most_b_mixed_groups_within_the_cap(rates, seed):
 def test_bad_controller_arguments_are_named(kwargs, match):
   args = dict(num_prompts=2) | kwargs
   with pytest.raises(ValueError, match=match):
-    StreamController(AdaConfig(method="pos"), args.pop("num_prompts"), **args)
+    Controller(AdaConfig(method="pos"), args.pop("num_prompts"), **args, schedule="stream")
 
 
 def test_grpo_quotas_are_checked():
   with pytest.raises(ValueError, match="quotas"):
-    StreamController(AdaConfig(method="est"), 2, quotas=[4, 0])
+    Controller(AdaConfig(method="est"), 2, quotas=[4, 0], schedule="stream")
   with pytest.raises(RuntimeError, match="start"):
-    StreamController(AdaConfig(method="grpo"), 2).boundary([], [])
+    Controller(AdaConfig(method="grpo"), 2, schedule="stream").boundary([], [])
 
 
 def test_an_engine_that_never_finishes_a_row_fails_instead_of_hanging():

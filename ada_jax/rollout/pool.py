@@ -375,7 +375,6 @@ def run_segment(
   stop_ids: tuple[int, ...],
   segment_steps: int,
   attention_block: int,
-  refill: bool = True,
   mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[PoolState, jax.Array]:
   """Decodes the pool for one segment (pure; jit with everything after `key` static).
@@ -396,8 +395,6 @@ def run_segment(
     segment_steps: at most this many steps.
     attention_block: decode attention reads the response ring in windows of whole blocks
       of this many columns (`ring_windows`).
-    refill: False starts queued rows only when every slot is free (the static-chunk
-      schedule, kept to measure against; the tokens are the same either way).
     mesh: when given, the slot cache is sharded by `sharding.kv_cache_shardings` and the
       outputs replicated (every process reads every row).
 
@@ -413,9 +410,8 @@ def run_segment(
   def body(carry):
     i, head, s = carry
     free = ~s.live
-    ready = free if refill else free & jnp.all(free)
-    rank = jnp.cumsum(ready) - 1
-    take = ready & (head + rank < queue.count)
+    rank = jnp.cumsum(free) - 1
+    take = free & (head + rank < queue.count)
     qi = jnp.clip(head + rank, 0, queue.prompt.shape[0] - 1)
     s = _refill(config, params, s, prompts, queue, take, qi, mesh)
     head = head + take.sum(dtype=jnp.int32)

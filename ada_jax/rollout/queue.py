@@ -163,16 +163,6 @@ class RolloutPool:
     self.released.add(entry)
     self._free_unused()
 
-  def cancel(self, entry: int) -> list[int]:
-    """Drops every queued and live row of the prompt in `entry` and frees the entry;
-    returns the row ids dropped."""
-    rows = [r.row_id for r in self.queued if r.entry == entry]
-    rows += [r.row_id for r in self.started.values() if r.entry == entry]
-    self.cancel_rows(rows)
-    self.refs[entry] = 0
-    self.release(entry)
-    return rows
-
   def cancel_rows(self, row_ids: Sequence[int]) -> int:
     """Drops these rows wherever they are: queued ones leave the queue, live ones free
     their slot at the next step (it is refilled at once). Ids of rows that are not queued

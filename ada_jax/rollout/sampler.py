@@ -60,11 +60,6 @@ class SampleStats:
     """Useful tokens ÷ slot-steps (1 = no slot ever idle)."""
     return self.tokens / max(self.slot_steps, 1)
 
-  @property
-  def kv_read_useful_fraction(self) -> float:
-    """Cache columns read that hold a live row's real tokens ÷ columns read."""
-    return self.kv_useful / max(self.kv_read, 1.0)
-
 
 @dataclasses.dataclass(frozen=True)
 class PoolPrograms:
@@ -193,7 +188,6 @@ class Sampler:
     queue_rows: Q, rows queued per device call; 0 = 4 S.
     attention_block: decode attention reads the response columns in blocks of this size,
       up to the longest live row; 0 = a sixteenth of the budget (at least 16).
-    refill: False starts rows only when every slot is free (static chunks; for measuring).
 
   Raises:
     ValueError: a bad size (naming it), `rule.top_k` above the vocabulary, or the largest
@@ -220,7 +214,6 @@ class Sampler:
     segment_steps: int = 0,
     queue_rows: int = 0,
     attention_block: int = 0,
-    refill: bool = True,
   ):
     if max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -254,12 +247,7 @@ class Sampler:
     self.prompts_per_chunk = prompts_per_chunk
     self.segment_steps = segment_steps or max_new_tokens
     self.attention_block = attention_block
-    self.prompt_buckets, self.pad_id, self.mesh, self.refill = (
-      tuple(prompt_buckets),
-      pad_id,
-      mesh,
-      refill,
-    )
+    self.prompt_buckets, self.pad_id, self.mesh = tuple(prompt_buckets), pad_id, mesh
     self.compiles = self.copies = 0
     self._fns: dict[int, PoolPrograms] = {}
     self._cast = None
@@ -349,7 +337,6 @@ class Sampler:
           stop_ids=self.stop_ids,
           segment_steps=self.segment_steps,
           attention_block=self._block(),
-          refill=self.refill,
           mesh=mesh,
         ),
         "run_segment",
