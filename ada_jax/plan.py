@@ -237,7 +237,7 @@ def plan(
       slots["eval"] = {"config": cfg.eval.sampler.chunk_rows, "largest": best}
       if best:
         slots["eval"]["gib"] = gib(best_bytes)
-  if cfg.ada.method == "est" and cfg.ada.est_estimator == "head":
+  if cfg.ada.needs_features:
     notes.append(
       "est head: its features come from the rollout pool's own prefill (the prefill "
       "phase) and its parameters are D + 1 floats"

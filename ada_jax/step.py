@@ -34,7 +34,7 @@ from ada_jax.data import prompts
 from ada_jax.data.prompts import PromptSet
 from ada_jax.models import sharding
 from ada_jax.models.tokenizer import Tokenizer
-from ada_jax.rl import controller, estimate, rules, train, update
+from ada_jax.rl import controller, rules, train, update
 from ada_jax.rollout import engine as rollout_engine
 from ada_jax.rollout import sampler
 
@@ -150,7 +150,7 @@ def rl_step(
     )
     del rollout
     # Est's pass-rate head reads the prompts' hidden states off the pool's own prefill.
-    features = engine.features() if estimate.needs_features(cfg.ada) else None
+    features = engine.features() if cfg.ada.needs_features else None
     result, est = controller.run_step(
       cfg.ada, step_prompts.ids, engine, ctx.np_rng, est, step_prompts.more_prompts, features
     )

@@ -1,13 +1,15 @@
 """The controller under the stream schedule: the exit rule shared with `rounds`, the boundary
 contract (decisions on rows finished by the previous boundary), and the step it returns."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ada_jax.rl import advantages as adv_lib
-from ada_jax.rl import controller
+from ada_jax.rl import controller, rules
 from ada_jax.rl import simulate as sim
 from ada_jax.rl.adaptive import AdaConfig
 from ada_jax.rl.controller import Controller
@@ -77,7 +79,9 @@ def _run(cfg, rates, seed, finish_prob=0.4, shuffle=False, **kw):
     rates.extend(np.random.default_rng([seed, len(rates)]).random(k).tolist())
     return [f"x{len(rates) - k + i}" for i in range(k)]
 
-  _, plan = RULES[cfg.method].plan(cfg, [f"p{i}" for i in range(len(rates))], None, None)
+  plan = RULES[cfg.method].plan(cfg, [f"p{i}" for i in range(len(rates))], None, None)
+  if "quotas" in kw:
+    plan = dataclasses.replace(plan, quotas=np.asarray(kw.pop("quotas")))
   ctl = Controller(cfg, len(rates), more_prompts=more, plan=plan, **kw, schedule="stream")
   reward, issued, live, cancelled = {}, {}, [], set()
   log = []
@@ -119,7 +123,7 @@ def test_stream_seq_step_keeps_the_rules(cfg, rates, seed, window):
     assert issued[p] <= cap and pool.size <= cap
     # Exited on the rule (then >= n responses), drew all R·M, or was stopped by the
     # exit-chance rule (once a round's worth was graded).
-    assert pool.size >= cfg.n and (_rule(pool, cfg) or issued[p] == cap or p in ctl.stopped)
+    assert pool.size >= cfg.n and (_rule(pool, cfg) or issued[p] == cap or p in ctl.state.stopped)
     # Half-then-fill selection and the global baseline, on the pool in row-id order.
     sel = adv_lib.select_group(pool, cfg.n)
     kept = res.prompt_index == p
@@ -200,7 +204,7 @@ def test_stream_lays_seq_groups_out_in_exit_order(order, expected):
   ctl.boundary([0, 1, 2, 3], [])
   d = ctl.boundary([], [0.0, 0.0, 1.0, 0.0])
   assert sorted(d.exited.tolist()) == [0, 1] and ctl.done
-  assert ctl.exit_boundary == [None, 2]
+  assert ctl.state.exit_boundary == {1: 2}
   res = ctl.result(np.random.default_rng(0))
   assert res.prompt_index.tolist() == expected
 
@@ -271,7 +275,8 @@ def test_bad_controller_arguments_are_named(kwargs, match):
 
 def test_grpo_quotas_are_checked():
   with pytest.raises(ValueError, match="quotas"):
-    Controller(AdaConfig(method="est"), 2, quotas=[4, 0], schedule="stream")
+    plan = rules.Plan(quotas=np.array([4, 0]))
+    Controller(AdaConfig(method="est"), 2, plan=plan, schedule="stream")
   with pytest.raises(RuntimeError, match="start"):
     Controller(AdaConfig(method="grpo"), 2, schedule="stream").boundary([], [])
 

@@ -159,24 +159,7 @@ class AdaConfig:
     for field in ("k_pos", "k_neg"):
       if getattr(self, field) is not None and getattr(self, field) < 0:
         bad(field, "must be >= 0 or None")
-    if self.method == "balance" and self.n % 2 and self.k_pos is None and self.k_neg is None:
-      bad(
-        "n",
-        "balance splits n into equal halves by default; use an even n or set "
-        "k_pos and k_neg explicitly",
-      )
-    if self.is_seq:
-      k_pos, k_neg = self.thresholds()
-      if k_pos + k_neg < 1:
-        bad("k_pos", "k_pos + k_neg must be >= 1, or every prompt exits before sampling")
-      m, r = self.samples_per_round, self.max_rounds
-      if m * r < self.n or max(m, k_pos + k_neg) < self.n:
-        bad(
-          "samples_per_round",
-          f"with n={self.n}, R={r}, k_pos={k_pos}, k_neg={k_neg} "
-          "a pool could hold fewer than n responses; need M*R >= n and "
-          "max(M, k_pos + k_neg) >= n",
-        )
+    rules.RULES[self.method].check(self, bad)
     if not 0.0 <= self.min_exit_chance < 1.0:
       bad("min_exit_chance", "a probability in [0, 1): 0 is off")
     if self.min_exit_chance and not self.is_seq:
@@ -214,6 +197,12 @@ class AdaConfig:
     grpo and dapo, M for pos and balance, est_n_min for est). A sampler chunk of C rows is
     full whenever it may hold C // this many prompts."""
     return rules.RULES[self.method].min_rows(self)
+
+  @property
+  def needs_features(self) -> bool:
+    """The step must hand the rule the prompts' hidden states (`Rule.needs_features`:
+    est with a head-based `est_estimator`)."""
+    return rules.RULES[self.method].needs_features(self)
 
   def thresholds(self) -> tuple[int, int]:
     """(k_pos, k_neg) exit thresholds with the method's defaults filled in."""

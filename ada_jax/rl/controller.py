@@ -32,7 +32,7 @@ import numpy as np
 
 from ada_jax.rl import pools as pools_lib
 from ada_jax.rl.pools import StepResult
-from ada_jax.rl.rules import RULES, Seq
+from ada_jax.rl.rules import RULES, Plan, Seq
 
 SCHEDULES = ("rounds", "stream")
 MorePromptsFn = Callable[[int], Sequence[Any]]
@@ -66,8 +66,6 @@ class Controller:
     schedule: 'rounds' (a boundary's rewards are those of the rows it reports finished) or
       'stream' (those of the rows the boundary before reported: `awaiting_grades`); None:
       `config.schedule`.
-    quotas: Est: int[B] rows per prompt (`Rule.plan`); None: n each. The other rules
-      ignore it.
     window: stream, Seq rules: rows per active prompt queued, in flight or awaiting
       grades; None: M (`samples_per_round`), the only value under `rounds`.
     min_pool: stream, Seq rules: the fewest graded responses a prompt exits with; None: a
@@ -76,8 +74,13 @@ class Controller:
       pool always holds M).
     more_prompts: `more_prompts(k)` returns up to k further prompt ids (DAPO); None: none.
     prompt_ids: the B prompt ids passed through to `StepResult.prompt_ids` (default 0..B-1).
-    plan: what the rule's `plan` prepared for the step (e.g. Seq's pass-rate priors), read
-      by its hooks as `ctl.plan`.
+    plan: what the rule's `plan` prepared for the step (`rules.Plan`: Est's quotas, Seq's
+      pass-rate priors), read by its hooks as `ctl.plan`; None: `rules.Plan()`, n rows per
+      prompt.
+
+  Attributes:
+    state: the rule's books of the step (`Rule.new_state`: `rules.SeqState`,
+      `rules.DapoState`, or None).
 
   Raises:
     ValueError: a bad argument (named).
@@ -89,12 +92,11 @@ class Controller:
     num_prompts: int,
     *,
     schedule: str | None = None,
-    quotas: Sequence[int] | np.ndarray | None = None,
     window: int | None = None,
     min_pool: int | None = None,
     more_prompts: MorePromptsFn | None = None,
     prompt_ids: Sequence[Any] | None = None,
-    plan: Any = None,
+    plan: Plan | None = None,
   ):
     config.validate()
     if num_prompts < 1:
@@ -109,27 +111,25 @@ class Controller:
     if self.window < 1:
       raise ValueError(f"window={window}: must be >= 1")
     cap = config.samples_per_round * config.max_rounds
+    self.plan = Plan() if plan is None else plan
+    quotas = self.plan.quotas
     quotas = [config.n] * num_prompts if quotas is None else quotas
     self.quota = [int(q) for q in np.asarray(quotas).reshape(-1)]
     if len(self.quota) != num_prompts or min(self.quota) < 1:
-      raise ValueError(f"quotas: need {num_prompts} ints >= 1, got {list(quotas)}")
+      raise ValueError(f"plan.quotas: need {num_prompts} ints >= 1, got {list(quotas)}")
     default_pool = config.n
     if self.schedule == "stream":
       default_pool = min(max(config.n, config.samples_per_round), cap)
     self.min_pool = default_pool if min_pool is None else min_pool
     if isinstance(self.rule, Seq) and not config.n <= self.min_pool <= cap:
       raise ValueError(f"min_pool={min_pool}: must lie in [n, R*M]")
-    self.more_prompts, self.plan = more_prompts, plan
-    self.stopped: list[int] = []  # Seq: prompts retired by the exit-chance rule.
+    self.more_prompts, self.state = more_prompts, self.rule.new_state()
     self.prompt_ids = list(range(num_prompts) if prompt_ids is None else prompt_ids)
     self.row_prompt: list[int] = []
     self.live: list[set[int]] = []  # Per prompt: rows queued or in flight.
     self.graded: list[dict[int, float]] = []  # Per prompt: row id -> reward.
     self.awaiting: list[int] = []  # stream: rows finished at the last boundary, ungraded.
     self.active: list[bool] = []
-    self.exit_boundary: list[int | None] = []  # Seq: boundary of the exit rule; None: never
-    self.mixed: list[int] = []  # DAPO: prompts whose group was found mixed, in order.
-    self.groups_done = 0  # DAPO: groups fully graded.
     self.issued_per_batch: list[list[int]] = []  # Rows issued by start and each boundary.
     self._awaiting_count: list[int] = []  # Per prompt: rows in `awaiting`.
     self.boundaries = 0
@@ -145,7 +145,6 @@ class Controller:
     self.live.append(set())
     self.graded.append({})
     self.active.append(True)
-    self.exit_boundary.append(None)
     self._awaiting_count.append(0)
     return len(self.active) - 1
 
@@ -303,10 +302,10 @@ class Controller:
     pools.first_round_size = np.asarray(size, np.int64)
     kept, order = self.rule.select(self, pools, rng)
     result = pools_lib.finish(self.config, pools, self.prompt_ids, self.b, kept, order)
-    if not self.stopped:
+    stats = self.rule.stats(self)
+    if not stats:
       return result
-    stats = dataclasses.replace(result.stats, stopped=tuple(sorted(self.stopped)))
-    return dataclasses.replace(result, stats=stats)
+    return dataclasses.replace(result, stats=dataclasses.replace(result.stats, **stats))
 
 
 class Engine(Protocol):
@@ -398,12 +397,11 @@ def run_step(
   config.validate()
   ids = list(prompt_ids)
   rule = RULES[config.method]
-  quotas, plan = rule.plan(config, ids, est_state, features)
+  plan = rule.plan(config, ids, est_state, features)
   ctl = Controller(
     config,
     len(ids),
     schedule=schedule,
-    quotas=quotas,
     window=window,
     min_pool=min_pool,
     more_prompts=more_prompts,

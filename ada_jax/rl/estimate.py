@@ -320,12 +320,6 @@ def check_config(config, bad) -> None:
     bad("est_n_max", "must be >= est_budget_per_prompt, or the budget cannot be spent")
 
 
-def needs_features(config) -> bool:
-  """Whether `config` (an `AdaConfig`) needs the prompts' hidden states each step: est with
-  a head-based estimator."""
-  return config.method == "est" and config.est_estimator != "ema"
-
-
 def plan_budget(
   config, state: EstState, keys: np.ndarray, budget: int, features: np.ndarray | None
 ) -> tuple[np.ndarray, np.ndarray | None, dict[str, float]]:

@@ -146,6 +146,79 @@ def select_responses(config, pool: Sequence[float], rng: np.random.Generator) ->
   )
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+  """What a rule prepares before a step (`Rule.plan`) and reads after it (`Rule.fold`).
+
+  Attributes:
+    quotas: int64[B] rows per prompt (Est's budget split), or None: n each.
+  """
+
+  quotas: np.ndarray | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Priors(Plan):
+  """Seq's plan with the exit-chance rule on (`AdaConfig.min_exit_chance`): each prompt's
+  pass-rate prior, Beta(est_alpha, est_beta) plus its decayed counts from the steps that
+  sampled it before (the Est statistics, `estimate`).
+
+  Attributes:
+    est_state: the statistics before the step (`estimate.EstState`).
+    keys: uint64[B] the prompts' keys into them (`estimate.prompt_keys`).
+    alpha, beta: float64[B] each prompt's Beta posterior before the step's responses.
+  """
+
+  est_state: dict
+  keys: np.ndarray
+  alpha: np.ndarray
+  beta: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Budget(Plan):
+  """Est's plan: the K·B budget split over the prompts (`quotas`, `estimate.plan_budget`).
+
+  Attributes:
+    est_state: the statistics before the step (`estimate.EstState`).
+    keys: uint64[B] the prompts' keys into them.
+    p_head: float64[B] the pass-rate head's predictions, or None (`est_estimator='ema'`).
+    metrics: the plan's `est/*` metrics.
+  """
+
+  est_state: dict
+  keys: np.ndarray
+  p_head: np.ndarray | None
+  metrics: dict[str, float]
+
+
+@dataclasses.dataclass
+class SeqState:
+  """Seq's books within one step.
+
+  Attributes:
+    exit_boundary: prompt -> the boundary (round, under `rounds`) at whose end it met the
+      exit rule; absent: it never did.
+    stopped: prompts retired by the exit-chance rule, in the order they stopped.
+  """
+
+  exit_boundary: dict[int, int] = dataclasses.field(default_factory=dict)
+  stopped: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class DapoState:
+  """DAPO's books within one step.
+
+  Attributes:
+    mixed: prompts whose group was found mixed (rewards not all equal), in that order.
+    groups_done: groups fully graded.
+  """
+
+  mixed: list[int] = dataclasses.field(default_factory=list)
+  groups_done: int = 0
+
+
 class Rule:
   """A fixed quota per prompt, retired once all its rows are graded, every row trained on
   with its group's statistics: GRPO (quota n). The base of the other rules.
@@ -155,11 +228,21 @@ class Rule:
       the step's prompt bucket must fit any prompt of the set.
 
   `ctl` below is the `controller.Controller` asking: a rule reads its pools
-  (`ctl.graded[p]`: row id -> reward), its counts (`ctl.pending(p)`, `ctl.issued(p)`) and
-  config, and adds rows with `ctl.new_rows(p, k, new)`.
+  (`ctl.graded[p]`: row id -> reward), its counts (`ctl.pending(p)`, `ctl.issued(p)`),
+  config and plan (`ctl.plan`, what `plan` returned), keeps its own books of the step in
+  `ctl.state` (what `new_state` made), and adds rows with `ctl.new_rows(p, k, new)`.
   """
 
   adds_prompts = False
+
+  def check(self, config, bad: Callable[[str, str], None]) -> None:
+    """Raises (by `bad(field, why)`) on settings this rule cannot run
+    (`AdaConfig.validate`)."""
+
+  def needs_features(self, config) -> bool:
+    """Whether the step must hand `plan` the prompts' hidden states (`run_step`'s
+    `features`)."""
+    return False
 
   def train_rows(self, config, num_prompts: int) -> int:
     """Rows a step trains on at most (the training batch's fixed size): B·n."""
@@ -169,9 +252,13 @@ class Rule:
     """The fewest rows issued to a prompt at once (sizes the sampler's prompt chunks)."""
     return config.n
 
-  def plan(self, config, prompt_ids, est_state, features) -> tuple[np.ndarray | None, Any]:
-    """(int64[B] rows per prompt or None for n each, what `fold` needs)."""
-    return None, None
+  def plan(self, config, prompt_ids, est_state, features) -> Plan:
+    """What the step needs before it starts (per-prompt quotas) and `fold` after it."""
+    return Plan()
+
+  def new_state(self) -> Any:
+    """A fresh per-step state, `ctl.state` (None: the rule keeps no books)."""
+    return None
 
   def first_rows(self, ctl, p: int) -> int:
     """Rows prompt p gets before anything about it is known."""
@@ -189,7 +276,11 @@ class Rule:
     """(prompt -> indices into its pool kept, the prompts' batch order or None: ascending)."""
     return {p: np.arange(len(pools.rewards[p])) for p in range(ctl.b)}, None
 
-  def fold(self, config, prompt_ids, est_state, features, plan, result):
+  def stats(self, ctl) -> dict[str, Any]:
+    """`StepStats` fields the rule's books fill in at the step's end (`Controller.result`)."""
+    return {}
+
+  def fold(self, config, prompt_ids, est_state, features, plan: Plan, result):
     """(the step's result, est_state after the step)."""
     return result, est_state
 
@@ -206,28 +297,45 @@ class Seq(Rule):
 
   exit_thresholds: Thresholds = lambda n: (n // 2, n - n // 2)
 
+  def check(self, config, bad):
+    k_pos, k_neg = thresholds(config)
+    if k_pos + k_neg < 1:
+      bad("k_pos", "k_pos + k_neg must be >= 1, or every prompt exits before sampling")
+    m, r = config.samples_per_round, config.max_rounds
+    if m * r < config.n or max(m, k_pos + k_neg) < config.n:
+      bad(
+        "samples_per_round",
+        f"with n={config.n}, R={r}, k_pos={k_pos}, k_neg={k_neg} "
+        "a pool could hold fewer than n responses; need M*R >= n and "
+        "max(M, k_pos + k_neg) >= n",
+      )
+
   def min_rows(self, config):
     return config.samples_per_round
 
   def plan(self, config, prompt_ids, est_state, features):
     if not config.min_exit_chance:
-      return None, None
-    # Each prompt's pass-rate prior: Beta(est_alpha, est_beta) plus its decayed counts
-    # from the steps that sampled it before (the Est statistics, `estimate`).
+      return Plan()
     state = estimate.init_est_state() if est_state is None else est_state
     keys = estimate.prompt_keys(prompt_ids)
     pos, tot = estimate.counts(state, keys)
-    return None, (state, keys, config.est_alpha + pos, config.est_beta + tot - pos)
+    alpha, beta = config.est_alpha + pos, config.est_beta + tot - pos
+    return Priors(est_state=state, keys=keys, alpha=alpha, beta=beta)
+
+  def new_state(self):
+    return SeqState()
+
+  def stats(self, ctl):
+    return {"stopped": tuple(sorted(ctl.state.stopped))}
 
   def fold(self, config, prompt_ids, est_state, features, plan, result):
-    if plan is None:
+    if not isinstance(plan, Priors):
       return result, est_state
-    state, keys, _, _ = plan
     b = len(prompt_ids)
     s = result.stats
     new_state = estimate.update_est_state(
-      state,
-      keys,
+      plan.est_state,
+      plan.keys,
       s.pool_positives[:b].astype(np.float64),
       s.pool_size[:b].astype(np.float64),
       config.est_decay,
@@ -244,7 +352,7 @@ class Seq(Rule):
     cfg = ctl.config
     graded = [ctl.graded[p][r] for r in sorted(ctl.graded[p])]
     if pool_meets_exit(graded, cfg, ctl.min_pool):
-      ctl.exit_boundary[p] = ctl.boundaries
+      ctl.state.exit_boundary[p] = ctl.boundaries
       return True
     pending = ctl.pending(p)
     room = cfg.samples_per_round * cfg.max_rounds - ctl.issued(p)
@@ -252,8 +360,10 @@ class Seq(Rule):
       return True  # R·M responses and no exit: trained on as it is (zero advantage if uniform)
     # The exit-chance rule decides once a round's worth is graded (min_pool: M under
     # `stream`, a round under `rounds`): every prompt explores that much.
-    if ctl.plan is not None and len(graded) >= ctl.min_pool and self.hopeless(ctl, p, graded):
-      ctl.stopped.append(p)  # trained on as a prompt that never exits
+    if (
+      isinstance(ctl.plan, Priors) and len(graded) >= ctl.min_pool and self.hopeless(ctl, p, graded)
+    ):
+      ctl.state.stopped.append(p)  # trained on as a prompt that never exits
       return True
     ctl.new_rows(p, max(0, min(ctl.window - pending, room)), new)
     return False
@@ -264,8 +374,7 @@ class Seq(Rule):
     its pool already has signal (both classes) or the chance that it gets any is below it
     too: a uniform pool with a fair chance of a first response of the other class (for
     balance, a lone positive) keeps drawing."""
-    cfg = ctl.config
-    _, _, alpha, beta = ctl.plan
+    cfg, alpha, beta = ctl.config, ctl.plan.alpha, ctl.plan.beta
     r = np.asarray(graded, np.float64)
     pos = int(np.count_nonzero(r > cfg.positive_threshold))
     neg = r.size - pos
@@ -282,7 +391,21 @@ class Seq(Rule):
 
   def select(self, ctl, pools, rng):
     kept = {p: select_responses(ctl.config, pools.rewards[p], rng) for p in range(ctl.b)}
-    return kept, batch_order(ctl.config, ctl.exit_boundary[: ctl.b])
+    exits = [ctl.state.exit_boundary.get(p) for p in range(ctl.b)]
+    return kept, batch_order(ctl.config, exits)
+
+
+class Balance(Seq):
+  """Seq whose default thresholds split n into equal halves (released `balance`)."""
+
+  def check(self, config, bad):
+    if config.n % 2 and config.k_pos is None and config.k_neg is None:
+      bad(
+        "n",
+        "balance splits n into equal halves by default; use an even n or set "
+        "k_pos and k_neg explicitly",
+      )
+    super().check(config, bad)
 
 
 class Dapo(Rule):
@@ -299,18 +422,22 @@ class Dapo(Rule):
 
   adds_prompts = True
 
+  def new_state(self):
+    return DapoState()
+
   def decide(self, ctl, p, new):
     if ctl.pending(p):
       return False
-    ctl.groups_done += 1
+    ctl.state.groups_done += 1
     if len(set(ctl.graded[p].values())) > 1:  # DAPO's filter: std > 0
-      ctl.mixed.append(p)
+      ctl.state.mixed.append(p)
     return True
 
   def after_boundary(self, ctl, new):
-    if len(ctl.mixed) >= ctl.b:
+    mixed, done = ctl.state.mixed, ctl.state.groups_done
+    if len(mixed) >= ctl.b:
       return [p for p in range(len(ctl.active)) if ctl.active[p]]
-    if ctl.more_prompts is None or not ctl.groups_done:
+    if ctl.more_prompts is None or not done:
       return []
     cfg = ctl.config
     per_pass = cfg.dapo_prompts_per_pass or ctl.b
@@ -318,8 +445,8 @@ class Dapo(Rule):
     if ctl.schedule == "rounds":
       k = per_pass if extra < cfg.dapo_max_extra_passes * per_pass else 0
     else:
-      rate = max(len(ctl.mixed) / ctl.groups_done, 0.125)
-      target = int(np.ceil((ctl.b - len(ctl.mixed)) / rate))
+      rate = max(len(mixed) / done, 0.125)
+      target = int(np.ceil((ctl.b - len(mixed)) / rate))
       k = min(target - sum(ctl.active), cfg.dapo_max_extra_passes * per_pass - extra)
     if k > 0:
       for pid in list(ctl.more_prompts(k))[:k]:
@@ -327,7 +454,7 @@ class Dapo(Rule):
     return []
 
   def select(self, ctl, pools, rng):
-    return {p: np.arange(ctl.config.n) for p in ctl.mixed[: ctl.b]}, None
+    return {p: np.arange(ctl.config.n) for p in ctl.state.mixed[: ctl.b]}, None
 
 
 class Est(Rule):
@@ -345,22 +472,30 @@ class Est(Rule):
   def min_rows(self, config):
     return config.est_n_min
 
+  def needs_features(self, config):
+    return config.est_estimator != "ema"
+
   def plan(self, config, prompt_ids, est_state, features):
     state = estimate.init_est_state() if est_state is None else est_state
     keys = estimate.prompt_keys(prompt_ids)
     counts, p_head, metrics = estimate.plan_budget(
       config, state, keys, config.train_rows(len(prompt_ids)), features
     )
-    return counts, (state, keys, counts, p_head, metrics)
+    return Budget(quotas=counts, est_state=state, keys=keys, p_head=p_head, metrics=metrics)
 
   def fold(self, config, prompt_ids, est_state, features, plan, result):
-    state, keys, counts, p_head, metrics = plan
     positive = result.rewards > config.positive_threshold
     n_pos = np.bincount(result.prompt_index, weights=positive, minlength=len(prompt_ids))
     new_state, fold = estimate.fold_step(
-      config, state, keys, n_pos.astype(np.float64), counts.astype(np.float64), features, p_head
+      config,
+      plan.est_state,
+      plan.keys,
+      n_pos.astype(np.float64),
+      plan.quotas.astype(np.float64),
+      features,
+      plan.p_head,
     )
-    stats = dataclasses.replace(result.stats, est_metrics={**metrics, **fold})
+    stats = dataclasses.replace(result.stats, est_metrics={**plan.metrics, **fold})
     return dataclasses.replace(result, stats=stats), new_state
 
 
@@ -370,6 +505,6 @@ RULES: dict[str, Rule] = {
   "grpo": Rule(),
   "dapo": Dapo(),
   "pos": Seq(lambda n: (1, 0)),  # one positive suffices
-  "balance": Seq(),  # half positives, half negatives
+  "balance": Balance(),  # half positives, half negatives
   "est": Est(),
 }

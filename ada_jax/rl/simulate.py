@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from ada_jax.rl import controller
+from ada_jax.rl import controller, rules
 from ada_jax.rl.adaptive import EST_PAPER, AdaConfig
 from ada_jax.rl.pools import StepResult
 
@@ -401,8 +401,8 @@ def trace_step(
   Raises ValueError on bad `pass_rates` or a dapo `cfg`.
   """
   p = _check_pass_rates(pass_rates)
-  if cfg.method == "dapo":
-    raise ValueError("cfg: trace_step does not support method='dapo' (no extra prompts)")
+  if rules.RULES[cfg.method].adds_prompts:
+    raise ValueError(f"cfg: trace_step does not support method={cfg.method!r} (extra prompts)")
   rng, rounds = np.random.default_rng(seed), []
   draw = _bernoulli_draw(list(p), rng)
 
