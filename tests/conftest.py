@@ -4,9 +4,13 @@ property tests' hypothesis profile."""
 import os
 
 # Must run before any `import jax`: XLA reads the flag once, at backend start-up.
-os.environ["XLA_FLAGS"] = (
-  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+# pytest-xdist's workers inherit the flag from the process that started them: set it once.
+_FLAGS = [
+  f
+  for f in os.environ.get("XLA_FLAGS", "").split()
+  if not f.startswith("--xla_force_host_platform_device_count=")
+]
+os.environ["XLA_FLAGS"] = " ".join([*_FLAGS, "--xla_force_host_platform_device_count=8"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # libtpu (the TPU compiler of tests/test_aot.py) locks a file per process unless told that
 # several processes may load it: the multi-process tests start several.
