@@ -46,6 +46,7 @@ from jax.experimental import multihost_utils
 
 from ada_jax import checkpoint, distributed
 from ada_jax.config import ConfigError
+from ada_jax.rl import estimate, rules
 
 # ----------------------------------------------------------------------------- the lock
 
@@ -119,6 +120,16 @@ LOCATIONS = (
 )
 
 
+# Fields a later version moved, old flat name -> new: a checkpoint saved before Est's and
+# DAPO's settings became their own groups (`ada.est_decay` -> `ada.est.decay`) is compared
+# under the new names, so it resumes, or is refused naming the field as it is now spelt.
+RENAMED = {
+  f"ada.{group}_{f.name}": f"ada.{group}.{f.name}"
+  for group, cls in (("est", estimate.EstConfig), ("dapo", rules.DapoConfig))
+  for f in dataclasses.fields(cls)
+}
+
+
 def config_record(cfg: Any, architecture: Any) -> dict[str, Any]:
   """The run's config as flat JSON: `{'optim.learning_rate': 3e-4, ...}`, plus the model
   the run built (`architecture.<field>` of its `ModelConfig`).
@@ -168,6 +179,7 @@ def check_resume(saved: Mapping[str, Any] | None, current: Mapping[str, Any], st
   if saved is None:
     logging.warning("checkpoint %d has no saved config: resuming without comparing", step)
     return
+  saved = {RENAMED.get(k, k): v for k, v in saved.items()}
   changed = [
     k for k in sorted(set(saved) & set(current)) if saved[k] != current[k] and k not in LOCATIONS
   ]

@@ -48,7 +48,7 @@ def get_config(host: str = "") -> ml_collections.ConfigDict:
   c.ada.method = "pos"
   # Est's floor on p̂ and p̄ as released (1e-6; the library default is 1e-3): every paper
   # config derives from this file, so est variants of them weigh rare successes as released.
-  c.ada.est_p_min = 1e-6
+  c.ada.est.p_min = 1e-6
 
   c.rl.steps = 400
   c.rl.batch_prompts = 512

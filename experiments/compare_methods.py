@@ -10,7 +10,7 @@ Reinforce-Ada optimizer settings (dual clip, weight decay and warm-up of
 `configs/tiny_arith_pos.py`), which separates those settings from the method;
 Reinforce-Ada-pos and -balance from `configs/tiny_arith_pos.py`; Est as released at a
 budget of K = 8 per prompt (the paper sets it against GRPO n = 8), and the same Est with
-p̂ from the learned pass-rate head (`ada.est_estimator=head`) instead of the EMA.
+p̂ from the learned pass-rate head (`ada.est.estimator=head`) instead of the EMA.
 
 One supervised warm start (`configs/tiny_arith_pos.py`'s, run once as its own workdir)
 gives the shared initial policy; every (method, seed) run then starts from its step-0
@@ -97,10 +97,10 @@ METHODS: dict[str, tuple[str, dict[str, object]]] = {
   "DAPO n=4": (BASELINE, {"ada.method": "dapo"}),
   "Ada-pos": (ADA, {"ada.method": "pos"}),
   "Ada-balance": (ADA, {"ada.method": "balance"}),
-  "Est K=8": (ADA, {"ada.method": "est", "ada.est_budget_per_prompt": 8.0}),
+  "Est K=8": (ADA, {"ada.method": "est", "ada.est.budget_per_prompt": 8.0}),
   "Est-head K=8": (
     ADA,
-    {"ada.method": "est", "ada.est_budget_per_prompt": 8.0, "ada.est_estimator": "head"},
+    {"ada.method": "est", "ada.est.budget_per_prompt": 8.0, "ada.est.estimator": "head"},
   ),
   # The streaming schedule (`controller.drive_stream`). Responses are ~6 tokens, so a segment
   # is 1 decode step (the decision lag costs a sixth of a response; at 2 steps the stream

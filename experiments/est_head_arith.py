@@ -3,7 +3,7 @@
   python experiments/est_head_arith.py                   # 3 seeds x 50 RL steps
   python experiments/est_head_arith.py --init_from=DIR   # reuse a warm start's step 0
 
-Each seed trains Reinforce-Ada-Est with the learned estimator (`ada.est_estimator=head`,
+Each seed trains Reinforce-Ada-Est with the learned estimator (`ada.est.estimator=head`,
 K = 8, `configs/tiny_arith_pos.py` otherwise, the training set cut to --train_prompts
 problems as in experiments/compare_methods.py) for --steps RL steps from the shared
 supervised warm start. Then, with the run's final policy and head, on --heldout problems of
@@ -47,8 +47,8 @@ from ada_jax import metrics as metrics_lib  # noqa: E402
 
 OVERRIDES = {
   "ada.method": "est",
-  "ada.est_budget_per_prompt": 8.0,
-  "ada.est_estimator": "head",
+  "ada.est.budget_per_prompt": 8.0,
+  "ada.est.estimator": "head",
 }
 
 
@@ -116,12 +116,12 @@ def evaluate_run(workdir: pathlib.Path, config: str, overrides: dict, args) -> d
   oracle = np.zeros(len(prompts))
   for name in np.unique(level):
     oracle[level == name] = rewards[level == name].mean()
-  prior = np.full(len(prompts), cfg.ada.est_alpha / (cfg.ada.est_alpha + cfg.ada.est_beta))
+  prior = np.full(len(prompts), cfg.ada.est.alpha / (cfg.ada.est.alpha + cfg.ada.est.beta))
   est_unseen = estimate.est_pass_rates(
     estimate.init_est_state(),
     estimate.prompt_keys([p["prompt_id"] for p in problems]),
-    cfg.ada.est_alpha,
-    cfg.ada.est_beta,
+    cfg.ada.est.alpha,
+    cfg.ada.est.beta,
   )
   assert np.allclose(est_unseen, prior)  # the EMA's answer for a prompt it never sampled
   return {

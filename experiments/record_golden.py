@@ -57,7 +57,7 @@ SCHEDULES = ("rounds", "stream")
 TINY_METHODS = ("grpo", "dapo", "pos", "balance", "est")
 # Variants run like methods: Est with its learned head, whose features are the prompts'
 # hidden states (the model's, unlike the simulator's toy features).
-TINY_VARIANTS = {"est_head": ("est", {"est_estimator": "head"})}
+TINY_VARIANTS = {"est_head": ("est", {"est": {"estimator": "head"}})}
 TINY_SEEDS = {0: (*TINY_METHODS, *TINY_VARIANTS), 1: ("dapo", "pos", "balance")}
 TINY_STEPS = 2
 # metrics.jsonl figures that depend on the clock or on what this process compiled before.

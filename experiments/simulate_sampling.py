@@ -29,7 +29,7 @@ import numpy as np
 
 from ada_jax import metrics
 from ada_jax.rl import simulate as sim
-from ada_jax.rl.adaptive import AdaConfig
+from ada_jax.rl.adaptive import AdaConfig, EstConfig
 
 
 def plot(rows: dict[str, sim.SimResult], p: np.ndarray, path: pathlib.Path) -> None:
@@ -51,7 +51,7 @@ def first_epoch_est(args, p: np.ndarray) -> dict:
   'head' / 'head+ema': the learned head on `sim.toy_features`), per seed, mean and sd."""
   out = {}
   for estimator in ("ema", "head", "head+ema"):
-    cfg = AdaConfig(method="est", est_budget_per_prompt=8.0, est_estimator=estimator)
+    cfg = AdaConfig(method="est", est=EstConfig(budget_per_prompt=8.0, estimator=estimator))
     runs = [
       sim.simulate(cfg, p, batch=args.batch, epochs=1, warmup_epochs=0, seed=s).signal_fraction
       for s in args.first_epoch_seeds

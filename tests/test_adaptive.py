@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from ada_jax.rl import advantages as adv_lib
 from ada_jax.rl import estimate, rules
-from ada_jax.rl.adaptive import AdaConfig
+from ada_jax.rl.adaptive import AdaConfig, DapoConfig, EstConfig
 from ada_jax.testing import rounds_step
 
 
@@ -281,7 +281,7 @@ def test_dapo_stops_at_the_cap_of_extra_passes():
     draw.add([[1] * 4])
     return ["x"]
 
-  cfg = AdaConfig(method="dapo", dapo_max_extra_passes=2)
+  cfg = AdaConfig(method="dapo", dapo=DapoConfig(max_extra_passes=2))
   res, _ = rounds_step(cfg, _ids(1), draw, _rng(), more_prompts=more_prompts)
   assert len(calls) == 2 and res.stats.samples_per_round == (4, 4, 4)
   assert res.rewards.size == 0 and res.stats.signal_fraction == 0.0
@@ -365,7 +365,7 @@ def test_allocation_sums_to_budget_within_bounds(w, n_min, extra, n_max_extra):
 
 
 def test_est_state_updates_and_steers_the_budget():
-  cfg = AdaConfig(method="est", est_budget_per_prompt=4)
+  cfg = AdaConfig(method="est", est=EstConfig(budget_per_prompt=4))
   ids = ["easy", "hard"]
   res, state = rounds_step(cfg, ids, Scripted([[1, 1, 1, 1], [0, 0, 0, 0]]), _rng())
   assert res.stats.samples_per_round == (8,)  # unseen prompts share the prior: 4 + 4
@@ -395,7 +395,7 @@ def test_est_state_updates_and_steers_the_budget():
 
 def test_est_released_defaults_and_single_sample_advantage():
   cfg = AdaConfig(method="est")
-  assert (cfg.est_budget_per_prompt, cfg.est_weight, cfg.est_split) == (8.0, "1/p", "released")
+  assert (cfg.est.budget_per_prompt, cfg.est.weight, cfg.est.split) == (8.0, "1/p", "released")
   assert cfg.train_rows(64) == 512 == AdaConfig(method="grpo", n=8).train_rows(64)
   # p̂ = 41/57 (easy) vs 1/17 (unseen): weights 1.39 and 17, budget 16: 1 each, then
   # 14 * [0.076, 0.924] = [1.06, 12.94] -> [2, 13], the leftover to the 0.94 -> [2, 14].
@@ -405,7 +405,7 @@ def test_est_released_defaults_and_single_sample_advantage():
   res, _ = rounds_step(cfg, ["e", "new"], Scripted([[1] * 2, [0] * 14]), _rng(), est_state=state)
   np.testing.assert_array_equal(res.stats.pool_size, [2, 14])
   # Budget 3 over 3 prompts: one sample each; a lone sample's advantage is its reward.
-  cfg = AdaConfig(method="est", est_budget_per_prompt=1)
+  cfg = AdaConfig(method="est", est=EstConfig(budget_per_prompt=1))
   res, _ = rounds_step(cfg, _ids(3), Scripted([[1], [0], [1]]), _rng())
   np.testing.assert_array_equal(res.stats.pool_size, [1, 1, 1])
   np.testing.assert_allclose(res.advantages, [1.0, 0.0, 1.0])
@@ -416,11 +416,7 @@ def test_est_paper_variant_clips_and_weights():
   assert AdaConfig(method="est", **estimate.EST_PAPER).train_rows(10) == 80
   cfg = AdaConfig(
     method="est",
-    est_weight="1/sqrt_p",
-    est_split="clipped",
-    est_n_min=2,
-    est_n_max=6,
-    est_budget_per_prompt=4,
+    est=EstConfig(weight="1/sqrt_p", split="clipped", n_min=2, n_max=6, budget_per_prompt=4),
     inverse_p_weight="1/sqrt_p",
   )
   state = estimate.update_est_state(
@@ -454,24 +450,45 @@ def test_est_paper_variant_clips_and_weights():
     ({"method": "pos", "samples_per_round": 2, "n": 4}, "samples_per_round"),
     ({"baseline": "median"}, "baseline"),
     ({"inverse_p_weight": "1/p2"}, "inverse_p_weight"),
-    ({"est_decay": 1.5}, "est_decay"),
-    ({"est_weight": "p"}, "est_weight"),
-    ({"est_weight": 1.5}, "est_weight"),
     ({"inverse_p_weight": -0.1}, "inverse_p_weight"),
-    ({"est_estimator": "value"}, "est_estimator"),
-    ({"est_p_min": 0.0}, "est_p_min"),
-    ({"est_head_lr": 0.0}, "est_head_lr"),
-    ({"est_head_steps": -1}, "est_head_steps"),
-    ({"est_n_min": 0}, "est_n_min"),
-    ({"est_n_max": 2, "est_split": "clipped"}, "est_n_max"),
-    ({"est_n_max": 16}, "est_n_max"),
-    ({"est_split": "even"}, "est_split"),
     ({"k_pos": -1}, "k_pos"),
   ],
 )
 def test_malformed_config_fails_naming_the_field(kwargs, field):
   with pytest.raises(ValueError, match=rf"AdaConfig\.{field}="):
     AdaConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+  "kwargs, field",
+  [
+    ({"decay": 1.5}, "decay"),
+    ({"weight": "p"}, "weight"),
+    ({"weight": 1.5}, "weight"),
+    ({"estimator": "value"}, "estimator"),
+    ({"p_min": 0.0}, "p_min"),
+    ({"head_lr": 0.0}, "head_lr"),
+    ({"head_steps": -1}, "head_steps"),
+    ({"n_min": 0}, "n_min"),
+    ({"n_max": 2, "split": "clipped"}, "n_max"),
+    ({"n_max": 16}, "n_max"),
+    ({"split": "even"}, "split"),
+    ({"alpha": 0.0}, "alpha"),
+    ({"beta": -1.0}, "beta"),
+  ],
+)
+def test_malformed_est_settings_fail_naming_the_field(kwargs, field):
+  with pytest.raises(ValueError, match=rf"EstConfig\.{field}="):
+    EstConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+  "kwargs, field",
+  [({"max_extra_passes": -1}, "max_extra_passes"), ({"prompts_per_pass": 0}, "prompts_per_pass")],
+)
+def test_malformed_dapo_settings_fail_naming_the_field(kwargs, field):
+  with pytest.raises(ValueError, match=rf"DapoConfig\.{field}="):
+    DapoConfig(**kwargs)
 
 
 def test_odd_n_balance_is_fine_with_explicit_thresholds():
@@ -555,7 +572,7 @@ def test_seq_and_grpo_properties(case):
   steps=st.integers(1, 3),
 )
 def test_est_properties(b, k, seed, steps):
-  cfg = AdaConfig(method="est", est_budget_per_prompt=k)
+  cfg = AdaConfig(method="est", est=EstConfig(budget_per_prompt=k))
   gen = np.random.default_rng(seed)
   p_true = gen.choice([0.0, 1.0, 0.1, 0.5], size=b)
   draw = lambda rows: ((gen.random(rows.size) < p_true[rows]).astype(np.float32), list(rows))
@@ -586,7 +603,7 @@ def test_dapo_properties(b, seed, cap):
   def draw(rows):
     return (gen.random(rows.size) < np.asarray(rates)[rows]).astype(np.float32), list(rows)
 
-  cfg = AdaConfig(method="dapo", dapo_max_extra_passes=cap)
+  cfg = AdaConfig(method="dapo", dapo=DapoConfig(max_extra_passes=cap))
   res, _ = rounds_step(cfg, _ids(b), draw, _rng(), more_prompts=more)
   groups = np.unique(res.prompt_index)
   assert groups.size <= b and len(res.stats.samples_per_round) <= cap + 1
@@ -605,7 +622,7 @@ def test_first_round_pass_rate_counts_only_draws_before_any_exit():
   # dapo: only the step's own B prompts count, not the extra ones drawn to fill the batch.
   draw = Scripted([[1, 1, 1, 1], [1, 0, 0, 0]])
   more = lambda k: (draw.add([[0, 0, 0, 0]] * k), [f"x{i}" for i in range(k)])[1]
-  cfg = AdaConfig(method="dapo", dapo_max_extra_passes=1)
+  cfg = AdaConfig(method="dapo", dapo=DapoConfig(max_extra_passes=1))
   res, _ = rounds_step(cfg, _ids(2), draw, _rng(), more_prompts=more)
   assert len(res.prompt_ids) == 4
   assert res.stats.first_round_pass_rate == pytest.approx((1 + 1 / 4) / 2)

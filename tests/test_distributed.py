@@ -46,7 +46,7 @@ def get_config():
   c.ada.max_rounds = 2
   c.ada.schedule = {schedule!r}
   c.ada.min_exit_chance = {chance!r}
-  c.ada.est_beta = 0.1 if {chance!r} else 16.0  # an optimistic prior: easy prompts stop
+  c.ada.est.beta = 0.1 if {chance!r} else 16.0  # an optimistic prior: easy prompts stop
   c.sampler.segment_steps = 2
   c.rl.steps = {steps}
   c.rl.batch_prompts = 8

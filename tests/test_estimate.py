@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from ada_jax.rl import estimate
 from ada_jax.rl import pass_rate_head as head_lib
 from ada_jax.rl import simulate as sim
-from ada_jax.rl.adaptive import AdaConfig
+from ada_jax.rl.adaptive import AdaConfig, EstConfig
 from ada_jax.testing import rounds_step
 
 # --- The power objective f(p) = (p^α − 1)/α, f'(p) = p^(α−1) --------------------------
@@ -71,8 +71,12 @@ def test_named_objectives_allocate_as_their_alpha(name, alpha):
     1.0,
   )
   keys = estimate.prompt_keys(list("abcd"))
-  by_name = estimate.plan_budget(AdaConfig("est", est_weight=name), state, keys, 32, None)[0]
-  by_alpha = estimate.plan_budget(AdaConfig("est", est_weight=alpha), state, keys, 32, None)[0]
+  by_name = estimate.plan_budget(
+    AdaConfig("est", est=EstConfig(weight=name)), state, keys, 32, None
+  )[0]
+  by_alpha = estimate.plan_budget(
+    AdaConfig("est", est=EstConfig(weight=alpha)), state, keys, 32, None
+  )[0]
   np.testing.assert_array_equal(by_name, by_alpha)
   p_hat = estimate.est_pass_rates(state, keys, 1.0, 16.0)
   want = estimate.allocate_budget(estimate.objective_weight(p_hat, alpha), 32)
@@ -149,7 +153,7 @@ def test_head_gradient_matches_finite_differences():
 
 
 def test_train_head_learns_a_feature_and_is_deterministic():
-  cfg = AdaConfig("est", est_estimator="head")
+  cfg = AdaConfig("est", est=EstConfig(estimator="head"))
   rng = np.random.default_rng(0)
   features = rng.standard_normal((64, 8)).astype(np.float32)
   p_true = 1 / (1 + np.exp(-2 * features[:, 0]))
@@ -196,7 +200,7 @@ def _draw(rates, rng):
 
 @pytest.mark.parametrize("estimator", ["head", "head+ema"])
 def test_run_step_with_a_head(estimator):
-  cfg = AdaConfig("est", est_estimator=estimator, est_budget_per_prompt=4)
+  cfg = AdaConfig("est", est=EstConfig(estimator=estimator, budget_per_prompt=4))
   ids = [f"p{i}" for i in range(6)]
   rates = [0.0, 0.1, 0.3, 0.5, 0.8, 1.0]
   rng = np.random.default_rng(0)
@@ -229,7 +233,7 @@ def test_head_beats_ema_on_the_first_epoch_of_the_simulator():
   p = sim.sample_pass_rates(np.random.default_rng(0), 2048)
   sf = {
     e: sim.simulate(
-      AdaConfig("est", est_budget_per_prompt=8, est_estimator=e),
+      AdaConfig("est", est=EstConfig(budget_per_prompt=8, estimator=e)),
       p,
       batch=256,
       epochs=1,
@@ -250,7 +254,7 @@ def test_head_state_round_trips_through_a_checkpoint_exactly(tmp_path):
   from ada_jax.models import sharding
   from ada_jax.rl import train
 
-  cfg = AdaConfig("est", est_estimator="head")
+  cfg = AdaConfig("est", est=EstConfig(estimator="head"))
   rng = np.random.default_rng(0)
   features = rng.standard_normal((16, 8)).astype(np.float32)
   flat, _ = head_lib.train_head(
@@ -289,7 +293,7 @@ from test_loop import tiny_config
 def get_config():
   c = tiny_config(4)
   c.ada.method = "est"
-  c.ada.est_estimator = "head"
+  c.ada.est.estimator = "head"
   c.eval.benchmarks = ()
   return c
 """
@@ -343,7 +347,7 @@ def test_head_state_survives_kill_9_and_resume_exactly(tmp_path):
   from test_loop import tiny_config
 
   c = tiny_config(4)
-  c.ada.method, c.ada.est_estimator = "est", "head"
+  c.ada.method, c.ada.est.estimator = "est", "head"
   cfg = config_lib.parse(c)
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
   target = train.abstract_state(cfg.model.model_config(), cfg.train, mesh)

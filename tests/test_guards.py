@@ -168,7 +168,7 @@ def _no_signal_config(steps):
   c = tiny_config(steps)
   c.warmstart = None
   c.ada.method = "dapo"
-  c.ada.dapo_max_extra_passes = 1
+  c.ada.dapo.max_extra_passes = 1
   c.sampler.prompts_per_chunk = 0  # derived: dapo draws 4 rows a prompt, 8 would half-fill
   c.eval.benchmarks = ()
   c.ckpt.every_steps = 1

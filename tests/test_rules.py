@@ -133,7 +133,7 @@ def test_a_prompt_that_cannot_exit_is_stopped_after_its_first_round(schedule):
   assert result.stats.est_metrics["ada/stopped_fraction"] == 1.0
   # Trained on as a prompt that never exits: its group of n, zero advantage.
   assert result.stats.rows_selected == 8 and not result.advantages.any()
-  # Its outcomes join the statistics it was judged by (decayed by est_decay).
+  # Its outcomes join the statistics it was judged by (decayed by est.decay).
   pos, tot = estimate.counts(new_state, estimate.prompt_keys(["a", "b"]))
   np.testing.assert_allclose(tot, [0.9 * 200 + 8, 24])
   np.testing.assert_array_equal(pos, [0, 0])

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from ada_jax.rl import simulate as sim
 from ada_jax.rl import simulate_stream as ss
-from ada_jax.rl.adaptive import AdaConfig
+from ada_jax.rl.adaptive import AdaConfig, EstConfig
 
 SMALL = ss.StreamSimConfig(
   batch=64, slots=128, budget=256, median_length=64.0, segment=16, num_prompts=256, epochs=2
@@ -96,7 +96,7 @@ def test_bad_sim_config_is_named(field, value):
 
 @pytest.mark.parametrize(
   "cfg",
-  [AdaConfig(method="grpo", n=4), AdaConfig(method="est", est_budget_per_prompt=4.0)],
+  [AdaConfig(method="grpo", n=4), AdaConfig(method="est", est=EstConfig(budget_per_prompt=4.0))],
   ids=["grpo", "est"],
 )
 def test_fixed_quota_methods_cost_the_same_under_both_schedules(cfg):

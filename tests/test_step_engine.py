@@ -15,7 +15,7 @@ from ada_jax import distributed, step
 from ada_jax.data.prompts import PromptSet
 from ada_jax.models import decoder as model_lib
 from ada_jax.rl import controller
-from ada_jax.rl.adaptive import AdaConfig
+from ada_jax.rl.adaptive import AdaConfig, DapoConfig, EstConfig
 from ada_jax.rollout import engine as rollout_engine
 from ada_jax.rollout import sampler as sampler_lib
 
@@ -165,7 +165,7 @@ def test_graded_rows_are_the_seeds_tokens_whatever_was_cancelled(tiny, no_implic
 def test_dapo_extra_prompts_join_the_queue(tiny):
   # Groups are uniform unless a row's first token is a multiple of 3 and another's is not:
   # DAPO asks for more prompts while the step runs; they come from the iterator.
-  config = AdaConfig(method="dapo", n=4, dapo_max_extra_passes=2)
+  config = AdaConfig(method="dapo", n=4, dapo=DapoConfig(max_extra_passes=2))
   result, drive, prompts = _run(tiny, config)
   assert len(prompts.indices) > 6, "no extra prompt was queued"
   assert len(result.prompt_ids) == len(prompts.indices)
@@ -173,14 +173,14 @@ def test_dapo_extra_prompts_join_the_queue(tiny):
 
 
 def test_est_quota_is_its_budget(tiny):
-  config = AdaConfig(method="est", est_budget_per_prompt=3.0)
+  config = AdaConfig(method="est", est=EstConfig(budget_per_prompt=3.0))
   result, drive, _ = _run(tiny, config)
   assert result.stats.rows_requested == 18 == len(result.handles) == drive.counters.responses
 
 
 @pytest.mark.parametrize(
   "config",
-  [AdaConfig(method="grpo", n=4), AdaConfig(method="est", est_budget_per_prompt=3.0)],
+  [AdaConfig(method="grpo", n=4), AdaConfig(method="est", est=EstConfig(budget_per_prompt=3.0))],
   ids=["grpo", "est"],
 )
 def test_fixed_quotas_give_the_rounds_step_exactly(tiny, config, no_implicit_transfers):

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from ada_jax.rl import advantages as adv_lib
 from ada_jax.rl import controller, rules
 from ada_jax.rl import simulate as sim
-from ada_jax.rl.adaptive import AdaConfig
+from ada_jax.rl.adaptive import AdaConfig, DapoConfig, EstConfig
 from ada_jax.rl.controller import Controller
 from ada_jax.rl.rules import RULES, pool_meets_exit
 from ada_jax.testing import rounds_step
@@ -137,7 +137,7 @@ def test_stream_seq_step_keeps_the_rules(cfg, rates, seed, window):
 
 @settings(max_examples=25, deadline=None)
 @given(
-  cfg=st.sampled_from(SEQ + [AdaConfig(method="dapo", dapo_prompts_per_pass=2)]),
+  cfg=st.sampled_from(SEQ + [AdaConfig(method="dapo", dapo=DapoConfig(prompts_per_pass=2))]),
   rates=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=6),
   seed=st.integers(0, 10_000),
 )
@@ -213,7 +213,7 @@ def test_stream_lays_seq_groups_out_in_exit_order(order, expected):
 def test_fixed_quota_methods_give_run_steps_result(method):
   """GRPO and Est through the stream engine: the same pools, selection and advantages as
   `rounds` when the k-th response of each prompt has the same reward."""
-  cfg = AdaConfig(method=method, n=4, est_budget_per_prompt=4.0)
+  cfg = AdaConfig(method=method, n=4, est=EstConfig(budget_per_prompt=4.0))
   rates = [0.0, 0.3, 0.6, 1.0, 0.5]
   quotas = np.array([4, 6, 2, 4, 4])
   table = np.random.default_rng(1).random((256, 256))  # `_run`'s rewards for seed 0.
@@ -247,10 +247,10 @@ def test_fixed_quota_methods_give_run_steps_result(method):
 @settings(max_examples=25, deadline=None)
 @given(rates=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=6), seed=st.integers(0, 999))
 def test_dapo_stream_keeps_at_most_b_mixed_groups_within_the_cap(rates, seed):
-  cfg = AdaConfig(method="dapo", n=4, dapo_max_extra_passes=2, dapo_prompts_per_pass=3)
+  cfg = AdaConfig(method="dapo", n=4, dapo=DapoConfig(max_extra_passes=2, prompts_per_pass=3))
   ctl, res, _, issued = _run(cfg, rates, seed)
   b = len(rates)
-  assert len(ctl.active) - b <= 6  # dapo_max_extra_passes * dapo_prompts_per_pass.
+  assert len(ctl.active) - b <= 6  # dapo.max_extra_passes * dapo.prompts_per_pass.
   groups = np.unique(res.prompt_index)
   assert groups.size <= b and res.stats.zero_signal_fraction == (0.0 if groups.size else 1.0)
   for p in groups.tolist():

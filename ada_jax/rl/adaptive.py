@@ -32,9 +32,18 @@ import dataclasses
 from ada_jax.rl import advantages as adv_lib
 from ada_jax.rl import estimate, rules
 from ada_jax.rl.controller import SCHEDULES
-from ada_jax.rl.estimate import EST_PAPER
+from ada_jax.rl.estimate import EST_PAPER, EstConfig
+from ada_jax.rl.rules import DapoConfig
 
-__all__ = ["AdaConfig", "BATCH_ORDERS", "EST_PAPER", "SCHEDULES", "SELECTIONS"]
+__all__ = [
+  "AdaConfig",
+  "BATCH_ORDERS",
+  "DapoConfig",
+  "EST_PAPER",
+  "EstConfig",
+  "SCHEDULES",
+  "SELECTIONS",
+]
 
 SELECTIONS = ("first", "random")
 BATCH_ORDERS = ("exit", "prompt")
@@ -79,32 +88,12 @@ class AdaConfig:
       remaining budget (R·M responses in all) falls below this probability, e.g. 0.05 =
       "stop when P(exit within the budget) < 5%" (`rules.exit_chance`); a stopped prompt
       is trained on as one that never exits. The chance comes from a Beta posterior on its
-      pass rate: prior Beta(est_alpha, est_beta) plus its decayed counts from earlier steps
-      (the Est statistics, kept with `est_decay` and checkpointed), updated by this step's
+      pass rate: prior Beta(est.alpha, est.beta) plus its decayed counts from earlier steps
+      (the Est statistics, kept with `est.decay` and checkpointed), updated by this step's
       graded responses.
-    dapo_max_extra_passes: cap on extra generation passes after the first (dapo).
-    dapo_prompts_per_pass: prompts requested from `more_prompts` per extra pass;
-      None: B, the step's prompt count (verl draws a whole generation batch).
-    est_alpha: Beta prior alpha of the pass-rate estimate (1); also the exit-chance rule's.
-    est_beta: Beta prior beta (16): unseen prompts are presumed hard, p̂ = 1/17.
-    est_decay: lambda, the factor on a prompt's old counts each time it is sampled (Est's
-      statistics and the exit-chance rule's).
-    est_budget_per_prompt: K; the step draws round(K * B) samples in all (released: 8,
-      compared with GRPO n = 8).
-    est_weight: the objective whose f'(p̂) weights the allocation, spelled as for
-      `inverse_p_weight`: '1/p' (α = 0, released code), '1/sqrt_p' (α = 0.5, paper) or α.
-    est_estimator: where p̂ comes from: 'ema' (the decayed counts, released code),
-      'head' (the learned pass-rate head, `pass_rate_head`) or 'head+ema' (the head's
-      prediction as the prior mean, the counts as pseudo-counts). The head needs the
-      prompts' hidden states (`run_step`'s `features`).
-    est_p_min: p̂ (and p̄) are clipped to [est_p_min, 1] before f' (1e-3).
-    est_head_lr: the head's Adam learning rate (1e-2).
-    est_head_steps: Adam steps on each step's outcomes (8; 0 freezes the head).
-    est_split: how the budget becomes counts (`estimate.allocate_budget`): 'released'
-      (est_n_min each, the rest in proportion to w) or 'clipped' (paper: proportional to
-      w, clipped to [est_n_min, est_n_max]).
-    est_n_min: at least this many samples per prompt (>= 1; released 1, paper 4).
-    est_n_max: at most this many ('clipped' only; None: no cap; paper 32).
+    dapo: DAPO's settings (`rules.DapoConfig`).
+    est: Est's settings (`estimate.EstConfig`), whose prior and decay the exit-chance rule
+      also reads.
   """
 
   method: str = "pos"
@@ -122,20 +111,8 @@ class AdaConfig:
   inverse_p_weight: str | float = "none"
   batch_order: str = "exit"
   min_exit_chance: float = 0.0
-  dapo_max_extra_passes: int = 4
-  dapo_prompts_per_pass: int | None = None
-  est_alpha: float = 1.0
-  est_beta: float = 16.0
-  est_decay: float = 0.9
-  est_budget_per_prompt: float = 8.0
-  est_weight: str | float = "1/p"
-  est_estimator: str = "ema"
-  est_p_min: float = 1e-3
-  est_head_lr: float = 1e-2
-  est_head_steps: int = 8
-  est_split: str = "released"
-  est_n_min: int = 1
-  est_n_max: int | None = None
+  dapo: DapoConfig = DapoConfig()
+  est: EstConfig = EstConfig()
 
   def __post_init__(self):
     self.validate()
@@ -174,11 +151,14 @@ class AdaConfig:
       bad("baseline", f"expected one of {sorted(adv_lib.BASELINES)}")
     if not self.std_eps > 0:
       bad("std_eps", "must be > 0")
-    if self.dapo_max_extra_passes < 0:
-      bad("dapo_max_extra_passes", "must be >= 0")
-    if self.dapo_prompts_per_pass is not None and self.dapo_prompts_per_pass < 1:
-      bad("dapo_prompts_per_pass", "must be >= 1 or None")
-    estimate.check_config(self, bad)
+    if self.inverse_p_weight != "none":
+      try:
+        estimate.objective_alpha(self.inverse_p_weight)
+      except ValueError as e:
+        bad("inverse_p_weight", f"{e} or none")
+    for group, cls in (("dapo", DapoConfig), ("est", EstConfig)):
+      if not isinstance(getattr(self, group), cls):
+        bad(group, f"expected a {cls.__name__}")
 
   @property
   def is_seq(self) -> bool:
@@ -194,14 +174,14 @@ class AdaConfig:
   @property
   def min_rows_per_prompt(self) -> int:
     """The fewest rows the controller issues any prompt at once (`Rule.min_rows`: n for
-    grpo and dapo, M for pos and balance, est_n_min for est). A sampler chunk of C rows is
+    grpo and dapo, M for pos and balance, est.n_min for est). A sampler chunk of C rows is
     full whenever it may hold C // this many prompts."""
     return rules.RULES[self.method].min_rows(self)
 
   @property
   def needs_features(self) -> bool:
     """The step must hand the rule the prompts' hidden states (`Rule.needs_features`:
-    est with a head-based `est_estimator`)."""
+    est with a head-based `est.estimator`)."""
     return rules.RULES[self.method].needs_features(self)
 
   def thresholds(self) -> tuple[int, int]:

@@ -381,7 +381,7 @@ def run_step(
       return it unchanged.
     more_prompts: `more_prompts(k)` returns up to k further prompt ids (DAPO); an empty
       answer ends the search. Without it DAPO makes no extra passes.
-    features: Est with a head-based `est_estimator`: float32[B, d] the prompts' hidden
+    features: Est with a head-based `est.estimator`: float32[B, d] the prompts' hidden
       states at their last token (the slot pool's prefill: `queue.RolloutPool.prefill`).
     schedule, window, min_pool: `Controller`'s (None: the config's schedule, defaults).
 

@@ -20,6 +20,7 @@ counts, and, once a head-based estimator has run, the head's parameters and Adam
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Sequence
@@ -41,16 +42,6 @@ EST_SPLITS = ("released", "clipped")
 OBJECTIVES: dict[str, float] = {"1/p": 0.0, "1/sqrt_p": 0.5}
 # Pass-rate bands of the budget-share metrics (`plan_budget`): [0, .1), [.1, .3), ...
 BANDS = (0.0, 0.1, 0.3, 0.7, 0.9, 1.0)
-
-# The paper's (v3) Est hybrid as AdaConfig overrides: allocation ∝ f'(p̂) with α = 0.5,
-# clipped to [N_min, N_max] = [4, 32], and the same f'(p̄) weight on the advantages.
-EST_PAPER: dict[str, Any] = dict(
-  est_weight="1/sqrt_p",
-  est_split="clipped",
-  est_n_min=4,
-  est_n_max=32,
-  inverse_p_weight="1/sqrt_p",
-)
 
 
 def objective_alpha(spec: str | float) -> float:
@@ -96,6 +87,91 @@ def objective_weight(p: np.ndarray | float, alpha: float, p_min: float = 1e-3) -
   """
   p = np.clip(np.asarray(p, np.float64), p_min, 1.0)
   return p ** (alpha - 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class EstConfig:
+  """Reinforce-Ada-Est's settings (`AdaConfig.est`, `ada.est.*` in a config file); the
+  defaults are the released code's. Validated on construction.
+
+  Attributes:
+    alpha: Beta prior alpha of the pass-rate estimate (1); also the exit-chance rule's
+      (`AdaConfig.min_exit_chance`).
+    beta: Beta prior beta (16): unseen prompts are presumed hard, p̂ = 1/17.
+    decay: lambda, the factor on a prompt's old counts each time it is sampled (Est's
+      statistics and the exit-chance rule's).
+    budget_per_prompt: K; the step draws round(K * B) samples in all (released: 8,
+      compared with GRPO n = 8).
+    weight: the objective whose f'(p̂) weights the allocation: '1/p' (α = 0, released
+      code), '1/sqrt_p' (α = 0.5, paper) or α in [0, 1] (`objective_alpha`).
+    estimator: where p̂ comes from: 'ema' (the decayed counts, released code), 'head' (the
+      learned pass-rate head, `pass_rate_head`) or 'head+ema' (the head's prediction as
+      the prior mean, the counts as pseudo-counts). The head needs the prompts' hidden
+      states (`controller.run_step`'s `features`).
+    p_min: p̂ (and p̄) are clipped to [p_min, 1] before f' (1e-3).
+    head_lr: the head's Adam learning rate (1e-2).
+    head_steps: Adam steps on each step's outcomes (8; 0 freezes the head).
+    split: how the budget becomes counts (`allocate_budget`): 'released' (n_min each, the
+      rest in proportion to w) or 'clipped' (paper: proportional to w, clipped to
+      [n_min, n_max]).
+    n_min: at least this many samples per prompt (>= 1; released 1, paper 4).
+    n_max: at most this many ('clipped' only; None: no cap; paper 32).
+
+  Raises:
+    ValueError: naming the first bad field.
+  """
+
+  alpha: float = 1.0
+  beta: float = 16.0
+  decay: float = 0.9
+  budget_per_prompt: float = 8.0
+  weight: str | float = "1/p"
+  estimator: str = "ema"
+  p_min: float = 1e-3
+  head_lr: float = 1e-2
+  head_steps: int = 8
+  split: str = "released"
+  n_min: int = 1
+  n_max: int | None = None
+
+  def __post_init__(self):
+    def bad(field: str, why: str):
+      raise ValueError(f"EstConfig.{field}={getattr(self, field)!r}: {why}")
+
+    if not (self.alpha > 0 and self.beta > 0):
+      bad("alpha" if not self.alpha > 0 else "beta", "Beta prior needs > 0")
+    if not 0 <= self.decay <= 1:
+      bad("decay", "lambda must lie in [0, 1]")
+    try:
+      objective_alpha(self.weight)
+    except ValueError as e:
+      bad("weight", str(e))
+    if self.estimator not in ESTIMATORS:
+      bad("estimator", f"expected one of {list(ESTIMATORS)}")
+    if not 0 < self.p_min <= 1:
+      bad("p_min", "the pass-rate clip floor must lie in (0, 1]")
+    if not self.head_lr > 0:
+      bad("head_lr", "the head's learning rate must be > 0")
+    if not isinstance(self.head_steps, int) or self.head_steps < 0:
+      bad("head_steps", "must be an int >= 0")
+    if self.split not in EST_SPLITS:
+      bad("split", f"expected one of {list(EST_SPLITS)}")
+    if self.split == "released" and self.n_max is not None:
+      bad("n_max", "the released split has no cap; set split='clipped' or None")
+    if self.n_min < 1:
+      bad("n_min", "every prompt needs at least one sample")
+    if self.budget_per_prompt < self.n_min:
+      bad("budget_per_prompt", f"K must be >= n_min={self.n_min}")
+    if self.n_max is not None and self.n_max < self.budget_per_prompt:
+      bad("n_max", "must be >= budget_per_prompt, or the budget cannot be spent")
+
+
+# The paper's (v3) Est hybrid as AdaConfig overrides: allocation ∝ f'(p̂) with α = 0.5,
+# clipped to [N_min, N_max] = [4, 32], and the same f'(p̄) weight on the advantages.
+EST_PAPER: dict[str, Any] = dict(
+  est=EstConfig(weight="1/sqrt_p", split="clipped", n_min=4, n_max=32),
+  inverse_p_weight="1/sqrt_p",
+)
 
 
 def prompt_keys(prompt_ids: Sequence[Any]) -> np.ndarray:
@@ -286,45 +362,11 @@ def allocate_budget(
   return counts
 
 
-def check_config(config, bad) -> None:
-  """Checks `AdaConfig`'s est_* fields; `bad(field, why)` raises naming the field."""
-  if not (config.est_alpha > 0 and config.est_beta > 0):
-    bad("est_alpha" if not config.est_alpha > 0 else "est_beta", "Beta prior needs > 0")
-  if not 0 <= config.est_decay <= 1:
-    bad("est_decay", "lambda must lie in [0, 1]")
-  for field in ("est_weight", "inverse_p_weight"):
-    value = getattr(config, field)
-    if field == "inverse_p_weight" and value == "none":
-      continue
-    try:
-      objective_alpha(value)
-    except ValueError as e:
-      bad(field, f"{e}{' or none' if field == 'inverse_p_weight' else ''}")
-  if config.est_estimator not in ESTIMATORS:
-    bad("est_estimator", f"expected one of {list(ESTIMATORS)}")
-  if not 0 < config.est_p_min <= 1:
-    bad("est_p_min", "the pass-rate clip floor must lie in (0, 1]")
-  if not config.est_head_lr > 0:
-    bad("est_head_lr", "the head's learning rate must be > 0")
-  if not isinstance(config.est_head_steps, int) or config.est_head_steps < 0:
-    bad("est_head_steps", "must be an int >= 0")
-  if config.est_split not in EST_SPLITS:
-    bad("est_split", f"expected one of {list(EST_SPLITS)}")
-  if config.est_split == "released" and config.est_n_max is not None:
-    bad("est_n_max", "the released split has no cap; set est_split='clipped' or None")
-  if config.est_n_min < 1:
-    bad("est_n_min", "every prompt needs at least one sample")
-  if config.est_budget_per_prompt < config.est_n_min:
-    bad("est_budget_per_prompt", f"K must be >= est_n_min={config.est_n_min}")
-  if config.est_n_max is not None and config.est_n_max < config.est_budget_per_prompt:
-    bad("est_n_max", "must be >= est_budget_per_prompt, or the budget cannot be spent")
-
-
 def plan_budget(
   config, state: EstState, keys: np.ndarray, budget: int, features: np.ndarray | None
 ) -> tuple[np.ndarray, np.ndarray | None, dict[str, float]]:
-  """Est's sampling plan for one step: p̂ per prompt from `config.est_estimator`, then
-  counts ∝ f'(p̂) (`objective_weight` with α = `objective_alpha(config.est_weight)`).
+  """Est's sampling plan for one step: p̂ per prompt from `config.est.estimator`, then
+  counts ∝ f'(p̂) (`objective_weight` with α = `objective_alpha(config.est.weight)`).
 
   Args:
     config: an `AdaConfig` with method 'est'.
@@ -343,25 +385,25 @@ def plan_budget(
     ValueError: a head-based estimator without `features` of B rows.
   """
   p_head = None
-  if config.est_estimator == "ema":
-    p_hat = est_pass_rates(state, keys, config.est_alpha, config.est_beta)
+  if config.est.estimator == "ema":
+    p_hat = est_pass_rates(state, keys, config.est.alpha, config.est.beta)
   else:
     if features is None or np.shape(features)[0] != keys.size:
       raise ValueError(
-        f"est_estimator={config.est_estimator!r} needs features float32[{keys.size}, d] "
+        f"est.estimator={config.est.estimator!r} needs features float32[{keys.size}, d] "
         "(the prompts' hidden states); got "
         f"{None if features is None else np.shape(features)}"
       )
     params = head_lib.params_from_state(state, np.shape(features)[1], config)
     p_head = head_lib.predict(params, features)
-    prior = p_head if config.est_estimator == "head+ema" else None
+    prior = p_head if config.est.estimator == "head+ema" else None
     p_hat = (
       p_head
       if prior is None
-      else est_pass_rates(state, keys, config.est_alpha, config.est_beta, prior)
+      else est_pass_rates(state, keys, config.est.alpha, config.est.beta, prior)
     )
-  weights = objective_weight(p_hat, objective_alpha(config.est_weight), config.est_p_min)
-  counts = allocate_budget(weights, budget, config.est_n_min, config.est_n_max, config.est_split)
+  weights = objective_weight(p_hat, objective_alpha(config.est.weight), config.est.p_min)
+  counts = allocate_budget(weights, budget, config.est.n_min, config.est.n_max, config.est.split)
   band = np.digitize(np.clip(p_hat, 0, 1 - 1e-12), BANDS[1:-1])
   metrics = {
     f"est/budget_share_p<{hi:g}": float(counts[band == i].sum() / max(budget, 1))
@@ -388,7 +430,7 @@ def fold_step(
   Returns:
     (the new state, metrics 'est/head_brier', 'est/head_ece', 'est/head_loss').
   """
-  new_state = update_est_state(state, keys, n_pos, n_tot, config.est_decay)
+  new_state = update_est_state(state, keys, n_pos, n_tot, config.est.decay)
   if p_head is None:
     return new_state, {}
   metrics = {f"est/head_{k}": v for k, v in head_lib.calibration(p_head, n_pos, n_tot).items()}
@@ -397,8 +439,8 @@ def fold_step(
     features,
     n_pos,
     n_tot,
-    lr=config.est_head_lr,
-    steps=config.est_head_steps,
+    lr=config.est.head_lr,
+    steps=config.est.head_steps,
   )
   new_state.update(head_state)
   metrics["est/head_loss"] = loss

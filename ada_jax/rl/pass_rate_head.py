@@ -15,7 +15,7 @@ so a prompt seen for the first time gets an estimate of its own.
   head predicts the Est prior's mean for every prompt.
 * Loss: binary cross-entropy per response, L = −Σ_x [n_pos log p_x + (n_tot − n_pos)
   log(1 − p_x)] / Σ_x n_tot, on the rewards the step observed; `train_head` takes
-  `est_head_steps` Adam steps (optax) on it each RL step.
+  `est.head_steps` Adam steps (optax) on it each RL step.
 * State: parameters and Adam moments live in the Est state dict as `head_*` numpy
   entries (float32, replicated on every process: the head is tiny), so they are
   checkpointed and restored exactly with the rest of the run state.
@@ -127,8 +127,8 @@ def head_state(state: Mapping[str, np.ndarray], d_model: int, config) -> dict[st
         f"features, got {d_model}"
       )
     return {k: v for k, v in state.items() if k.startswith(STATE_PREFIX)}
-  params = init_params(d_model, config.est_alpha / (config.est_alpha + config.est_beta))
-  return _pack(params, _adam_template(d_model, float(config.est_head_lr))[0])
+  params = init_params(d_model, config.est.alpha / (config.est.alpha + config.est.beta))
+  return _pack(params, _adam_template(d_model, float(config.est.head_lr))[0])
 
 
 def params_from_state(state: Mapping[str, np.ndarray], d_model: int, config) -> Params:

@@ -160,7 +160,7 @@ class Plan:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Priors(Plan):
   """Seq's plan with the exit-chance rule on (`AdaConfig.min_exit_chance`): each prompt's
-  pass-rate prior, Beta(est_alpha, est_beta) plus its decayed counts from the steps that
+  pass-rate prior, Beta(est.alpha, est.beta) plus its decayed counts from the steps that
   sampled it before (the Est statistics, `estimate`).
 
   Attributes:
@@ -182,7 +182,7 @@ class Budget(Plan):
   Attributes:
     est_state: the statistics before the step (`estimate.EstState`).
     keys: uint64[B] the prompts' keys into them.
-    p_head: float64[B] the pass-rate head's predictions, or None (`est_estimator='ema'`).
+    p_head: float64[B] the pass-rate head's predictions, or None (`est.estimator='ema'`).
     metrics: the plan's `est/*` metrics.
   """
 
@@ -319,7 +319,7 @@ class Seq(Rule):
     state = estimate.init_est_state() if est_state is None else est_state
     keys = estimate.prompt_keys(prompt_ids)
     pos, tot = estimate.counts(state, keys)
-    alpha, beta = config.est_alpha + pos, config.est_beta + tot - pos
+    alpha, beta = config.est.alpha + pos, config.est.beta + tot - pos
     return Priors(est_state=state, keys=keys, alpha=alpha, beta=beta)
 
   def new_state(self):
@@ -338,7 +338,7 @@ class Seq(Rule):
       plan.keys,
       s.pool_positives[:b].astype(np.float64),
       s.pool_size[:b].astype(np.float64),
-      config.est_decay,
+      config.est.decay,
     )
     stopped = {"ada/stopped_fraction": len(result.stats.stopped) / b}
     stats = dataclasses.replace(result.stats, est_metrics={**result.stats.est_metrics, **stopped})
@@ -408,13 +408,39 @@ class Balance(Seq):
     super().check(config, bad)
 
 
+@dataclasses.dataclass(frozen=True)
+class DapoConfig:
+  """DAPO's settings (`AdaConfig.dapo`, `ada.dapo.*` in a config file). Validated on
+  construction.
+
+  Attributes:
+    max_extra_passes: cap on extra generation passes after the first.
+    prompts_per_pass: prompts requested from `more_prompts` per extra pass; None: B, the
+      step's prompt count (verl draws a whole generation batch).
+
+  Raises:
+    ValueError: naming the bad field.
+  """
+
+  max_extra_passes: int = 4
+  prompts_per_pass: int | None = None
+
+  def __post_init__(self):
+    if self.max_extra_passes < 0:
+      raise ValueError(f"DapoConfig.max_extra_passes={self.max_extra_passes!r}: must be >= 0")
+    if self.prompts_per_pass is not None and self.prompts_per_pass < 1:
+      raise ValueError(
+        f"DapoConfig.prompts_per_pass={self.prompts_per_pass!r}: must be >= 1 or None"
+      )
+
+
 class Dapo(Rule):
   """DAPO dynamic sampling: n per prompt; a group with uniform rewards is filtered out and
   extra prompts are drawn until B groups are mixed or the cap on extra prompts is reached;
   the first B mixed groups are trained on (as in verl, surplus ones are dropped).
 
-  Extra prompts: under `rounds`, a pass of `dapo_prompts_per_pass` (None: B) prompts once a
-  pass is graded, at most `dapo_max_extra_passes` passes (verl's generation batches); under
+  Extra prompts: under `rounds`, a pass of `dapo.prompts_per_pass` (None: B) prompts once a
+  pass is graded, at most `dapo.max_extra_passes` passes (verl's generation batches); under
   `stream`, as soon as groups are found uniform, as many as the mixed rate seen so far says
   are needed (floored at 1/8, so a run of uniform groups cannot ask for an unbounded
   number), within the same total.
@@ -440,14 +466,14 @@ class Dapo(Rule):
     if ctl.more_prompts is None or not done:
       return []
     cfg = ctl.config
-    per_pass = cfg.dapo_prompts_per_pass or ctl.b
+    per_pass = cfg.dapo.prompts_per_pass or ctl.b
     extra = len(ctl.active) - ctl.b
     if ctl.schedule == "rounds":
-      k = per_pass if extra < cfg.dapo_max_extra_passes * per_pass else 0
+      k = per_pass if extra < cfg.dapo.max_extra_passes * per_pass else 0
     else:
       rate = max(len(mixed) / done, 0.125)
       target = int(np.ceil((ctl.b - len(mixed)) / rate))
-      k = min(target - sum(ctl.active), cfg.dapo_max_extra_passes * per_pass - extra)
+      k = min(target - sum(ctl.active), cfg.dapo.max_extra_passes * per_pass - extra)
     if k > 0:
       for pid in list(ctl.more_prompts(k))[:k]:
         ctl.new_rows(ctl.add_prompt(pid), cfg.n, new)
@@ -467,13 +493,13 @@ class Est(Rule):
 
   def train_rows(self, config, num_prompts):
     # Est draws exactly its budget and trains on all of it, so its batch has a fixed size.
-    return int(round(config.est_budget_per_prompt * num_prompts))
+    return int(round(config.est.budget_per_prompt * num_prompts))
 
   def min_rows(self, config):
-    return config.est_n_min
+    return config.est.n_min
 
   def needs_features(self, config):
-    return config.est_estimator != "ema"
+    return config.est.estimator != "ema"
 
   def plan(self, config, prompt_ids, est_state, features):
     state = estimate.init_est_state() if est_state is None else est_state

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from ada_jax.rl import controller, rules
-from ada_jax.rl.adaptive import EST_PAPER, AdaConfig
+from ada_jax.rl.adaptive import EST_PAPER, AdaConfig, DapoConfig, EstConfig
 from ada_jax.rl.pools import StepResult
 
 __all__ = [
@@ -208,16 +208,19 @@ def method_table(
     ValueError: `AdaConfig` rejects a value (it names the field).
   """
   out = {f"grpo_n{g}": AdaConfig(method="grpo", n=g) for g in (4, 8, 16, 32)}
-  out["dapo_n4"] = AdaConfig(method="dapo", n=n, dapo_max_extra_passes=4)
+  out["dapo_n4"] = AdaConfig(method="dapo", n=n, dapo=DapoConfig(max_extra_passes=4))
   seq = dict(n=n, samples_per_round=samples_per_round, max_rounds=max_rounds)
   out["ada_pos"] = AdaConfig(method="pos", **seq)
   out["ada_balance"] = AdaConfig(method="balance", **seq)
   for k in est_budgets:
-    out[f"ada_est_k{k:g}"] = AdaConfig(method="est", est_budget_per_prompt=k)
+    out[f"ada_est_k{k:g}"] = AdaConfig(method="est", est=EstConfig(budget_per_prompt=k))
   for k in est_paper_budgets:
-    out[f"ada_est_paper_k{k:g}"] = AdaConfig(method="est", est_budget_per_prompt=k, **EST_PAPER)
+    paper = dict(EST_PAPER, est=dataclasses.replace(EST_PAPER["est"], budget_per_prompt=k))
+    out[f"ada_est_paper_k{k:g}"] = AdaConfig(method="est", **paper)
   for k in est_head_budgets:
-    out[f"ada_est_head_k{k:g}"] = AdaConfig("est", est_budget_per_prompt=k, est_estimator="head")
+    out[f"ada_est_head_k{k:g}"] = AdaConfig(
+      "est", est=EstConfig(budget_per_prompt=k, estimator="head")
+    )
   return out
 
 
