@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ada_jax.rl import advantages as adv_lib
-from ada_jax.rl import estimate, rules
+from ada_jax.rl import estimate, pools
 from ada_jax.rl.adaptive import AdaConfig, DapoConfig, EstConfig
 from ada_jax.testing import rounds_step
 
@@ -152,11 +152,11 @@ def test_seq_batch_in_exit_order_as_released_or_in_prompt_order(method):
 
 def test_batch_order_ties_keep_prompt_order_and_never_exited_go_last():
   cfg = AdaConfig(method="pos")
-  assert rules.batch_order(cfg, [None, 2, 1, 1]) == [2, 3, 1, 0]
-  assert rules.batch_order(cfg, [3, None, 0, None, 0]) == [2, 4, 0, 1, 3]
-  assert rules.batch_order(cfg, [None, None]) == [0, 1]
+  assert pools.batch_order(cfg, [None, 2, 1, 1]) == [2, 3, 1, 0]
+  assert pools.batch_order(cfg, [3, None, 0, None, 0]) == [2, 4, 0, 1, 3]
+  assert pools.batch_order(cfg, [None, None]) == [0, 1]
   prompt = AdaConfig(method="pos", batch_order="prompt")
-  assert rules.batch_order(prompt, [None, 2, 1, 1]) == [0, 1, 2, 3]
+  assert pools.batch_order(prompt, [None, 2, 1, 1]) == [0, 1, 2, 3]
   with pytest.raises(ValueError, match="AdaConfig.batch_order"):
     AdaConfig(method="pos", batch_order="shuffled")
 

@@ -78,13 +78,13 @@ def test_an_unknown_method_names_the_table():
 def test_exit_chance_by_hand():
   # pos (k = 1, 0), 8 wrong so far, 24 draws left, posterior Beta(1, 9):
   # 1 - P(no positive) = 1 - B(1, 33) / B(1, 9) = 1 - 9/33.
-  assert rules.exit_chance(0, 8, 24, 1.0, 9.0, 1, 0) == pytest.approx(24 / 33, rel=1e-12)
+  assert estimate.exit_chance(0, 8, 24, 1.0, 9.0, 1, 0) == pytest.approx(24 / 33, rel=1e-12)
   # balance (2, 2) with 4 wrong: needs 2 positives in the 4 left; Beta(1, 5):
   # P(X >= 2) = 1 - 5/9 - 4·(1/72)·5 = 1/6.
-  assert rules.exit_chance(0, 4, 4, 1.0, 5.0, 2, 2) == pytest.approx(1 / 6, rel=1e-12)
-  assert rules.exit_chance(1, 3, 0, 1.0, 1.0, 1, 0) == 1.0  # met already, nothing left
-  assert rules.exit_chance(0, 3, 0, 1.0, 1.0, 1, 0) == 0.0  # no draw left
-  assert rules.exit_chance(0, 0, 3, 1.0, 1.0, 2, 2) == 0.0  # 3 draws cannot hold 2 + 2
+  assert estimate.exit_chance(0, 4, 4, 1.0, 5.0, 2, 2) == pytest.approx(1 / 6, rel=1e-12)
+  assert estimate.exit_chance(1, 3, 0, 1.0, 1.0, 1, 0) == 1.0  # met already, nothing left
+  assert estimate.exit_chance(0, 3, 0, 1.0, 1.0, 1, 0) == 0.0  # no draw left
+  assert estimate.exit_chance(0, 0, 3, 1.0, 1.0, 2, 2) == 0.0  # 3 draws cannot hold 2 + 2
 
 
 @settings(max_examples=80, deadline=None)
@@ -102,10 +102,10 @@ def test_exit_chance_is_the_beta_binomial_tail(pos, neg, left, alpha, beta, k_po
 
   lo, hi = max(0, k_pos - pos), left - max(0, k_neg - neg)
   want = sum(stats.betabinom.pmf(x, left, alpha, beta) for x in range(lo, hi + 1))
-  got = rules.exit_chance(pos, neg, left, alpha, beta, k_pos, k_neg)
+  got = estimate.exit_chance(pos, neg, left, alpha, beta, k_pos, k_neg)
   assert got == pytest.approx(want, abs=1e-9) and 0.0 <= got <= 1.0
   # More draws left can only help; a negative more never helps pos's rule (k_neg = 0).
-  assert rules.exit_chance(pos, neg, left + 1, alpha, beta, k_pos, k_neg) >= got - 1e-12
+  assert estimate.exit_chance(pos, neg, left + 1, alpha, beta, k_pos, k_neg) >= got - 1e-12
 
 
 def _hopeless_state(ids, tot=200.0):

@@ -86,7 +86,7 @@ class AdaConfig:
     min_exit_chance: pos / balance, beyond the paper (0 = off, the released behaviour):
       stop drawing for a prompt once the chance that it meets the exit rule within its
       remaining budget (R·M responses in all) falls below this probability, e.g. 0.05 =
-      "stop when P(exit within the budget) < 5%" (`rules.exit_chance`); a stopped prompt
+      "stop when P(exit within the budget) < 5%" (`estimate.exit_chance`); a stopped prompt
       is trained on as one that never exits. The chance comes from a Beta posterior on its
       pass rate: prior Beta(est.alpha, est.beta) plus its decayed counts from earlier steps
       (the Est statistics, kept with `est.decay` and checkpointed), updated by this step's

@@ -174,6 +174,43 @@ EST_PAPER: dict[str, Any] = dict(
 )
 
 
+def exit_chance(
+  pos: int, neg: int, remaining: int, alpha: float, beta: float, k_pos: int, k_neg: int
+) -> float:
+  """P(a prompt's pool meets the exit rule once its `remaining` draws are graded).
+
+  The pass rate p has the posterior Beta(alpha, beta) (its prior updated by the prompt's
+  graded responses); the positives X among the remaining draws are then beta-binomial,
+  and the final pool exits iff pos + X >= k_pos and neg + remaining - X >= k_neg (the rule
+  only gains from more responses, so exiting within the budget and exiting at its end
+  are the same event). Example: pos 0, neg 8, 24 left, Beta(1, 9), k = (1, 0): 1 - P(no
+  positive) = 1 - B(1, 33)/B(1, 9) = 1 - 9/33 = 0.727.
+
+  Args:
+    pos, neg: graded positives and negatives so far.
+    remaining: draws left in the prompt's budget (R·M minus the graded ones), >= 0.
+    alpha, beta: the posterior's parameters, > 0.
+    k_pos, k_neg: the exit thresholds.
+
+  Returns:
+    A probability in [0, 1].
+  """
+  lo, hi = max(0, k_pos - pos), remaining - max(0, k_neg - neg)
+  if lo > hi:
+    return 0.0
+  log_norm = math.lgamma(alpha) + math.lgamma(beta) - math.lgamma(alpha + beta)
+  total = 0.0
+  for x in range(lo, hi + 1):
+    log_choose = math.lgamma(remaining + 1) - math.lgamma(x + 1) - math.lgamma(remaining - x + 1)
+    log_b = (
+      math.lgamma(x + alpha)
+      + math.lgamma(remaining - x + beta)
+      - math.lgamma(remaining + alpha + beta)
+    )
+    total += math.exp(log_choose + log_b - log_norm)
+  return min(1.0, total)
+
+
 def prompt_keys(prompt_ids: Sequence[Any]) -> np.ndarray:
   """Stable int64 keys for prompt ids (8-byte BLAKE2b of str(id)); same on every host.
 

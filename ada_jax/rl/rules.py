@@ -13,15 +13,15 @@ prompt, the same under both schedules:
   (the outcomes folded into Est's statistics).
 
 The pure maths stays in its modules: the exit rule (`pool_meets_exit`), selection
-(`advantages.select_group`), the batch order (`batch_order`) and Est's estimates and split
-(`estimate`). Host-side numpy; every decision is a function of the rewards and the row
-order alone, never of timing, so every process of a multi-host run decides the same.
+(`advantages.select_group`), the batch order (`pools.batch_order`), the exit chance
+(`estimate.exit_chance`) and Est's estimates and split (`estimate`). Host-side numpy;
+every decision is a function of the rewards and the row order alone, never of timing, so
+every process of a multi-host run decides the same.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +29,7 @@ import numpy as np
 
 from ada_jax.rl import advantages as adv_lib
 from ada_jax.rl import estimate
+from ada_jax.rl import pools as pools_lib
 
 Thresholds = Callable[[int], tuple[int, int]]
 
@@ -74,75 +75,6 @@ def pool_meets_exit(
     r.size >= (config.n if min_pool is None else min_pool)
     and n_pos >= k_pos
     and r.size - n_pos >= k_neg
-  )
-
-
-def batch_order(config, exit_round: Sequence[int | None]) -> list[int]:
-  """The order of a Seq step's B groups in the training batch (`AdaConfig.batch_order`).
-
-  Args:
-    config: a pos or balance config.
-    exit_round: per prompt, the round (or stream boundary) at whose end it exited; None
-      for a prompt that never met the exit rule.
-
-  Returns:
-    Prompt indices: 'exit' sorts by exit round, never-exited last, ties in prompt order
-    (released verl's `selected_pool_batches`, then a contiguous `data.split`); 'prompt'
-    is 0..B-1. Example: exit rounds [None, 2, 1, 1] give [2, 3, 1, 0] under 'exit'.
-  """
-  b = len(exit_round)
-  if config.batch_order == "prompt":
-    return list(range(b))
-  last = max([r for r in exit_round if r is not None], default=0) + 1
-  return sorted(range(b), key=lambda p: (last if exit_round[p] is None else exit_round[p], p))
-
-
-def exit_chance(
-  pos: int, neg: int, remaining: int, alpha: float, beta: float, k_pos: int, k_neg: int
-) -> float:
-  """P(a prompt's pool meets the exit rule once its `remaining` draws are graded).
-
-  The pass rate p has the posterior Beta(alpha, beta) (its prior updated by the prompt's
-  graded responses); the positives X among the remaining draws are then beta-binomial,
-  and the final pool exits iff pos + X >= k_pos and neg + remaining - X >= k_neg (the rule
-  only gains from more responses, so exiting within the budget and exiting at its end
-  are the same event). Example: pos 0, neg 8, 24 left, Beta(1, 9), k = (1, 0): 1 - P(no
-  positive) = 1 - B(1, 33)/B(1, 9) = 1 - 9/33 = 0.727.
-
-  Args:
-    pos, neg: graded positives and negatives so far.
-    remaining: draws left in the prompt's budget (R·M minus the graded ones), >= 0.
-    alpha, beta: the posterior's parameters, > 0.
-    k_pos, k_neg: the exit thresholds.
-
-  Returns:
-    A probability in [0, 1].
-  """
-  lo, hi = max(0, k_pos - pos), remaining - max(0, k_neg - neg)
-  if lo > hi:
-    return 0.0
-  log_norm = math.lgamma(alpha) + math.lgamma(beta) - math.lgamma(alpha + beta)
-  total = 0.0
-  for x in range(lo, hi + 1):
-    log_choose = math.lgamma(remaining + 1) - math.lgamma(x + 1) - math.lgamma(remaining - x + 1)
-    log_b = (
-      math.lgamma(x + alpha)
-      + math.lgamma(remaining - x + beta)
-      - math.lgamma(remaining + alpha + beta)
-    )
-    total += math.exp(log_choose + log_b - log_norm)
-  return min(1.0, total)
-
-
-def select_responses(config, pool: Sequence[float], rng: np.random.Generator) -> np.ndarray:
-  """The n training responses of a prompt's pool (`advantages.select_group`: half
-  positives, half negatives, the rest filled), in pool order; `rng` is used only by
-  `selection='random'`. Returns int64[n] indices into `pool`."""
-  return adv_lib.select_group(
-    np.asarray(pool),
-    config.n,
-    config.positive_threshold,
-    rng if config.selection == "random" else None,
   )
 
 
@@ -369,11 +301,11 @@ class Seq(Rule):
     return False
 
   def hopeless(self, ctl, p: int, graded: Sequence[float]) -> bool:
-    """Whether prompt p stops: the chance that it exits within its R·M budget (`exit_chance`
-    on its prior from `plan` updated by its graded pool) is below `min_exit_chance`, and
-    its pool already has signal (both classes) or the chance that it gets any is below it
-    too: a uniform pool with a fair chance of a first response of the other class (for
-    balance, a lone positive) keeps drawing."""
+    """Whether prompt p stops: the chance that it exits within its R·M budget
+    (`estimate.exit_chance` on its prior from `plan` updated by its graded pool) is below
+    `min_exit_chance`, and its pool already has signal (both classes) or the chance that it
+    gets any is below it too: a uniform pool with a fair chance of a first response of the
+    other class (for balance, a lone positive) keeps drawing."""
     cfg, alpha, beta = ctl.config, ctl.plan.alpha, ctl.plan.beta
     r = np.asarray(graded, np.float64)
     pos = int(np.count_nonzero(r > cfg.positive_threshold))
@@ -385,14 +317,19 @@ class Seq(Rule):
       alpha[p] + pos,
       beta[p] + neg,
     )
-    if exit_chance(*args, *thresholds(cfg)) >= cfg.min_exit_chance:
+    if estimate.exit_chance(*args, *thresholds(cfg)) >= cfg.min_exit_chance:
       return False
-    return bool(pos and neg) or exit_chance(*args, 1, 1) < cfg.min_exit_chance
+    return bool(pos and neg) or estimate.exit_chance(*args, 1, 1) < cfg.min_exit_chance
 
   def select(self, ctl, pools, rng):
-    kept = {p: select_responses(ctl.config, pools.rewards[p], rng) for p in range(ctl.b)}
+    cfg = ctl.config
+    rng = rng if cfg.selection == "random" else None
+    kept = {
+      p: adv_lib.select_group(np.asarray(pools.rewards[p]), cfg.n, cfg.positive_threshold, rng)
+      for p in range(ctl.b)
+    }
     exits = [ctl.state.exit_boundary.get(p) for p in range(ctl.b)]
-    return kept, batch_order(ctl.config, exits)
+    return kept, pools_lib.batch_order(ctl.config, exits)
 
 
 class Balance(Seq):

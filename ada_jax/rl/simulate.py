@@ -212,15 +212,12 @@ def method_table(
   seq = dict(n=n, samples_per_round=samples_per_round, max_rounds=max_rounds)
   out["ada_pos"] = AdaConfig(method="pos", **seq)
   out["ada_balance"] = AdaConfig(method="balance", **seq)
-  for k in est_budgets:
-    out[f"ada_est_k{k:g}"] = AdaConfig(method="est", est=EstConfig(budget_per_prompt=k))
-  for k in est_paper_budgets:
-    paper = dict(EST_PAPER, est=dataclasses.replace(EST_PAPER["est"], budget_per_prompt=k))
-    out[f"ada_est_paper_k{k:g}"] = AdaConfig(method="est", **paper)
-  for k in est_head_budgets:
-    out[f"ada_est_head_k{k:g}"] = AdaConfig(
-      "est", est=EstConfig(budget_per_prompt=k, estimator="head")
-    )
+  rows = [("est", est_budgets, {"est": EstConfig()}), ("est_paper", est_paper_budgets, EST_PAPER)]
+  rows.append(("est_head", est_head_budgets, {"est": EstConfig(estimator="head")}))
+  for name, budgets, settings in rows:
+    for k in budgets:
+      est = dataclasses.replace(settings["est"], budget_per_prompt=k)
+      out[f"ada_{name}_k{k:g}"] = AdaConfig(method="est", **{**settings, "est": est})
   return out
 
 
