@@ -78,6 +78,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.ada.inverse_p_weight = "none"  # 'none' (released) or f'(p̄): '1/p', '1/sqrt_p' (1/√p̄), α
   c.ada.min_exit_chance = 0.0  # beyond the paper: stop a prompt when P(exit in budget) < this
   c.ada.batch_order = "exit"  # Seq groups in exit order (released), or 'prompt' order
+  c.ada.dapo = ml_collections.ConfigDict()  # DAPO's own (DapoConfig)
+  c.ada.dapo.max_extra_passes = 4  # extra generation passes after the first, at most
   c.ada.est = ml_collections.ConfigDict()  # Reinforce-Ada-Est's own (EstConfig)
   c.ada.est.budget_per_prompt = 8.0  # K: est draws round(K·B) samples (released: 8)
   c.ada.est.weight = "1/p"  # allocation f'(p̂): '1/p' (α=0, released), '1/sqrt_p' (α=0.5), α
