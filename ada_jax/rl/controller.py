@@ -112,8 +112,7 @@ class Controller:
       raise ValueError(f"window={window}: must be >= 1")
     cap = config.samples_per_round * config.max_rounds
     self.plan = Plan() if plan is None else plan
-    quotas = self.plan.quotas
-    quotas = [config.n] * num_prompts if quotas is None else quotas
+    quotas = [config.n] * num_prompts if self.plan.quotas is None else self.plan.quotas
     self.quota = [int(q) for q in np.asarray(quotas).reshape(-1)]
     if len(self.quota) != num_prompts or min(self.quota) < 1:
       raise ValueError(f"plan.quotas: need {num_prompts} ints >= 1, got {list(quotas)}")
