@@ -495,12 +495,13 @@ def part_agreement(check: Check) -> dict:
   positions = np.maximum(np.cumsum(attention, 1) - 1, 0).astype(np.int32)
   temperature = smp.rule.logprob_temperature
   # 32 positions of fp32 logits at a time: 64 rows x 32 x 152k x 4 B = 1.2 GB per block.
+  # params are an argument, not a closure: closed over, XLA takes them as 6 GB of constants.
   fn = jax.jit(
-    lambda t, p, m: losses.token_logprobs(
-      cfg, params, t, p, m, temperature=temperature, block_size=32
+    lambda w, t, p, m: losses.token_logprobs(
+      cfg, w, t, p, m, temperature=temperature, block_size=32
     )[0]
   )
-  trainer = np.asarray(fn(seq, positions, attention))[:, z.prompt_len :]
+  trainer = np.asarray(fn(params, seq, positions, attention))[:, z.prompt_len :]
   gap = np.abs(trainer - out["logprobs"])[out["mask"]]
   return {
     "model": z.model,
