@@ -160,6 +160,7 @@ class _Started:
   state: train.TrainState
   est: Any
   root: jax.Array  # the checkpoint's root key, not the config's seed (tests/test_guards.py)
+  keys: runstate.RunKeys  # the keys derived from `root`, once
   progress: runstate.Progress
   iterator: prompts_lib.PromptIterator
   np_rng: np.random.Generator
@@ -283,6 +284,7 @@ def _start(
     run_state.train,
     run_state.est,
     run_state.rng,
+    runstate.run_keys(run_state.rng),
     progress,
     iterator,
     runstate.generator_from_state(progress.np_rng),
@@ -297,9 +299,8 @@ def _evaluate_before_rl(setup, started, writer, stop) -> None:
     return
   if progress.before_rl is None:
     stop.enter("the held-out evaluation before RL")
-    keys = runstate.run_keys(started.root)
     progress.before_rl = _heldout_eval(
-      setup.evaluator, setup.workdir, started.state.params, 0, keys.eval
+      setup.evaluator, setup.workdir, started.state.params, 0, started.keys.eval
     )
     progress.before_rl_eval = _eval_settings(setup.record)
     stop.enter(None)
@@ -311,7 +312,7 @@ def _rl_loop(setup, started, writer, stop) -> _End:
   processes' controller state compared, a checkpoint every `ckpt.every_steps`, at the end
   and when a signal asks the run to stop (after the current step)."""
   cfg, progress = setup.cfg, started.progress
-  keys = runstate.run_keys(started.root)
+  keys = started.keys
   logprob_fn = None
   if cfg.train.old_logprobs == "recompute":  # released: the trainer's old log-probs
     logprob_fn = update.make_logprob_step(setup.model_cfg, cfg.train, setup.mesh)
@@ -381,7 +382,7 @@ def _close_out(setup, started, end: _End, writer, stop) -> dict[str, Any]:
     }
   if end.step == cfg.rl.steps and end.stopped_by is None:  # stopped: the rerun evaluates
     stop.enter("the held-out evaluation after RL")
-    eval_key = runstate.run_keys(started.root).eval
+    eval_key = started.keys.eval
     summary["after_rl"] = _heldout_eval(
       setup.evaluator, setup.workdir, end.state.params, end.step, eval_key
     )

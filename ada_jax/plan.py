@@ -143,8 +143,7 @@ def plan(
 
   def rollout(slots, name="sample"):
     """The rollout pool at `slots`: (sampler, its programs or the refusal, phase bytes)."""
-    c = dataclasses.replace(cfg, sampler=capacity.with_slots(cfg.sampler, slots))
-    smp = aot.rollout_sampler(c, model_cfg, mesh)
+    smp = aot.rollout_sampler(cfg, model_cfg, mesh, slots)
     pool = timed(name, lambda: aot.pool_programs(smp, params, what="rollout pool"))
     if isinstance(pool, aot.OutOfMemory):
       return smp, pool, None
@@ -158,8 +157,7 @@ def plan(
     )
 
   def evaluation(slots, name="eval"):
-    eval_cfg = dataclasses.replace(cfg.eval, sampler=capacity.with_slots(cfg.eval.sampler, slots))
-    ev = aot.eval_sampler(dataclasses.replace(cfg, eval=eval_cfg), model_cfg, mesh)
+    ev = aot.eval_sampler(cfg, model_cfg, mesh, slots)
     pool = timed(name, lambda: aot.pool_programs(ev, params, what="evaluation pool"))
     if isinstance(pool, aot.OutOfMemory):
       return ev, pool, None
@@ -168,7 +166,7 @@ def plan(
   def decode_roofline(smp, pool):
     step = timed(
       f"decode step at {smp.slots} slots (roofline)",
-      lambda: capacity.decode_step_program(smp, params, pool["state"]),
+      lambda: aot.decode_step_program(smp, params, pool["state"]),
     )
     return None if isinstance(step, aot.OutOfMemory) else step
 
@@ -237,6 +235,7 @@ def plan(
       slots["eval"] = {"config": cfg.eval.sampler.chunk_rows, "largest": best}
       if best:
         slots["eval"]["gib"] = gib(best_bytes)
+  roofline = capacity.roofline(cfg, model_cfg, t, mesh, programs, smp, pool)
   if cfg.ada.needs_features:
     notes.append(
       "est head: its features come from the rollout pool's own prefill (the prefill "
@@ -280,7 +279,7 @@ def plan(
     },
     "phases": phases,
     "programs": programs,
-    "roofline": capacity.roofline(cfg, model_cfg, t, mesh, programs, smp, pool),
+    "roofline": roofline,
     "slots": slots,
     "notes": notes,
     "fits": bool(phases) and all(p["fits"] for p in phases.values()),

@@ -5,7 +5,6 @@ CI has no TPU; libtpu (requirements-dev.txt) is the compiler. Every figure asser
 is XLA:TPU's, never XLA:CPU's.
 """
 
-import dataclasses
 import json
 import os
 import pathlib
@@ -155,8 +154,8 @@ def test_plan_finds_the_largest_slot_count_that_fits(v5e_devices):
   """A bf16 model whose slot cache is the pool's bulk, on a v5e-8 with data 4 x tensor 2:
   the plan's largest rollout slot count fits every phase with the spare, and one
   granule more (compiled here) does not; the roofline at that count says its tokens/s."""
-  from ada_jax import capacity, plan
   from ada_jax import config as config_lib
+  from ada_jax import plan
   from ada_jax.rollout import decode_kernel
 
   c = _tiny_arith()
@@ -176,13 +175,10 @@ def test_plan_finds_the_largest_slot_count_that_fits(v5e_devices):
   assert sized["gib"] + plan.SPARE_GIB <= V5E.hbm_gib
   assert sized["roofline"]["slots"] == sized["largest"]
   assert sized["roofline"]["decode_tokens_per_s_per_chip"] > 0
-  more = dataclasses.replace(
-    cfg, sampler=capacity.with_slots(cfg.sampler, sized["largest"] + granule)
-  )
-  mesh = aot.mesh_for(more, v5e_devices)
-  smp = aot.rollout_sampler(more, plan.model_of(more), mesh)
+  mesh = aot.mesh_for(cfg, v5e_devices)
+  smp = aot.rollout_sampler(cfg, plan.model_of(cfg), mesh, sized["largest"] + granule)
   try:
-    pool = aot.pool_programs(smp, aot.rollout_params(plan.model_of(more), mesh), what="pool")
+    pool = aot.pool_programs(smp, aot.rollout_params(plan.model_of(cfg), mesh), what="pool")
     over = max(pool["segment"].peak, pool["prefill"].peak + pool["pool_state"])
     assert over / aot.GIB + plan.SPARE_GIB > V5E.hbm_gib
   except aot.OutOfMemory:

@@ -4,17 +4,48 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import struct
 
 from ada_jax import testing
 from ada_jax.models import decoder as model_lib
-from ada_jax.models.layers import attend
+from ada_jax.models.layers import attend, causal_attend
 
 TINY = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
 
 
+@struct.dataclass
+class _Cache:
+  """A plain cache, per layer keys and values `[B, K, S, H]` written at column `index`."""
+
+  k: tuple
+  v: tuple
+  mask: jax.Array
+  index: jax.Array
+
+  @property
+  def length(self) -> int:
+    return self.mask.shape[1]
+
+
+def _prefill(config, params, tokens, positions, mask, cache_len):
+  """(`float32[B, V]` logits at the last prompt position, a `cache_len`-column `_Cache`
+  holding the prompts at columns `[0, T)`): one forward with causal attention."""
+  t = tokens.shape[1]
+  causal = lambda layer: lambda q, k, v: (causal_attend(q, k, v, jnp.asarray(mask), t), (k, v))
+  out, kvs = model_lib.forward(config, params, tokens, positions, causal, last_only=True)
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, cache_len - t), (0, 0)))
+  cache = _Cache(
+    k=tuple(pad(k) for k, _ in kvs),
+    v=tuple(pad(v) for _, v in kvs),
+    mask=jnp.pad(jnp.asarray(mask), ((0, 0), (0, cache_len - t))),
+    index=jnp.asarray(t, jnp.int32),
+  )
+  return out[:, 0], cache
+
+
 def _decode(config, params, tokens, positions, cache, attention_mask=None):
   """The plain cache's incremental forward, the reference the slot pool's ring is held to:
-  writes `tokens` (`int32[B, T]`) at columns `[index, index + T)` of `cache` (a `prefill`
+  writes `tokens` (`int32[B, T]`) at columns `[index, index + T)` of `cache` (a `_prefill`
   result) and attends over it, causally within the new tokens; `attention_mask` False marks
   tokens never attended to. Returns (`float32[B, T, V]` logits, the updated cache)."""
   if attention_mask is None:
@@ -35,7 +66,7 @@ def _decode(config, params, tokens, positions, cache, attention_mask=None):
 
   out, kvs = model_lib.forward(config, params, tokens, positions, attention)
   k, v = tuple(k for k, _ in kvs), tuple(v for _, v in kvs)
-  return out, model_lib.KVCache(k=k, v=v, mask=mask, index=cache.index + t)
+  return out, _Cache(k=k, v=v, mask=mask, index=cache.index + t)
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -50,7 +81,7 @@ def test_incremental_decode_matches_full_forward(name, chunk):
   pos = model_lib.positions_from_mask(mask)
   full = model_lib.logits(config, params, tokens, pos, mask)
   prefix = 4
-  out, cache = model_lib.prefill(
+  out, cache = _prefill(
     config, params, tokens[:, :prefix], pos[:, :prefix], mask[:, :prefix], cache_len=12
   )
   real = np.asarray(mask[:, prefix - 1])  # rows whose prefill ends on a real token
@@ -77,7 +108,7 @@ def test_cache_rows_can_be_shared():
   params = model_lib.init_params(config, jax.random.key(1))
   tokens, mask = testing.left_padded_batch([6, 3], 6, config.vocab_size)
   pos = model_lib.positions_from_mask(jnp.asarray(mask))
-  _, cache = model_lib.prefill(config, params, tokens, pos, mask, cache_len=8)
+  _, cache = _prefill(config, params, tokens, pos, mask, cache_len=8)
   rows = jnp.array([1, 0, 1])
   shared = jax.tree.map(lambda x: x if x.ndim == 0 else jnp.take(x, rows, axis=0), cache)
   nxt = jnp.array([[5], [6], [7]], jnp.int32)

@@ -11,10 +11,8 @@ from ada_jax.rollout.spec import SamplerSpec
 
 def test_with_slots_scales_what_the_config_sets_and_keeps_derived_sizes_derived():
   spec = SamplerSpec(chunk_rows=192, queue_rows=192, prompts_per_chunk=48)
-  assert capacity.with_slots(spec, 384) == SamplerSpec(
-    chunk_rows=384, queue_rows=384, prompts_per_chunk=96
-  )
-  derived = capacity.with_slots(SamplerSpec(chunk_rows=64), 256)
+  assert spec.with_slots(384) == SamplerSpec(chunk_rows=384, queue_rows=384, prompts_per_chunk=96)
+  derived = SamplerSpec(chunk_rows=64).with_slots(256)
   assert (derived.chunk_rows, derived.queue_rows, derived.prompts_per_chunk) == (256, 0, 0)
 
 

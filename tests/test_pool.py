@@ -127,6 +127,74 @@ def test_running_idle_decode_steps_draws_the_same_tokens(tiny, monkeypatch, mesh
   assert (always_stats.kv_read, always_stats.kv_useful) == (stats.kv_read, stats.kv_useful)
 
 
+@pytest.mark.timeout(300, method="thread")  # a livelock fails instead of hanging
+def test_a_first_row_blocked_by_entries_kept_behind_it_still_starts(tiny):
+  """A livelock found by the cache-layout test: with the queue empty, the first pending
+  row's prompt had no prompt-cache entry and every entry was kept for rows further back,
+  so no row was queued and every segment returned at once (`RolloutPool.admit` now frees
+  those entries). Here: 2 entries, 4 prompts, 16 rows; every row ends."""
+  config, params = tiny
+  smp = sampler_lib.Sampler(
+    config, max_new_tokens=12, stop_ids=STOPS, prompt_buckets=(8,), segment_steps=5,
+    chunk_rows=4, prompts_per_chunk=2, queue_rows=4, attention_block=4,
+    rule=sampler_lib.SamplingRule(temperature=1.0),
+  )  # fmt: skip
+  rows = np.random.default_rng(2).integers(0, 4, 16)
+  out, _ = smp.generate(params, PROMPTS, rows, jax.random.key(5))
+  assert (out["lengths"] >= 1).all() and (out["lengths"] <= 12).all()
+  ended = out["lengths"] < 12
+  last = out["tokens"][ended, out["lengths"][ended] - 1]
+  assert np.isin(last, STOPS).all()  # a row shorter than the budget ended on a stop id
+
+
+def test_kv_shardings_fit_a_real_cache(tiny):
+  """Slots over ('data', 'fsdp'), kv heads over 'tensor', columns and head dim whole; rows
+  that do not divide over the data axes are replicated rather than refused."""
+  from jax.sharding import PartitionSpec as P
+
+  from ada_jax.models import sharding
+
+  config, _ = tiny
+  mesh = sharding.make_mesh(2, 2, 2)
+  kv, mask = slots_lib.kv_shardings(config, mesh, 8, 16)
+  assert kv.spec == P(("data", "fsdp"), "tensor", None, None)
+  assert mask.spec == P(("data", "fsdp"), None)
+  cache = slots_lib.init_slot_cache(config, 8, 16, 4, mesh)
+  assert {s.data.shape for s in cache.prompt_k[1].addressable_shards} == {(2, 1, 16, 16)}
+  assert slots_lib.kv_shardings(config, mesh, 6, 16)[0].spec[0] is None
+
+
+@pytest.mark.parametrize("mesh_shape, order", [(None, "sbhk"), ((2, 2, 2), "khbs")])
+def test_another_cache_layout_draws_the_same_tokens(tiny, monkeypatch, mesh_shape, order):
+  """The caches' axis order is `slots.KV_AXES` alone: set to another order, every cache
+  array is laid out in it (sharded by it on a mesh) and the pool draws the same tokens,
+  with the same log-probs, through refills, ring wrap-around and windowed reads."""
+  config, params = tiny
+  mesh = None
+  if mesh_shape:
+    auto = (jax.sharding.AxisType.Auto,) * 3
+    mesh = jax.make_mesh(mesh_shape, ("data", "fsdp", "tensor"), axis_types=auto)
+  rows = np.random.default_rng(2).integers(0, 4, 16)
+  kw = dict(max_new_tokens=12, stop_ids=STOPS, prompt_buckets=(8,), segment_steps=5)
+  kw |= dict(chunk_rows=4, prompts_per_chunk=2, queue_rows=4, attention_block=4)
+  kw |= dict(rule=sampler_lib.SamplingRule(temperature=1.0))
+  draw = lambda: sampler_lib.Sampler(config, mesh=mesh, **kw).generate(
+    params, PROMPTS, rows, jax.random.key(5)
+  )
+  want, want_stats = draw()
+  monkeypatch.setattr(slots_lib, "KV_AXES", order)
+  sizes = dict(b=4, k=config.num_kv_heads, s=8, h=config.head_dim)
+  assert slots_lib.init_slot_cache(config, 4, 8, 12).prompt_k[0].shape == tuple(
+    sizes[a] for a in order
+  )
+  got, stats = draw()
+  assert len(set(want["lengths"].tolist())) > 2  # rows end at different steps
+  np.testing.assert_array_equal(got["tokens"], want["tokens"])
+  np.testing.assert_array_equal(got["lengths"], want["lengths"])
+  np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=1e-5)
+  assert (stats.kv_read, stats.kv_useful) == (want_stats.kv_read, want_stats.kv_useful)
+
+
 @hypothesis.settings(max_examples=6, deadline=None)
 @hypothesis.given(rows=st.lists(st.integers(0, 3), min_size=1, max_size=40), seed=st.integers(0, 9))
 def test_queue_longer_than_many_refills(tiny, pools, rows, seed):

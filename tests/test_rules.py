@@ -23,13 +23,13 @@ def _worked_example() -> str:
 
 
 @pytest.fixture
-def pos2():
+def patient():
   scope: dict = {}
   exec(_worked_example(), scope)  # noqa: S102 - the doc's own code, checked as written
   try:
-    yield scope["config"]
+    yield scope
   finally:
-    del rules.RULES["pos2"]
+    del rules.RULES["pos_patient"]
 
 
 def _draw(streams):
@@ -46,25 +46,33 @@ def _draw(streams):
 
 
 @pytest.mark.parametrize("schedule", controller.SCHEDULES)
-def test_the_worked_example_is_one_table_entry(pos2, schedule):
-  assert pos2.thresholds() == (2, 0) and pos2.is_seq and pos2.min_rows_per_prompt == 4
-  # Prompt 0: two positives in round 1; prompt 1: one, then one more in round 2;
-  # prompt 2: none in 12.
-  streams = [[1, 0, 1, 0] + [0] * 8, [0, 1, 0, 0, 1, 0, 0, 0] + [0] * 4, [0] * 12]
+def test_the_worked_example_is_one_table_entry(patient, schedule):
+  config = patient["config"]
+  assert config.thresholds() == (1, 0) and config.is_seq and config.min_rows_per_prompt == 4
+  # Prompt 0: a positive in round 1; prompt 1: none in 12; prompt 2: its first in round 2.
+  streams = [[0, 1, 0, 0] + [0] * 8, [0] * 12, [0, 0, 0, 0, 0, 1, 0, 0] + [0] * 4]
   draw, used = _draw(streams)
   result, _ = controller.run_step(
-    pos2, ["a", "b", "c"], controller.DrawEngine(draw), np.random.default_rng(0),
+    config, ["a", "b", "c"], controller.DrawEngine(draw), np.random.default_rng(0),
     schedule=schedule,
   )  # fmt: skip
-  assert used == [4, 8, 12]
-  assert result.stats.pool_size.tolist() == [4, 8, 12]
+  assert used == [4, 8, 8]  # prompt 1 gave up after 2 rounds instead of drawing 12
+  assert result.stats.pool_size.tolist() == [4, 8, 8]
+  assert result.stats.est_metrics == {"ada/gave_up_fraction": pytest.approx(1 / 3)}
+  assert result.stats.as_metrics()["ada/gave_up_fraction"] == pytest.approx(1 / 3)
   if schedule == "rounds":
-    assert result.stats.samples_per_round == (12, 8, 4)
-  # Seq's own selection and global baseline: prompt 0 keeps its two positives and two
-  # negatives, A = r − 1/2.
-  kept = result.prompt_index == 0
-  np.testing.assert_allclose(result.advantages[kept], [0.5, 0.5, -0.5, -0.5])
-  assert result.stats.signal_fraction == pytest.approx(2 / 3)
+    assert result.stats.samples_per_round == (12, 8)
+  # Seq's own selection and global baseline: prompt 0 keeps its positive and three
+  # negatives, A = r − 1/4; the prompt that gave up is kept with zero advantage.
+  np.testing.assert_allclose(
+    result.advantages[result.prompt_index == 0], [0.75, -0.25, -0.25, -0.25]
+  )
+  assert not result.advantages[result.prompt_index == 1].any()
+
+
+def test_the_worked_example_refuses_bad_settings(patient):
+  with pytest.raises(ValueError, match=r"Patience.rounds=0: must be >= 1"):
+    patient["Patience"](rounds=0)
 
 
 def test_an_unknown_method_names_the_table():

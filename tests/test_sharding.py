@@ -88,18 +88,6 @@ def test_place_batch_rows_and_errors():
     sharding.place_batch({"a": np.zeros((8, 3)), "b": np.zeros(4)}, mesh)
 
 
-def test_kv_cache_shardings_fit_a_real_cache():
-  config = model_lib.preset("tiny-qwen2")
-  mesh = sharding.make_mesh(2, 2, 2)
-  sh = sharding.kv_cache_shardings(config, mesh, batch=8, cache_len=16)
-  assert sh.k[0].spec == P(("data", "fsdp"), "tensor", None, None)
-  assert sh.mask.spec == P(("data", "fsdp"), None)
-  cache = jax.device_put(model_lib.init_cache(config, 8, 16), sh)
-  assert {s.data.shape for s in cache.k[1].addressable_shards} == {(2, 1, 16, 16)}
-  # 6 rows do not divide over 4: replicated rows rather than a crash.
-  assert sharding.kv_cache_shardings(config, mesh, batch=6, cache_len=16).k[0].spec[0] is None
-
-
 def test_constrain_inside_jit():
   mesh = sharding.make_mesh(2, 2, 2)
   f = jax.jit(lambda x: sharding.constrain(x * 2, ("batch", "length", "vocab"), mesh))

@@ -4,7 +4,8 @@ The modules are NNX, but every public entry point is a pure function of
 `(config, params, ...)`, where `params` is a plain nested dict of arrays (the NNX state
 as a pure dict). That one pytree is what optax updates, orbax saves, `sharding.py`
 places and `weights.py` converts; the module graph is rebuilt from the frozen config at
-trace time. The KV cache is an explicit argument (`KVCache`), never module state.
+trace time. A KV cache is never module state: the rollout pool's (`rollout.slots`) writes
+and reads through `forward`'s `attention` argument.
 
 Shape letters (used in einsum strings, docstrings and logical axis names):
   B batch (rows)        T query length       S key length (cache slots)
@@ -27,7 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 
 from ada_jax.models import layers as layers_lib
 from ada_jax.models.architecture import PRESETS as PRESETS
@@ -37,50 +38,6 @@ from ada_jax.models.architecture import preset as preset
 from ada_jax.models.layers import Block, RMSNorm, make_param, rope_frequencies
 
 Params = dict[str, Any]
-
-
-# ----------------------------------------------------------------------------- KV cache
-
-
-@struct.dataclass
-class KVCache:
-  """Preallocated keys and values of every layer, written column by column.
-
-  Rows are independent; all rows write the same column at a step (left-padded prompts make
-  that line up), while each row carries its own RoPE positions. Keys and values share the
-  layout `[B, K, S, H]`, the one XLA:TPU keeps in place under a `dynamic_update_slice`
-  (a `[B, K, H, S]` key layout made it hold a transposed second copy of every layer's keys).
-  The rollout pool keeps its own slot cache (`rollout.slots.SlotCache`).
-
-  Attributes:
-    k: per layer, keys after RoPE, `dtype[B, K, S, H]`.
-    v: per layer, values, `dtype[B, K, S, H]`.
-    mask: `bool[B, S]`, True where a column holds a real (non-padding) token.
-    index: `int32[]`, the next column to write (columns `>= index` are empty).
-  """
-
-  k: tuple[jax.Array, ...]
-  v: tuple[jax.Array, ...]
-  mask: jax.Array
-  index: jax.Array
-
-  @property
-  def length(self) -> int:
-    """S, the number of columns."""
-    return self.mask.shape[1]
-
-
-def init_cache(config: ModelConfig, batch: int, cache_len: int, dtype=None) -> KVCache:
-  """An empty cache of `cache_len` slots for `batch` rows (compute dtype by default)."""
-  dtype = dtype or config.compute_dtype
-  shape = (batch, config.num_kv_heads, cache_len, config.head_dim)
-  zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
-  return KVCache(
-    k=zeros(),
-    v=zeros(),
-    mask=jnp.zeros((batch, cache_len), bool),
-    index=jnp.zeros((), jnp.int32),
-  )
 
 
 class Transformer(nnx.Module):
@@ -323,48 +280,6 @@ def hidden_states(
   module = _module(config, params)
   hidden, _ = module(tokens, positions, attention_mask, remat=remat, head=False)
   return hidden, module.output_embedding()
-
-
-def prefill(
-  config: ModelConfig,
-  params: Params,
-  tokens: jax.Array,
-  positions: jax.Array,
-  attention_mask: jax.Array,
-  cache_len: int,
-  *,
-  head: bool = True,
-) -> tuple[jax.Array, KVCache]:
-  """Full forward over prompts that also returns a KV cache holding them.
-
-  Attention runs over the T prompt tokens only (not the empty slots), then keys and values
-  are laid into slots `[0, T)` of a `cache_len`-slot cache with `index = T`.
-
-  Args:
-    tokens, positions: `int32[B, T]` left-padded prompts and their positions.
-    attention_mask: `bool[B, T]`, True at real tokens.
-    cache_len: S >= T, total slots (prompt + tokens to generate).
-    head: False returns the final-normed hidden state at the last position, `[B, D]`
-      (compute dtype), instead of the logits (`unembed` turns it into them).
-
-  Returns:
-    (`float32[B, V]` logits at the last position, `KVCache` with `index = T`).
-
-  Raises:
-    ValueError: cache_len < T.
-  """
-  b, t = tokens.shape
-  if cache_len < t:
-    raise ValueError(f"cache_len ({cache_len}) is shorter than the prompt length ({t})")
-  out, kvs = _module(config, params)(tokens, positions, attention_mask, last_only=True, head=head)
-  pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, cache_len - t), (0, 0)))
-  cache = KVCache(
-    k=tuple(pad(k) for k, _ in kvs),
-    v=tuple(pad(v) for _, v in kvs),
-    mask=jnp.pad(attention_mask, ((0, 0), (0, cache_len - t))),
-    index=jnp.asarray(t, jnp.int32),
-  )
-  return out[:, 0], cache
 
 
 def forward(

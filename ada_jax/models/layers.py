@@ -166,7 +166,7 @@ def fuse_gate_up(gate: jax.Array, up: jax.Array) -> jax.Array:
   return jnp.stack([gate, up], axis=0)
 
 
-def attend(q: jax.Array, pieces) -> jax.Array:
+def attend(q: jax.Array, pieces, kv_axes: str = "bksh") -> jax.Array:
   """Attention of queries over keys held in several pieces, with one softmax over all.
 
   A cache can keep its keys in parts (a slot's prompt columns and its response ring, or a
@@ -176,27 +176,32 @@ def attend(q: jax.Array, pieces) -> jax.Array:
 
   Args:
     q: `[B, T, N, H]` queries (after RoPE).
-    pieces: sequence of (k `[B, K, S_i, H]`, v `[B, K, S_i, H]`, mask `bool[B, T, S_i]`),
-      True where query t may attend to key s.
+    pieces: sequence of (k, v, mask `bool[B, T, S_i]`), keys and values laid out as
+      `kv_axes` says, True where query t may attend to key s.
+    kv_axes: the keys' and values' axis order in the letters b (row), k (kv head), s
+      (column), h (head dim): the order of the cache that holds them
+      (`rollout.slots.KV_AXES`), `[B, K, S_i, H]` by default (`Attention`'s own).
 
   Returns:
     `[B, T, N, H]` in v's dtype.
   """
   b, t, n, h = q.shape
-  kh = pieces[0][0].shape[1]
-  q = q.reshape(b, t, kh, n // kh, h)
+  kh, columns = kv_axes.index("k"), kv_axes.index("s")
+  q = q.reshape(b, t, pieces[0][0].shape[kh], -1, h)
   scores = []
   for k, _, mask in pieces:
-    s = jnp.einsum("btkgh,bksh->bkgts", q.astype(k.dtype), k, preferred_element_type=jnp.float32)
+    s = jnp.einsum(
+      f"btkgh,{kv_axes}->bkgts", q.astype(k.dtype), k, preferred_element_type=jnp.float32
+    )
     scores.append(jnp.where(mask[:, None, None], s / math.sqrt(h), _MASK_VALUE))
   probs = jax.nn.softmax(jnp.concatenate(scores, -1), axis=-1)
   outs, start = [], 0
   for k, v, _ in pieces:
     # In v's dtype (XLA:CPU has no bf16 x bf16 -> f32 kernel for this dot); the pieces'
     # partial sums are added in float32.
-    p = probs[..., start : start + k.shape[2]].astype(v.dtype)
-    outs.append(jnp.einsum("bkgts,bksh->btkgh", p, v))
-    start += k.shape[2]
+    p = probs[..., start : start + k.shape[columns]].astype(v.dtype)
+    outs.append(jnp.einsum(f"bkgts,{kv_axes}->btkgh", p, v))
+    start += k.shape[columns]
   out = outs[0] if len(outs) == 1 else sum(o.astype(jnp.float32) for o in outs)
   return out.astype(pieces[0][1].dtype).reshape(b, t, n, h)
 

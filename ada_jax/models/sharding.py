@@ -349,29 +349,6 @@ def place_batch(batch: Any, mesh: Mesh, what: str = "batch") -> Any:
   )
 
 
-def kv_cache_shardings(
-  config: ModelConfig, mesh: Mesh, batch: int, cache_len: int
-) -> model_lib.KVCache:
-  """Shardings of a `model.KVCache` of `batch` rows: rows over the data axes, kv heads
-  over 'tensor' (each replicated when not divisible), columns and head dim whole.
-
-  Returns:
-    A `KVCache` whose leaves are `NamedSharding`s (per layer k and v `[B, K, S, H]`,
-    mask `[B, S]`, index replicated).
-  """
-  k, h = config.num_kv_heads, config.head_dim
-  rules = model_rules(config, mesh)
-  spec = lambda axes, shape: NamedSharding(mesh, logical_to_spec(axes, shape, mesh, rules=rules))
-  kv = spec(("batch", "kv_heads", "length", "head_dim"), (batch, k, cache_len, h))
-  mask = spec(("batch", "length"), (batch, cache_len))
-  return model_lib.KVCache(
-    k=(kv,) * config.num_layers,
-    v=(kv,) * config.num_layers,
-    mask=mask,
-    index=replicated(mesh),
-  )
-
-
 def constrain(x: jax.Array, axes: Sequence[str | None], mesh: Mesh) -> jax.Array:
   """`with_sharding_constraint` of an activation by its logical axes (inside jit)."""
   return jax.lax.with_sharding_constraint(

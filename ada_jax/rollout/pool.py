@@ -163,14 +163,7 @@ def prefill_prompts(
       config, params, tokens, positions, lambda layer: causal, last_only=True, head=False
     )
     hidden = hidden[:, 0].astype(jnp.float32)
-    put = lambda old, new: old.at[entries].set(new.astype(old.dtype), mode="drop")
-    updated = PromptCache(
-      k=tuple(put(old, k) for old, (k, _) in zip(prompts.k, kvs, strict=True)),
-      v=tuple(put(old, v) for old, (_, v) in zip(prompts.v, kvs, strict=True)),
-      mask=put(prompts.mask, mask),
-      hidden=put(prompts.hidden, hidden),
-    )
-    return slots_lib.constrain_prompts(config, updated, mesh), hidden
+    return slots_lib.store_prompts(config, prompts, entries, kvs, mask, hidden, mesh), hidden
 
   steps = lambda x: x.reshape(n // group, group, *x.shape[1:])
   prompts, hidden = jax.lax.scan(
@@ -322,7 +315,7 @@ def draw_and_decode(
   """One step of the decode loop after its refill (pure): every live slot draws a token
   (`rule.draw` with `row_uniforms`), rows that drew a stop token or reached the budget Lr
   finish, and one decode step runs for the slots still live. `run_segment`'s loop body
-  with `_refill`; `capacity.decode_step_program` loops it alone for the roofline.
+  with `_refill`; `aot.decode_step_program` loops it alone for the roofline.
 
   Args:
     s: the pool after this step's refill.
@@ -395,7 +388,7 @@ def run_segment(
     segment_steps: at most this many steps.
     attention_block: decode attention reads the response ring in windows of whole blocks
       of this many columns (`ring_windows`).
-    mesh: when given, the slot cache is sharded by `sharding.kv_cache_shardings` and the
+    mesh: when given, the slot cache is sharded by `slots.slot_cache_shardings` and the
       outputs replicated (every process reads every row).
 
   Returns:

@@ -220,6 +220,11 @@ class RolloutPool:
     missing = {p for p in front if p not in entry_of}
     if len(missing) > len(self.free_entries):  # the cache is kept until an entry is needed
       self.release_idle(entry_of, keep=set(front))
+      if not self.queued and front[0] not in entry_of and not self.free_entries:
+        # The entries kept for rows behind the first one hold the whole cache and no queued
+        # row will free one: free them too, or the first row never gets an entry, no row is
+        # queued again and every segment returns at once (a livelock).
+        self.release_idle(entry_of)
     take, new = [], []
     free = len(self.free_entries)
     while pending and len(take) < self.room:

@@ -1,6 +1,9 @@
-"""The rollout pool's two KV caches: the prompt cache (`PromptCache`, one entry per
-prefilled prompt) and the slots' cache (`SlotCache`), their layouts and shardings, the
-copy of a prompt's entry into a slot, the one write per decode step and the bounded read.
+"""The rollout pool's two KV caches, owned here whole: the prompt cache (`PromptCache`, one
+entry per prefilled prompt) and the slots' cache (`SlotCache`), their axis order
+(`KV_AXES`), shapes, shardings, the store of prefilled prompts, the copy of a prompt's
+entry into a slot, the one write per decode step and the bounded read. No other module
+indexes a cache array: the model hands keys and values over in its own order and the
+Pallas kernel reads its own (both `MODEL_AXES`), and this module converts.
 
 Each slot holds its row's prompt columns, left-padded to the bucket Lp and copied from the
 prompt cache when the row starts, and a ring of Lr response columns that every slot writes
@@ -18,13 +21,63 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ada_jax.models import decoder as model_lib
 from ada_jax.models import layers as layers_lib
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.decoder import ModelConfig
 from ada_jax.rollout import decode_kernel
+
+# ----------------------------------------------------------------------------- layout
+
+# Both caches' axis order in `layers.attend`'s letters: b row (a slot, or a prompt entry),
+# k kv head, s column, h head dim. Every shape, write, read and sharding below derives from
+# it, so another order is a change of this line alone (tests/test_pool.py decodes the same
+# tokens in two others). This one is what the model hands over and the kernel reads
+# (`MODEL_AXES`: no transposes) and what XLA:TPU writes in place.
+KV_AXES = "bksh"
+MODEL_AXES = "bksh"  # `layers.Attention`'s new keys and values; `decode_kernel`'s blocks
+_LOGICAL = {"b": "batch", "k": "kv_heads", "s": "length", "h": "head_dim"}
+
+
+def _axis(letter: str) -> int:
+  """Where `letter` (b, k, s or h) sits in `KV_AXES` (read when traced, never cached)."""
+  return KV_AXES.index(letter)
+
+
+def _relayout(x: jax.Array, src: str, dst: str) -> jax.Array:
+  return x if src == dst else jnp.einsum(f"{src}->{dst}", x)
+
+
+def kv_shape(config: ModelConfig, rows: int, columns: int) -> tuple[int, ...]:
+  """One layer's keys (or values) of `rows` rows and `columns` columns, in `KV_AXES` order."""
+  sizes = {"b": rows, "k": config.num_kv_heads, "s": columns, "h": config.head_dim}
+  return tuple(sizes[a] for a in KV_AXES)
+
+
+def _empty(config: ModelConfig, rows: int, columns: int):
+  """(keys, values) per layer, zeros in the compute dtype, and an all-False `bool[rows,
+  columns]` mask."""
+  zeros = lambda: tuple(
+    jnp.zeros(kv_shape(config, rows, columns), config.compute_dtype)
+    for _ in range(config.num_layers)
+  )
+  return zeros(), zeros(), jnp.zeros((rows, columns), bool)
+
+
+def kv_shardings(
+  config: ModelConfig, mesh: jax.sharding.Mesh, rows: int, columns: int
+) -> tuple[NamedSharding, NamedSharding]:
+  """(one layer's keys or values, the `bool[rows, columns]` mask) sharded: rows over the
+  data axes, kv heads over 'tensor' (each replicated when not divisible), columns and
+  head dim whole (`sharding.model_rules`)."""
+  rules = sharding_lib.model_rules(config, mesh)
+  spec = lambda axes, shape: NamedSharding(
+    mesh, sharding_lib.logical_to_spec(axes, shape, mesh, rules=rules)
+  )
+  kv = spec(tuple(_LOGICAL[a] for a in KV_AXES), kv_shape(config, rows, columns))
+  return kv, spec(("batch", "length"), (rows, columns))
 
 
 @struct.dataclass
@@ -37,9 +90,11 @@ class SlotCache:
   step (`column`), live or not: a dead slot's column is masked out.
 
   Attributes:
-    prompt_k, prompt_v: per layer `dtype[S, K, Lp, H]`, the slot's prompt (keys after RoPE).
+    prompt_k, prompt_v: per layer `dtype[S, K, Lp, H]` (in `KV_AXES` order), the slot's
+      prompt (keys after RoPE).
     prompt_mask: `bool[S, Lp]`, True at the slot's real prompt tokens.
-    k, v: per layer `dtype[S, K, Lr, H]`, the response ring (keys after RoPE).
+    k, v: per layer `dtype[S, K, Lr, H]` (in `KV_AXES` order), the response ring (keys
+      after RoPE).
     mask: `bool[S, Lr]`, True at ring columns that hold the slot's row's response tokens.
     column: `int32[]`, the ring column the next decode step writes.
   """
@@ -57,22 +112,19 @@ def slot_cache_shardings(
   config: ModelConfig, mesh: jax.sharding.Mesh, slots: int, prompt_len: int, max_new_tokens: int
 ) -> SlotCache:
   """Shardings of a `SlotCache`: slots over ('data', 'fsdp'), kv heads over 'tensor'
-  (`sharding.kv_cache_shardings`), the ring column replicated."""
-  prompt = sharding_lib.kv_cache_shardings(config, mesh, slots, prompt_len)
-  return _join(prompt, sharding_lib.kv_cache_shardings(config, mesh, slots, max_new_tokens))
-
-
-def _join(prompt: model_lib.KVCache, ring: model_lib.KVCache) -> SlotCache:
-  """A `SlotCache` (or its shardings) of a prompt part and a ring part; the ring's index
-  is the shared write column."""
+  (`kv_shardings`), the ring column replicated."""
+  (pkv, pmask), (kv, mask) = (
+    kv_shardings(config, mesh, slots, n) for n in (prompt_len, max_new_tokens)
+  )
+  layers = config.num_layers
   return SlotCache(
-    prompt_k=prompt.k,
-    prompt_v=prompt.v,
-    prompt_mask=prompt.mask,
-    k=ring.k,
-    v=ring.v,
-    mask=ring.mask,
-    column=ring.index,
+    prompt_k=(pkv,) * layers,
+    prompt_v=(pkv,) * layers,
+    prompt_mask=pmask,
+    k=(kv,) * layers,
+    v=(kv,) * layers,
+    mask=mask,
+    column=sharding_lib.replicated(mesh),
   )
 
 
@@ -85,9 +137,10 @@ def init_slot_cache(
 ) -> SlotCache:
   """An empty cache of `slots` slots, `prompt_len` prompt and `max_new_tokens` ring
   columns each, the ring at column 0 (sharded by `slot_cache_shardings` with a mesh)."""
-  prompt = model_lib.init_cache(config, slots, prompt_len)
-  ring = model_lib.init_cache(config, slots, max_new_tokens)
-  return constrain(config, _join(prompt, ring), mesh)
+  prompt_k, prompt_v, prompt_mask = _empty(config, slots, prompt_len)
+  k, v, mask = _empty(config, slots, max_new_tokens)
+  cache = SlotCache(prompt_k, prompt_v, prompt_mask, k, v, mask, jnp.zeros((), jnp.int32))
+  return constrain(config, cache, mesh)
 
 
 def constrain(config: ModelConfig, cache: SlotCache, mesh) -> SlotCache:
@@ -105,8 +158,8 @@ class PromptCache:
   """Prefilled prompts, one entry per distinct prompt (P entries).
 
   Attributes:
-    k: per layer, keys after RoPE `dtype[P, K, Lp, H]` (the `KVCache` layout).
-    v: per layer, values `dtype[P, K, Lp, H]`.
+    k: per layer, keys after RoPE `dtype[P, K, Lp, H]` (in `KV_AXES` order).
+    v: per layer, values `dtype[P, K, Lp, H]` (in `KV_AXES` order).
     mask: `bool[P, Lp]`, True at real (non-padding) prompt tokens; prompts left-padded.
     hidden: `float32[P, D]`, the final-normed hidden state at each prompt's last token
       (its next-token logits are `decoder.unembed` of it).
@@ -124,11 +177,12 @@ def constrain_prompts(config: ModelConfig, prompts: PromptCache, mesh) -> Prompt
   20 GiB on every device."""
   if mesh is None:
     return prompts
-  sh = sharding_lib.kv_cache_shardings(config, mesh, prompts.mask.shape[0], prompts.k[0].shape[2])
+  kv, mask = kv_shardings(config, mesh, *prompts.mask.shape)
+  fit = lambda x, sh: jax.lax.with_sharding_constraint(x, sh)
   return prompts.replace(
-    k=tuple(map(jax.lax.with_sharding_constraint, prompts.k, sh.k)),
-    v=tuple(map(jax.lax.with_sharding_constraint, prompts.v, sh.v)),
-    mask=jax.lax.with_sharding_constraint(prompts.mask, sh.mask),
+    k=tuple(fit(x, kv) for x in prompts.k),
+    v=tuple(fit(x, kv) for x in prompts.v),
+    mask=fit(prompts.mask, mask),
   )
 
 
@@ -137,19 +191,36 @@ def empty_prompt_cache(
 ) -> PromptCache:
   """A prompt cache of `entries` empty entries of `prompt_len` columns (sharded like the
   slot cache when `mesh` is given)."""
-  cache = model_lib.init_cache(config, entries, prompt_len)
-  prompts = PromptCache(
-    k=cache.k,
-    v=cache.v,
-    mask=cache.mask,
-    hidden=jnp.zeros((entries, config.embed_dim), jnp.float32),
-  )
+  k, v, mask = _empty(config, entries, prompt_len)
+  prompts = PromptCache(k, v, mask, jnp.zeros((entries, config.embed_dim), jnp.float32))
   return constrain_prompts(config, prompts, mesh)
 
 
+def store_prompts(
+  config: ModelConfig, prompts: PromptCache, entries, kvs, mask, hidden, mesh=None
+) -> PromptCache:
+  """`prompts` with entries `entries` (`int32[N]`; an entry `>= P` is dropped: padding)
+  holding N prefilled prompts: per layer their (keys, values) as the model returns them
+  (`MODEL_AXES`, `[N, K, Lp, H]`), their `bool[N, Lp]` mask and `float32[N, D]` last
+  hidden states (`pool.prefill_prompts`)."""
+  rows = (slice(None),) * _axis("b") + (entries,)
+
+  def put(old, new):
+    return old.at[rows].set(_relayout(new, MODEL_AXES, KV_AXES).astype(old.dtype), mode="drop")
+
+  at = lambda old, new: old.at[entries].set(new.astype(old.dtype), mode="drop")
+  updated = PromptCache(
+    k=tuple(put(old, k) for old, (k, _) in zip(prompts.k, kvs, strict=True)),
+    v=tuple(put(old, v) for old, (_, v) in zip(prompts.v, kvs, strict=True)),
+    mask=at(prompts.mask, mask),
+    hidden=at(prompts.hidden, hidden),
+  )
+  return constrain_prompts(config, updated, mesh)
+
+
 def prompt_entry(config: ModelConfig, layer: jax.Array, index: jax.Array, mesh=None):
-  """Entry `index` of one layer of the prompt cache, `dtype[1, K, Lp, H]`, without moving
-  the rest of the cache between devices.
+  """Entry `index` of one layer of the prompt cache (one row, the rest as the layer),
+  without moving the rest of the cache between devices.
 
   The entries are sharded over the data axes (`constrain_prompts`). A dynamic slice of
   the sharded axis makes XLA's partitioner all-gather the whole layer for every refilled
@@ -158,28 +229,28 @@ def prompt_entry(config: ModelConfig, layer: jax.Array, index: jax.Array, mesh=N
   shards' slices are all-gathered (one entry per device) and the owner's is kept, an
   exact copy.
   """
+  one = lambda x, i: jax.lax.dynamic_slice_in_dim(x, i, 1, _axis("b"))
   if mesh is None:
-    return jax.lax.dynamic_slice_in_dim(layer, index, 1, 0)
-  spec = sharding_lib.kv_cache_shardings(config, mesh, layer.shape[0], layer.shape[2]).k[0].spec
-  axes = spec[0] if spec else None
+    return one(layer, index)
+  entries, columns = layer.shape[_axis("b")], layer.shape[_axis("s")]
+  spec = tuple(kv_shardings(config, mesh, entries, columns)[0].spec)
+  spec += (None,) * (layer.ndim - len(spec))
+  axes = spec[_axis("b")]
   if axes is None:  # entries replicated: every device holds the entry
-    return jax.lax.dynamic_slice_in_dim(layer, index, 1, 0)
+    return one(layer, index)
   axes = (axes,) if isinstance(axes, str) else tuple(axes)
 
   def local(shard, i):
-    n = shard.shape[0]
-    mine = jax.lax.dynamic_slice_in_dim(
-      shard, jnp.clip(i - jax.lax.axis_index(axes) * n, 0, n - 1), 1, 0
-    )
-    every = jax.lax.all_gather(mine, axes, axis=0, tiled=True)  # one entry per device
-    return jax.lax.dynamic_slice_in_dim(every, i // n, 1, 0)
+    n = shard.shape[_axis("b")]
+    mine = one(shard, jnp.clip(i - jax.lax.axis_index(axes) * n, 0, n - 1))
+    every = jax.lax.all_gather(mine, axes, axis=_axis("b"), tiled=True)  # one entry per device
+    return one(every, i // n)
 
-  rest = tuple(spec[1:]) + (None,) * (layer.ndim - len(spec))
   return jax.shard_map(
     local,
     mesh=mesh,
-    in_specs=(spec, jax.sharding.PartitionSpec()),
-    out_specs=jax.sharding.PartitionSpec(None, *rest),
+    in_specs=(P(*spec), P()),
+    out_specs=P(*(None if a == _axis("b") else x for a, x in enumerate(spec))),
     check_vma=False,  # all_gather's result is the same on every device of `axes`
   )(layer, index)
 
@@ -193,10 +264,9 @@ def admit_prompts(config, cache: SlotCache, prompts: PromptCache, entry, take, m
 
   def copy(i, kv):
     slot = slots[i]
-    one = lambda cache, prompt: jax.lax.dynamic_update_slice(
-      cache, prompt_entry(config, prompt, entry[slot], mesh).astype(cache.dtype),
-      (slot, 0, 0, 0),
-    )  # fmt: skip
+    one = lambda cache, prompt: jax.lax.dynamic_update_slice_in_dim(
+      cache, prompt_entry(config, prompt, entry[slot], mesh).astype(cache.dtype), slot, _axis("b")
+    )
     return tuple(
       tuple(map(one, caches, prompt_kv))
       for caches, prompt_kv in zip(kv, (prompts.k, prompts.v), strict=True)
@@ -268,7 +338,9 @@ def slot_attention(
     (`attention(layer)` for `decoder.forward`, cache columns each slot reads `int32[]`).
   """
   c, ring = cache.column, cache.mask.shape[1]
-  write = lambda old, new: jax.lax.dynamic_update_slice(old, new.astype(old.dtype), (0, 0, c, 0))
+  write = lambda old, new: jax.lax.dynamic_update_slice_in_dim(
+    old, _relayout(new, MODEL_AXES, KV_AXES).astype(old.dtype), c, _axis("s")
+  )
   if uses_kernel(mesh):
     window = jnp.clip(window, 1, ring)
     read = decode_kernel.ring_schedule(c, window, ring)[1] * decode_kernel.column_block(ring)
@@ -294,7 +366,8 @@ def slot_attention(
     def write_and_read(q, k, v):
       ring_k, ring_v = write(cache.k[layer], k), write(cache.v[layer], v)
       prompt = (cache.prompt_k[layer], cache.prompt_v[layer], rows(cache.prompt_mask))
-      whole = lambda: layers_lib.attend(q, [prompt, (ring_k, ring_v, rows(mask))])
+      attend = lambda pieces: layers_lib.attend(q, pieces, KV_AXES)
+      whole = lambda: attend([prompt, (ring_k, ring_v, rows(mask))])
 
       def window_of(n):
         if n == ring:
@@ -302,13 +375,16 @@ def slot_attention(
 
         def straight():
           cut = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, c - n + 1, n, axis)
-          piece = (cut(ring_k, 2), cut(ring_v, 2), rows(cut(mask, 1)))
-          return layers_lib.attend(q, [prompt, piece])
+          piece = (cut(ring_k, _axis("s")), cut(ring_v, _axis("s")), rows(cut(mask, 1)))
+          return attend([prompt, piece])
 
         def two_ends():
-          head = (ring_k[:, :, :n], ring_v[:, :, :n], rows(mask[:, :n]))
-          tail = (ring_k[:, :, ring - n :], ring_v[:, :, ring - n :], rows(mask[:, ring - n :]))
-          return layers_lib.attend(q, [prompt, head, tail])
+          part = lambda a, b: tuple(
+            jax.lax.slice_in_dim(x, a, b, axis=axis)
+            for x, axis in ((ring_k, _axis("s")), (ring_v, _axis("s")), (mask, 1))
+          )
+          ends = [(k, v, rows(m)) for k, v, m in (part(0, n), part(ring - n, ring))]
+          return attend([prompt, *ends])
 
         return lambda: jax.lax.cond(c >= n - 1, straight, whole if 2 * n > ring else two_ends)
 
@@ -322,17 +398,21 @@ def slot_attention(
 
 def _on_shards(config, mesh, q, prompt, ring, column, window):
   """`decode_kernel.decode_attention` on each device's slots and kv heads (a Pallas call
-  is not partitioned by XLA), or whole without a mesh; in Pallas' interpreter off TPU."""
+  is not partitioned by XLA), or whole without a mesh; in Pallas' interpreter off TPU.
+  The kernel reads `MODEL_AXES` blocks: the caches' pieces are handed over in that order."""
   interpret = sharding_lib.platform(mesh) != "tpu"
   run = lambda q, prompt, ring, c, w: decode_kernel.decode_attention(
     q, prompt, ring, c, w, interpret=interpret
   )
+  view = lambda k, v, m: (_relayout(k, KV_AXES, MODEL_AXES), _relayout(v, KV_AXES, MODEL_AXES), m)
+  prompt, ring = view(*prompt), view(*ring)
   if mesh is None:
     return run(q, prompt, ring, column, window)
-  s, lp = q.shape[0], prompt[0].shape[2]
-  spec = sharding_lib.kv_cache_shardings(config, mesh, s, lp).k[0].spec
-  rows, heads = (tuple(spec) + (None, None))[:2]
-  kv, m = P(rows, heads, None, None), P(rows, None)
+  spec = kv_shardings(config, mesh, *prompt[2].shape)[0].spec
+  spec = dict(zip(KV_AXES, tuple(spec) + (None,) * 4, strict=False))
+  rows, heads = spec["b"], spec["k"]
+  kv = P(*(spec[a] for a in MODEL_AXES))
+  m = P(rows, None)
   return jax.shard_map(
     run,
     mesh=mesh,

@@ -55,3 +55,14 @@ class SamplerSpec:
   def rule(self) -> SamplingRule:
     """The sampling rule; the trainer recomputes log-probs at its `logprob_temperature`."""
     return SamplingRule(self.temperature, self.top_k, self.top_p)
+
+  def with_slots(self, slots: int) -> SamplerSpec:
+    """This spec at `slots` slots, its queue and prompts per launch scaled with them where
+    it sets them (0 stays derived): the sizes `ada_jax.plan` tries."""
+    scale = lambda n: max(1, round(n * slots / self.chunk_rows)) if n else 0
+    return dataclasses.replace(
+      self,
+      chunk_rows=slots,
+      queue_rows=scale(self.queue_rows),
+      prompts_per_chunk=scale(self.prompts_per_chunk),
+    )
