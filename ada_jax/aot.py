@@ -24,7 +24,7 @@ a KL term, reference parameters) always, and one of these programs' working set:
   allocated;
 * `eval`: one segment of the held-out evaluation's pool (the run's mesh, its budget);
 * `decode_step`: one decode step of the rollout pool reading its whole cache, compiled
-  alone for its HBM traffic (`decode_step_program`), not a phase of the run.
+  alone for its HBM traffic (`capacity.decode_step_program`), not a phase of the run.
 """
 
 from __future__ import annotations
@@ -471,63 +471,3 @@ def shard_counts(mesh) -> dict[str, int]:
 def mesh_for(cfg: config_lib.RunConfig, devices) -> jax.sharding.Mesh:
   """The config's mesh over `devices`. Raises ValueError as `sharding.make_mesh`."""
   return sharding_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
-
-
-# XLA:TPU's cost analysis counts an operand once per instruction that touches it, whatever
-# memory holds it: a block its memory-space assignment prefetches into VMEM (v5e, v5p,
-# v6e) or CMEM (v4) is counted on the copy in and again on each read from there, though
-# HBM served it once (a 4-layer 3B decode loop on a v5e-8: 3.2x its weights and cache per
-# step with the prefetches, 1.25x without). The roofline's programs are compiled with
-# those prefetches off, so that every byte counted is an HBM byte.
-HBM_ONLY = {
-  "xla_tpu_cmem_memory_space_assignment": False,
-  "xla_jf_vmem_memory_space_assignment": False,
-  "xla_vf_vmem_memory_space_assignment": False,
-  "xla_gf_vmem_memory_space_assignment": False,
-}
-
-
-def decode_step_program(smp: sampler_lib.Sampler, params, state) -> dict:
-  """HBM bytes one step of `smp`'s decode loop reads and writes per device, from XLA's
-  cost analysis: the roofline's worst case, every slot live and reading its whole cache.
-
-  A while loop's body is counted once, so the loop is compiled twice, with one and with
-  two steps per trip (`pool.draw_and_decode`, tokens fed back from the step's own logits:
-  nothing is shared between the two steps), and the difference is one step, without what
-  the compiler hoisted out of the loop or runs once around it. Compiled with the target's
-  prefetches into on-chip memory off (`HBM_ONLY`).
-
-  Args:
-    smp: the sampler (its rule, stop ids, mesh, sizes).
-    params: its abstract rollout copy.
-    state: its abstract `PoolState` (`pool_programs`).
-
-  Returns:
-    {'bytes_accessed': per step per device, 'one_step', 'two_steps': the two programs'
-    figures, 'memory_spaces': bytes by memory space of the two-step program}.
-  """
-  key = jax.eval_shape(lambda: jax.random.key(0))
-  trips = jax.ShapeDtypeStruct((), jnp.int32)
-
-  def loop(steps):
-    def run(params, state, key, n):
-      def body(_, s):
-        for _ in range(steps):
-          s = pool_lib.draw_and_decode(
-            smp.config, params, s, key, rule=smp.rule, stop_ids=smp.stop_ids,
-            attention_block=smp.max_new_tokens, mesh=smp.mesh,
-          )  # fmt: skip
-        return s
-
-      return jax.lax.fori_loop(0, n, body, state)
-
-    fn = jax.jit(run, donate_argnums=(1,))
-    return compile_program(fn, params, state, key, trips, what="decode loop", options=HBM_ONLY)
-
-  one, two = loop(1), loop(2)
-  return {
-    "bytes_accessed": two.cost["bytes accessed"] - one.cost["bytes accessed"],
-    "one_step": one.as_dict(),
-    "two_steps": two.as_dict(),
-    "memory_spaces": two.memory_spaces,
-  }

@@ -166,7 +166,7 @@ def plan(
   def decode_roofline(smp, pool):
     step = timed(
       f"decode step at {smp.slots} slots (roofline)",
-      lambda: aot.decode_step_program(smp, params, pool["state"]),
+      lambda: capacity.decode_step_program(smp, params, pool["state"]),
     )
     return None if isinstance(step, aot.OutOfMemory) else step
 

@@ -167,8 +167,10 @@ def test_kv_shardings_fit_a_real_cache(tiny):
 @pytest.mark.parametrize("mesh_shape, order", [(None, "sbhk"), ((2, 2, 2), "khbs")])
 def test_another_cache_layout_draws_the_same_tokens(tiny, monkeypatch, mesh_shape, order):
   """The caches' axis order is `slots.KV_AXES` alone: set to another order, every cache
-  array is laid out in it (sharded by it on a mesh) and the pool draws the same tokens,
-  with the same log-probs, through refills, ring wrap-around and windowed reads."""
+  array is laid out in it (sharded by it on a mesh, the prompt cache's rows too, so that a
+  refill's `prompt_entry` runs per shard) and the pool draws the same tokens, with the same
+  log-probs, through refills, ring wrap-around and windowed reads; on the mesh also
+  through the Pallas kernel (interpreted off TPU), which reads its own order."""
   config, params = tiny
   mesh = None
   if mesh_shape:
@@ -176,7 +178,7 @@ def test_another_cache_layout_draws_the_same_tokens(tiny, monkeypatch, mesh_shap
     mesh = jax.make_mesh(mesh_shape, ("data", "fsdp", "tensor"), axis_types=auto)
   rows = np.random.default_rng(2).integers(0, 4, 16)
   kw = dict(max_new_tokens=12, stop_ids=STOPS, prompt_buckets=(8,), segment_steps=5)
-  kw |= dict(chunk_rows=4, prompts_per_chunk=2, queue_rows=4, attention_block=4)
+  kw |= dict(chunk_rows=4, prompts_per_chunk=4 if mesh else 2, queue_rows=4, attention_block=4)
   kw |= dict(rule=sampler_lib.SamplingRule(temperature=1.0))
   draw = lambda: sampler_lib.Sampler(config, mesh=mesh, **kw).generate(
     params, PROMPTS, rows, jax.random.key(5)
@@ -187,12 +189,19 @@ def test_another_cache_layout_draws_the_same_tokens(tiny, monkeypatch, mesh_shap
   assert slots_lib.init_slot_cache(config, 4, 8, 12).prompt_k[0].shape == tuple(
     sizes[a] for a in order
   )
+  if mesh is not None:  # 4 prompt entries over data x fsdp: the entries' axis is sharded
+    assert slots_lib.kv_shardings(config, mesh, 4, 8)[0].spec[order.index("b")] is not None
   got, stats = draw()
   assert len(set(want["lengths"].tolist())) > 2  # rows end at different steps
   np.testing.assert_array_equal(got["tokens"], want["tokens"])
   np.testing.assert_array_equal(got["lengths"], want["lengths"])
   np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=1e-5)
   assert (stats.kv_read, stats.kv_useful) == (want_stats.kv_read, want_stats.kv_useful)
+  if mesh is not None:
+    monkeypatch.setattr(slots_lib, "uses_kernel", lambda mesh: True)
+    kernel, _ = draw()
+    np.testing.assert_array_equal(kernel["tokens"], want["tokens"])
+    np.testing.assert_allclose(kernel["logprobs"], want["logprobs"], atol=1e-4)
 
 
 @hypothesis.settings(max_examples=6, deadline=None)

@@ -78,9 +78,9 @@ class Transformer(nnx.Module):
     head: bool = True,
     attention: Callable[[int], Callable] | None = None,
   ):
-    """Returns (logits `float32[B, T, V]` (`[B, 1, V]` if last_only), per-layer (k, v)
-    `[B, K, S, H]`). With `head=False` the first output is the final-normed hidden state
-    `[B, T, D]` (compute dtype) instead of the logits. `attention(layer)` gives that
+    """Returns (logits `float32[B, T, V]` (`[B, 1, V]` if last_only), per layer the (k, v)
+    `layers.Attention` returned). With `head=False` the first output is the final-normed
+    hidden state `[B, T, D]` (compute dtype) instead of the logits. `attention(layer)` gives that
     layer's cache write and read (`layers.Attention`); None attends causally over the T
     tokens where `kv_valid` holds."""
     c = self.config

@@ -114,7 +114,9 @@ class Attention(nnx.Module):
     self.config, self.fused = config, fused
 
   def __call__(self, x, positions, inv_freq, kv_valid, attention=None):
-    """x: `[B, T, D]`. Returns (out `[B, T, D]`, (keys, values) `[B, K, S, H]` attended).
+    """x: `[B, T, D]`. Returns (out `[B, T, D]`, (keys, values)): the T tokens' own
+    `[B, K, T, H]` without `attention`, else what `attention` returned (the cache's arrays,
+    in its own order).
 
     Without `attention`, the T tokens attend causally to each other where `kv_valid`
     (`bool[B, T]`) holds. `attention(q, k, v) -> (out, (keys, values))` replaces that

@@ -1,4 +1,5 @@
-"""Device mesh, the one logical-axis rule table, and placement of params, batches and caches.
+"""Device mesh, the one logical-axis rule table, and placement of params and batches (the
+KV caches take these rules in `rollout.slots`).
 
 Every array in the system names its dimensions with logical axes: parameters carry them in
 `model.logical_axes` ('vocab', 'embed', 'heads', 'kv_heads', 'head_dim', 'mlp'),

@@ -35,9 +35,12 @@ from ada_jax.rollout import decode_kernel
 # k kv head, s column, h head dim. Every shape, write, read and sharding below derives from
 # it, so another order is a change of this line alone (tests/test_pool.py decodes the same
 # tokens in two others). This one is what the model hands over and the kernel reads
-# (`MODEL_AXES`: no transposes) and what XLA:TPU writes in place.
+# (`MODEL_AXES`: no transposes) and what XLA:TPU writes in place; another order costs the
+# TPU kernel path a transposed copy of every layer's cache per decode step (`_on_shards`).
 KV_AXES = "bksh"
-MODEL_AXES = "bksh"  # `layers.Attention`'s new keys and values; `decode_kernel`'s blocks
+# Describes, does not set: the order of `layers.Attention`'s new keys and values and of
+# `decode_kernel`'s blocks.
+MODEL_AXES = "bksh"
 _LOGICAL = {"b": "batch", "k": "kv_heads", "s": "length", "h": "head_dim"}
 
 
