@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ada_jax.models import decoder as model_lib
-from ada_jax.models import layers
+from ada_jax.models import layers, sharding
 from ada_jax.rollout import decode_kernel
 from ada_jax.rollout import sampler as sampler_lib
 from ada_jax.rollout import slots as slots_lib
@@ -89,10 +89,7 @@ def test_pool_draws_the_same_tokens_through_the_kernel(tiny, monkeypatch, mesh_s
   and ring windows of every length; on a 2 x 2 x 2 mesh the kernel runs on each device's
   slots and kv heads."""
   config, params = tiny
-  mesh = None
-  if mesh_shape:
-    auto = (jax.sharding.AxisType.Auto,) * 3
-    mesh = jax.make_mesh(mesh_shape, ("data", "fsdp", "tensor"), axis_types=auto)
+  mesh = sharding.make_mesh(*mesh_shape) if mesh_shape else None
   rows = np.random.default_rng(2).integers(0, 4, 16)
   prompts = [[5, 6, 7, 8, 9], [11, 12], [13], [20, 21, 22, 23, 24, 25, 26]]
   kw = dict(max_new_tokens=20, stop_ids=tuple(range(3, 512, 16)), prompt_buckets=(8,))

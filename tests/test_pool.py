@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from ada_jax import testing
 from ada_jax.models import decoder as model_lib
+from ada_jax.models import sharding
 from ada_jax.rollout import sampler as sampler_lib
 from ada_jax.rollout import slots as slots_lib
 
@@ -106,10 +107,7 @@ def test_running_idle_decode_steps_draws_the_same_tokens(tiny, monkeypatch, mesh
   draws: 2 slots, 3-step segments, many refills and steps where every live row ends at
   once; on a 2 x 2 x 2 mesh as well."""
   config, params = tiny
-  mesh = None
-  if mesh_shape:
-    auto = (jax.sharding.AxisType.Auto,) * 3
-    mesh = jax.make_mesh(mesh_shape, ("data", "fsdp", "tensor"), axis_types=auto)
+  mesh = sharding.make_mesh(*mesh_shape) if mesh_shape else None
   rows = np.random.default_rng(1).integers(0, 4, 24)
   rule = sampler_lib.SamplingRule(temperature=1.0)
   kw = dict(max_new_tokens=6, stop_ids=STOPS, prompt_buckets=(8,), segment_steps=3)
@@ -152,8 +150,6 @@ def test_kv_shardings_fit_a_real_cache(tiny):
   that do not divide over the data axes are replicated rather than refused."""
   from jax.sharding import PartitionSpec as P
 
-  from ada_jax.models import sharding
-
   config, _ = tiny
   mesh = sharding.make_mesh(2, 2, 2)
   kv, mask = slots_lib.kv_shardings(config, mesh, 8, 16)
@@ -172,10 +168,7 @@ def test_another_cache_layout_draws_the_same_tokens(tiny, monkeypatch, mesh_shap
   log-probs, through refills, ring wrap-around and windowed reads; on the mesh also
   through the Pallas kernel (interpreted off TPU), which reads its own order."""
   config, params = tiny
-  mesh = None
-  if mesh_shape:
-    auto = (jax.sharding.AxisType.Auto,) * 3
-    mesh = jax.make_mesh(mesh_shape, ("data", "fsdp", "tensor"), axis_types=auto)
+  mesh = sharding.make_mesh(*mesh_shape) if mesh_shape else None
   rows = np.random.default_rng(2).integers(0, 4, 16)
   kw = dict(max_new_tokens=12, stop_ids=STOPS, prompt_buckets=(8,), segment_steps=5)
   kw |= dict(chunk_rows=4, prompts_per_chunk=4 if mesh else 2, queue_rows=4, attention_block=4)
@@ -297,10 +290,7 @@ def test_prefill_in_steps_and_query_blocks_fills_the_cache_of_one_forward(
   from ada_jax.rollout import pool as pool_lib
 
   config, params = tiny
-  mesh = None
-  if mesh_shape:
-    auto = (jax.sharding.AxisType.Auto,) * 3
-    mesh = jax.make_mesh(mesh_shape, ("data", "fsdp", "tensor"), axis_types=auto)
+  mesh = sharding.make_mesh(*mesh_shape) if mesh_shape else None
   monkeypatch.setattr(pool_lib, "PREFILL_QUERY_BLOCK", 3)
   tokens, mask = testing.left_padded_batch([8, 1, 5, 3, 7, 2, 6, 4], 8, config.vocab_size)
   entries = jnp.array([5, 0, 7, 2, 9, 3, 1, 6])  # 9 >= P: dropped

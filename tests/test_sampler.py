@@ -10,6 +10,7 @@ import pytest
 
 from ada_jax import testing
 from ada_jax.models import decoder as model_lib
+from ada_jax.models import sharding
 from ada_jax.rollout import sampler as sampler_lib
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [13], [20, 21, 22, 23, 24, 25, 26]]
@@ -220,9 +221,7 @@ def test_rows_of_one_prompt_share_a_prefill(tiny):
 
 def test_sharded_sampler_matches_single_device(tiny, no_implicit_transfers):
   config, params = tiny
-  mesh = jax.make_mesh(
-    (2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 3
-  )
+  mesh = sharding.make_mesh(2, 2, 2)
   rows = [0, 1, 2, 3, 0, 1, 2, 3, 1, 1, 3]
   kw = dict(max_new_tokens=8, stop_ids=[9], chunk_rows=4, prompts_per_chunk=2, prompt_buckets=(8,))
   rule = sampler_lib.SamplingRule(temperature=1.0)
@@ -252,9 +251,7 @@ def test_vocab_sharded_draw_equals_the_whole_vocabulary_draw(temperature):
   """`SamplingRule.draw` on logits split 4 ways along the vocabulary (rows 2 ways) draws the
   tokens and log-probs the whole-vocabulary rule draws from the same uniforms: peaked and
   flat rows, -inf logits, a row with mass in one slice only, u at 0 and just below 1."""
-  mesh = jax.make_mesh(
-    (2, 1, 4), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 3
-  )
+  mesh = sharding.make_mesh(2, 1, 4)
   rule = sampler_lib.SamplingRule(temperature=temperature)
   rng = np.random.default_rng(0)
   rows, vocab = 64, 96
@@ -283,9 +280,7 @@ def test_two_level_cumulative_sum_draws_the_flat_rule(vocab):
   from ada_jax.rollout import rule as rule_lib
 
   assert rule_lib.cdf_block(vocab) and rule_lib.cdf_block(vocab // 4)
-  mesh = jax.make_mesh(
-    (2, 1, 4), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 3
-  )
+  mesh = sharding.make_mesh(2, 1, 4)
   rng = np.random.default_rng(1)
   rows = 64
   logits = rng.normal(size=(rows, vocab)) * rng.choice([0.1, 1.0, 8.0], size=(rows, 1))

@@ -181,7 +181,7 @@ def constrain_prompts(config: ModelConfig, prompts: PromptCache, mesh) -> Prompt
   if mesh is None:
     return prompts
   kv, mask = kv_shardings(config, mesh, *prompts.mask.shape)
-  fit = lambda x, sh: jax.lax.with_sharding_constraint(x, sh)
+  fit = jax.lax.with_sharding_constraint
   return prompts.replace(
     k=tuple(fit(x, kv) for x in prompts.k),
     v=tuple(fit(x, kv) for x in prompts.v),
