@@ -5,13 +5,13 @@ libtpu (the TPU compiler, on PyPI) compiles for a named topology without the chi
 (`jax.experimental.topologies`, as MaxText's `train_compile.py`); the CUDA plugin
 (`jax-cuda12-plugin`, with ptxas from `nvidia-cuda-nvcc-cu12`) does the same for GPUs
 described by a `GpuTargetConfigProto` (`gpu_targets/*.txtpb`), as compile-only devices
-"<slices>x<hosts>x<gpus per host>". Every input here is a `jax.ShapeDtypeStruct` carrying
-its `NamedSharding` on a mesh over the target's devices, so no weight is allocated, and
-XLA's buffer assignment says what each program holds per device. XLA:TPU refuses a
-program that does not fit ("Ran out of memory on HBM"); XLA:GPU never does, so the verdict
-compares its figures with the card's memory times JAX's allocator fraction. `plan.py`
-turns these figures into a verdict; `experiments/memory_plan.py` writes them for the
-shipped configs.
+"<slices>x<hosts>x<gpus per host>" (the targets and their devices: `targets`). Every input
+here is a `jax.ShapeDtypeStruct` carrying its `NamedSharding` on a mesh over the target's
+devices, so no weight is allocated, and XLA's buffer assignment says what each program
+holds per device. XLA:TPU refuses a program that does not fit ("Ran out of memory on
+HBM"); XLA:GPU never does, so the verdict compares its figures with the card's memory
+times JAX's allocator fraction. `plan.py` turns these figures into a verdict;
+`experiments/memory_plan.py` writes them for the shipped configs.
 
 A run holds at once, per device: the train state (parameters, optimizer state and, with
 a KL term, reference parameters) always, and one of these programs' working set:
@@ -24,7 +24,7 @@ a KL term, reference parameters) always, and one of these programs' working set:
   allocated;
 * `eval`: one segment of the held-out evaluation's pool (the run's mesh, its budget);
 * `decode_step`: one decode step of the rollout pool reading its whole cache, compiled
-  alone for its HBM traffic (`capacity.decode_step_program`), not a phase of the run.
+  alone for its HBM traffic (`decode_step_program`), not a phase of the run.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import dataclasses
 import glob
 import math
 import os
-import pathlib
 import re
 import tempfile
 import types
@@ -48,125 +47,7 @@ from ada_jax.models import sharding as sharding_lib
 from ada_jax.rl import train
 from ada_jax.rollout import pool as pool_lib
 from ada_jax.rollout import sampler as sampler_lib
-
-GIB = 2**30
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-  """A TPU slice or a GPU host (or hosts) as users name it.
-
-  Attributes:
-    name: e.g. 'v5e-8', 'h100x8' (one host of 8), 'h200x16' (2 hosts of 8).
-    topology: `topologies.get_topology_desc`'s name for it: 'v5e:2x4'; for GPUs
-      '<slices>x<hosts>x<gpus per host>', e.g. '1x2x8'.
-    chip_config: a TPU's `chip_config_name` ('megacore' for v4: one device per chip), or ''.
-    devices: JAX devices of the target.
-    hbm_gib: memory per device (GiB): for a TPU what XLA:TPU lets a program use, as its
-      out-of-memory message states it (libtpu 0.0.42); for a GPU the card's whole memory
-      (`usable_gib` applies JAX's allocator fraction).
-    hbm_gbs: peak HBM bandwidth per chip, GB/s (the vendor's figure).
-    peak_tflops: peak dense bf16 TFLOP/s per chip (the vendor's figure).
-    platform: 'tpu' or 'gpu' (as `jax.Device.platform` names them).
-    spec: a GPU's `GpuTargetConfigProto` file in `ada_jax/gpu_targets/`, or ''.
-  """
-
-  name: str
-  topology: str
-  chip_config: str
-  devices: int
-  hbm_gib: float
-  hbm_gbs: float
-  peak_tflops: float
-  platform: str = "tpu"
-  spec: str = ""
-
-  @property
-  def compiler(self) -> str:
-    return "XLA:TPU" if self.platform == "tpu" else "XLA:GPU"
-
-  def usable_gib(self, mem_fraction: float) -> float:
-    """Memory a run's programs may use per device: a TPU's `hbm_gib`; a GPU's times the
-    fraction JAX's allocator takes (`XLA_PYTHON_CLIENT_MEM_FRACTION`, default 0.75)."""
-    return self.hbm_gib if self.platform == "tpu" else self.hbm_gib * mem_fraction
-
-
-# JAX's GPU allocator takes this fraction of the card's memory unless told otherwise.
-DEFAULT_MEM_FRACTION = 0.75
-# (name, spec file, bytes of memory as the spec states it, GB/s, dense bf16 TFLOP/s).
-_GPUS = (
-  ("h100", "h100_sxm.txtpb", 84942979072, 3352.0, 989.0),
-  ("h200", "h200.txtpb", 151397597184, 4800.0, 989.0),
-)
-
-
-TARGETS = {
-  t.name: t
-  for t in (
-    Target("v5e-8", "v5e:2x4", "", 8, 15.75, 819.0, 197.0),
-    Target("v4-8", "v4:2x2x1", "megacore", 4, 30.75, 1200.0, 275.0),
-    Target("v4-32", "v4:2x2x4", "megacore", 16, 30.75, 1200.0, 275.0),
-    Target("v5p-8", "v5p:2x2x1", "", 4, 95.74, 2765.0, 459.0),
-    Target("v6e-8", "v6e:2x4", "", 8, 31.25, 1640.0, 918.0),
-    *(
-      Target(
-        f"{gpu}x{hosts * per_host}",
-        f"1x{hosts}x{per_host}",
-        "",
-        hosts * per_host,
-        round(memory / GIB, 2),
-        gbs,
-        tflops,
-        platform="gpu",
-        spec=spec,
-      )  # fmt: skip
-      for gpu, spec, memory, gbs, tflops in _GPUS
-      for hosts, per_host in ((1, 1), (1, 8), (2, 8))
-    ),
-  )
-}
-
-
-def target(name: str) -> Target:
-  """The `TARGETS` entry `name`. Raises ValueError naming the known targets."""
-  if name not in TARGETS:
-    raise ValueError(f"unknown TPU slice or GPU host {name!r}; known: {', '.join(TARGETS)}")
-  return TARGETS[name]
-
-
-def devices_for(t: Target) -> list:
-  """The target's compile-only devices, for ahead-of-time compiles with no accelerator:
-  libtpu's for a TPU slice, the CUDA plugin's (from the card's `gpu_targets/` file) for a
-  GPU host. Run with `JAX_PLATFORMS=cpu`: the plugin then compiles without looking for a
-  GPU.
-
-  Raises:
-    RuntimeError: the target's compiler is not installed (`pip install -r
-      requirements-dev.txt` pins both).
-  """
-  from jax.experimental import topologies
-
-  if t.platform == "tpu":
-    kwargs = {"platform": "tpu", "topology_name": t.topology}
-    if t.chip_config:
-      kwargs["chip_config_name"] = t.chip_config
-    package = "libtpu"
-  else:
-    spec = (pathlib.Path(__file__).parent / "gpu_targets" / t.spec).read_text()
-    kwargs = {"platform": "cuda", "target_config": spec, "topology": t.topology}
-    package = "jax-cuda12-plugin and nvidia-cuda-nvcc-cu12"
-  try:
-    topo = topologies.get_topology_desc(**kwargs)
-  except Exception as e:  # jax raises several kinds when the plugin is missing
-    raise RuntimeError(
-      f"no {t.compiler} compiler for {t.name}: {type(e).__name__}: {str(e)[:300]}; install "
-      f"{package} (requirements-dev.txt pins them)"
-    ) from None
-  if len(topo.devices) != t.devices:
-    raise RuntimeError(
-      f"{t.name}: expected {t.devices} devices, {package} gives {len(topo.devices)}"
-    )
-  return list(topo.devices)
+from ada_jax.targets import GIB
 
 
 def per_device_bytes(tree) -> int:
@@ -395,7 +276,7 @@ def rollout_sampler(
   """The run's rollout sampler, built as `loop.train_run` builds it; at `slots` slots
   when given (`SamplerSpec.with_slots`)."""
   spec = cfg.sampler if slots is None else cfg.sampler.with_slots(slots)
-  rows = cfg.ada.min_rows_per_prompt
+  rows = cfg.min_rows_per_prompt
   return sampler_lib.Sampler.from_spec(
     model_cfg, spec, stop_ids=(0,), rows_per_prompt=rows, mesh=mesh
   )
@@ -460,6 +341,66 @@ def pool_programs(smp: sampler_lib.Sampler, params, *, what: str) -> dict:
     "pool_state": per_device_bytes(state),
     "prompt_cache": per_device_bytes(prompts),
     "state": state,
+  }
+
+
+# XLA:TPU's cost analysis counts an operand once per instruction that touches it, whatever
+# memory holds it: a block its memory-space assignment prefetches into VMEM (v5e, v5p,
+# v6e) or CMEM (v4) is counted on the copy in and again on each read from there, though
+# HBM served it once (a 4-layer 3B decode loop on a v5e-8: 3.2x its weights and cache per
+# step with the prefetches, 1.25x without). The roofline's programs are compiled with
+# those prefetches off, so that every byte counted is an HBM byte.
+HBM_ONLY = {
+  "xla_tpu_cmem_memory_space_assignment": False,
+  "xla_jf_vmem_memory_space_assignment": False,
+  "xla_vf_vmem_memory_space_assignment": False,
+  "xla_gf_vmem_memory_space_assignment": False,
+}
+
+
+def decode_step_program(smp: sampler_lib.Sampler, params, state) -> dict:
+  """HBM bytes one step of `smp`'s decode loop reads and writes per device, from XLA's
+  cost analysis: the roofline's worst case, every slot live and reading its whole cache.
+
+  A while loop's body is counted once, so the loop is compiled twice, with one and with
+  two steps per trip (`pool.draw_and_decode`, tokens fed back from the step's own logits:
+  nothing is shared between the two steps), and the difference is one step, without what
+  the compiler hoisted out of the loop or runs once around it. Compiled with the target's
+  prefetches into on-chip memory off (`HBM_ONLY`).
+
+  Args:
+    smp: the sampler (its rule, stop ids, mesh, sizes).
+    params: its abstract rollout copy.
+    state: its abstract `PoolState` (`pool_programs`).
+
+  Returns:
+    {'bytes_accessed': per step per device, 'one_step', 'two_steps': the two programs'
+    figures, 'memory_spaces': bytes by memory space of the two-step program}.
+  """
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  trips = jax.ShapeDtypeStruct((), jnp.int32)
+
+  def loop(steps):
+    def run(params, state, key, n):
+      def body(_, s):
+        for _ in range(steps):
+          s = pool_lib.draw_and_decode(
+            smp.config, params, s, key, rule=smp.rule, stop_ids=smp.stop_ids,
+            attention_block=smp.max_new_tokens, mesh=smp.mesh,
+          )  # fmt: skip
+        return s
+
+      return jax.lax.fori_loop(0, n, body, state)
+
+    fn = jax.jit(run, donate_argnums=(1,))
+    return compile_program(fn, params, state, key, trips, what="decode loop", options=HBM_ONLY)
+
+  one, two = loop(1), loop(2)
+  return {
+    "bytes_accessed": two.cost["bytes accessed"] - one.cost["bytes accessed"],
+    "one_step": one.as_dict(),
+    "two_steps": two.as_dict(),
+    "memory_spaces": two.memory_spaces,
   }
 
 

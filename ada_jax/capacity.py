@@ -1,7 +1,7 @@
 """How many slots a slice holds and how fast it can decode them, from compiled programs:
 the search for the largest slot count whose phases fit (`largest_fitting`, a line
 through compiles) and the decode roofline (`roofline_figures`: the bytes of one decode
-step by XLA:TPU's cost analysis, `decode_step_program`, against the weights and KV
+step by XLA:TPU's cost analysis, `aot.decode_step_program`, against the weights and KV
 cache it must read, and the tokens/s per chip the slice's HBM bandwidth allows).
 Compiler-derived figures, not measurements; `plan.py` reports them,
 `experiments/decode_roofline.py` sweeps them.
@@ -9,14 +9,9 @@ Compiler-derived figures, not measurements; `plan.py` reports them,
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-
 from ada_jax import aot
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.rollout import decode_kernel
-from ada_jax.rollout import pool as pool_lib
-from ada_jax.rollout import sampler as sampler_lib
 
 
 def largest_fitting(measure, start: int, start_bytes, step: int, limit: int, tries: int = 5):
@@ -69,66 +64,6 @@ def largest_fitting(measure, start: int, start_bytes, step: int, limit: int, tri
   return best, known[best]
 
 
-# XLA:TPU's cost analysis counts an operand once per instruction that touches it, whatever
-# memory holds it: a block its memory-space assignment prefetches into VMEM (v5e, v5p,
-# v6e) or CMEM (v4) is counted on the copy in and again on each read from there, though
-# HBM served it once (a 4-layer 3B decode loop on a v5e-8: 3.2x its weights and cache per
-# step with the prefetches, 1.25x without). The roofline's programs are compiled with
-# those prefetches off, so that every byte counted is an HBM byte.
-HBM_ONLY = {
-  "xla_tpu_cmem_memory_space_assignment": False,
-  "xla_jf_vmem_memory_space_assignment": False,
-  "xla_vf_vmem_memory_space_assignment": False,
-  "xla_gf_vmem_memory_space_assignment": False,
-}
-
-
-def decode_step_program(smp: sampler_lib.Sampler, params, state) -> dict:
-  """HBM bytes one step of `smp`'s decode loop reads and writes per device, from XLA's
-  cost analysis: the roofline's worst case, every slot live and reading its whole cache.
-
-  A while loop's body is counted once, so the loop is compiled twice, with one and with
-  two steps per trip (`pool.draw_and_decode`, tokens fed back from the step's own logits:
-  nothing is shared between the two steps), and the difference is one step, without what
-  the compiler hoisted out of the loop or runs once around it. Compiled with the target's
-  prefetches into on-chip memory off (`HBM_ONLY`).
-
-  Args:
-    smp: the sampler (its rule, stop ids, mesh, sizes).
-    params: its abstract rollout copy.
-    state: its abstract `PoolState` (`pool_programs`).
-
-  Returns:
-    {'bytes_accessed': per step per device, 'one_step', 'two_steps': the two programs'
-    figures, 'memory_spaces': bytes by memory space of the two-step program}.
-  """
-  key = jax.eval_shape(lambda: jax.random.key(0))
-  trips = jax.ShapeDtypeStruct((), jnp.int32)
-
-  def loop(steps):
-    def run(params, state, key, n):
-      def body(_, s):
-        for _ in range(steps):
-          s = pool_lib.draw_and_decode(
-            smp.config, params, s, key, rule=smp.rule, stop_ids=smp.stop_ids,
-            attention_block=smp.max_new_tokens, mesh=smp.mesh,
-          )  # fmt: skip
-        return s
-
-      return jax.lax.fori_loop(0, n, body, state)
-
-    fn = jax.jit(run, donate_argnums=(1,))
-    return aot.compile_program(fn, params, state, key, trips, what="decode loop", options=HBM_ONLY)
-
-  one, two = loop(1), loop(2)
-  return {
-    "bytes_accessed": two.cost["bytes accessed"] - one.cost["bytes accessed"],
-    "one_step": one.as_dict(),
-    "two_steps": two.as_dict(),
-    "memory_spaces": two.memory_spaces,
-  }
-
-
 def roofline(cfg, model_cfg, t, mesh, programs, smp, pool) -> dict:
   """Compiler-derived (not measured) HBM traffic of one decode step, on TPU
   (`roofline_figures` of the config's rollout pool), and the train step's FLOPs.
@@ -157,7 +92,7 @@ def roofline_figures(model_cfg, t, mesh, smp, pool, step) -> dict:
 
   `decode_bytes_per_device`: what XLA:TPU's cost analysis gives one step of the rollout
   pool's decode loop at S slots, every slot live and reading its whole cache
-  (`decode_step_program`: the loop compiled with one and two steps per trip, VMEM and
+  (`aot.decode_step_program`: the loop compiled with one and two steps per trip, VMEM and
   CMEM prefetching off so that every byte counted is an HBM byte). `decode_bytes_ratio`
   holds it against what a step must read: the rollout copy's weights on the device (of an
   untied input embedding only the S rows looked up, not counted) and the slot cache. The

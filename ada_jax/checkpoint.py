@@ -1,5 +1,6 @@
 """Run state on disk: orbax checkpoints saved and restored, and the final export
-(docs/design.md "Run state"; where a run's state comes from is `start.initial_state`).
+(docs/design.md "Run state"; `loop._start` resumes a run from it, else starts it fresh with
+`start.initial_state`).
 
 A checkpoint holds the whole run, so that a restarted run continues exactly where the
 saved one was (same next batches, same samples, same updates):
@@ -414,7 +415,7 @@ def restore_latest(
   check_host: Callable[[dict[str, Any], int], None] | None = None,
 ) -> tuple[RunState, int] | None:
   """The latest complete checkpoint of the run that restores, with its step; None when the
-  run has none (step 1 of the start order, `start.initial_state`). Newer checkpoints that do not
+  run has none (the first of the start order, `loop._start`). Newer checkpoints that do not
   restore (`UnreadableCheckpoint`) are set aside as `<step>.unreadable`, each named in a
   warning.
 

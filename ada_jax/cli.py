@@ -16,7 +16,7 @@ from absl import app, flags, logging
 from ml_collections import config_dict, config_flags
 from ml_collections.config_flags.config_flags import ConfigFileFlagParser
 
-from ada_jax.config import ConfigError, complete
+from ada_jax.config import RENAMED, ConfigError, complete
 
 
 def _usage_exit(message: str) -> typing.NoReturn:
@@ -99,6 +99,13 @@ def parse_flags(argv: list[str]) -> list[str]:
     if "get_config" in text:  # the file loaded but is not an experiment config
       _usage_exit(f"--config: {text}")
     overrides = [a.split("=")[0].removeprefix("--") for a in argv[1:] if a.startswith("--config.")]
+    moved = [
+      f"{o} moved to config.{RENAMED[key]}"
+      for o in overrides
+      if (key := o.removeprefix("config.")) in RENAMED
+    ]
+    if moved:
+      _usage_exit("; ".join(moved))
     which = ", ".join(overrides) if len(overrides) == 1 else f"one of {', '.join(overrides)}"
     _usage_exit(f"the config has no field named by {which} ({text})")
 

@@ -24,7 +24,9 @@ from ada_jax.models.sharding import MeshConfig
 from ada_jax.models.tokenizer import TokenizerConfig
 from ada_jax.models.weights import ModelSpec
 from ada_jax.rewards.verifier import VerifierConfig
-from ada_jax.rl.adaptive import AdaConfig
+from ada_jax.rl import rules
+from ada_jax.rl.adaptive import AdaConfig, DapoConfig, SeqConfig
+from ada_jax.rl.estimate import EstConfig
 from ada_jax.rl.losses import LossConfig
 from ada_jax.rl.train import OptimConfig, TrainConfig
 from ada_jax.rl.warmstart import WarmStartConfig
@@ -35,6 +37,21 @@ from ada_jax.rollout.spec import SamplerSpec
 class ConfigError(ValueError):
   """A bad experiment config or command-line flag; the message names it
   (`config.group.field`, `--flag`)."""
+
+
+# Fields a later version moved, old name -> new: Est's and DAPO's settings became their own
+# groups (`ada.est_decay` -> `ada.est.decay`), then Seq's (`ada.samples_per_round` ->
+# `ada.seq.samples_per_round`). A checkpoint saved before is compared under the new names
+# (`runstate.check_resume`), so it resumes, or is refused naming the field as it is now
+# spelt; a config file or flag with an old name is refused naming the new one (`build`).
+RENAMED = {
+  **{
+    f"ada.{group}_{f.name}": f"ada.{group}.{f.name}"
+    for group, cls in (("est", EstConfig), ("dapo", DapoConfig))
+    for f in dataclasses.fields(cls)
+  },
+  **{f"ada.{f.name}": f"ada.seq.{f.name}" for f in dataclasses.fields(SeqConfig)},
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +115,10 @@ class RunConfig:
   mesh: MeshConfig = MeshConfig()
 
   def __post_init__(self):
+    try:
+      rules.rule_for(self.ada)
+    except ValueError as e:
+      raise ConfigError(f"config.ada: {e}") from None
     # `train` is the trainer's whole config: its loss and optimizer are the run's `loss`
     # and `optim` groups, its temperature the sampler's (PPO ratio consistency).
     train = dataclasses.replace(
@@ -115,9 +136,21 @@ class RunConfig:
       object.__setattr__(self, "sampler", dataclasses.replace(self.sampler, segment_steps=steps))
 
   @property
+  def rule(self) -> rules.Rule:
+    """The sampling method's rule (`rules.RULES[ada.method]`)."""
+    return rules.RULES[self.ada.method]
+
+  @property
   def train_rows(self) -> int:
-    """Rows of the RL training batch: B·n, or K·B for est (`AdaConfig.train_rows`)."""
-    return self.ada.train_rows(self.rl.batch_prompts)
+    """Rows of the RL training batch: B·n, or K·B for est (`Rule.train_rows`)."""
+    return self.rule.train_rows(self.ada, self.rl.batch_prompts)
+
+  @property
+  def min_rows_per_prompt(self) -> int:
+    """The fewest rows the controller issues any prompt at once (`Rule.min_rows`: n for
+    grpo and dapo, M for pos and balance, est.n_min for est). A sampler chunk of C rows is
+    full whenever it may hold C // this many prompts."""
+    return self.rule.min_rows(self.ada)
 
   @property
   def mini_batch_rows(self) -> int:
@@ -131,7 +164,7 @@ class RunConfig:
   def prompts_per_chunk(self) -> int:
     """P, distinct prompts per sampler launch before the mesh rounds it up
     (`rollout.sampler.prompts_per_chunk` with the method's fewest rows per prompt)."""
-    return prompts_per_chunk(self.sampler, self.ada.min_rows_per_prompt)
+    return prompts_per_chunk(self.sampler, self.min_rows_per_prompt)
 
   def check(self) -> None:
     """Cross-group rules. Raises ConfigError naming the config field."""
@@ -161,7 +194,7 @@ class RunConfig:
         f"({self.ada.n}) = {self.mini_batch_rows} rows must divide the training batch "
         f"({self.train_rows} rows: rl.batch_prompts × ada.n, or est's K·B); 0 = one update"
       )
-    rows = self.ada.min_rows_per_prompt
+    rows = self.min_rows_per_prompt
     if self.prompts_per_chunk * rows < self.sampler.chunk_rows:
       raise ConfigError(
         f"config.sampler.prompts_per_chunk ({self.sampler.prompts_per_chunk}) × "
@@ -178,10 +211,10 @@ class RunConfig:
   def warnings(self) -> list[str]:
     """Settings that run but are likely mistakes (the loop logs them before compiling)."""
     out = []
-    m, n = self.ada.samples_per_round, self.ada.n
-    if self.ada.is_seq and m > 16 * n:
+    m, n = self.ada.seq.samples_per_round, self.ada.n
+    if isinstance(self.rule, rules.Seq) and m > 16 * n:
       out.append(
-        f"config.ada.samples_per_round={m} draws {m} responses per active prompt per round "
+        f"config.ada.seq.samples_per_round={m} draws {m} responses per active prompt per round "
         f"to keep n={n} ({m // n}x GRPO's rows per round; the paper: M=8, n=4): "
         "each step costs that much more decoding"
       )
@@ -215,14 +248,14 @@ _RANGES = {
   "SamplerSpec.queue_rows": "[0, 16 * _ROWS]",
   "SamplerSpec.attention_block": "[0, _TOKENS]",
   "AdaConfig.n": "[1, 2**16]",
-  "AdaConfig.samples_per_round": "[1, 2**16]",
-  "AdaConfig.max_rounds": "[1, 2**10]",
-  "AdaConfig.k_pos": "[0, 2**16]",
-  "AdaConfig.k_neg": "[0, 2**16]",
   "AdaConfig.positive_threshold": "[-1, 1]",
   "AdaConfig.std_eps": "(0, 1]",
   "AdaConfig.inverse_p_weight": "[0, 10]",
-  "AdaConfig.min_exit_chance": "[0, 1]",
+  "SeqConfig.samples_per_round": "[1, 2**16]",
+  "SeqConfig.max_rounds": "[1, 2**10]",
+  "SeqConfig.k_pos": "[0, 2**16]",
+  "SeqConfig.k_neg": "[0, 2**16]",
+  "SeqConfig.min_exit_chance": "[0, 1]",
   "DapoConfig.max_extra_passes": "[0, 2**10]",
   "DapoConfig.prompts_per_pass": "[1, _ROWS]",
   "EstConfig.alpha": "(0, 1e6]",
@@ -368,6 +401,9 @@ def build(cls, group: Mapping[str, Any] | None, path: str, base: Any = None):
   kwargs = {}
   for key, value in dict(group).items():
     if key not in fields:
+      moved = RENAMED.get(f"{path}.{key}")
+      if moved:
+        raise ConfigError(f"config.{path}.{key}: moved; set config.{moved}")
       raise ConfigError(f"config.{path}.{key}: unknown field; {cls.__name__} has {sorted(fields)}")
     sub = _dataclass_of(fields[key])
     if sub is not None and isinstance(value, Mapping):
@@ -400,7 +436,7 @@ def _check_finite(value: Any, name: str) -> None:
 def complete(config: Any) -> None:
   """Adds to an experiment ConfigDict, in place, every field of its groups' dataclasses it
   lacks, with the value `parse` would take for it (a None default as a typed placeholder),
-  so that every field can be set from the command line (`--config.ada.k_pos=2`,
+  so that every field can be set from the command line (`--config.ada.seq.k_pos=2`,
   `--config.eval.sampler.temperature=0.6`): ml_collections' flags override only fields the
   dict has, of a type other than None. A group the config sets to None (no warm start)
   stays None. `cli` calls it on every `--config` file as it loads."""

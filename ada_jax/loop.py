@@ -1,5 +1,5 @@
-"""The run: the loop over RL steps from the state `start.initial_state` gives it,
-evaluations, checkpoints.
+"""The run: resumed from its latest checkpoint or started fresh (`start.initial_state`),
+the loop over RL steps, evaluations, checkpoints.
 
 Per RL step `step.rl_step` runs prompts -> the one controller's rollouts -> training batch
 -> policy update (docs/design.md, "One RL step"); here the step's metrics go to
@@ -204,7 +204,7 @@ def _set_up(cfg: config_lib.RunConfig, workdir: str) -> _SetUp:
       model_cfg,
       cfg.sampler,
       stop_ids=tokenizer.eos_ids,
-      rows_per_prompt=cfg.ada.min_rows_per_prompt,
+      rows_per_prompt=cfg.min_rows_per_prompt,
       pad_id=tokenizer.pad_id,
       mesh=mesh,
     )
@@ -222,11 +222,16 @@ def _set_up(cfg: config_lib.RunConfig, workdir: str) -> _SetUp:
 def _start(
   setup: _SetUp, stop: runstate.StopRequest, stack: contextlib.ExitStack
 ) -> _Started | dict[str, Any]:
-  """Holds the workdir and starts the run (`start.initial_state`'s order: latest
-  checkpoint, `ckpt.init_from`, pretrained, init + warm start); a checkpoint made with an
-  incompatible config is refused. A fresh run's step 0 is saved at once, so a restart never
-  repeats the warm start and other runs can `init_from` it. Returns the summary instead when
-  the run had already finished with these settings (nothing written)."""
+  """Holds the workdir and starts the run: from its latest checkpoint that restores (the
+  whole run state; one made with an incompatible config is refused), else fresh
+  (`start.initial_state`: `ckpt.init_from`, pretrained, init + warm start). A fresh run's
+  step 0 is saved at once, so a restart never repeats the warm start and other runs can
+  `init_from` it. Returns the summary instead when the run had already finished with these
+  settings (nothing written).
+
+  Raises:
+    checkpoint.UnreadableCheckpoint: checkpoints exist but none restores.
+  """
   cfg, workdir, record = setup.cfg, setup.workdir, setup.record
   with_ref = cfg.loss.kl_coeff > 0
   target = train.abstract_state(setup.model_cfg, cfg.train, setup.mesh, with_ref=with_ref)
@@ -238,24 +243,27 @@ def _start(
   stack.enter_context(runstate.hold_workdir(workdir))  # one run per workdir
   manager = checkpoint.make_manager(pathlib.Path(workdir) / "checkpoints", cfg.ckpt)
   stack.callback(_close, manager)
-  run_state, source = start.initial_state(
-    cfg,
-    manager,
-    target,
-    setup.model_cfg,
-    setup.tokenizer,
-    setup.mesh,
-    model_dir=setup.model_dir,
-    host=fresh.to_host(),
-    check_host=lambda host, step: runstate.check_resume(host.get("config"), record, step),
-    phase=stop.enter,
-    progress=jax.process_index() == 0,
-  )
+  check = lambda host, step: runstate.check_resume(host.get("config"), record, step)
+  latest = checkpoint.restore_latest(manager, target, check_host=check)
+  if latest is not None:
+    run_state, source = latest[0], f"checkpoint:{latest[1]}"
+  else:
+    run_state, source = start.initial_state(
+      cfg,
+      target,
+      setup.model_cfg,
+      setup.tokenizer,
+      setup.mesh,
+      model_dir=setup.model_dir,
+      host=fresh.to_host(),
+      phase=stop.enter,
+      progress=jax.process_index() == 0,
+    )
   logging.info("run state from %s", source)
   progress = runstate.Progress.from_host(run_state.host)
   iterator.restore(progress.iterator)
   stop.enter(None)  # signals are polled from here: a save is never cut
-  if source.startswith("checkpoint"):
+  if latest is not None:
     resumed = progress.step
     if resumed > cfg.rl.steps:  # nothing is run or written: the run's results stay
       raise ConfigError(
@@ -276,9 +284,7 @@ def _start(
     )
     _say_if_not_comparable(progress, record)
   progress.config = record  # with any change a resume may make
-  if not source.startswith("checkpoint"):
-    checkpoint.save(manager, 0, dataclasses.replace(run_state, host=progress.to_host()))
-  return _Started(
+  started = _Started(
     manager,
     source,
     run_state.train,
@@ -289,6 +295,10 @@ def _start(
     iterator,
     runstate.generator_from_state(progress.np_rng),
   )
+  if latest is None:
+    host = progress.to_host()
+    checkpoint.save(manager, 0, dataclasses.replace(run_state, host=host))
+  return started
 
 
 def _evaluate_before_rl(setup, started, writer, stop) -> None:
@@ -299,10 +309,10 @@ def _evaluate_before_rl(setup, started, writer, stop) -> None:
     return
   if progress.before_rl is None:
     stop.enter("the held-out evaluation before RL")
+    progress.before_rl_eval = _eval_settings(setup.record)  # what the scores below measure
     progress.before_rl = _heldout_eval(
       setup.evaluator, setup.workdir, started.state.params, 0, started.keys.eval
     )
-    progress.before_rl_eval = _eval_settings(setup.record)
     stop.enter(None)
   writer.add_scalars(0, progress.before_rl)
 

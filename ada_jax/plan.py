@@ -68,11 +68,11 @@ def plan(
 
   Args:
     cfg: a parsed `config.RunConfig`.
-    target_name: a TPU slice or GPU host of `aot.TARGETS` ('v5e-8', 'h100x8', ...).
+    target_name: a TPU slice or GPU host of `targets.TARGETS` ('v5e-8', 'h100x8', ...).
     devices: the devices to compile for; None: the target's compile-only devices.
     progress: called with a line as each program compiles.
     mem_fraction: on a GPU, the fraction of the card's memory JAX's allocator takes
-      (None: `aot.DEFAULT_MEM_FRACTION`, JAX's default); ignored on a TPU.
+      (None: `targets.DEFAULT_MEM_FRACTION`, JAX's default); ignored on a TPU.
     size_slots: also find the largest rollout and evaluation slot counts that fit
       (`largest_fitting`: a few more compiles of the pools) and, on TPU, the decode
       roofline at the largest.
@@ -89,17 +89,17 @@ def plan(
       architecture `model_of` cannot find (the field named).
     RuntimeError: the target's compiler (libtpu, the CUDA plugin) is missing.
   """
-  from ada_jax import aot, capacity
+  from ada_jax import aot, capacity, targets
 
-  t = aot.target(target_name)
-  mem_fraction = aot.DEFAULT_MEM_FRACTION if mem_fraction is None else mem_fraction
+  t = targets.target(target_name)
+  mem_fraction = targets.DEFAULT_MEM_FRACTION if mem_fraction is None else mem_fraction
   model_cfg = model_of(cfg)
-  devices = devices or aot.devices_for(t)
+  devices = devices or targets.devices_for(t)
   mesh = aot.mesh_for(cfg, devices)
   params = aot.rollout_params(model_cfg, mesh)  # what every sampler decodes from
-  gib = lambda b: round(b / aot.GIB, 4)
+  gib = lambda b: round(b / targets.GIB, 4)
   usable = t.usable_gib(mem_fraction)
-  limit = int((usable - SPARE_GIB) * aot.GIB)
+  limit = int((usable - SPARE_GIB) * targets.GIB)
   phases, programs, notes = {}, {}, []
 
   def timed(name, fn):
@@ -166,7 +166,7 @@ def plan(
   def decode_roofline(smp, pool):
     step = timed(
       f"decode step at {smp.slots} slots (roofline)",
-      lambda: capacity.decode_step_program(smp, params, pool["state"]),
+      lambda: aot.decode_step_program(smp, params, pool["state"]),
     )
     return None if isinstance(step, aot.OutOfMemory) else step
 
@@ -236,7 +236,7 @@ def plan(
       if best:
         slots["eval"]["gib"] = gib(best_bytes)
   roofline = capacity.roofline(cfg, model_cfg, t, mesh, programs, smp, pool)
-  if cfg.ada.needs_features:
+  if cfg.rule.needs_features(cfg.ada):
     notes.append(
       "est head: its features come from the rollout pool's own prefill (the prefill "
       "phase) and its parameters are D + 1 floats"
@@ -360,13 +360,13 @@ def _check_writable(path: str) -> None:
 def define_flags() -> None:
   """The command's flags, on absl's global FLAGS (only when run as the command: importing
   this module defines none, so it sits beside other entry points in one process)."""
-  from ada_jax import aot, cli
+  from ada_jax import cli, targets
 
   cli.define_config_file("config", "Experiment config file.")
-  flags.DEFINE_string("topology", None, f"TPU slice or GPU host(s): {', '.join(aot.TARGETS)}.")
+  flags.DEFINE_string("topology", None, f"TPU slice or GPU host(s): {', '.join(targets.TARGETS)}.")
   flags.DEFINE_float(
     "mem_fraction",
-    aot.DEFAULT_MEM_FRACTION,
+    targets.DEFAULT_MEM_FRACTION,
     "GPU targets: the fraction of each card's memory JAX's allocator takes "
     "(XLA_PYTHON_CLIENT_MEM_FRACTION).",
   )
@@ -382,13 +382,13 @@ def main(argv) -> int:
   del argv
   topology, json_path = flags.FLAGS.topology, flags.FLAGS.json
   mem_fraction = flags.FLAGS.mem_fraction
-  from ada_jax import aot, cli, metrics
+  from ada_jax import aot, cli, metrics, targets
   from ada_jax import config as config_lib
 
   with cli.exit_on_config_error():
-    if topology not in aot.TARGETS:
+    if topology not in targets.TARGETS:
       raise config_lib.ConfigError(
-        f"--topology={topology}: unknown TPU slice or GPU host; known: {', '.join(aot.TARGETS)}"
+        f"--topology={topology}: unknown TPU slice or GPU host; known: {', '.join(targets.TARGETS)}"
       )
     if not 0 < mem_fraction <= 1:
       raise config_lib.ConfigError(f"--mem_fraction={mem_fraction}: must be in (0, 1]")
@@ -400,14 +400,14 @@ def main(argv) -> int:
     if json_path is not None:  # before minutes of compiling, not after them
       _check_writable(json_path)
     try:
-      devices = aot.devices_for(aot.TARGETS[topology])
+      devices = targets.devices_for(targets.TARGETS[topology])
     except RuntimeError as e:
       raise config_lib.ConfigError(f"--topology={topology}: {e}") from None
     try:
       aot.mesh_for(cfg, devices)
     except ValueError as e:
       raise config_lib.ConfigError(f"config.mesh on {topology}: {e}") from None
-  compiler = aot.TARGETS[topology].compiler
+  compiler = targets.TARGETS[topology].compiler
   print(f"compiling for {topology} with {compiler} (minutes on a laptop)", flush=True)
   try:
     result = plan(

@@ -45,8 +45,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from ada_jax import checkpoint, distributed
-from ada_jax.config import ConfigError
-from ada_jax.rl import estimate, rules
+from ada_jax.config import RENAMED, ConfigError
 
 # ----------------------------------------------------------------------------- the lock
 
@@ -118,16 +117,6 @@ LOCATIONS = (
   "eval.manual_dir",
   "eval.data_dir",
 )
-
-
-# Fields a later version moved, old flat name -> new: a checkpoint saved before Est's and
-# DAPO's settings became their own groups (`ada.est_decay` -> `ada.est.decay`) is compared
-# under the new names, so it resumes, or is refused naming the field as it is now spelt.
-RENAMED = {
-  f"ada.{group}_{f.name}": f"ada.{group}.{f.name}"
-  for group, cls in (("est", estimate.EstConfig), ("dapo", rules.DapoConfig))
-  for f in dataclasses.fields(cls)
-}
 
 
 def config_record(cfg: Any, architecture: Any) -> dict[str, Any]:
@@ -236,7 +225,7 @@ class RunKeys:
   """The run's root key (`jax.random.key(config.seed)`, checkpointed) split once.
 
   Attributes:
-    init: the random init (`start.initial_params`' step 4).
+    init: the random init (`start.initial_params`' step 3).
     rollout: the RL steps' rollouts (step s: `fold_in(rollout, s)`).
     eval: the held-out evaluations' sampling.
   """

@@ -1,13 +1,11 @@
-"""The run's start: where its state comes from, in this order (`initial_state`;
-docs/design.md "Run state"): 1. the latest checkpoint in the run's own directory that
-restores (the whole run state: params, optimizer, root key, Est statistics, prompt
-position, host Generator); 2. `ckpt.init_from`: another run's params, a fresh optimizer,
-step 0; 3. the pretrained weights of `model.hf_dir`; 4. random init (the init key), then
-the config's warm start.
+"""A fresh run's start: where its state comes from when the run's own directory holds no
+checkpoint (which would hold the whole run state: `loop` resumes from it with
+`checkpoint.restore_latest`; docs/design.md "Run state"). In this order (`initial_state`):
+1. `ckpt.init_from`: another run's params, a fresh optimizer, step 0; 2. the pretrained
+weights of `model.hf_dir`; 3. random init (the init key), then the config's warm start.
 
 An evaluation or a prompt selection of "the policy a fresh run would train"
-(`policy.load_model` with `init_dir`) takes steps 2-4 from `initial_params`.
-`loop.py` runs the RL loop from the state this module gives it.
+(`policy.load_model` with `init_dir`) takes its params from `initial_params`.
 """
 
 from __future__ import annotations
@@ -62,19 +60,19 @@ def initial_params(
   progress: bool = True,
   scratch_cache: pathlib.Path | None = None,
 ) -> tuple[Params, str, dict[str, Any] | None]:
-  """Steps 2-4 of the module docstring's order: the params a fresh run of `cfg` starts from.
+  """The params a fresh run of `cfg` starts from, by the module docstring's order.
 
   Args:
     cfg: the run config (`ckpt.init_from`, `warmstart`).
     model_config: the architecture.
     tokenizer: the warm start's.
-    target: abstract params (shapes, dtypes and shardings) of steps 2 and 3.
-    model_dir: the pretrained folder of step 3 (`inputs.load_model_files`), or None.
-    init_key: step 4's key (`runstate.RunKeys.init`).
+    target: abstract params (shapes, dtypes and shardings) of steps 1 and 2.
+    model_dir: the pretrained folder of step 2 (`inputs.load_model_files`), or None.
+    init_key: step 3's key (`runstate.RunKeys.init`).
     phase: called with 'the warm start' before it and 'the set-up' after it (the run's
       signal handling, `runstate.StopRequest.enter`).
     progress: the warm start's progress bar.
-    scratch_cache: step 4 reads its params back from this folder when a run saved them
+    scratch_cache: step 3 reads its params back from this folder when a run saved them
       there, else saves them there (evaluations of the initial policy); None: neither.
 
   Returns:
@@ -86,7 +84,7 @@ def initial_params(
     ConfigError: `ckpt.init_from` holds another model's params, or `model_dir` does not
       load (`load_pretrained`'s error, the file named).
   """
-  # 2. Another run's params (a fresh optimizer and step 0 are the caller's).
+  # 1. Another run's params (a fresh optimizer and step 0 are the caller's).
   if cfg.ckpt.init_from:
     try:
       params = checkpoint.restore_params(cfg.ckpt.init_from, target)
@@ -95,13 +93,13 @@ def initial_params(
     except weights.CheckpointError as e:  # another model's params
       raise ConfigError(f"config.ckpt.init_from={cfg.ckpt.init_from}: {e}") from None
     return params, f"init_from:{cfg.ckpt.init_from}", None
-  # 3. Pretrained weights.
+  # 2. Pretrained weights.
   if model_dir:
     try:
       return load_pretrained(model_dir, target), f"pretrained:{model_dir}", None
     except weights.CheckpointError as e:  # the file named: a bad input, not a failure
       raise ConfigError(f"config.model.hf_dir: {e}") from None
-  # 4. Random init, then the warm start.
+  # 3. Random init, then the warm start.
   if scratch_cache is not None and (scratch_cache / "params").is_dir():
     return checkpoint.restore_params(scratch_cache, target), "scratch", None
   params, summary = model_lib.init_params(model_config, init_key), None
@@ -123,7 +121,6 @@ def initial_params(
 
 def initial_state(
   cfg,
-  manager,
   target: train.TrainState,
   model_config: ModelConfig,
   tokenizer: Tokenizer,
@@ -131,36 +128,27 @@ def initial_state(
   *,
   model_dir: str | os.PathLike | None,
   host: dict[str, Any],
-  check_host: Callable[[dict[str, Any], int], None] | None = None,
   phase: Callable[[str], None] | None = None,
   progress: bool = True,
 ) -> tuple[checkpoint.RunState, str]:
-  """The run's state, from the first of the module docstring's four sources that exists.
+  """A fresh run's state: the params of the first of the module docstring's sources that
+  exists (`initial_params`), a fresh optimizer, step 0, the config's root key.
 
   Args:
     cfg: the run config.
-    manager: the run's checkpoint manager (step 1).
     target: `train.abstract_state(...)` of the run (its `ref_params` set iff the run has a
       KL reference).
     model_config, tokenizer, mesh: the run's.
-    model_dir: the pretrained folder of step 3, or None.
+    model_dir: the pretrained folder of step 2, or None.
     host: the host state of a fresh run (step, iterator position, Generator state).
-    check_host: step 1's resume-compatibility check (`checkpoint.restore`).
     phase, progress: `initial_params`'.
 
   Returns:
-    (run state, source): source 'checkpoint:<step>' or `initial_params`' source.
+    (run state, `initial_params`' source).
 
   Raises:
-    checkpoint.UnreadableCheckpoint: checkpoints exist but none restores.
     FileNotFoundError, ConfigError: as `initial_params`.
   """
-  # 1. The latest checkpoint of this run that restores: the whole run state.
-  latest = checkpoint.restore_latest(manager, target, check_host=check_host)
-  if latest is not None:
-    run, step = latest
-    return run, f"checkpoint:{step}"
-  # 2-4. The params a fresh run starts from; its optimizer, root key and host state.
   root = jax.random.key(cfg.seed)
   params, source, warm = initial_params(
     cfg,

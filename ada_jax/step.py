@@ -34,7 +34,7 @@ from ada_jax.data import prompts
 from ada_jax.data.prompts import PromptSet
 from ada_jax.models import sharding
 from ada_jax.models.tokenizer import Tokenizer
-from ada_jax.rl import controller, rules, train, update
+from ada_jax.rl import controller, train, update
 from ada_jax.rollout import engine as rollout_engine
 from ada_jax.rollout import sampler
 
@@ -132,7 +132,7 @@ def rl_step(
   with metrics_lib.CompileCounter() as compiles:
     step_prompts = StepPrompts(ctx.prompt_set, ctx.iterator, cfg.rl.batch_prompts)
     longest = max(len(t) for t in step_prompts.tokens)
-    if rules.RULES[cfg.ada.method].adds_prompts:  # DAPO's may come from anywhere in the set
+    if cfg.rule.adds_prompts:  # DAPO's may come from anywhere in the set
       longest = ctx.prompt_set.max_length
     # The pool decodes from one compute-dtype copy of the params, freed by `finish`.
     rollout = ctx.sampler.rollout_params(state.params)
@@ -150,7 +150,7 @@ def rl_step(
     )
     del rollout
     # Est's pass-rate head reads the prompts' hidden states off the pool's own prefill.
-    features = engine.features() if cfg.ada.needs_features else None
+    features = engine.features() if cfg.rule.needs_features(cfg.ada) else None
     result, est = controller.run_step(
       cfg.ada, step_prompts.ids, engine, ctx.np_rng, est, step_prompts.more_prompts, features
     )

@@ -69,15 +69,16 @@ def get_config() -> ml_collections.ConfigDict:
   c.ada.method = "balance"  # grpo | dapo | pos | balance | est
   c.ada.schedule = "rounds"  # 'rounds' (released barriers) | 'stream' (exits as rows finish)
   c.ada.n = 4  # final group size per prompt (paper: 4)
-  c.ada.samples_per_round = 8  # M: responses per active prompt per round (paper: 8)
-  c.ada.max_rounds = 4  # R: rounds at most (paper: 4)
-  c.ada.k_pos = None  # positives needed to exit; None = floor(n/2) (balance) / 1 (pos)
-  c.ada.k_neg = None  # negatives needed to exit; None = n - floor(n/2) (balance)
   c.ada.std_normalize = False  # divide advantages by the std (released Reinforce-Ada: off)
   c.ada.baseline = "global"  # 'global': mean over the whole pool (Reinforce-Ada); 'local'
   c.ada.inverse_p_weight = "none"  # 'none' (released) or f'(p̄): '1/p', '1/sqrt_p' (1/√p̄), α
-  c.ada.min_exit_chance = 0.0  # beyond the paper: stop a prompt when P(exit in budget) < this
-  c.ada.batch_order = "exit"  # Seq groups in exit order (released), or 'prompt' order
+  c.ada.seq = ml_collections.ConfigDict()  # Reinforce-Ada-Seq's own, pos and balance (SeqConfig)
+  c.ada.seq.samples_per_round = 8  # M: responses per active prompt per round (paper: 8)
+  c.ada.seq.max_rounds = 4  # R: rounds at most (paper: 4)
+  c.ada.seq.k_pos = None  # positives needed to exit; None = floor(n/2) (balance) / 1 (pos)
+  c.ada.seq.k_neg = None  # negatives needed to exit; None = n - floor(n/2) (balance)
+  c.ada.seq.min_exit_chance = 0.0  # beyond the paper: stop when P(exit in budget) < this
+  c.ada.seq.batch_order = "exit"  # groups in exit order (released), or 'prompt' order
   c.ada.dapo = ml_collections.ConfigDict()  # DAPO's own (DapoConfig)
   c.ada.dapo.max_extra_passes = 4  # extra generation passes after the first, at most
   c.ada.est = ml_collections.ConfigDict()  # Reinforce-Ada-Est's own (EstConfig)

@@ -37,7 +37,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.sampler.prompt_buckets = (128, 256, 512)
 
   c.ada.method = "pos"
-  c.ada.max_rounds = 2
+  c.ada.seq.max_rounds = 2
 
   c.rl.steps = 3
   c.rl.batch_prompts = 8

@@ -57,8 +57,8 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.ada.method = "pos"
   c.ada.n = 4  # final group size
-  c.ada.samples_per_round = 4  # M
-  c.ada.max_rounds = 2  # R
+  c.ada.seq.samples_per_round = 4  # M
+  c.ada.seq.max_rounds = 2  # R
 
   c.rl.steps = 8  # RL steps: about 30 min on 2 cores, both held-out evaluations included
   c.rl.batch_prompts = 4  # B: prompts per step

@@ -70,7 +70,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ada_jax import capacity, loop  # noqa: E402
+from ada_jax import aot, loop  # noqa: E402
 from ada_jax import config as config_lib  # noqa: E402
 from ada_jax import metrics as metrics_lib  # noqa: E402
 from ada_jax.models import decoder as model_lib  # noqa: E402
@@ -297,7 +297,7 @@ def decode_at(check: Check, cfg, params, slots: int, memory: bool) -> dict:
 def expected_decode(smp, params, state, measured_step_s: float, bw: float | None) -> dict:
   """On a TPU, the compiler's expectation beside the measurement: the HBM bytes XLA:TPU's
   cost analysis gives one step of this pool's decode loop, every slot reading its whole
-  cache (`capacity.decode_step_program`, the plan's roofline), over the chip's peak bandwidth,
+  cache (`aot.decode_step_program`, the plan's roofline), over the chip's peak bandwidth,
   against the measured step (whose rows read their live columns only, so it can beat
   it). Elsewhere nothing: XLA:GPU and XLA:CPU give the plan no cost analysis."""
   if jax.devices()[0].platform != "tpu" or not bw:
@@ -306,7 +306,7 @@ def expected_decode(smp, params, state, measured_step_s: float, bw: float | None
     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), t
   )
   try:
-    bytes_per_step = capacity.decode_step_program(smp, abstract(params), abstract(state))[
+    bytes_per_step = aot.decode_step_program(smp, abstract(params), abstract(state))[
       "bytes_accessed"
     ]
   except Exception as e:  # noqa: BLE001 -- the measured figures stand without it

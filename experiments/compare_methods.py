@@ -108,14 +108,14 @@ METHODS: dict[str, tuple[str, dict[str, object]]] = {
   "GRPO n=4 stream": (BASELINE, STREAM),
   "Ada-pos stream": (ADA, {"ada.method": "pos", **STREAM}),
   "Ada-balance stream": (ADA, {"ada.method": "balance", **STREAM}),
-  # Beyond the paper: the exit-chance rule (`ada.min_exit_chance`), at the threshold that
+  # Beyond the paper: the exit-chance rule (`ada.seq.min_exit_chance`), at the threshold that
   # keeps pos's signal within 0.01 in the simulator (experiments/README.md).
-  "Ada-pos stop": (ADA, {"ada.method": "pos", "ada.min_exit_chance": STOP}),
-  "Ada-balance stop": (ADA, {"ada.method": "balance", "ada.min_exit_chance": STOP}),
-  "Ada-pos stop stream": (ADA, {"ada.method": "pos", "ada.min_exit_chance": STOP, **STREAM}),
+  "Ada-pos stop": (ADA, {"ada.method": "pos", "ada.seq.min_exit_chance": STOP}),
+  "Ada-balance stop": (ADA, {"ada.method": "balance", "ada.seq.min_exit_chance": STOP}),
+  "Ada-pos stop stream": (ADA, {"ada.method": "pos", "ada.seq.min_exit_chance": STOP, **STREAM}),
   "Ada-balance stop stream": (
     ADA,
-    {"ada.method": "balance", "ada.min_exit_chance": STOP, **STREAM},
+    {"ada.method": "balance", "ada.seq.min_exit_chance": STOP, **STREAM},
   ),
 }
 # Each stream row and the rounds row it is measured against.

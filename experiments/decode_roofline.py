@@ -7,7 +7,7 @@ configs on their slices, at their slot counts.
   python experiments/decode_roofline.py                      # both configs, about 25 min
   python experiments/decode_roofline.py --configs=llama3b_pos --slots=192,384
 
-Each figure is `capacity.decode_step_program`'s: the pool's decode loop compiled with one and
+Each figure is `aot.decode_step_program`'s: the pool's decode loop compiled with one and
 two steps per trip (every slot live, reading its whole cache), VMEM/CMEM prefetching off so
 that XLA's cost analysis counts HBM bytes; the ratio holds them against the copy's weights
 on a device (an untied input embedding not counted) plus the slot cache. Compiler-derived,
@@ -40,7 +40,7 @@ import jax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from ada_jax import aot, capacity, metrics, plan  # noqa: E402
+from ada_jax import aot, capacity, metrics, plan, targets  # noqa: E402
 from ada_jax import config as config_lib  # noqa: E402
 from ada_jax.models import sharding as sharding_lib  # noqa: E402
 from ada_jax.rollout import slots as slots_lib  # noqa: E402
@@ -63,7 +63,7 @@ def measure(cfg, target, devices, slots, layout, kernel):
   smp = aot.rollout_sampler(cfg, model_cfg, mesh, slots)
   params = aot.rollout_params(model_cfg, mesh)
   _, (_, state, *_) = aot.segment_args(smp, params)
-  step = capacity.decode_step_program(smp, params, state)
+  step = aot.decode_step_program(smp, params, state)
   cache = state.cache
   pool = {"slot_cache": aot.per_device_bytes((cache.prompt_k, cache.prompt_v, cache.k, cache.v))}
   return capacity.roofline_figures(model_cfg, target, mesh, smp, pool, step)
@@ -74,8 +74,8 @@ def main():
   for item in ARGS.configs.split(","):
     name, _, slice_name = item.partition(":")
     cfg = config_lib.parse(importlib.import_module(f"configs.{name}").get_config())
-    target = aot.target(slice_name)
-    devices = aot.devices_for(target)
+    target = targets.target(slice_name)
+    devices = targets.devices_for(target)
     for slots in [int(s) for s in ARGS.slots.split(",") if s] or [cfg.sampler.chunk_rows]:
       for layout in ("params", "decode"):
         for kernel in (False, True):

@@ -33,7 +33,7 @@ import sys
 
 def _parse_args(argv):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--target", default="v5e-8", help="TPU slice or GPU host (aot.TARGETS)")
+  parser.add_argument("--target", default="v5e-8", help="TPU slice or GPU host (targets.TARGETS)")
   parser.add_argument("--configs", default="llama3b_pos", help="config modules under configs/")
   parser.add_argument(
     "--out", default="", help="JSON path (default: results/memory_plan_<target>.json)"
@@ -68,8 +68,8 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 
-from ada_jax import aot, metrics, plan  # noqa: E402
 from ada_jax import config as config_lib  # noqa: E402
+from ada_jax import metrics, plan, targets  # noqa: E402
 
 
 def load_config(name: str, overrides: list[str]) -> config_lib.RunConfig:
@@ -88,12 +88,12 @@ def load_config(name: str, overrides: list[str]) -> config_lib.RunConfig:
   return config_lib.parse(c)
 
 
-def compiler(target: aot.Target) -> tuple[str, list | None]:
+def compiler(target: targets.Target) -> tuple[str, list | None]:
   """('XLA:TPU (libtpu <version>)' or 'XLA:GPU (jax-cuda12-plugin <version>)', None), or
   the XLA:CPU fallback's name and its devices."""
   package = "libtpu" if target.platform == "tpu" else "jax-cuda12-plugin"
   try:
-    aot.devices_for(target)
+    targets.devices_for(target)
     return f"{target.compiler} ({package} {importlib.metadata.version(package)})", None
   except RuntimeError as e:
     print(f"{package} absent ({e}): XLA:CPU fallback on fake CPU devices", flush=True)
@@ -101,7 +101,7 @@ def compiler(target: aot.Target) -> tuple[str, list | None]:
 
 
 def main() -> None:
-  t = aot.target(ARGS.target)
+  t = targets.target(ARGS.target)
   commit = metrics.git_commit()  # the code compiled, whatever is committed meanwhile
   name_of_compiler, devices = compiler(t)
   rows, start = [], time.perf_counter()

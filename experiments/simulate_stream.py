@@ -9,7 +9,7 @@ segment boundaries, retired prompts' rows cancelled). Counts only, no model.
 
   python experiments/simulate_stream.py --out_dir experiments/results
 
-Also pos and balance with the exit-chance rule (`AdaConfig.min_exit_chance`, rows
+Also pos and balance with the exit-chance rule (`SeqConfig.min_exit_chance`, rows
 `<method>_stop<threshold>`), each under pass rates that stay fixed or drift between epochs
 (`--drifts walk_sd:drift ...`).
 
@@ -121,7 +121,7 @@ class OracleSeq(rules.Seq):
 
   def hopeless(self, ctl, p, graded):
     if p not in self.uniform:  # once per prompt and step, not at every boundary
-      d, cap = self.step_draws, ctl.config.samples_per_round * ctl.config.max_rounds
+      d, cap = self.step_draws, ctl.config.seq.budget
       future = _FRESH(d.rates, d.sim, d.step, d.mix)  # the same responses, drawn afresh
       self.uniform[p] = len(set(future.draw(np.full(cap, p))[0].tolist())) == 1
     return self.uniform[p]
@@ -246,11 +246,11 @@ def main() -> None:
   oracle_draws()
   for name in ("ada_pos", "ada_balance"):
     for t in args.min_exit_chance:
-      configs[f"{name}_stop{t:g}"] = dataclasses.replace(configs[name], min_exit_chance=t)
+      seq = dataclasses.replace(configs[name].seq, min_exit_chance=t)
+      configs[f"{name}_stop{t:g}"] = dataclasses.replace(configs[name], seq=seq)
     method = f"{name.removeprefix('ada_')}_oracle"  # the bound (min_exit_chance: on)
-    configs[f"{name}_oracle"] = dataclasses.replace(
-      configs[name], method=method, min_exit_chance=0.5
-    )
+    seq = dataclasses.replace(configs[name].seq, min_exit_chance=0.5)
+    configs[f"{name}_oracle"] = dataclasses.replace(configs[name], method=method, seq=seq)
   by_drift, checks, tables = {}, {}, {}
   for setting in args.drifts:
     walk_sd, drift = (float(x) for x in setting.split(":"))

@@ -1,7 +1,7 @@
 """How often training turns a prompt that was all wrong right again an epoch later: on the
 toy, and in the slot-pool simulator for a grid of pass-rate drifts.
 
-The exit-chance rule (`AdaConfig.min_exit_chance`) judges a prompt by its earlier epochs,
+The exit-chance rule (`SeqConfig.min_exit_chance`) judges a prompt by its earlier epochs,
 so its value depends on how much pass rates move between epochs. This measures that on the
 real toy run and finds the simulator drift that matches it:
 
@@ -38,7 +38,7 @@ from ada_jax import loop  # noqa: E402
 from ada_jax import metrics as metrics_lib  # noqa: E402
 from ada_jax.rl import controller  # noqa: E402
 from ada_jax.rl import simulate_stream as ss  # noqa: E402
-from ada_jax.rl.adaptive import AdaConfig  # noqa: E402
+from ada_jax.rl.adaptive import AdaConfig, SeqConfig  # noqa: E402
 from configs import tiny_arith_pos  # noqa: E402
 
 
@@ -85,7 +85,7 @@ def toy(steps: int, train_prompts: int, seed: int) -> dict[str, float]:
 
 
 def simulated(walk_sd: float, drift: float, sim: ss.StreamSimConfig) -> dict[str, float]:
-  cfg = AdaConfig(method="pos", n=4, samples_per_round=8, max_rounds=4)
+  cfg = AdaConfig(method="pos", n=4, seq=SeqConfig(samples_per_round=8, max_rounds=4))
   visits: list[tuple[str, float]] = []
   with captured_pools(visits):
     ss.simulate_schedule(cfg, "rounds", dataclasses.replace(sim, walk_sd=walk_sd, drift=drift))

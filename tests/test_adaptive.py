@@ -5,7 +5,9 @@ Hand-worked cases from docs/design.md "Algorithm" with scripted reward streams, 
 property tests on random reward streams.
 """
 
+import dataclasses
 import io
+import re
 
 import numpy as np
 import pytest
@@ -13,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ada_jax.rl import advantages as adv_lib
-from ada_jax.rl import estimate, pools
-from ada_jax.rl.adaptive import AdaConfig, DapoConfig, EstConfig
+from ada_jax.rl import estimate, pools, rules
+from ada_jax.rl.adaptive import AdaConfig, DapoConfig, EstConfig, SeqConfig
 from ada_jax.testing import rounds_step
 
 
@@ -86,7 +88,9 @@ def test_one_positive_in_eight_keeps_it_with_three_negatives():
   np.testing.assert_allclose(advs, [0.875, -0.125, -0.125, -0.125], atol=1e-7)
   # balance needs a second positive; with one round only it keeps the 1 + 3 it has.
   draw = Scripted([[0, 0, 0, 0, 0, 1, 0, 0]])
-  res, _ = rounds_step(AdaConfig(method="balance", max_rounds=1), _ids(1), draw, _rng())
+  res, _ = rounds_step(
+    AdaConfig(method="balance", seq=SeqConfig(max_rounds=1)), _ids(1), draw, _rng()
+  )
   np.testing.assert_array_equal(_group(res, 0)[0], [1, 0, 0, 0])
 
 
@@ -134,11 +138,14 @@ def test_seq_batch_in_exit_order_as_released_or_in_prompt_order(method):
     [1, 0, 0, 0] + [0] * 4,  # round 1
     [0, 1, 0, 0] + [0] * 4,  # round 1
   ]
-  base = dict(method=method, n=2, samples_per_round=4, max_rounds=2)
-  exit_res, _ = rounds_step(AdaConfig(**base), _ids(4), Scripted(streams), _rng())
+  seq = SeqConfig(samples_per_round=4, max_rounds=2)
+  exit_res, _ = rounds_step(AdaConfig(method, n=2, seq=seq), _ids(4), Scripted(streams), _rng())
   np.testing.assert_array_equal(exit_res.prompt_index, [2, 2, 3, 3, 1, 1, 0, 0])
   prompt_res, _ = rounds_step(
-    AdaConfig(**base, batch_order="prompt"), _ids(4), Scripted(streams), _rng()
+    AdaConfig(method, n=2, seq=dataclasses.replace(seq, batch_order="prompt")),
+    _ids(4),
+    Scripted(streams),
+    _rng(),
   )
   np.testing.assert_array_equal(prompt_res.prompt_index, [0, 0, 1, 1, 2, 2, 3, 3])
   # The same groups, handles and advantages either way, only laid out differently.
@@ -151,14 +158,12 @@ def test_seq_batch_in_exit_order_as_released_or_in_prompt_order(method):
 
 
 def test_batch_order_ties_keep_prompt_order_and_never_exited_go_last():
-  cfg = AdaConfig(method="pos")
-  assert pools.batch_order(cfg, [None, 2, 1, 1]) == [2, 3, 1, 0]
-  assert pools.batch_order(cfg, [3, None, 0, None, 0]) == [2, 4, 0, 1, 3]
-  assert pools.batch_order(cfg, [None, None]) == [0, 1]
-  prompt = AdaConfig(method="pos", batch_order="prompt")
-  assert pools.batch_order(prompt, [None, 2, 1, 1]) == [0, 1, 2, 3]
-  with pytest.raises(ValueError, match="AdaConfig.batch_order"):
-    AdaConfig(method="pos", batch_order="shuffled")
+  assert pools.batch_order("exit", [None, 2, 1, 1]) == [2, 3, 1, 0]
+  assert pools.batch_order("exit", [3, None, 0, None, 0]) == [2, 4, 0, 1, 3]
+  assert pools.batch_order("exit", [None, None]) == [0, 1]
+  assert pools.batch_order("prompt", [None, 2, 1, 1]) == [0, 1, 2, 3]
+  with pytest.raises(ValueError, match="SeqConfig.batch_order"):
+    SeqConfig(batch_order="shuffled")
 
 
 def test_pos_all_positive_first_round_exits_with_zero_signal():
@@ -169,8 +174,8 @@ def test_pos_all_positive_first_round_exits_with_zero_signal():
 
 
 def test_balance_n4_needs_two_positives_and_two_negatives():
-  assert AdaConfig(method="balance", n=4).thresholds() == (2, 2)
-  assert AdaConfig(method="pos", n=4).thresholds() == (1, 0)
+  assert rules.thresholds(AdaConfig(method="balance", n=4)) == (2, 2)
+  assert rules.thresholds(AdaConfig(method="pos", n=4)) == (1, 0)
   streams = [
     [1] + [0] * 7 + [0, 0, 1, 0, 0, 0, 0, 0] + [0] * 16,  # 1 pos in r1, 2nd in r2
     [1] * 8 + [1] * 7 + [0] + [0] + [1] * 7 + [1] * 8,  # 1 neg in r2, 2nd in r3
@@ -297,7 +302,7 @@ def test_draw_with_wrong_answer_size_fails_clearly():
 
 def test_random_selection_is_deterministic_per_seed():
   stream = [[1, 0, 1, 0, 1, 0, 1, 0] + [0] * 24]
-  cfg = AdaConfig(method="pos", selection="random")
+  cfg = AdaConfig(method="pos", seq=SeqConfig(selection="random"))
   a, _ = rounds_step(cfg, _ids(1), Scripted(stream), np.random.default_rng(3))
   b, _ = rounds_step(cfg, _ids(1), Scripted(stream), np.random.default_rng(3))
   assert a.handles == b.handles
@@ -396,7 +401,8 @@ def test_est_state_updates_and_steers_the_budget():
 def test_est_released_defaults_and_single_sample_advantage():
   cfg = AdaConfig(method="est")
   assert (cfg.est.budget_per_prompt, cfg.est.weight, cfg.est.split) == (8.0, "1/p", "released")
-  assert cfg.train_rows(64) == 512 == AdaConfig(method="grpo", n=8).train_rows(64)
+  grpo = AdaConfig(method="grpo", n=8)
+  assert rules.RULES["est"].train_rows(cfg, 64) == 512 == rules.RULES["grpo"].train_rows(grpo, 64)
   # p̂ = 41/57 (easy) vs 1/17 (unseen): weights 1.39 and 17, budget 16: 1 each, then
   # 14 * [0.076, 0.924] = [1.06, 12.94] -> [2, 13], the leftover to the 0.94 -> [2, 14].
   state = estimate.update_est_state(
@@ -413,7 +419,7 @@ def test_est_released_defaults_and_single_sample_advantage():
 
 
 def test_est_paper_variant_clips_and_weights():
-  assert AdaConfig(method="est", **estimate.EST_PAPER).train_rows(10) == 80
+  assert rules.RULES["est"].train_rows(AdaConfig(method="est", **estimate.EST_PAPER), 10) == 80
   cfg = AdaConfig(
     method="est",
     est=EstConfig(weight="1/sqrt_p", split="clipped", n_min=2, n_max=6, budget_per_prompt=4),
@@ -442,16 +448,19 @@ def test_est_paper_variant_clips_and_weights():
 @pytest.mark.parametrize(
   "cls, kwargs, field",
   [
-    (AdaConfig, {"method": "ppo"}, "method"),
-    (AdaConfig, {"method": "balance", "n": 5}, "n"),
-    (AdaConfig, {"samples_per_round": 0}, "samples_per_round"),
-    (AdaConfig, {"max_rounds": 0}, "max_rounds"),
+    (AdaConfig, {"method": ""}, "method"),
+    (AdaConfig, {"schedule": "async"}, "schedule"),
     (AdaConfig, {"n": 1}, "n"),
-    (AdaConfig, {"method": "pos", "samples_per_round": 2, "n": 4}, "samples_per_round"),
     (AdaConfig, {"baseline": "median"}, "baseline"),
     (AdaConfig, {"inverse_p_weight": "1/p2"}, "inverse_p_weight"),
     (AdaConfig, {"inverse_p_weight": -0.1}, "inverse_p_weight"),
-    (AdaConfig, {"k_pos": -1}, "k_pos"),
+    (AdaConfig, {"seq": EstConfig()}, "seq"),
+    (SeqConfig, {"samples_per_round": 0}, "samples_per_round"),
+    (SeqConfig, {"max_rounds": 0}, "max_rounds"),
+    (SeqConfig, {"k_pos": -1}, "k_pos"),
+    (SeqConfig, {"k_neg": -2}, "k_neg"),
+    (SeqConfig, {"selection": "best"}, "selection"),
+    (SeqConfig, {"min_exit_chance": 1.0}, "min_exit_chance"),
     (EstConfig, {"decay": 1.5}, "decay"),
     (EstConfig, {"weight": "p"}, "weight"),
     (EstConfig, {"weight": 1.5}, "weight"),
@@ -475,9 +484,30 @@ def test_malformed_config_fails_naming_the_field(cls, kwargs, field):
     cls(**kwargs)
 
 
+@pytest.mark.parametrize(
+  "kwargs, field",
+  [
+    ({"method": "ppo"}, "method"),
+    ({"method": "balance", "n": 5}, "n"),
+    ({"method": "pos", "n": 4, "seq": SeqConfig(samples_per_round=2)}, "seq.samples_per_round"),
+    ({"method": "balance", "seq": SeqConfig(k_pos=0, k_neg=0)}, "seq.k_pos"),
+    ({"method": "grpo", "seq": SeqConfig(min_exit_chance=0.1)}, "seq.min_exit_chance"),
+    ({"method": "est", "seq": SeqConfig(min_exit_chance=0.1)}, "seq.min_exit_chance"),
+  ],
+)
+def test_a_rule_refuses_settings_it_cannot_run_naming_the_field(kwargs, field):
+  """Fields valid one by one that the method cannot run together: refused by its rule
+  (`rules.rule_for`) when the controller starts, naming the field's path."""
+  config = AdaConfig(**kwargs)
+  with pytest.raises(ValueError, match=rf"AdaConfig\.{re.escape(field)}="):
+    rules.rule_for(config)
+  with pytest.raises(ValueError, match=rf"AdaConfig\.{re.escape(field)}="):
+    rounds_step(config, _ids(1), Scripted([[1.0] * 64]), _rng())
+
+
 def test_odd_n_balance_is_fine_with_explicit_thresholds():
-  cfg = AdaConfig(method="balance", n=5, k_pos=2, k_neg=3)
-  assert cfg.thresholds() == (2, 3)
+  cfg = AdaConfig(method="balance", n=5, seq=SeqConfig(k_pos=2, k_neg=3))
+  assert rules.thresholds(cfg) == (2, 3)
 
 
 # --- Properties on random reward streams ----------------------------------------------
@@ -510,7 +540,7 @@ def seq_case(draw):
       }
     )
   )
-  cfg = AdaConfig(method=method, n=n, samples_per_round=m, max_rounds=r, **opts)
+  cfg = AdaConfig(method=method, n=n, **opts, seq=SeqConfig(samples_per_round=m, max_rounds=r))
   return cfg, streams
 
 
@@ -520,7 +550,7 @@ def test_seq_and_grpo_properties(case):
   cfg, streams = case
   draw = Scripted(streams)
   res, _ = rounds_step(cfg, _ids(len(streams)), draw, _rng())
-  k_pos, k_neg = cfg.thresholds()
+  k_pos, k_neg = rules.thresholds(cfg)
   for p, stream in enumerate(streams):
     drawn = draw.used[p]
     pool = np.asarray(stream[:drawn])
@@ -535,14 +565,14 @@ def test_seq_and_grpo_properties(case):
     if cfg.method == "grpo":
       assert drawn == cfg.n
       continue
-    m = cfg.samples_per_round
-    assert drawn <= cfg.max_rounds * m and drawn % m == 0
+    m = cfg.seq.samples_per_round
+    assert drawn <= cfg.seq.max_rounds * m and drawn % m == 0
     # The prompt stopped at the first round whose pool met the exit rule.
     met = [
       (stream[: j * m].count(1.0) >= k_pos and stream[: j * m].count(0.0) >= k_neg)
-      for j in range(1, cfg.max_rounds + 1)
+      for j in range(1, cfg.seq.max_rounds + 1)
     ]
-    expected_rounds = met.index(True) + 1 if any(met) else cfg.max_rounds
+    expected_rounds = met.index(True) + 1 if any(met) else cfg.seq.max_rounds
     assert drawn == expected_rounds * m
   assert res.stats.rows_requested == sum(draw.used.values())
   assert sum(res.stats.samples_per_round) == res.stats.rows_requested

@@ -115,9 +115,10 @@ def test_reference_params_and_no_est(tmp_path):
   manager.close()
 
 
-def test_resume_order(tmp_path):
-  """`start.initial_state`'s order: 1. the run's own latest checkpoint; 2. `init_from`;
-  3. pretrained weights; 4. random init (the run's init key)."""
+def test_fresh_start_order(tmp_path):
+  """A fresh run's start (`start.initial_state`, when its own directory holds no checkpoint
+  for `loop` to resume from): 2. `init_from`; 3. pretrained weights; 4. random init (the
+  run's init key)."""
   mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
   target = train.abstract_state(CONFIG, TRAIN, mesh)
   root = jax.random.key(0)
@@ -131,41 +132,37 @@ def test_resume_order(tmp_path):
   hf = tmp_path / "hf"
   checkpoint.export_hf(CONFIG, jax.tree.map(lambda x: x * 2, fresh_params), hf)
 
-  def initial(workdir, init_from="", pretrained=None):
+  def initial(init_from="", pretrained=None):
     cfg = types.SimpleNamespace(
       seed=0, ckpt=types.SimpleNamespace(init_from=init_from), warmstart=None, train=TRAIN
     )
-    manager = checkpoint.make_manager(tmp_path / workdir)
     return start.initial_state(
-      cfg, manager, target, CONFIG, None, mesh, model_dir=pretrained, host={"rl_step": 0}
+      cfg, target, CONFIG, None, mesh, model_dir=pretrained, host={"rl_step": 0}
     )
 
-  # 1. the run's own latest checkpoint wins over everything else.
-  run, source = initial("other", init_from=str(hf), pretrained=str(hf))
-  assert source == "checkpoint:9" and run.host["rl_step"] == 9
-  # 2. init_from: another run's params, fresh optimizer and step.
-  run, source = initial("a", init_from=str(tmp_path / "other"), pretrained=str(hf))
+  # 2. init_from (over pretrained weights): another run's params, fresh optimizer and step.
+  run, source = initial(init_from=str(tmp_path / "other"), pretrained=str(hf))
   assert source.startswith("init_from:") and int(run.train.step) == 0
   assert run.host == {"rl_step": 0}
   _assert_tree_equal(run.train.params, other_run.train.params)
   # A step that was never saved: the error names the field and lists the saved steps.
   with pytest.raises(FileNotFoundError, match=r"config\.ckpt\.init_from: .*holds steps \[9\]"):
-    initial("d", init_from=str(tmp_path / "other" / "5"))
+    initial(init_from=str(tmp_path / "other" / "5"))
   # 3. pretrained Hugging Face weights (the exported folder), on the target shardings.
-  run, source = initial("b", pretrained=str(hf))
+  run, source = initial(pretrained=str(hf))
   assert source == f"pretrained:{hf}"
   _assert_tree_equal(run.train.params, jax.tree.map(lambda x: x * 2, fresh_params))
   # 4. from scratch: the init key of the config's seed.
-  run, source = initial("c")
+  run, source = initial()
   assert source == "scratch"
   _assert_tree_equal(run.train.params, fresh_params)
   np.testing.assert_array_equal(jax.random.key_data(run.rng), jax.random.key_data(root))
   with pytest.raises(
     ConfigError, match=r"config\.model\.hf_dir: .*no_such_weights: no such folder"
   ):
-    initial("d", pretrained=str(tmp_path / "no_such_weights"))
+    initial(pretrained=str(tmp_path / "no_such_weights"))
   with pytest.raises(FileNotFoundError, match="init_from"):
-    initial("e", init_from=str(tmp_path / "c"))
+    initial(init_from=str(tmp_path / "no_checkpoints"))
 
 
 def test_init_from_bf16_params_restores_them_upcast_with_one_warning(tmp_path, caplog):

@@ -46,7 +46,7 @@ def test_gpu_host_settings_parse_for_every_method():
         run = config_lib.parse(module.get_config(host))
         assert run.sampler.chunk_rows == sizes["chunk_rows"], (name, variant, host)
         assert run.eval.sampler.chunk_rows == sizes["eval_chunk_rows"]
-        assert run.prompts_per_chunk * run.ada.min_rows_per_prompt >= run.sampler.chunk_rows
+        assert run.prompts_per_chunk * run.min_rows_per_prompt >= run.sampler.chunk_rows
         assert (run.ada, run.train, run.mesh) == (plain.ada, plain.train, plain.mesh)
   with pytest.raises(ValueError, match=r"'h300x8'.*known: \['h100x8', 'h200x8'\]"):
     modules["qwen_math7b_grpo"].get_config("h300x8")
@@ -61,7 +61,7 @@ def test_paper_hyper_parameters_are_the_defaults():
   cfg = common.get_config()
   cfg.model.preset = "llama-3.2-3b"
   run = config_lib.parse(cfg)
-  assert (run.ada.n, run.ada.samples_per_round, run.ada.max_rounds) == (4, 8, 4)
+  assert (run.ada.n, run.ada.seq.samples_per_round, run.ada.seq.max_rounds) == (4, 8, 4)
   assert (run.loss.clip_low, run.loss.clip_high, run.loss.dual_clip) == (0.2, 0.28, 10.0)
   assert run.optim.learning_rate == 1e-6 and run.rl.batch_prompts == 512
   assert run.sampler.max_new_tokens == 2048 and run.data.max_prompt_tokens == 1024
@@ -71,7 +71,11 @@ def test_paper_hyper_parameters_are_the_defaults():
   "group,key,value,match",
   [
     ("sampler", "temprature", 1.0, r"config\.sampler\.temprature: unknown field"),
-    ("ada", "samples_per_round", 0, r"config\.ada"),
+    ("ada", "seq", {"samples_per_round": 0}, r"config\.ada\.seq: SeqConfig\.samples_per_round=0"),
+    ("ada", "method", "ppo", r"config\.ada: AdaConfig\.method='ppo': unknown method"),
+    ("ada", "n", 64, r"config\.ada: AdaConfig\.seq\.samples_per_round=8: with n=64"),
+    ("ada", "samples_per_round", 8, r"config\.ada\.samples_per_round: moved; .*ada\.seq\.samp"),
+    ("ada", "est_decay", 0.5, r"config\.ada\.est_decay: moved; set config\.ada\.est\.decay"),
     ("optim", "learning_rate", -1.0, r"config\.optim.*learning_rate"),
     ("model", "preset", "gpt-9", r"model\.preset"),
   ],
@@ -156,6 +160,11 @@ def test_groups_are_the_modules_own_configs_and_train_is_filled_once():
       "ada_jax: the config has no field named by config.rl.batchsize",
     ),
     ("no_such_config.py", "--config.rl.steps=3", "ada_jax: --config="),
+    (
+      "tiny_arith_pos.py",
+      "--config.ada.max_rounds=2",
+      "ada_jax: config.ada.max_rounds moved to config.ada.seq.max_rounds",
+    ),
   ],
 )
 def test_command_line_bad_config_is_one_line_exit_2_from_any_directory(
@@ -281,12 +290,13 @@ def test_late_found_errors_are_refused_at_parse(edit, match):
 @given(m=st.integers(1, 2000), n=st.integers(2, 16))
 def test_absurd_samples_per_round_is_warned(m, n):
   cfg = tiny_arith_pos.get_config().to_dict()
-  cfg["ada"].update(samples_per_round=max(m, n), n=n, max_rounds=4)
+  cfg["ada"]["n"] = n
+  cfg["ada"]["seq"] = {"samples_per_round": max(m, n), "max_rounds": 4}
   cfg["sampler"]["prompts_per_chunk"] = cfg["sampler"]["chunk_rows"]  # full chunks for any M
   warnings = config_lib.parse(cfg).warnings()
   assert bool(warnings) == (max(m, n) > 16 * n)
   if warnings:
-    assert f"config.ada.samples_per_round={max(m, n)}" in warnings[0]
+    assert f"config.ada.seq.samples_per_round={max(m, n)}" in warnings[0]
 
 
 # ----------------------------------------------------------------------------- ranges
@@ -435,7 +445,7 @@ def _parse_flags(*overrides):
 
 def test_every_field_is_settable_from_the_command_line():
   """`--config.<group>.<field>=value` for every field the run's groups have (the examples:
-  ada.k_pos / k_neg, default None; eval.prompt_style, not in the config file;
+  ada.seq.k_pos / k_neg, default None; eval.prompt_style, not in the config file;
   eval.sampler.temperature, a nested group's field the file leaves out)."""
   base = _parse_flags()
   flags_, expected = [], {}
@@ -450,7 +460,7 @@ def test_every_field_is_settable_from_the_command_line():
     if value is not None:
       flags_.append(f"--config.{dotted}={value[0]}")
       expected[dotted] = value[1]
-  assert {"ada.k_pos", "ada.k_neg", "eval.prompt_style", "eval.sampler.temperature"} <= set(
+  assert {"ada.seq.k_pos", "ada.seq.k_neg", "eval.prompt_style", "eval.sampler.temperature"} <= set(
     expected
   )
   assert len(expected) > 100
@@ -478,5 +488,6 @@ def test_completed_configs_parse_as_before():
 
 
 def test_command_line_k_pos_reaches_the_run():
-  run = config_lib.parse(_parse_flags("--config.ada.k_pos=1", "--config.eval.prompt_style=plain"))
-  assert run.ada.k_pos == 1 and run.eval.prompt_style == "plain"
+  argv = ("--config.ada.seq.k_pos=1", "--config.eval.prompt_style=plain")
+  run = config_lib.parse(_parse_flags(*argv))
+  assert run.ada.seq.k_pos == 1 and run.eval.prompt_style == "plain"

@@ -206,7 +206,7 @@ def test_one_rl_step_of_main_on_the_real_model(converted, tmp_path):
     "--config.rl.steps=1",
     "--config.rl.batch_prompts=2",
     "--config.train.mini_batch_prompts=2",
-    "--config.ada.max_rounds=1",
+    "--config.ada.seq.max_rounds=1",
     "--config.sampler.max_new_tokens=32",
     "--config.sampler.chunk_rows=8",
     "--config.eval.benchmarks=()",

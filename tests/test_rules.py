@@ -1,6 +1,7 @@
 """The rule table: the worked example of docs/design.md "Adding a sampling method" runs as
 written, under both schedules, and behaves as the text says."""
 
+import dataclasses
 import pathlib
 import re
 
@@ -10,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ada_jax.rl import controller, estimate, rules
-from ada_jax.rl.adaptive import AdaConfig
+from ada_jax.rl.adaptive import AdaConfig, SeqConfig
 
 DESIGN = pathlib.Path(__file__).resolve().parents[1] / "docs" / "design.md"
 
@@ -48,7 +49,9 @@ def _draw(streams):
 @pytest.mark.parametrize("schedule", controller.SCHEDULES)
 def test_the_worked_example_is_one_table_entry(patient, schedule):
   config = patient["config"]
-  assert config.thresholds() == (1, 0) and config.is_seq and config.min_rows_per_prompt == 4
+  rule = rules.rule_for(config)
+  assert isinstance(rule, rules.Seq) and rule.min_rows(config) == 4
+  assert rules.thresholds(config) == (1, 0)
   # Prompt 0: a positive in round 1; prompt 1: none in 12; prompt 2: its first in round 2.
   streams = [[0, 1, 0, 0] + [0] * 8, [0] * 12, [0, 0, 0, 0, 0, 1, 0, 0] + [0] * 4]
   draw, used = _draw(streams)
@@ -73,11 +76,20 @@ def test_the_worked_example_is_one_table_entry(patient, schedule):
 def test_the_worked_example_refuses_bad_settings(patient):
   with pytest.raises(ValueError, match=r"Patience.rounds=0: must be >= 1"):
     patient["Patience"](rounds=0)
+  config = patient["config"]
+  short = dataclasses.replace(config, seq=dataclasses.replace(config.seq, max_rounds=2))
+  with pytest.raises(ValueError, match=r"AdaConfig.seq.max_rounds=2: must exceed patience"):
+    rules.rule_for(short)
+  no_positive = dataclasses.replace(
+    config, seq=SeqConfig(samples_per_round=4, max_rounds=3, k_pos=0, k_neg=4)
+  )
+  with pytest.raises(ValueError, match=r"AdaConfig.seq.k_pos=0: pos_patient waits"):
+    rules.rule_for(no_positive)
 
 
 def test_an_unknown_method_names_the_table():
   with pytest.raises(ValueError, match=r"AdaConfig.method='pos3'.*'grpo', 'dapo'"):
-    AdaConfig(method="pos3")
+    rules.rule_for(AdaConfig(method="pos3"))
 
 
 # --------------------------------------------------------------- the exit-chance rule
@@ -130,7 +142,9 @@ def test_a_prompt_that_cannot_exit_is_stopped_after_its_first_round(schedule):
   # chance of a positive in the 24 left is 1 - 224/248 = 0.097 < 0.2. "b" is new (prior
   # Beta(1, 16)): after round 1, 1 - 24/48 = 0.5; round 2, 1 - 32/48 = 0.33; round 3,
   # 1 - 40/48 = 0.17 < 0.2: stopped with 24 drawn.
-  cfg = AdaConfig(method="pos", n=4, samples_per_round=8, max_rounds=4, min_exit_chance=0.2)
+  cfg = AdaConfig(
+    method="pos", n=4, seq=SeqConfig(samples_per_round=8, max_rounds=4, min_exit_chance=0.2)
+  )
   state = _hopeless_state(["a"])
   draw, used = _draw([[0] * 32, [0] * 32])
   engine = controller.DrawEngine(draw)
@@ -148,7 +162,7 @@ def test_a_prompt_that_cannot_exit_is_stopped_after_its_first_round(schedule):
 
 
 def test_the_rule_is_off_by_default_and_only_for_exit_rules():
-  cfg = AdaConfig(method="pos", n=4, samples_per_round=8, max_rounds=4)
+  cfg = AdaConfig(method="pos", n=4, seq=SeqConfig(samples_per_round=8, max_rounds=4))
   draw, used = _draw([[0] * 32])
   result, state = controller.run_step(
     cfg, ["a"], controller.DrawEngine(draw), np.random.default_rng(0), _hopeless_state(["a"])
@@ -156,9 +170,9 @@ def test_the_rule_is_off_by_default_and_only_for_exit_rules():
   assert used == [32] and result.stats.stopped == () and "keys" in state  # passed through
   for method in ("grpo", "dapo", "est"):
     with pytest.raises(ValueError, match="min_exit_chance.*has none"):
-      AdaConfig(method=method, min_exit_chance=0.1)
+      rules.rule_for(AdaConfig(method=method, seq=SeqConfig(min_exit_chance=0.1)))
   with pytest.raises(ValueError, match=r"min_exit_chance=1\.0"):
-    AdaConfig(method="pos", min_exit_chance=1.0)
+    SeqConfig(min_exit_chance=1.0)
 
 
 def test_a_run_resumed_from_its_saved_statistics_decides_the_same(tmp_path):
@@ -171,7 +185,9 @@ def test_a_run_resumed_from_its_saved_statistics_decides_the_same(tmp_path):
   from ada_jax.models import sharding
   from ada_jax.rl import train
 
-  cfg = AdaConfig(method="balance", n=4, samples_per_round=4, max_rounds=4, min_exit_chance=0.3)
+  cfg = AdaConfig(
+    method="balance", n=4, seq=SeqConfig(samples_per_round=4, max_rounds=4, min_exit_chance=0.3)
+  )
   ids = [f"q{i}" for i in range(6)]
   rates = np.array([0.0, 0.05, 0.3, 0.6, 0.95, 1.0])
 

@@ -129,22 +129,34 @@ def test_resume_refuses_a_checkpoint_of_bf16_masters_naming_the_field():
     runstate.check_resume(_record(model={"param_dtype": "bfloat16"}), _record(), 3)
 
 
-def test_a_checkpoint_of_the_flat_est_and_dapo_names_resumes_or_is_refused_by_new_name():
-  """Records saved before Est's and DAPO's settings became groups spell them flat
-  (`ada.est_decay`): the same values resume, a changed one is refused under its name now."""
-  now = _record(ada={"method": "est", "est": {"decay": 0.5}, "dapo": {"max_extra_passes": 2}})
+def test_a_checkpoint_of_the_flat_names_resumes_or_is_refused_by_new_name():
+  """Records saved before Est's, DAPO's and Seq's settings became groups spell them flat
+  (`ada.est_decay`, `ada.max_rounds`): the same values resume, a changed one is refused
+  under its name now."""
+  now = _record(
+    ada={
+      "method": "est",
+      "est": {"decay": 0.5},
+      "dapo": {"max_extra_passes": 2},
+      "seq": {"max_rounds": 3},
+    }
+  )
   old = {}
   for key, value in now.items():
     for group in ("est", "dapo"):
       key = key.replace(f"ada.{group}.", f"ada.{group}_")
-    old[key] = value
-  assert "ada.est_decay" in old and "ada.dapo_max_extra_passes" in old
+    old[key.replace("ada.seq.", "ada.")] = value
+  assert {"ada.est_decay", "ada.dapo_max_extra_passes", "ada.max_rounds"} <= set(old)
   assert set(runstate.RENAMED.values()) <= set(now)
   runstate.check_resume(old, now, 4)
-  with pytest.raises(config_lib.ConfigError, match=r"config\.ada\.est\.decay: 0\.9 -> 0\.5"):
-    runstate.check_resume({**old, "ada.est_decay": 0.9}, now, 4)
-  with pytest.raises(config_lib.ConfigError, match=r"config\.ada\.dapo\.max_extra_passes: 4 -> 2"):
-    runstate.check_resume({**old, "ada.dapo_max_extra_passes": 4}, now, 4)
+  for key, before, name in [
+    ("ada.est_decay", 0.9, r"ada\.est\.decay: 0\.9 -> 0\.5"),
+    ("ada.dapo_max_extra_passes", 4, r"ada\.dapo\.max_extra_passes: 4 -> 2"),
+    ("ada.max_rounds", 4, r"ada\.seq\.max_rounds: 4 -> 3"),
+    ("ada.min_exit_chance", 0.1, r"ada\.seq\.min_exit_chance: 0\.1 -> 0\.0"),
+  ]:
+    with pytest.raises(config_lib.ConfigError, match=rf"config\.{name}"):
+      runstate.check_resume({**old, key: before}, now, 4)
 
 
 def test_resume_refuses_a_changed_seed_and_architecture():

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from ada_jax.rl import simulate as sim
-from ada_jax.rl.adaptive import AdaConfig
+from ada_jax.rl.adaptive import AdaConfig, SeqConfig
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def test_grpo_simulation_matches_closed_form(rates, n):
 
 
 def test_pos_simulation_matches_closed_form(rates):
-  cfg = AdaConfig(method="pos", n=4, samples_per_round=8, max_rounds=4)
+  cfg = AdaConfig(method="pos", n=4, seq=SeqConfig(samples_per_round=8, max_rounds=4))
   got = sim.simulate(cfg, rates, batch=256, epochs=2, seed=5)
   samples, signal = sim.pos_closed_form(rates, 8, 4)
   assert abs(got.signal_fraction - signal) < _tolerance(signal, got.scored_prompts)
@@ -72,7 +72,7 @@ def test_adaptive_rows_beat_grpo_n4(rates):
 
 
 def test_trace_step_pools_and_global_advantages():
-  cfg = AdaConfig(method="balance", n=4, samples_per_round=4, max_rounds=3)
+  cfg = AdaConfig(method="balance", n=4, seq=SeqConfig(samples_per_round=4, max_rounds=3))
   result, rounds = sim.trace_step(cfg, [0.3, 0.0, 1.0], seed=2)
   assert [r.shape[0] for r in rounds] == [3] * len(rounds)
   drawn = [int(np.sum(~np.isnan(r))) for r in rounds]

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from ada_jax.rl import simulate as sim
 from ada_jax.rl import simulate_stream as ss
-from ada_jax.rl.adaptive import AdaConfig, EstConfig
+from ada_jax.rl.adaptive import AdaConfig, EstConfig, SeqConfig
 
 SMALL = ss.StreamSimConfig(
   batch=64, slots=128, budget=256, median_length=64.0, segment=16, num_prompts=256, epochs=2
@@ -110,7 +110,7 @@ def test_fixed_quota_methods_cost_the_same_under_both_schedules(cfg):
 
 def test_rounds_schedule_is_the_bernoulli_simulator_plus_lengths():
   """`rounds` samples like `simulate.pos_closed_form` says; lengths only add the cost."""
-  cfg = AdaConfig(method="pos", n=4, samples_per_round=8, max_rounds=4)
+  cfg = AdaConfig(method="pos", n=4, seq=SeqConfig(samples_per_round=8, max_rounds=4))
   p = sim.sample_pass_rates(np.random.default_rng(3), 1024)
   sc = dataclasses.replace(SMALL, num_prompts=1024, batch=256, epochs=2)
   got = ss.simulate_schedule(cfg, "rounds", sc, pass_rates=p)

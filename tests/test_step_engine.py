@@ -15,7 +15,7 @@ from ada_jax import distributed, step
 from ada_jax.data.prompts import PromptSet
 from ada_jax.models import decoder as model_lib
 from ada_jax.rl import controller
-from ada_jax.rl.adaptive import AdaConfig, DapoConfig, EstConfig
+from ada_jax.rl.adaptive import AdaConfig, DapoConfig, EstConfig, SeqConfig
 from ada_jax.rollout import engine as rollout_engine
 from ada_jax.rollout import sampler as sampler_lib
 
@@ -127,7 +127,9 @@ def test_fixed_quota_rows_are_the_tokens_generate_draws(tiny):
 @pytest.mark.parametrize("method,chance", [("pos", 0.0), ("balance", 0.0), ("balance", 0.4)])
 def test_decisions_do_not_depend_on_the_graders_speed(tiny, method, chance):
   # chance > 0: the exit-chance rule stops prompts at boundaries, from graded rows only.
-  config = AdaConfig(method=method, n=4, samples_per_round=4, max_rounds=3, min_exit_chance=chance)
+  config = AdaConfig(
+    method=method, n=4, seq=SeqConfig(samples_per_round=4, max_rounds=3, min_exit_chance=chance)
+  )
   fast, fast_drive, _ = _run(tiny, config, _Grader(0.0))
   slow, slow_drive, _ = _run(tiny, config, _Grader(0.03, seed=1))
   assert fast.handles == slow.handles
@@ -144,7 +146,7 @@ def test_graded_rows_are_the_seeds_tokens_whatever_was_cancelled(tiny, no_implic
   # the pool a prompt exits on under `stream`): rows of exited prompts are cancelled
   # mid-decode, and no other row's tokens change.
   _, params, smp = tiny
-  config = AdaConfig(method="pos", n=2, samples_per_round=4, max_rounds=2)
+  config = AdaConfig(method="pos", n=2, seq=SeqConfig(samples_per_round=4, max_rounds=2))
   grader = _Grader(reward=lambda t: 1.0)
   result, drive, prompts = _run(tiny, config, grader, guard=no_implicit_transfers)
   out = drive.responses()

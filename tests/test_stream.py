@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from ada_jax.rl import advantages as adv_lib
 from ada_jax.rl import controller, rules
 from ada_jax.rl import simulate as sim
-from ada_jax.rl.adaptive import AdaConfig, DapoConfig, EstConfig
+from ada_jax.rl.adaptive import AdaConfig, DapoConfig, EstConfig, SeqConfig
 from ada_jax.rl.controller import Controller
 from ada_jax.rl.rules import RULES, pool_meets_exit
 from ada_jax.testing import rounds_step
@@ -19,15 +19,17 @@ from ada_jax.testing import rounds_step
 SEQ = [
   AdaConfig(method="pos"),
   AdaConfig(method="balance"),
-  AdaConfig(method="balance", min_exit_chance=0.3),
-  AdaConfig(method="balance", n=4, samples_per_round=2, max_rounds=4, k_pos=2, k_neg=2),
-  AdaConfig(method="pos", n=4, samples_per_round=4, max_rounds=3, k_pos=2),
+  AdaConfig(method="balance", seq=SeqConfig(min_exit_chance=0.3)),
+  AdaConfig(
+    method="balance", n=4, seq=SeqConfig(samples_per_round=2, max_rounds=4, k_pos=2, k_neg=2)
+  ),
+  AdaConfig(method="pos", n=4, seq=SeqConfig(samples_per_round=4, max_rounds=3, k_pos=2)),
 ]
 
 
 def _rule(rewards, cfg, min_pool=None):
   r = np.asarray(rewards)
-  k_pos, k_neg = cfg.thresholds()
+  k_pos, k_neg = rules.thresholds(cfg)
   pos = int(np.sum(r > 0.5))
   return r.size >= (min_pool or cfg.n) and pos >= k_pos and r.size - pos >= k_neg
 
@@ -55,7 +57,7 @@ def test_rounds_retires_exactly_the_prompts_that_meet_the_exit_rule(cfg, rates, 
   rule did not stop it): one rule for both schedules."""
   result, rounds = sim.trace_step(cfg, rates, seed=seed)
   stopped = set(result.stats.stopped)
-  assert not stopped or cfg.min_exit_chance
+  assert not stopped or cfg.seq.min_exit_chance
   pools = [[] for _ in rates]
   for j, table in enumerate(rounds):
     for i, row in enumerate(table):
@@ -64,7 +66,7 @@ def test_rounds_retires_exactly_the_prompts_that_meet_the_exit_rule(cfg, rates, 
         assert bool(drawn) == (not pool_meets_exit(pools[i], cfg)), (i, j, pools[i])
       pools[i] += drawn
   for i, pool in enumerate(pools):  # Never exited: drew all R·M, or was stopped.
-    cap = cfg.samples_per_round * cfg.max_rounds
+    cap = cfg.seq.samples_per_round * cfg.seq.max_rounds
     assert pool_meets_exit(pool, cfg) or len(pool) == cap or i in stopped
 
 
@@ -116,7 +118,7 @@ def _run(cfg, rates, seed, finish_prob=0.4, shuffle=False, **kw):
 )
 def test_stream_seq_step_keeps_the_rules(cfg, rates, seed, window):
   ctl, res, _, issued = _run(cfg, rates, seed, window=window)
-  cap = cfg.samples_per_round * cfg.max_rounds
+  cap = cfg.seq.samples_per_round * cfg.seq.max_rounds
   b = len(rates)
   for p in range(b):
     pool = np.asarray([ctl.graded[p][r] for r in sorted(ctl.graded[p])], np.float32)
@@ -152,7 +154,7 @@ def test_decisions_do_not_depend_on_the_order_rows_are_reported(cfg, rates, seed
 
 
 def test_exit_waits_for_grades_of_the_previous_segment():
-  cfg = AdaConfig(method="pos", n=4, samples_per_round=4, max_rounds=2)
+  cfg = AdaConfig(method="pos", n=4, seq=SeqConfig(samples_per_round=4, max_rounds=2))
   ctl = Controller(cfg, 1, schedule="stream")
   rows, prompts = ctl.start()
   assert rows.tolist() == [0, 1, 2, 3] and prompts.tolist() == [0] * 4
@@ -166,7 +168,7 @@ def test_exit_waits_for_grades_of_the_previous_segment():
 
 
 def test_retired_prompt_rows_are_cancelled_and_late_finishers_join_its_pool():
-  cfg = AdaConfig(method="pos", n=4, samples_per_round=8, max_rounds=2)
+  cfg = AdaConfig(method="pos", n=4, seq=SeqConfig(samples_per_round=8, max_rounds=2))
   ctl = Controller(cfg, 2, window=8, min_pool=4, schedule="stream")
   ctl.start()  # Rows 0-7: prompt 0; 8-15: prompt 1.
   ctl.boundary([0, 1, 2, 3, 8], [])
@@ -183,7 +185,7 @@ def test_retired_prompt_rows_are_cancelled_and_late_finishers_join_its_pool():
 def test_under_stream_a_prompt_exits_on_a_rounds_worth_of_responses():
   """The default pool to exit on is M (a round's worth), so pos keeps the signal of
   `rounds`: four graded with a positive wait for the other four of the window."""
-  cfg = AdaConfig(method="pos", n=4, samples_per_round=8, max_rounds=2)
+  cfg = AdaConfig(method="pos", n=4, seq=SeqConfig(samples_per_round=8, max_rounds=2))
   ctl = Controller(cfg, 1, schedule="stream")
   assert ctl.min_pool == 8 and Controller(cfg, 1, schedule="rounds").min_pool == 4
   ctl.start()
@@ -198,7 +200,9 @@ def test_under_stream_a_prompt_exits_on_a_rounds_worth_of_responses():
 def test_stream_lays_seq_groups_out_in_exit_order(order, expected):
   """Prompt 1 meets the rule at the second boundary; prompt 0 draws its R·M = 2 rows
   without a positive (never exits): under 'exit' its group goes last, as `rounds` does."""
-  cfg = AdaConfig(method="pos", n=2, samples_per_round=2, max_rounds=1, batch_order=order)
+  cfg = AdaConfig(
+    method="pos", n=2, seq=SeqConfig(samples_per_round=2, max_rounds=1, batch_order=order)
+  )
   ctl = Controller(cfg, 2, schedule="stream")
   assert ctl.start()[0].tolist() == [0, 1, 2, 3]
   ctl.boundary([0, 1, 2, 3], [])

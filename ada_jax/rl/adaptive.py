@@ -1,5 +1,7 @@
-"""The sampling controller's configuration, `AdaConfig`: which method, which schedule, and
-every knob of both (docs/design.md "Algorithm").
+"""The sampling controller's configuration, `AdaConfig`: which method, which schedule, what
+every method shares, and each family's own settings group (`SeqConfig`, `DapoConfig`,
+`estimate.EstConfig`; docs/design.md "Algorithm", "Adding a sampling method"). It sits
+below the rules and the controller that read it.
 
 Methods (`AdaConfig.method`, one rule each in `rules.RULES`, run by `controller.run_step`):
 
@@ -30,10 +32,8 @@ from __future__ import annotations
 import dataclasses
 
 from ada_jax.rl import advantages as adv_lib
-from ada_jax.rl import estimate, rules
-from ada_jax.rl.controller import SCHEDULES
+from ada_jax.rl import estimate
 from ada_jax.rl.estimate import EST_PAPER, EstConfig
-from ada_jax.rl.rules import DapoConfig
 
 __all__ = [
   "AdaConfig",
@@ -43,29 +43,119 @@ __all__ = [
   "EstConfig",
   "SCHEDULES",
   "SELECTIONS",
+  "SeqConfig",
 ]
 
+SCHEDULES = ("rounds", "stream")
 SELECTIONS = ("first", "random")
 BATCH_ORDERS = ("exit", "prompt")
 
 
+def _refuse(cls: str, obj, field: str, why: str):
+  raise ValueError(f"{cls}.{field}={getattr(obj, field)!r}: {why}")
+
+
 @dataclasses.dataclass(frozen=True)
-class AdaConfig:
-  """Every knob of the sampling controller; validated on construction.
+class SeqConfig:
+  """Reinforce-Ada-Seq's settings (`AdaConfig.seq`, `ada.seq.*` in a config file; the
+  rules `rules.Seq`: pos, balance). Validated on construction; what depends on n as well
+  (M·R >= n, the thresholds' defaults) is `rules.Seq.check`'s.
 
   Attributes:
-    method: 'grpo' | 'dapo' | 'pos' | 'balance' | 'est'.
+    samples_per_round: M, responses drawn per active prompt per round.
+    max_rounds: R, rounds at most; each prompt gets M..R*M samples.
+    k_pos: exit needs >= k_pos positives. None: 1 for pos, floor(n/2) for balance.
+    k_neg: exit needs >= k_neg negatives. None: 0 for pos, n - floor(n/2) for balance.
+    selection: 'first' keeps the earliest responses of each class (released code);
+      'random' a uniformly random subset drawn from the step's Generator.
+    batch_order: how the kept groups are laid out in the training batch, whose
+      mini-batches are cut contiguously: 'exit' (released: verl concatenates the groups
+      as prompts exit, round 1's first, the never-exited last, so on a hard mix the last
+      mini-batches hold little signal; ties in prompt order, where the released code
+      iterates a Python set) or 'prompt' (the step's prompt order, which spreads every
+      round's exits over all mini-batches).
+    min_exit_chance: beyond the paper (0 = off, the released behaviour): stop drawing for
+      a prompt once the chance that it meets the exit rule within its remaining budget
+      (R·M responses in all) falls below this probability, e.g. 0.05 = "stop when
+      P(exit within the budget) < 5%" (`estimate.exit_chance`); a stopped prompt is
+      trained on as one that never exits. The chance comes from a Beta posterior on its
+      pass rate: prior Beta(est.alpha, est.beta) plus its decayed counts from earlier
+      steps (the Est statistics, kept with `est.decay` and checkpointed), updated by this
+      step's graded responses.
+
+  Raises:
+    ValueError: naming the bad field.
+  """
+
+  samples_per_round: int = 8
+  max_rounds: int = 4
+  k_pos: int | None = None
+  k_neg: int | None = None
+  selection: str = "first"
+  batch_order: str = "exit"
+  min_exit_chance: float = 0.0
+
+  def __post_init__(self):
+    bad = lambda field, why: _refuse("SeqConfig", self, field, why)
+    if self.samples_per_round < 1:
+      bad("samples_per_round", "M must be >= 1")
+    if self.max_rounds < 1:
+      bad("max_rounds", "R must be >= 1")
+    for field in ("k_pos", "k_neg"):
+      if getattr(self, field) is not None and getattr(self, field) < 0:
+        bad(field, "must be >= 0 or None")
+    if self.selection not in SELECTIONS:
+      bad("selection", f"expected one of {list(SELECTIONS)}")
+    if self.batch_order not in BATCH_ORDERS:
+      bad("batch_order", f"expected one of {list(BATCH_ORDERS)}")
+    if not 0.0 <= self.min_exit_chance < 1.0:
+      bad("min_exit_chance", "a probability in [0, 1): 0 is off")
+
+  @property
+  def budget(self) -> int:
+    """R·M, the most responses a prompt draws in a step."""
+    return self.samples_per_round * self.max_rounds
+
+
+@dataclasses.dataclass(frozen=True)
+class DapoConfig:
+  """DAPO's settings (`AdaConfig.dapo`, `ada.dapo.*` in a config file; the rule
+  `rules.Dapo`). Validated on construction.
+
+  Attributes:
+    max_extra_passes: cap on extra generation passes after the first.
+    prompts_per_pass: prompts requested from `more_prompts` per extra pass; None: B, the
+      step's prompt count (verl draws a whole generation batch).
+
+  Raises:
+    ValueError: naming the bad field.
+  """
+
+  max_extra_passes: int = 4
+  prompts_per_pass: int | None = None
+
+  def __post_init__(self):
+    bad = lambda field, why: _refuse("DapoConfig", self, field, why)
+    if self.max_extra_passes < 0:
+      bad("max_extra_passes", "must be >= 0")
+    if self.prompts_per_pass is not None and self.prompts_per_pass < 1:
+      bad("prompts_per_pass", "must be >= 1 or None")
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaConfig:
+  """The sampling controller's settings: the method, the schedule, what every method shares
+  (group size, reward threshold, advantages) and each method's own group. Each field is
+  validated on construction; whether the method exists and can run these settings is its
+  rule's to say (`rules.rule_for`, which the controller and `config.parse` call).
+
+  Attributes:
+    method: a key of `rules.RULES`: 'grpo' | 'dapo' | 'pos' | 'balance' | 'est'.
     schedule: 'rounds' (`controller.drive_rounds`: the released barriers, a prompt retires at the
       end of a round) or 'stream' (`controller.drive_stream`: exits decided as responses
       finish, grading overlapped with decoding).
     n: responses kept per prompt (grpo/dapo: drawn per prompt). Not used by est.
-    samples_per_round: M, responses drawn per active prompt per round (pos/balance).
-    max_rounds: R, rounds at most (pos/balance); each prompt gets M..R*M samples.
-    k_pos: exit needs >= k_pos positives. None: 1 for pos, floor(n/2) for balance.
-    k_neg: exit needs >= k_neg negatives. None: 0 for pos, n - floor(n/2) for balance.
     positive_threshold: a response is positive when reward > this (0/1 rewards: 0.5).
-    selection: 'first' keeps the earliest responses of each class (released code);
-      'random' a uniformly random subset drawn from the step's Generator.
     baseline: 'global' (mean over the whole pool, Reinforce-Ada) or 'local' (mean over
       the kept group, GRPO). For grpo, dapo and est the two coincide.
     std_normalize: divide advantages by the baseline source's std (Bessel-corrected) +
@@ -77,76 +167,36 @@ class AdaConfig:
     inverse_p_weight: explicit weight f'(p̄) = p̄^(α−1) on advantages: 'none' (released
       code), '1/p' (α = 0, f'= 1/p̄: paper v3 Seq), '1/sqrt_p' (α = 0.5: paper v3 Est) or
       α in [0, 1] (`estimate.objective_weight`).
-    batch_order: how pos / balance lay the kept groups out in the training batch, whose
-      mini-batches are cut contiguously: 'exit' (released: verl concatenates the groups
-      as prompts exit, round 1's first, the never-exited last, so on a hard mix the last
-      mini-batches hold little signal; ties in prompt order, where the released code
-      iterates a Python set) or 'prompt' (the step's prompt order, which spreads every
-      round's exits over all mini-batches). Other methods keep prompt order.
-    min_exit_chance: pos / balance, beyond the paper (0 = off, the released behaviour):
-      stop drawing for a prompt once the chance that it meets the exit rule within its
-      remaining budget (R·M responses in all) falls below this probability, e.g. 0.05 =
-      "stop when P(exit within the budget) < 5%" (`estimate.exit_chance`); a stopped prompt
-      is trained on as one that never exits. The chance comes from a Beta posterior on its
-      pass rate: prior Beta(est.alpha, est.beta) plus its decayed counts from earlier steps
-      (the Est statistics, kept with `est.decay` and checkpointed), updated by this step's
-      graded responses.
-    dapo: DAPO's settings (`rules.DapoConfig`).
+    seq: Seq's settings (`SeqConfig`: M, R, the exit thresholds, selection, batch order,
+      the exit-chance rule).
+    dapo: DAPO's settings (`DapoConfig`).
     est: Est's settings (`estimate.EstConfig`), whose prior and decay the exit-chance rule
       also reads.
+
+  Raises:
+    ValueError: naming the bad field.
   """
 
   method: str = "pos"
   schedule: str = "rounds"
   n: int = 4
-  samples_per_round: int = 8
-  max_rounds: int = 4
-  k_pos: int | None = None
-  k_neg: int | None = None
   positive_threshold: float = 0.5
-  selection: str = "first"
   baseline: str = "global"
   std_normalize: bool = False
   std_eps: float = 1e-6
   inverse_p_weight: str | float = "none"
-  batch_order: str = "exit"
-  min_exit_chance: float = 0.0
+  seq: SeqConfig = SeqConfig()
   dapo: DapoConfig = DapoConfig()
   est: EstConfig = EstConfig()
 
   def __post_init__(self):
-    self.validate()
-
-  def validate(self) -> None:
-    """Checks every field; raises ValueError naming the first bad one."""
-
-    def bad(field: str, why: str):
-      raise ValueError(f"AdaConfig.{field}={getattr(self, field)!r}: {why}")
-
-    if self.method not in rules.RULES:
-      bad("method", f"unknown method, expected one of {list(rules.RULES)}")
+    bad = lambda field, why: _refuse("AdaConfig", self, field, why)
+    if not isinstance(self.method, str) or not self.method:
+      bad("method", "name a sampling method (a key of rules.RULES)")
     if self.schedule not in SCHEDULES:
       bad("schedule", f"expected one of {list(SCHEDULES)}")
     if not isinstance(self.n, int) or self.n < 2:
       bad("n", "group size must be an int >= 2 (a group of 1 never carries signal)")
-    if self.samples_per_round < 1:
-      bad("samples_per_round", "M must be >= 1")
-    if self.max_rounds < 1:
-      bad("max_rounds", "R must be >= 1")
-    for field in ("k_pos", "k_neg"):
-      if getattr(self, field) is not None and getattr(self, field) < 0:
-        bad(field, "must be >= 0 or None")
-    rules.RULES[self.method].check(self, bad)
-    if not 0.0 <= self.min_exit_chance < 1.0:
-      bad("min_exit_chance", "a probability in [0, 1): 0 is off")
-    if self.min_exit_chance and not self.is_seq:
-      bad(
-        "min_exit_chance", f"stops prompts that cannot meet an exit rule; {self.method!r} has none"
-      )
-    if self.batch_order not in BATCH_ORDERS:
-      bad("batch_order", f"expected one of {list(BATCH_ORDERS)}")
-    if self.selection not in SELECTIONS:
-      bad("selection", f"expected one of {list(SELECTIONS)}")
     if self.baseline not in adv_lib.BASELINES:
       bad("baseline", f"expected one of {sorted(adv_lib.BASELINES)}")
     if not self.std_eps > 0:
@@ -156,34 +206,6 @@ class AdaConfig:
         estimate.objective_alpha(self.inverse_p_weight)
       except ValueError as e:
         bad("inverse_p_weight", f"{e} or none")
-    for group, cls in (("dapo", DapoConfig), ("est", EstConfig)):
+    for group, cls in (("seq", SeqConfig), ("dapo", DapoConfig), ("est", EstConfig)):
       if not isinstance(getattr(self, group), cls):
         bad(group, f"expected a {cls.__name__}")
-
-  @property
-  def is_seq(self) -> bool:
-    """The method is a Reinforce-Ada-Seq rule (`rules.Seq`: pos, balance): it has an exit
-    rule, rounds of M and the window and min_pool options of `stream`."""
-    return isinstance(rules.RULES[self.method], rules.Seq)
-
-  def train_rows(self, num_prompts: int) -> int:
-    """Responses a step returns for training at most, for B = `num_prompts`
-    (`Rule.train_rows`: B·n, or for est its whole budget round(K·B), every sample)."""
-    return rules.RULES[self.method].train_rows(self, num_prompts)
-
-  @property
-  def min_rows_per_prompt(self) -> int:
-    """The fewest rows the controller issues any prompt at once (`Rule.min_rows`: n for
-    grpo and dapo, M for pos and balance, est.n_min for est). A sampler chunk of C rows is
-    full whenever it may hold C // this many prompts."""
-    return rules.RULES[self.method].min_rows(self)
-
-  @property
-  def needs_features(self) -> bool:
-    """The step must hand the rule the prompts' hidden states (`Rule.needs_features`:
-    est with a head-based `est.estimator`)."""
-    return rules.RULES[self.method].needs_features(self)
-
-  def thresholds(self) -> tuple[int, int]:
-    """(k_pos, k_neg) exit thresholds with the method's defaults filled in."""
-    return rules.thresholds(self)

@@ -31,10 +31,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from ada_jax.rl import pools as pools_lib
+from ada_jax.rl import rules
+from ada_jax.rl.adaptive import SCHEDULES, AdaConfig
 from ada_jax.rl.pools import StepResult
-from ada_jax.rl.rules import RULES, Plan, Seq
+from ada_jax.rl.rules import Plan, Seq
 
-SCHEDULES = ("rounds", "stream")
 MorePromptsFn = Callable[[int], Sequence[Any]]
 
 
@@ -61,13 +62,13 @@ class Controller:
   """One RL step's sampling decisions (module docstring), for any method and schedule.
 
   Args:
-    config: validated `AdaConfig`; its rule is `rules.RULES[config.method]`.
+    config: the `AdaConfig`; its rule is `rules.rule_for(config)`, which checks it.
     num_prompts: B, the step's prompts.
     schedule: 'rounds' (a boundary's rewards are those of the rows it reports finished) or
       'stream' (those of the rows the boundary before reported: `awaiting_grades`); None:
       `config.schedule`.
     window: stream, Seq rules: rows per active prompt queued, in flight or awaiting
-      grades; None: M (`samples_per_round`), the only value under `rounds`.
+      grades; None: M (`seq.samples_per_round`), the only value under `rounds`.
     min_pool: stream, Seq rules: the fewest graded responses a prompt exits with; None: a
       round's worth, max(n, M) (at most R·M), so that an easy prompt exits on as many
       responses as under `rounds` and keeps its signal; under `rounds` it is n (a round's
@@ -88,7 +89,7 @@ class Controller:
 
   def __init__(
     self,
-    config,
+    config: AdaConfig,
     num_prompts: int,
     *,
     schedule: str | None = None,
@@ -98,7 +99,7 @@ class Controller:
     prompt_ids: Sequence[Any] | None = None,
     plan: Plan | None = None,
   ):
-    config.validate()
+    rule = rules.rule_for(config)
     if num_prompts < 1:
       raise ValueError(f"num_prompts={num_prompts}: need at least one prompt")
     self.schedule = config.schedule if schedule is None else schedule
@@ -106,11 +107,11 @@ class Controller:
       raise ValueError(f"schedule={schedule!r}: expected one of {list(SCHEDULES)}")
     if self.schedule == "rounds" and (window, min_pool) != (None, None):
       raise ValueError("window and min_pool are stream options; rounds uses M and n")
-    self.config, self.b, self.rule = config, num_prompts, RULES[config.method]
-    self.window = config.samples_per_round if window is None else window
+    self.config, self.b, self.rule = config, num_prompts, rule
+    self.window = config.seq.samples_per_round if window is None else window
     if self.window < 1:
       raise ValueError(f"window={window}: must be >= 1")
-    cap = config.samples_per_round * config.max_rounds
+    cap = config.seq.budget
     self.plan = Plan() if plan is None else plan
     quotas = [config.n] * num_prompts if self.plan.quotas is None else self.plan.quotas
     self.quota = [int(q) for q in np.asarray(quotas).reshape(-1)]
@@ -118,7 +119,7 @@ class Controller:
       raise ValueError(f"plan.quotas: need {num_prompts} ints >= 1, got {list(quotas)}")
     default_pool = config.n
     if self.schedule == "stream":
-      default_pool = min(max(config.n, config.samples_per_round), cap)
+      default_pool = min(max(config.n, config.seq.samples_per_round), cap)
     self.min_pool = default_pool if min_pool is None else min_pool
     if isinstance(self.rule, Seq) and not config.n <= self.min_pool <= cap:
       raise ValueError(f"min_pool={min_pool}: must lie in [n, R*M]")
@@ -274,7 +275,7 @@ class Controller:
     that were graded (drawn before any decision about it).
 
     Args:
-      rng: consumed only by `selection='random'`.
+      rng: consumed only by `seq.selection='random'`.
 
     Raises:
       RuntimeError: called before `done`.
@@ -356,7 +357,7 @@ DRIVERS = {"rounds": drive_rounds, "stream": drive_stream}
 
 
 def run_step(
-  config,
+  config: AdaConfig,
   prompt_ids: Sequence[Any],
   engine: Engine,
   rng: np.random.Generator,
@@ -371,11 +372,11 @@ def run_step(
   """One training step's sampling for B prompts.
 
   Args:
-    config: a validated `AdaConfig`.
+    config: the `AdaConfig` (checked by its rule, `rules.rule_for`).
     prompt_ids: B stable prompt ids (Est keys its statistics on them; elsewhere they are
       passed through to `StepResult.prompt_ids`).
     engine: decodes and grades the controller's rows (`Engine`).
-    rng: host Generator; consumed only by `selection='random'`.
+    rng: host Generator; consumed only by `seq.selection='random'`.
     est_state: Est's statistics from the previous step (None: empty); other methods
       return it unchanged.
     more_prompts: `more_prompts(k)` returns up to k further prompt ids (DAPO); an empty
@@ -393,9 +394,8 @@ def run_step(
   """
   if len(prompt_ids) == 0:
     raise ValueError("run_step needs at least one prompt")
-  config.validate()
+  rule = rules.rule_for(config)
   ids = list(prompt_ids)
-  rule = RULES[config.method]
   plan = rule.plan(config, ids, est_state, features)
   ctl = Controller(
     config,

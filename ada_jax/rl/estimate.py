@@ -96,7 +96,7 @@ class EstConfig:
 
   Attributes:
     alpha: Beta prior alpha of the pass-rate estimate (1); also the exit-chance rule's
-      (`AdaConfig.min_exit_chance`).
+      (`SeqConfig.min_exit_chance`).
     beta: Beta prior beta (16): unseen prompts are presumed hard, p̂ = 1/17.
     decay: lambda, the factor on a prompt's old counts each time it is sampled (Est's
       statistics and the exit-chance rule's).

@@ -195,11 +195,11 @@ def finish(
   )
 
 
-def batch_order(config, exit_round: Sequence[int | None]) -> list[int]:
-  """The order of a Seq step's B groups in the training batch (`AdaConfig.batch_order`).
+def batch_order(order: str, exit_round: Sequence[int | None]) -> list[int]:
+  """The order of a Seq step's B groups in the training batch (`SeqConfig.batch_order`).
 
   Args:
-    config: a pos or balance config.
+    order: 'exit' or 'prompt' (`adaptive.BATCH_ORDERS`).
     exit_round: per prompt, the round (or stream boundary) at whose end it exited; None
       for a prompt that never met the exit rule.
 
@@ -209,7 +209,7 @@ def batch_order(config, exit_round: Sequence[int | None]) -> list[int]:
     is 0..B-1. Example: exit rounds [None, 2, 1, 1] give [2, 3, 1, 0] under 'exit'.
   """
   b = len(exit_round)
-  if config.batch_order == "prompt":
+  if order == "prompt":
     return list(range(b))
   last = max([r for r in exit_round if r is not None], default=0) + 1
   return sorted(range(b), key=lambda p: (last if exit_round[p] is None else exit_round[p], p))

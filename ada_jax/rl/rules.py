@@ -30,18 +30,42 @@ import numpy as np
 from ada_jax.rl import advantages as adv_lib
 from ada_jax.rl import estimate
 from ada_jax.rl import pools as pools_lib
+from ada_jax.rl.adaptive import AdaConfig
 
 Thresholds = Callable[[int], tuple[int, int]]
 
 
-def thresholds(config) -> tuple[int, int]:
-  """(k_pos, k_neg) of a config: its fields, or where None its Seq rule's defaults as
-  functions of n (`Seq.exit_thresholds`; `balance`'s for a method without them)."""
+def rule_for(config: AdaConfig) -> Rule:
+  """The rule of `config.method`, once it has checked that it can run `config`
+  (`Rule.check`: the settings that depend on each other, such as Seq's M·R >= n).
+
+  Raises:
+    ValueError: an unknown method, or settings the rule cannot run, naming the field
+      (`AdaConfig.method=...`, `AdaConfig.seq.samples_per_round=...`).
+  """
+  rule = RULES.get(config.method)
+  if rule is None:
+    raise ValueError(
+      f"AdaConfig.method={config.method!r}: unknown method, expected one of {list(RULES)}"
+    )
+
+  def bad(field: str, why: str):
+    value = config
+    for part in field.split("."):
+      value = getattr(value, part)
+    raise ValueError(f"AdaConfig.{field}={value!r}: {why}")
+
+  rule.check(config, bad)
+  return rule
+
+
+def thresholds(config: AdaConfig) -> tuple[int, int]:
+  """(k_pos, k_neg) of a config: `seq.k_pos` and `seq.k_neg`, or where None its Seq rule's
+  defaults as functions of n (`Seq.exit_thresholds`; `balance`'s for a method without them)."""
   rule = RULES.get(config.method)
   default = (rule if isinstance(rule, Seq) else RULES["balance"]).exit_thresholds(config.n)
-  k_pos = default[0] if config.k_pos is None else config.k_pos
-  k_neg = default[1] if config.k_neg is None else config.k_neg
-  return k_pos, k_neg
+  k_pos, k_neg = config.seq.k_pos, config.seq.k_neg
+  return default[0] if k_pos is None else k_pos, default[1] if k_neg is None else k_neg
 
 
 def pool_meets_exit(
@@ -52,7 +76,7 @@ def pool_meets_exit(
   True when the pool holds >= `min_pool` responses, >= k_pos positives and >= k_neg
   negatives (positive: reward > `positive_threshold`). Under `rounds` the pool is checked
   at the end of each round and the size condition always holds when the others do
-  (`AdaConfig` requires max(M, k_pos + k_neg) >= n), so this is the released rule there;
+  (`Seq.check` requires max(M, k_pos + k_neg) >= n), so this is the released rule there;
   under `stream` it keeps a prompt from exiting on fewer than n responses.
   Reference: paper §3 (successive elimination); released `pos` k = (1, 0), `balance`
   (n/2, n/2).
@@ -91,7 +115,7 @@ class Plan:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Priors(Plan):
-  """Seq's plan with the exit-chance rule on (`AdaConfig.min_exit_chance`): each prompt's
+  """Seq's plan with the exit-chance rule on (`SeqConfig.min_exit_chance`): each prompt's
   pass-rate prior, Beta(est.alpha, est.beta) plus its decayed counts from the steps that
   sampled it before (the Est statistics, `estimate`).
 
@@ -167,9 +191,15 @@ class Rule:
 
   adds_prompts = False
 
-  def check(self, config, bad: Callable[[str, str], None]) -> None:
-    """Raises (by `bad(field, why)`) on settings this rule cannot run
-    (`AdaConfig.validate`)."""
+  def check(self, config: AdaConfig, bad: Callable[[str, str], None]) -> None:
+    """Raises (by `bad(field, why)`, the field's path under `AdaConfig`) on settings this
+    rule cannot run (`rule_for`). A method without an exit rule ignores the `seq` group but
+    refuses its exit-chance rule, which would stop prompts by an exit rule it lacks."""
+    if config.seq.min_exit_chance:
+      bad(
+        "seq.min_exit_chance",
+        f"stops prompts that cannot meet an exit rule; {config.method!r} has none",
+      )
 
   def needs_features(self, config) -> bool:
     """Whether the step must hand `plan` the prompts' hidden states (`run_step`'s
@@ -232,21 +262,21 @@ class Seq(Rule):
   def check(self, config, bad):
     k_pos, k_neg = thresholds(config)
     if k_pos + k_neg < 1:
-      bad("k_pos", "k_pos + k_neg must be >= 1, or every prompt exits before sampling")
-    m, r = config.samples_per_round, config.max_rounds
+      bad("seq.k_pos", "k_pos + k_neg must be >= 1, or every prompt exits before sampling")
+    m, r = config.seq.samples_per_round, config.seq.max_rounds
     if m * r < config.n or max(m, k_pos + k_neg) < config.n:
       bad(
-        "samples_per_round",
+        "seq.samples_per_round",
         f"with n={config.n}, R={r}, k_pos={k_pos}, k_neg={k_neg} "
         "a pool could hold fewer than n responses; need M*R >= n and "
         "max(M, k_pos + k_neg) >= n",
       )
 
   def min_rows(self, config):
-    return config.samples_per_round
+    return config.seq.samples_per_round
 
   def plan(self, config, prompt_ids, est_state, features):
-    if not config.min_exit_chance:
+    if not config.seq.min_exit_chance:
       return Plan()
     state = estimate.init_est_state() if est_state is None else est_state
     keys = estimate.prompt_keys(prompt_ids)
@@ -277,8 +307,7 @@ class Seq(Rule):
     return dataclasses.replace(result, stats=stats), new_state
 
   def first_rows(self, ctl, p):
-    cfg = ctl.config
-    return min(ctl.window, cfg.samples_per_round * cfg.max_rounds)
+    return min(ctl.window, ctl.config.seq.budget)
 
   def decide(self, ctl, p, new):
     cfg = ctl.config
@@ -287,7 +316,7 @@ class Seq(Rule):
       ctl.state.exit_boundary[p] = ctl.boundaries
       return True
     pending = ctl.pending(p)
-    room = cfg.samples_per_round * cfg.max_rounds - ctl.issued(p)
+    room = cfg.seq.budget - ctl.issued(p)
     if room == 0 and pending == 0:
       return True  # R·M responses and no exit: trained on as it is (zero advantage if uniform)
     # The exit-chance rule decides once a round's worth is graded (min_pool: M under
@@ -303,72 +332,41 @@ class Seq(Rule):
   def hopeless(self, ctl, p: int, graded: Sequence[float]) -> bool:
     """Whether prompt p stops: the chance that it exits within its R·M budget
     (`estimate.exit_chance` on its prior from `plan` updated by its graded pool) is below
-    `min_exit_chance`, and its pool already has signal (both classes) or the chance that it
+    `seq.min_exit_chance`, and its pool already has signal (both classes) or the chance that it
     gets any is below it too: a uniform pool with a fair chance of a first response of the
     other class (for balance, a lone positive) keeps drawing."""
     cfg, alpha, beta = ctl.config, ctl.plan.alpha, ctl.plan.beta
     r = np.asarray(graded, np.float64)
     pos = int(np.count_nonzero(r > cfg.positive_threshold))
     neg = r.size - pos
-    args = (
-      pos,
-      neg,
-      cfg.samples_per_round * cfg.max_rounds - r.size,
-      alpha[p] + pos,
-      beta[p] + neg,
-    )
-    if estimate.exit_chance(*args, *thresholds(cfg)) >= cfg.min_exit_chance:
+    args = (pos, neg, cfg.seq.budget - r.size, alpha[p] + pos, beta[p] + neg)
+    floor = cfg.seq.min_exit_chance
+    if estimate.exit_chance(*args, *thresholds(cfg)) >= floor:
       return False
-    return bool(pos and neg) or estimate.exit_chance(*args, 1, 1) < cfg.min_exit_chance
+    return bool(pos and neg) or estimate.exit_chance(*args, 1, 1) < floor
 
   def select(self, ctl, pools, rng):
     cfg = ctl.config
-    rng = rng if cfg.selection == "random" else None
+    rng = rng if cfg.seq.selection == "random" else None
     kept = {
       p: adv_lib.select_group(np.asarray(pools.rewards[p]), cfg.n, cfg.positive_threshold, rng)
       for p in range(ctl.b)
     }
     exits = [ctl.state.exit_boundary.get(p) for p in range(ctl.b)]
-    return kept, pools_lib.batch_order(ctl.config, exits)
+    return kept, pools_lib.batch_order(cfg.seq.batch_order, exits)
 
 
 class Balance(Seq):
   """Seq whose default thresholds split n into equal halves (released `balance`)."""
 
   def check(self, config, bad):
-    if config.n % 2 and config.k_pos is None and config.k_neg is None:
+    if config.n % 2 and config.seq.k_pos is None and config.seq.k_neg is None:
       bad(
         "n",
         "balance splits n into equal halves by default; use an even n or set "
         "k_pos and k_neg explicitly",
       )
     super().check(config, bad)
-
-
-@dataclasses.dataclass(frozen=True)
-class DapoConfig:
-  """DAPO's settings (`AdaConfig.dapo`, `ada.dapo.*` in a config file). Validated on
-  construction.
-
-  Attributes:
-    max_extra_passes: cap on extra generation passes after the first.
-    prompts_per_pass: prompts requested from `more_prompts` per extra pass; None: B, the
-      step's prompt count (verl draws a whole generation batch).
-
-  Raises:
-    ValueError: naming the bad field.
-  """
-
-  max_extra_passes: int = 4
-  prompts_per_pass: int | None = None
-
-  def __post_init__(self):
-    if self.max_extra_passes < 0:
-      raise ValueError(f"DapoConfig.max_extra_passes={self.max_extra_passes!r}: must be >= 0")
-    if self.prompts_per_pass is not None and self.prompts_per_pass < 1:
-      raise ValueError(
-        f"DapoConfig.prompts_per_pass={self.prompts_per_pass!r}: must be >= 1 or None"
-      )
 
 
 class Dapo(Rule):
@@ -442,7 +440,7 @@ class Est(Rule):
     state = estimate.init_est_state() if est_state is None else est_state
     keys = estimate.prompt_keys(prompt_ids)
     counts, p_head, metrics = estimate.plan_budget(
-      config, state, keys, config.train_rows(len(prompt_ids)), features
+      config, state, keys, self.train_rows(config, len(prompt_ids)), features
     )
     return Budget(quotas=counts, est_state=state, keys=keys, p_head=p_head, metrics=metrics)
 
@@ -463,7 +461,7 @@ class Est(Rule):
 
 
 # The sampling methods, by `AdaConfig.method`. A new method is an entry here (a rule
-# above or a subclass) plus its config fields: docs/design.md "Adding a sampling method".
+# above or a subclass) plus its settings: docs/design.md "Adding a sampling method".
 RULES: dict[str, Rule] = {
   "grpo": Rule(),
   "dapo": Dapo(),

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from ada_jax.rl import controller, rules
-from ada_jax.rl.adaptive import EST_PAPER, AdaConfig, DapoConfig, EstConfig
+from ada_jax.rl.adaptive import EST_PAPER, AdaConfig, DapoConfig, EstConfig, SeqConfig
 from ada_jax.rl.pools import StepResult
 
 __all__ = [
@@ -209,9 +209,9 @@ def method_table(
   """
   out = {f"grpo_n{g}": AdaConfig(method="grpo", n=g) for g in (4, 8, 16, 32)}
   out["dapo_n4"] = AdaConfig(method="dapo", n=n, dapo=DapoConfig(max_extra_passes=4))
-  seq = dict(n=n, samples_per_round=samples_per_round, max_rounds=max_rounds)
-  out["ada_pos"] = AdaConfig(method="pos", **seq)
-  out["ada_balance"] = AdaConfig(method="balance", **seq)
+  seq = SeqConfig(samples_per_round=samples_per_round, max_rounds=max_rounds)
+  out["ada_pos"] = AdaConfig(method="pos", n=n, seq=seq)
+  out["ada_balance"] = AdaConfig(method="balance", n=n, seq=seq)
   rows = [("est", est_budgets, {"est": EstConfig()}), ("est_paper", est_paper_budgets, EST_PAPER)]
   rows.append(("est_head", est_head_budgets, {"est": EstConfig(estimator="head")}))
   for name, budgets, settings in rows:

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from ada_jax.rl import controller
+from ada_jax.rl import controller, rules
 from ada_jax.rl.adaptive import AdaConfig
 from ada_jax.rl.rules import pool_meets_exit
 from ada_jax.rl.simulate import PASS_RATE_MIX, _check_pass_rates, method_table, sample_pass_rates
@@ -396,7 +396,7 @@ def simulate_schedule(
   if p_all.size < sim.batch:
     raise ValueError(f"pass_rates: {p_all.size} prompts, fewer than batch={sim.batch}")
   tot, est_state, step = _Totals(), None, 0
-  cap = cfg.samples_per_round * cfg.max_rounds
+  cap = cfg.seq.budget
   order_rng = np.random.default_rng([sim.seed, 1])
   for epoch in range(sim.epochs):
     order = order_rng.permutation(p_all.size)
@@ -417,7 +417,7 @@ def simulate_schedule(
       tot.signal += res.stats.signal_fraction * sim.batch
       for k, v in stats.items():
         setattr(tot, k, getattr(tot, k) + v)
-      if cfg.is_seq:  # Prompts that drew R·M without exiting.
+      if isinstance(rules.RULES[cfg.method], rules.Seq):  # Drew R·M without exiting.
         capped = np.flatnonzero(res.stats.pool_size[: sim.batch] >= cap)
         tot.capped_prompts += capped.size
         tot.capped_tokens += sum(int(draws.length[p][: draws.count[p]].sum()) for p in capped)
@@ -455,5 +455,6 @@ def method_rows(
   keep = ("grpo_n4", "grpo_n8", "dapo_n4", "ada_pos", "ada_balance", "ada_est_k8")
   rows = {k: table[k] for k in (*keep, "ada_est_paper_k8")}
   for name in ("ada_pos", "ada_balance") if min_exit_chance else ():
-    rows[f"{name}_stop"] = dataclasses.replace(table[name], min_exit_chance=min_exit_chance)
+    seq = dataclasses.replace(table[name].seq, min_exit_chance=min_exit_chance)
+    rows[f"{name}_stop"] = dataclasses.replace(table[name], seq=seq)
   return rows

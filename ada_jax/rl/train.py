@@ -28,7 +28,6 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.rl import losses
@@ -213,42 +212,34 @@ def _optimizer(config: TrainConfig) -> optax.GradientTransformation:
 # ----------------------------------------------------------------------------- state
 
 
-def state_shardings(
-  model_config: ModelConfig, config: TrainConfig, mesh: Mesh, *, with_ref: bool = False
-) -> TrainState:
-  """`NamedSharding` of every `TrainState` leaf: Adam moments like their params, the
-  rest replicated."""
-  optimizer = _optimizer(config)
-  opt_shapes = jax.eval_shape(optimizer.init, jax.eval_shape(lambda: _param_zeros(model_config)))
-  params = sharding_lib.param_shardings(model_config, mesh)
-  rep = sharding_lib.replicated(mesh)
-  opt = optax.tree_map_params(
-    optimizer, lambda _, s: s, opt_shapes, params, transform_non_params=lambda _: rep
-  )
-  return TrainState(step=rep, params=params, opt_state=opt, ref_params=params if with_ref else None)
-
-
-def _param_zeros(model_config: ModelConfig) -> Params:
-  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), model_lib.param_shapes(model_config))
-
-
 def abstract_state(
   model_config: ModelConfig, config: TrainConfig, mesh: Mesh, *, with_ref: bool = False
 ) -> TrainState:
-  """`TrainState` of `jax.ShapeDtypeStruct`s carrying their shardings (a restore target)."""
-  shapes = jax.eval_shape(lambda: _init_unplaced(model_config, config, with_ref))
-  shardings = state_shardings(model_config, config, mesh, with_ref=with_ref)
-  return sharding_lib.abstract(shapes, shardings)
-
-
-def _init_unplaced(model_config, config, with_ref):
-  params = _param_zeros(model_config)
-  return TrainState(
-    step=jnp.zeros((), jnp.int32),
-    params=params,
-    opt_state=_optimizer(config).init(params),
-    ref_params=params if with_ref else None,
+  """`TrainState` of `jax.ShapeDtypeStruct`s carrying their shardings (a restore target):
+  Adam moments on their params' shardings, the rest replicated."""
+  optimizer = _optimizer(config)
+  params = sharding_lib.abstract_params(model_config, mesh)
+  rep = sharding_lib.replicated(mesh)
+  on = lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
+  opt = optax.tree_map_params(
+    optimizer,
+    lambda s, p: on(s, p.sharding),
+    jax.eval_shape(optimizer.init, params),
+    params,
+    transform_non_params=lambda s: on(s, rep),
   )
+  step = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+  return TrainState(
+    step=step, params=params, opt_state=opt, ref_params=params if with_ref else None
+  )
+
+
+def state_shardings(
+  model_config: ModelConfig, config: TrainConfig, mesh: Mesh, *, with_ref: bool = False
+) -> TrainState:
+  """`NamedSharding` of every `TrainState` leaf (`abstract_state`'s)."""
+  state = abstract_state(model_config, config, mesh, with_ref=with_ref)
+  return jax.tree.map(lambda s: s.sharding, state)
 
 
 def init_train_state(

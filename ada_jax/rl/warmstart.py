@@ -314,11 +314,11 @@ def warm_start(
   c = config
   task_config, steps, batch_size, seed = c.task, c.steps, c.batch_size, c.seed
   target_accuracy, target_level, check_every = c.target_accuracy, c.target_level, c.check_every
-  model_lib.check_vocab(model_config, tokenizer.vocab_size)
   start = time.perf_counter()
   lp, lr = arith.length_bounds(task_config, tokenizer)
   examples = arith.examples(task_config, "train", steps * batch_size, seed=seed)
   data = arith.encode_examples(tokenizer, examples, prompt_len=lp, response_len=lr)
+  model_lib.check_vocab(model_config, tokenizer.vocab_size)  # before the model is traced
   levels = np.asarray([int(e["source"].removeprefix("arith/L")) for e in examples])
   levels = levels.reshape(steps, batch_size)
   if step is None:

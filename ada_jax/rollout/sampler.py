@@ -158,7 +158,7 @@ def prompts_per_chunk(
   that is 0, C // `rows_per_prompt` (at least 1: a chunk of C rows then fills before it
   runs out of prompt slots; GRPO n = 4 with C = 256: 64), rounded up to a multiple of the
   mesh's row axes ('data' x 'fsdp') and at most C. The one derivation of the training
-  sampler (rows per prompt: `AdaConfig.min_rows_per_prompt`), the evaluation's (k, or 1
+  sampler (rows per prompt: `RunConfig.min_rows_per_prompt`), the evaluation's (k, or 1
   for greedy) and the prompt selection's."""
   if spec.prompts_per_chunk:
     return spec.prompts_per_chunk

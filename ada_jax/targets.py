@@ -1,0 +1,128 @@
+"""The accelerators a run can be planned for: TPU slices and GPU hosts as users name them
+(`TARGETS`), their vendor figures (memory, bandwidth, peak FLOP/s) and their compile-only
+devices (`devices_for`), on which `aot` compiles a run's programs without the hardware.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """A TPU slice or a GPU host (or hosts) as users name it.
+
+  Attributes:
+    name: e.g. 'v5e-8', 'h100x8' (one host of 8), 'h200x16' (2 hosts of 8).
+    topology: `topologies.get_topology_desc`'s name for it: 'v5e:2x4'; for GPUs
+      '<slices>x<hosts>x<gpus per host>', e.g. '1x2x8'.
+    chip_config: a TPU's `chip_config_name` ('megacore' for v4: one device per chip), or ''.
+    devices: JAX devices of the target.
+    hbm_gib: memory per device (GiB): for a TPU what XLA:TPU lets a program use, as its
+      out-of-memory message states it (libtpu 0.0.42); for a GPU the card's whole memory
+      (`usable_gib` applies JAX's allocator fraction).
+    hbm_gbs: peak HBM bandwidth per chip, GB/s (the vendor's figure).
+    peak_tflops: peak dense bf16 TFLOP/s per chip (the vendor's figure).
+    platform: 'tpu' or 'gpu' (as `jax.Device.platform` names them).
+    spec: a GPU's `GpuTargetConfigProto` file in `ada_jax/gpu_targets/`, or ''.
+  """
+
+  name: str
+  topology: str
+  chip_config: str
+  devices: int
+  hbm_gib: float
+  hbm_gbs: float
+  peak_tflops: float
+  platform: str = "tpu"
+  spec: str = ""
+
+  @property
+  def compiler(self) -> str:
+    return "XLA:TPU" if self.platform == "tpu" else "XLA:GPU"
+
+  def usable_gib(self, mem_fraction: float) -> float:
+    """Memory a run's programs may use per device: a TPU's `hbm_gib`; a GPU's times the
+    fraction JAX's allocator takes (`XLA_PYTHON_CLIENT_MEM_FRACTION`, default 0.75)."""
+    return self.hbm_gib if self.platform == "tpu" else self.hbm_gib * mem_fraction
+
+
+# JAX's GPU allocator takes this fraction of the card's memory unless told otherwise.
+DEFAULT_MEM_FRACTION = 0.75
+# (name, spec file, bytes of memory as the spec states it, GB/s, dense bf16 TFLOP/s).
+_GPUS = (
+  ("h100", "h100_sxm.txtpb", 84942979072, 3352.0, 989.0),
+  ("h200", "h200.txtpb", 151397597184, 4800.0, 989.0),
+)
+
+
+TARGETS = {
+  t.name: t
+  for t in (
+    Target("v5e-8", "v5e:2x4", "", 8, 15.75, 819.0, 197.0),
+    Target("v4-8", "v4:2x2x1", "megacore", 4, 30.75, 1200.0, 275.0),
+    Target("v4-32", "v4:2x2x4", "megacore", 16, 30.75, 1200.0, 275.0),
+    Target("v5p-8", "v5p:2x2x1", "", 4, 95.74, 2765.0, 459.0),
+    Target("v6e-8", "v6e:2x4", "", 8, 31.25, 1640.0, 918.0),
+    *(
+      Target(
+        f"{gpu}x{hosts * per_host}",
+        f"1x{hosts}x{per_host}",
+        "",
+        hosts * per_host,
+        round(memory / GIB, 2),
+        gbs,
+        tflops,
+        platform="gpu",
+        spec=spec,
+      )  # fmt: skip
+      for gpu, spec, memory, gbs, tflops in _GPUS
+      for hosts, per_host in ((1, 1), (1, 8), (2, 8))
+    ),
+  )
+}
+
+
+def target(name: str) -> Target:
+  """The `TARGETS` entry `name`. Raises ValueError naming the known targets."""
+  if name not in TARGETS:
+    raise ValueError(f"unknown TPU slice or GPU host {name!r}; known: {', '.join(TARGETS)}")
+  return TARGETS[name]
+
+
+def devices_for(t: Target) -> list:
+  """The target's compile-only devices, for ahead-of-time compiles with no accelerator:
+  libtpu's for a TPU slice, the CUDA plugin's (from the card's `gpu_targets/` file) for a
+  GPU host. Run with `JAX_PLATFORMS=cpu`: the plugin then compiles without looking for a
+  GPU.
+
+  Raises:
+    RuntimeError: the target's compiler is not installed (`pip install -r
+      requirements-dev.txt` pins both).
+  """
+  from jax.experimental import topologies
+
+  if t.platform == "tpu":
+    kwargs = {"platform": "tpu", "topology_name": t.topology}
+    if t.chip_config:
+      kwargs["chip_config_name"] = t.chip_config
+    package = "libtpu"
+  else:
+    spec = (pathlib.Path(__file__).parent / "gpu_targets" / t.spec).read_text()
+    kwargs = {"platform": "cuda", "target_config": spec, "topology": t.topology}
+    package = "jax-cuda12-plugin and nvidia-cuda-nvcc-cu12"
+  try:
+    topo = topologies.get_topology_desc(**kwargs)
+  except Exception as e:  # jax raises several kinds when the plugin is missing
+    raise RuntimeError(
+      f"no {t.compiler} compiler for {t.name}: {type(e).__name__}: {str(e)[:300]}; install "
+      f"{package} (requirements-dev.txt pins them)"
+    ) from None
+  if len(topo.devices) != t.devices:
+    raise RuntimeError(
+      f"{t.name}: expected {t.devices} devices, {package} gives {len(topo.devices)}"
+    )
+  return list(topo.devices)
