@@ -16,7 +16,7 @@ import sys
 import jax
 import pytest
 
-from ada_jax import aot, plan
+from ada_jax import aot, plan, targets
 from ada_jax import config as config_lib
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding as sharding_lib
@@ -37,13 +37,13 @@ from test_aot import _kv_model, _tiny_arith  # noqa: E402  (the TPU tests' confi
   ],
 )
 def test_gpu_targets_give_the_compilers_devices(name, devices, hosts, kind, gib):
-  t = aot.target(name)
-  got = aot.devices_for(t)
+  t = targets.target(name)
+  got = targets.devices_for(t)
   assert len(got) == devices and {d.device_kind for d in got} == {kind}
   assert {d.platform for d in got} == {"gpu"} and t.platform == "gpu"
   assert len({d.process_index for d in got}) == hosts  # one process per host
   assert t.hbm_gib == gib and t.usable_gib(0.75) == pytest.approx(0.75 * gib)
-  assert aot.target("v5e-8").usable_gib(0.75) == aot.target("v5e-8").hbm_gib  # TPU: whole
+  assert targets.target("v5e-8").usable_gib(0.75) == targets.target("v5e-8").hbm_gib  # TPU: whole
 
 
 def _keep_texts(monkeypatch) -> list[str]:
@@ -65,7 +65,7 @@ def test_eight_gpu_train_step_all_reduces_the_gradients(monkeypatch):
   all-reduce in XLA:GPU's program), so every replica applies the same update."""
   texts = _keep_texts(monkeypatch)
   cfg = config_lib.parse(_tiny_arith())
-  mesh = aot.mesh_for(cfg, aot.devices_for(aot.target("h100x8")))
+  mesh = aot.mesh_for(cfg, targets.devices_for(targets.target("h100x8")))
   assert mesh.shape["data"] == 8
   program, _ = aot.train_program(cfg, plan.model_of(cfg), mesh)
   (text,) = texts
@@ -83,7 +83,7 @@ def test_pool_cache_stays_in_place_under_xla_gpu(monkeypatch):
   (`sharding.rollout_param_shardings`; from the masters' layout XLA:GPU all-gathered the
   output table inside the loop), and no `[rows, V]` logits (drawn per vocabulary slice)."""
   config = _kv_model()
-  mesh = sharding_lib.make_mesh(2, 2, 2, devices=aot.devices_for(aot.target("h100x8")))
+  mesh = sharding_lib.make_mesh(2, 2, 2, devices=targets.devices_for(targets.target("h100x8")))
   smp = sampler_lib.Sampler(
     config, max_new_tokens=2048, stop_ids=(1,), chunk_rows=64, prompts_per_chunk=8,
     prompt_buckets=(128,), mesh=mesh,
@@ -117,8 +117,9 @@ def _plan_cli(*args):
 
 @pytest.mark.slow
 def test_plan_command_on_eight_h100s(tmp_path):
-  """The tiny run compiles for an 8-GPU host and fits; the JSON names target and commit."""
-  ok = _plan_cli("--topology=h100x8", f"--json={tmp_path}/p.json")
+  """The tiny run compiles for an 8-GPU host and fits; the JSON names target and commit.
+  (The slot-count search is the TPU test's, tests/test_aot.py: the same code.)"""
+  ok = _plan_cli("--topology=h100x8", f"--json={tmp_path}/p.json", "--nosize_slots")
   assert ok.returncode == 0, ok.stderr[-2000:]
   assert "with XLA:GPU" in ok.stdout and "FITS" in ok.stdout
   result = json.loads((tmp_path / "p.json").read_text())

@@ -4,6 +4,7 @@ resume after kill -9, SIGTERM, bad configs."""
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -43,7 +44,7 @@ def tiny_config(steps: int = 4, schedule: str = "rounds") -> ml_collections.Conf
   c.data.arith_prompts = 256
   c.sampler.chunk_rows = 64
   c.sampler.prompts_per_chunk = 0  # derived: full chunks for every method
-  c.ada.max_rounds = 2
+  c.ada.seq.max_rounds = 2
   c.ckpt.every_steps = 2
   c.warmstart.steps = 20
   c.warmstart.batch_size = 16
@@ -57,30 +58,46 @@ CONFIG_FILE = """
 import sys
 sys.path.insert(0, {root!r})
 sys.path.insert(0, {tests!r})
-from test_loop import tiny_config
+from test_loop import est_head_no_eval, no_eval, tiny_config
 
 def get_config():
-  return tiny_config({steps}, {schedule!r})
+  return {variant}(tiny_config({steps}, {schedule!r}))
 """
 
 
-def _write_config(tmp_path, steps, schedule="rounds"):
-  path = tmp_path / f"cfg_{steps}_{schedule}.py"
+def est_head_no_eval(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Est with its learned pass-rate head (state beyond the train state: head params, Adam
+  moments, statistics), no held-out evaluation."""
+  c.ada.method, c.ada.est.estimator = "est", "head"
+  c.eval.benchmarks = ()
+  return c
+
+
+def no_eval(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  c.eval.benchmarks = ()
+  return c
+
+
+def _write_config(tmp_path, steps, schedule="rounds", variant=None):
+  """A config file of `tiny_config(steps, schedule)`, passed through `variant` (a function
+  of this module, by name) when given."""
+  name = variant.__name__ if variant else ""
+  path = tmp_path / f"cfg_{steps}_{schedule}{'_' + name if name else ''}.py"
   text = CONFIG_FILE.format(
-    root=str(ROOT), tests=str(ROOT / "tests"), steps=steps, schedule=schedule
+    root=str(ROOT), tests=str(ROOT / "tests"), steps=steps, schedule=schedule, variant=name
   )
   path.write_text(textwrap.dedent(text))
   return path
 
 
-def _launch(tmp_path, workdir, steps, schedule="rounds"):
+def _launch(tmp_path, workdir, steps, schedule="rounds", variant=None):
   env = dict(os.environ)
   return subprocess.Popen(
     [
       sys.executable,
       "-m",
       "ada_jax.main",
-      f"--config={_write_config(tmp_path, steps, schedule)}",
+      f"--config={_write_config(tmp_path, steps, schedule, variant)}",
       f"--workdir={workdir}",
     ],
     cwd=ROOT,
@@ -173,6 +190,7 @@ def test_run_writes_metrics_checkpoints_summary(reference_run):
     "ada/rows_requested",
     "ada/active_r1",
   } & set(lines[0])
+  assert "reward_mean" in lines[0] and "zero_signal_frac" in lines[0]
   assert lines[0]["ada/rows_selected"] == 8 * 4  # B prompts × n kept
   assert json.loads((workdir / "summary.json").read_text())["steps_done"] == 4
   assert list((workdir / "tensorboard").iterdir())
@@ -207,28 +225,73 @@ def test_stream_schedule_runs_and_logs_its_figures(stream_run):
   assert "eval/arith/avg@2" in summary["after_rl"]
 
 
+def _tensorboard(workdir):
+  """tag -> the steps TensorBoard holds for it, in order."""
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+  acc = EventAccumulator(str(pathlib.Path(workdir) / "tensorboard"), size_guidance={"scalars": 0})
+  acc.Reload()
+  return {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def _est_state(workdir, step):
+  """The Est statistics (with the pass-rate head's params and moments) of checkpoint `step`
+  of a run of `est_head_no_eval(tiny_config(4))`."""
+  from ada_jax.models import sharding
+  from ada_jax.rl import train
+
+  cfg = config_lib.parse(est_head_no_eval(tiny_config(4)))
+  mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+  target = train.abstract_state(cfg.model.model_config(), cfg.train, mesh)
+  manager = checkpoint_lib.make_manager(pathlib.Path(workdir) / "checkpoints")
+  try:
+    return checkpoint_lib.restore(manager, target, step).est
+  finally:
+    manager.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["rounds", "stream"])
 def test_resume_after_kill9_repeats_the_uninterrupted_run(schedule, request, tmp_path):
-  ref_dir = request.getfixturevalue("reference_run" if schedule == "rounds" else "stream_run")[0]
+  """kill -9 after step 3, which no checkpoint holds (every 2 steps), then the same command:
+  the run resumes from checkpoint 2 and steps 3 and 4 repeat the uninterrupted run's;
+  TensorBoard holds each step once. `stream` runs pos against the shared stream run;
+  `rounds` runs Est with its learned head, whose state beyond the train state (statistics,
+  head params and Adam moments) comes back exactly, with no held-out benchmarks (the closing
+  line says so) and main's log level (no INFO lines)."""
+  if schedule == "rounds":
+    variant, ref_dir = est_head_no_eval, tmp_path / "ref"
+    loop.run(est_head_no_eval(tiny_config(4)), str(ref_dir))
+  else:
+    variant, ref_dir = None, request.getfixturevalue("stream_run")[0]
   ref = {m["step"]: m for m in _metrics(ref_dir)}
   workdir = tmp_path / "run"
-  proc = _launch(tmp_path, workdir, steps=4, schedule=schedule)
+  proc = _launch(tmp_path, workdir, steps=4, schedule=schedule, variant=variant)
   deadline = time.time() + 600
-  while 2 not in _steps_saved(workdir) and proc.poll() is None and time.time() < deadline:
-    time.sleep(0.2)
+  while len(_metrics(workdir)) < 3 and proc.poll() is None and time.time() < deadline:
+    time.sleep(0.05)
   proc.send_signal(signal.SIGKILL)
-  proc.wait()
-  resumed_from = max(_steps_saved(workdir))
-  assert resumed_from == 2, "killed too late: the run had finished"
-  proc = _launch(tmp_path, workdir, steps=4, schedule=schedule)
+  killed, _ = proc.communicate()
+  assert max(_steps_saved(workdir)) == 2, "killed too late: step 4 was saved"
+  assert len(_metrics(workdir)) >= 3 and re.search(r"warm start: \d+ of 20 steps", killed)
+  proc = _launch(tmp_path, workdir, steps=4, schedule=schedule, variant=variant)
   out, _ = proc.communicate(timeout=600)
   assert proc.returncode == 0, out[-3000:]
+  assert "resuming from step 2 " in out
   lines = {m["step"]: m for m in _metrics(workdir)}
   assert sorted(lines) == [1, 2, 3, 4]
+  assert _tensorboard(workdir)["loss"] == [1, 2, 3, 4]
   for step in (3, 4):
     for key in DETERMINISTIC:
       np.testing.assert_allclose(lines[step][key], ref[step][key], rtol=1e-6, err_msg=key)
+  if schedule == "rounds":
+    assert "done: 4 RL steps (no held-out benchmarks" in out
+    assert "held-out before -> after RL" not in out
+    assert not [line for line in out.splitlines() if line.startswith("I1")]
+    want, got = _est_state(ref_dir, 4), _est_state(workdir, 4)
+    assert any(k.startswith("head_") for k in want) and sorted(want) == sorted(got)
+    for k in want:
+      np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
 @pytest.mark.slow
@@ -236,7 +299,7 @@ def test_sigterm_saves_and_exits_75(tmp_path):
   """A preemption notice: checkpoint after the current step, the log names SIGTERM, and the
   exit code says "stopped, resumable" (75), not "finished" (0)."""
   workdir = tmp_path / "run"
-  proc = _launch(tmp_path, workdir, steps=50)
+  proc = _launch(tmp_path, workdir, steps=50, variant=no_eval)
   deadline = time.time() + 600
   while not _metrics(workdir) and proc.poll() is None and time.time() < deadline:
     time.sleep(0.2)
