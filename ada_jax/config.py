@@ -403,7 +403,7 @@ def build(cls, group: Mapping[str, Any] | None, path: str, base: Any = None):
     if key not in fields:
       moved = RENAMED.get(f"{path}.{key}")
       if moved:
-        raise ConfigError(f"config.{path}.{key}: moved; set config.{moved}")
+        raise ConfigError(f"config.{path}.{key} moved to config.{moved}")
       raise ConfigError(f"config.{path}.{key}: unknown field; {cls.__name__} has {sorted(fields)}")
     sub = _dataclass_of(fields[key])
     if sub is not None and isinstance(value, Mapping):

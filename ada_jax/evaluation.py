@@ -141,6 +141,10 @@ class Evaluator:
         rejects, e.g. the largest prompt bucket plus `max_new_tokens` past the model's
         positions (`<field>.sampler`).
     """
+    try:
+      samplers = eval_sampling.EvalSamplers.make(model_config, tokenizer, config, mesh)
+    except ValueError as e:
+      raise ConfigError(f"{field}.sampler: {e}") from None
     benchmarks = []
     for name in config.benchmarks:
       try:
@@ -148,10 +152,6 @@ class Evaluator:
       except (OSError, ValueError) as e:
         hint = inputs.offline_hint(e, f"{field}.manual_dir")
         raise ConfigError(f"{field}.benchmarks ({name}): {e}{hint}") from None
-    try:
-      samplers = eval_sampling.EvalSamplers.make(model_config, tokenizer, config, mesh)
-    except ValueError as e:
-      raise ConfigError(f"{field}.sampler: {e}") from None
     return cls(config, model_config, tokenizer, tuple(benchmarks), samplers)
 
   def run(

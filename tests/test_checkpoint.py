@@ -117,7 +117,7 @@ def test_reference_params_and_no_est(tmp_path):
 
 def test_fresh_start_order(tmp_path):
   """A fresh run's start (`start.initial_state`, when its own directory holds no checkpoint
-  for `loop` to resume from): 2. `init_from`; 3. pretrained weights; 4. random init (the
+  for `loop` to resume from): 1. `init_from`; 2. pretrained weights; 3. random init (the
   run's init key)."""
   mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
   target = train.abstract_state(CONFIG, TRAIN, mesh)
@@ -140,7 +140,7 @@ def test_fresh_start_order(tmp_path):
       cfg, target, CONFIG, None, mesh, model_dir=pretrained, host={"rl_step": 0}
     )
 
-  # 2. init_from (over pretrained weights): another run's params, fresh optimizer and step.
+  # 1. init_from (over pretrained weights): another run's params, fresh optimizer and step.
   run, source = initial(init_from=str(tmp_path / "other"), pretrained=str(hf))
   assert source.startswith("init_from:") and int(run.train.step) == 0
   assert run.host == {"rl_step": 0}
@@ -148,11 +148,11 @@ def test_fresh_start_order(tmp_path):
   # A step that was never saved: the error names the field and lists the saved steps.
   with pytest.raises(FileNotFoundError, match=r"config\.ckpt\.init_from: .*holds steps \[9\]"):
     initial(init_from=str(tmp_path / "other" / "5"))
-  # 3. pretrained Hugging Face weights (the exported folder), on the target shardings.
+  # 2. pretrained Hugging Face weights (the exported folder), on the target shardings.
   run, source = initial(pretrained=str(hf))
   assert source == f"pretrained:{hf}"
   _assert_tree_equal(run.train.params, jax.tree.map(lambda x: x * 2, fresh_params))
-  # 4. from scratch: the init key of the config's seed.
+  # 3. from scratch: the init key of the config's seed.
   run, source = initial()
   assert source == "scratch"
   _assert_tree_equal(run.train.params, fresh_params)

@@ -107,6 +107,9 @@ def test_trace_step_pools_and_global_advantages():
     (lambda r: sim.pos_closed_form(r, 0, 4), "samples_per_round"),
     (lambda r: sim.sample_pass_rates(np.random.default_rng(0), -1), "size"),
     (lambda r: sim.trace_step(AdaConfig(method="dapo"), r), "cfg"),
+    (lambda r: sim.trace_step(AdaConfig(method="ppo"), r), "AdaConfig.method"),
+    (lambda r: sim.method_table(n=8, samples_per_round=2, max_rounds=2), "AdaConfig.seq"),
+    (lambda r: sim.method_table(n=3), "AdaConfig.n"),  # balance's halves
   ],
 )
 def test_bad_arguments_are_named(call, name):

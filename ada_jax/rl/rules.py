@@ -364,7 +364,7 @@ class Balance(Seq):
       bad(
         "n",
         "balance splits n into equal halves by default; use an even n or set "
-        "k_pos and k_neg explicitly",
+        "seq.k_pos and seq.k_neg explicitly",
       )
     super().check(config, bad)
 

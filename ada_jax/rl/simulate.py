@@ -26,11 +26,9 @@ reads high for pos and balance, which stop sampling a prompt after successes. `s
 reports both against the truth (tests/test_simulate.py checks it for every method).
 
 Each prompt carries toy features (`toy_features`), the "hidden states" Est's learned
-pass-rate head reads: it can then be compared with the EMA on first visits.
-
-Units: pass rates are probabilities in [0, 1]; "samples" are responses drawn; fractions
-are of the step's B prompts. Randomness: numpy Generators seeded from the `seed`
-arguments, never the global numpy state.
+pass-rate head reads: it can then be compared with the EMA on first visits. Units: pass
+rates are probabilities in [0, 1]; "samples" are responses drawn; fractions are of the
+step's B prompts. Randomness: numpy Generators seeded from the `seed` arguments.
 """
 
 from __future__ import annotations
@@ -205,7 +203,7 @@ def method_table(
     row name -> `AdaConfig`, in display order.
 
   Raises:
-    ValueError: `AdaConfig` rejects a value (it names the field).
+    ValueError: `AdaConfig` or a row's rule (`rules.rule_for`) rejects a value, named.
   """
   out = {f"grpo_n{g}": AdaConfig(method="grpo", n=g) for g in (4, 8, 16, 32)}
   out["dapo_n4"] = AdaConfig(method="dapo", n=n, dapo=DapoConfig(max_extra_passes=4))
@@ -218,6 +216,8 @@ def method_table(
     for k in budgets:
       est = dataclasses.replace(settings["est"], budget_per_prompt=k)
       out[f"ada_{name}_k{k:g}"] = AdaConfig(method="est", **{**settings, "est": est})
+  for cfg in out.values():
+    rules.rule_for(cfg)  # settings each row's method cannot run together (M·R < n, ...)
   return out
 
 
@@ -393,7 +393,7 @@ def trace_step(
   Args:
     cfg: the controller configuration (not dapo: it would need extra prompts).
     pass_rates: the step's B pass rates in [0, 1].
-    seed: seeds the rewards (and `selection='random'`).
+    seed: seeds the rewards (and `seq.selection='random'`).
 
   Returns:
     (the `StepResult`, one float32[B, draws] array per round: prompt i's rewards of that
@@ -401,7 +401,7 @@ def trace_step(
   Raises ValueError on bad `pass_rates` or a dapo `cfg`.
   """
   p = _check_pass_rates(pass_rates)
-  if rules.RULES[cfg.method].adds_prompts:
+  if rules.rule_for(cfg).adds_prompts:
     raise ValueError(f"cfg: trace_step does not support method={cfg.method!r} (extra prompts)")
   rng, rounds = np.random.default_rng(seed), []
   draw = _bernoulli_draw(list(p), rng)
