@@ -27,6 +27,14 @@ def tiny():
   return config, model_lib.init_params(config, jax.random.key(0))
 
 
+def _assert_same_draw(got, want, *, atol, err_msg=""):
+  """Two `Sampler.generate` outputs drew the same rows: equal tokens and lengths, log-probs
+  within `atol`."""
+  np.testing.assert_array_equal(got["tokens"], want["tokens"], err_msg=err_msg)
+  np.testing.assert_array_equal(got["lengths"], want["lengths"], err_msg=err_msg)
+  np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=atol, err_msg=err_msg)
+
+
 def _reference(config, params, prompts, length, steps):
   tokens = np.zeros((len(prompts), length), np.int32)
   mask = np.zeros((len(prompts), length), bool)
@@ -90,9 +98,7 @@ def test_tokens_do_not_depend_on_the_schedule(tiny, pools):
   base, base_stats = outs["S=64"]
   assert len(set(base["lengths"].tolist())) > 5  # varied lengths: refills really happen
   for name, (out, _) in outs.items():
-    np.testing.assert_array_equal(out["tokens"], base["tokens"], err_msg=name)
-    np.testing.assert_array_equal(out["lengths"], base["lengths"], err_msg=name)
-    np.testing.assert_allclose(out["logprobs"], base["logprobs"], atol=1e-5, err_msg=name)
+    _assert_same_draw(out, base, atol=1e-5, err_msg=name)
   # Refill keeps the slots busy: fewer slot-steps than static chunks of 64 rows in the same
   # order, each decoding for its longest row (a row of length L takes L steps).
   lengths = base["lengths"]
@@ -119,9 +125,7 @@ def test_running_idle_decode_steps_draws_the_same_tokens(tiny, monkeypatch, mesh
   monkeypatch.setattr(slots_lib, "in_place_under_cond", lambda mesh: False)
   always, always_stats = draw()
   assert len(set(skipped["lengths"].tolist())) > 2  # rows end at different steps
-  np.testing.assert_array_equal(always["tokens"], skipped["tokens"])
-  np.testing.assert_array_equal(always["lengths"], skipped["lengths"])
-  np.testing.assert_allclose(always["logprobs"], skipped["logprobs"], atol=1e-6)
+  _assert_same_draw(always, skipped, atol=1e-6)
   assert (always_stats.kv_read, always_stats.kv_useful) == (stats.kv_read, stats.kv_useful)
 
 
@@ -186,15 +190,12 @@ def test_another_cache_layout_draws_the_same_tokens(tiny, monkeypatch, mesh_shap
     assert slots_lib.kv_shardings(config, mesh, 4, 8)[0].spec[order.index("b")] is not None
   got, stats = draw()
   assert len(set(want["lengths"].tolist())) > 2  # rows end at different steps
-  np.testing.assert_array_equal(got["tokens"], want["tokens"])
-  np.testing.assert_array_equal(got["lengths"], want["lengths"])
-  np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=1e-5)
+  _assert_same_draw(got, want, atol=1e-5)
   assert (stats.kv_read, stats.kv_useful) == (want_stats.kv_read, want_stats.kv_useful)
   if mesh is not None:
     monkeypatch.setattr(slots_lib, "uses_kernel", lambda mesh: True)
     kernel, _ = draw()
-    np.testing.assert_array_equal(kernel["tokens"], want["tokens"])
-    np.testing.assert_allclose(kernel["logprobs"], want["logprobs"], atol=1e-4)
+    _assert_same_draw(kernel, want, atol=1e-4)
 
 
 @hypothesis.settings(max_examples=6, deadline=None)
