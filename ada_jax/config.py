@@ -236,7 +236,6 @@ _RANGES = {
   "DataConfig.arith_prompts": "[1, 10**8]",
   "ArithConfig.levels": "[1, 9]",
   "ArithConfig.level_weights": "[0, 1e6]",
-  "ArithConfig.heldout_fraction": "(0, 1)",
   "SamplerSpec.temperature": "[0, 100]",
   "SamplerSpec.top_k": "[0, _TOKENS]",
   "SamplerSpec.top_p": "(0, 1]",

@@ -180,7 +180,9 @@ class Evaluator:
 
     Returns:
       The report written to the JSON file: `model`, `name` (the file stem used),
-      `settings`, `results`, `dropped_over_max_prompt_tokens` (per benchmark), `wall_s`.
+      `settings`, `results`, `dropped_over_max_prompt_tokens` (per benchmark), `wall_s`,
+      `problems` (per benchmark, `benchmarks.problem_results`: correct and boxed of k per
+      problem, for intervals).
     """
     config = self.config
     model_tag = weights_tag(params, self.model_config) if model_tag is None else model_tag
@@ -196,7 +198,8 @@ class Evaluator:
       # (every process launches the same sampler calls), even without a shared file system.
       suffix = f".p{jax.process_index()}" if jax.process_count() > 1 else ""
       cache = benchmarks_lib.ResultCache(out_dir / f"cache{suffix}.jsonl")
-      kw = dict(cache=cache, model_tag=model_tag, progress=progress)
+      records: dict[str, list[dict]] = {}
+      kw = dict(cache=cache, model_tag=model_tag, progress=progress, records=records)
       results = eval_sampling.evaluate(
         params, self.samplers, self.tokenizer, self.benchmarks, config, rng, scorers, **kw
       )
@@ -209,6 +212,7 @@ class Evaluator:
       "results": results,
       "dropped_over_max_prompt_tokens": {b.name: b.prompts.num_dropped for b in self.benchmarks},
       "wall_s": round(time.perf_counter() - start, 2),
+      "problems": {b: benchmarks_lib.problem_results(r) for b, r in records.items()},
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -170,7 +170,7 @@ def rl_step(
         step,
         cfg.ada.method,
       )
-      tm = {}
+      tm, tokens_trained = {}, 0
     else:
       batch = update.make_train_batch(
         result,
@@ -179,6 +179,7 @@ def rl_step(
         rows=cfg.train_rows,
         buckets=cfg.sampler.prompt_buckets,
       )
+      tokens_trained = int(batch.loss_mask.sum())
       state, tm = update.update_policy(
         ctx.step_fn, state, batch, config=cfg.train, mesh=ctx.mesh, logprob_fn=ctx.logprob_fn
       )
@@ -193,6 +194,8 @@ def rl_step(
     "samples_drawn": s.rows_requested,
     "active_prompts_per_round": list(s.active_per_round),
     "zero_signal_frac": s.zero_signal_fraction,
+    # Response tokens the update trained on (its loss mask), 0 for a skipped update.
+    "tokens_trained": tokens_trained,
     **engine.counters.metrics(),
     "time_train_s": time_train,
     "compiles": compiles.count,  # XLA compilations during the step

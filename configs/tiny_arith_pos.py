@@ -37,9 +37,7 @@ def get_config() -> ml_collections.ConfigDict:
   )
 
   c.data.source = "arith"
-  c.data.arith = ml_collections.ConfigDict(
-    dict(levels=(2, 3), level_weights=(), ops=("+",), heldout_fraction=0.1)
-  )
+  c.data.arith = ml_collections.ConfigDict(dict(levels=(2, 3), level_weights=(), ops=("+",)))
   c.data.arith_prompts = 20_000  # training prompts per epoch
   c.data.max_prompt_tokens = 16
 

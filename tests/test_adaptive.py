@@ -633,6 +633,8 @@ def test_first_round_pass_rate_counts_only_draws_before_any_exit():
   res, _ = rounds_step(AdaConfig(method="pos"), _ids(2), Scripted(streams), _rng())
   assert res.stats.first_round_pass_rate == pytest.approx((0 + 1 / 8) / 2)
   np.testing.assert_allclose(res.stats.pool_pass_rate, [1 / 16, 1 / 8])
+  # Prompt 0's first round is all wrong (later rescued), prompt 1's mixed.
+  assert (res.stats.first_round_all_wrong, res.stats.first_round_all_correct) == (1, 0)
   # dapo: only the step's own B prompts count, not the extra ones drawn to fill the batch.
   draw = Scripted([[1, 1, 1, 1], [1, 0, 0, 0]])
   more = lambda k: (draw.add([[0, 0, 0, 0]] * k), [f"x{i}" for i in range(k)])[1]
@@ -640,3 +642,5 @@ def test_first_round_pass_rate_counts_only_draws_before_any_exit():
   res, _ = rounds_step(cfg, _ids(2), draw, _rng(), more_prompts=more)
   assert len(res.prompt_ids) == 4
   assert res.stats.first_round_pass_rate == pytest.approx((1 + 1 / 4) / 2)
+  assert (res.stats.first_round_all_wrong, res.stats.first_round_all_correct) == (0, 1)
+  assert res.stats.as_metrics()["ada/first_round_all_correct"] == 1.0

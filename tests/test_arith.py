@@ -1,5 +1,6 @@
 """Tests for ada_jax.arith: deterministic problems, honest levels, disjoint splits, tokenizer."""
 
+import dataclasses
 import filecmp
 import itertools
 import re
@@ -7,6 +8,8 @@ import re
 import jinja2
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ada_jax.data import arith
 from ada_jax.models.tokenizer import Tokenizer
@@ -53,8 +56,8 @@ def test_level_weights_and_ops():
   level2 = np.mean([e["source"] == "arith/L2" for e in examples])
   assert 0.71 < level2 < 0.79  # 0.75 expected; sd ~0.01
   assert all(_parse(e["problem"])[1] == "*" for e in examples)
-  only1 = arith.ArithConfig(levels=(1, 2), level_weights=(1.0, 0.0))
-  assert {e["source"] for e in arith.examples(only1, "test", 100, seed=0)} == {"arith/L1"}
+  only2 = arith.ArithConfig(levels=(2, 3), level_weights=(1.0, 0.0))
+  assert {e["source"] for e in arith.examples(only2, "test", 100, seed=0)} == {"arith/L2"}
 
 
 def test_splits_never_overlap():
@@ -65,10 +68,64 @@ def test_splits_never_overlap():
   # Another seed draws from the same partition.
   test2 = {e["problem"] for e in arith.examples(cfg, "test", 600, seed=2)}
   assert not train & test2
-  # The held-out share over all 2-digit additions is close to the configured fraction.
+  # The held-out share over all 2-digit additions is close to the fixed fraction.
   pairs = list(itertools.product(range(10, 100), repeat=2))
-  share = np.mean([arith.is_heldout(a, "+", b, 0.1) for a, b in pairs])
+  share = np.mean([arith.is_heldout(a, "+", b) for a, b in pairs])
   assert 0.08 < share < 0.12
+
+
+def _key(problem: str) -> tuple[int, str, int]:
+  return arith.canonical(*_parse(problem))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+  levels=st.lists(st.integers(1, 5), min_size=1, max_size=3, unique=True),
+  ops=st.lists(st.sampled_from(sorted(arith.OPS)), min_size=1, max_size=3, unique=True),
+  seed=st.integers(0, 2**16),
+  n=st.integers(1, 300),
+)
+def test_heldout_problems_are_distinct_and_twins_share_a_split(levels, ops, seed, n):
+  cfg = arith.ArithConfig(levels=tuple(sorted(levels)), ops=tuple(ops))
+  n = min(n, arith.heldout_size(cfg))
+  test = arith.examples(cfg, "test", n, seed=seed)
+  keys = [_key(e["problem"]) for e in test]
+  assert len(test) == n and len(set(keys)) == n  # distinct, twins counted once
+  assert test[: n // 2] == arith.examples(cfg, "test", n // 2, seed=seed)  # a prefix
+  for a, op, b in keys:
+    assert arith.is_heldout(a, op, b)
+    assert op not in arith.COMMUTATIVE or arith.is_heldout(b, op, a)
+  train = arith.examples(cfg, "train", 400, seed=seed)
+  # Neither a training problem nor its commuted twin is held out.
+  assert not {_key(e["problem"]) for e in train} & set(keys)
+
+
+@pytest.mark.parametrize(
+  ("levels", "ops"), [((1,), ("+",)), ((1,), ("+", "-", "*")), ((1, 2), ("-",)), ((2,), ("*",))]
+)
+def test_asking_for_more_heldout_problems_than_the_split_holds_is_refused(levels, ops):
+  cfg = arith.ArithConfig(levels=levels, ops=ops)
+  size = arith.heldout_size(cfg)
+  # The exact count of a listed cell: every canonical problem, hashed.
+  expected = sum(
+    arith.is_heldout(*(arith.canonical(a, op, b) if op != "-" else (b, op, a)))
+    for lv in levels
+    for op in ops
+    for a in (range(10) if lv == 1 else range(10 ** (lv - 1), 10**lv))
+    for b in (range(10) if lv == 1 else range(10 ** (lv - 1), 10**lv))
+    if a <= b
+  )
+  assert size == expected
+  everything = arith.examples(cfg, "test", size, seed=3)
+  assert len({_key(e["problem"]) for e in everything}) == size
+  with pytest.raises(
+    ValueError, match=f"{size + 1} distinct held-out problems asked for.* hold {size}"
+  ):
+    arith.examples(cfg, "test", size + 1, seed=3)
+
+
+def test_the_split_is_fixed_not_a_setting():
+  assert "heldout_fraction" not in {f.name for f in dataclasses.fields(arith.ArithConfig)}
 
 
 @pytest.mark.parametrize(
@@ -77,7 +134,6 @@ def test_splits_never_overlap():
     ({"levels": (0, 2)}, "levels="),
     ({"levels": (1, 2), "level_weights": (1.0,)}, "level_weights="),
     ({"ops": ("/",)}, "ops="),
-    ({"heldout_fraction": 1.0}, "heldout_fraction="),
   ],
 )
 def test_config_validation(kwargs, match):

@@ -36,8 +36,7 @@ def get_config():
   # Everything the test relies on is set here, not inherited from the calibrated config.
   c.model.overrides.update(embed_dim=32, mlp_dim=64, num_layers=2, num_heads=2,
                            num_kv_heads=1, head_dim=16)
-  c.data.arith = ml_collections.ConfigDict(dict(levels=(1,), ops=("+",),
-                                                heldout_fraction=0.1))
+  c.data.arith = ml_collections.ConfigDict(dict(levels=(1,), ops=("+",)))
   c.data.arith_prompts = 256
   c.sampler.max_new_tokens = 12
   c.sampler.chunk_rows = 64

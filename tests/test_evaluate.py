@@ -116,6 +116,15 @@ def test_a_reused_workdir_never_answers_for_other_weights(tmp_path):
   cache = tmp_path / "eval" / "cache.jsonl"
   first = run(0)
   lines = cache.read_text().count("\n")
+  # The report keeps each problem's correct and boxed counts of k, which give its scores.
+  problems = first["problems"]["arith"]
+  assert [p["prompt_id"] for p in problems] == [f"arith/test/0/{i}" for i in range(4)]
+  assert all(p["k"] == 2 and 0 <= p["correct"] <= p["boxed"] <= 2 for p in problems)
+  m = first["results"]["arith"]
+  assert sum(p["correct"] for p in problems) / 8 == pytest.approx(m["avg@2"])
+  assert sum(p["boxed"] for p in problems) / 8 == pytest.approx(m["boxed_rate"])
+  saved = json.loads((tmp_path / "eval" / "step_8.json").read_text())
+  assert saved["problems"] == first["problems"]
   second = run(1)
   assert cache.read_text().count("\n") == 2 * lines  # sampled again
   assert second["model"] != first["model"] and second["name"] == "step_8.2"

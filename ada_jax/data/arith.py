@@ -13,7 +13,11 @@ For a real pretrained model's tokenizer the same problems are phrased as a quest
 depend on its phrasing.
 
 Train and held-out problems never overlap for any seed: a problem is held out iff a hash
-of its text falls below `heldout_fraction`, and each split only keeps its own problems.
+of its operand pair falls below `HELDOUT_FRACTION`, a fixed share and not a setting, so a
+run's evaluation can never hold out other problems than its training left out. The pair is
+unordered for the commutative operators, so `b + a` is held out with `a + b` (twins share a
+split). The training split draws with replacement (an epoch of prompts); the held-out split
+draws distinct problems (twins count once) and refuses a request for more than it holds.
 The supervised warm start (`rl.warmstart`) trains on `encode_examples`' teacher-forcing
 arrays, padded to `length_bounds`.
 
@@ -27,6 +31,7 @@ Regenerate with `python -m ada_jax.data.arith`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import operator
@@ -43,7 +48,13 @@ from ada_jax.models.tokenizer import Tokenizer, pad_left
 TOKENIZER_DIR = pathlib.Path(__file__).resolve().parent / "assets" / "arith_tokenizer"
 
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+COMMUTATIVE = ("+", "*")
 SPLITS = ("train", "test")
+# The held-out share of every level and operator (about one problem in ten).
+HELDOUT_FRACTION = 0.1
+# Cells (level, operator) of at most this many problems are listed whole, so the held-out
+# split's size is exact there and its draws are a permutation (levels 1-3: 55 to 405,450).
+_LISTED_PAIRS = 500_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,13 +65,11 @@ class ArithConfig:
     levels: digit counts to draw from (1..9).
     level_weights: relative probability of each level; empty means uniform.
     ops: operators to draw from, uniformly (subset of '+', '-', '*').
-    heldout_fraction: share of all problems reserved for the held-out split.
   """
 
   levels: tuple[int, ...] = (1, 2, 3, 4, 5)
   level_weights: tuple[float, ...] = ()
   ops: tuple[str, ...] = ("+", "-", "*")
-  heldout_fraction: float = 0.1
 
   def __post_init__(self):
     if not self.levels or not all(1 <= d <= 9 for d in self.levels):
@@ -76,8 +85,6 @@ class ArithConfig:
       )
     if not self.ops or any(op not in OPS for op in self.ops):
       raise ValueError(f"ops={self.ops}: need one or more of {sorted(OPS)}")
-    if not 0.0 < self.heldout_fraction < 1.0:
-      raise ValueError(f"heldout_fraction={self.heldout_fraction} must be in (0, 1)")
 
 
 # The CPU toy's RL prompts and held-out set (experiments/calibrate_arith.py): 2- and
@@ -98,23 +105,71 @@ def question_text(a: int, op: str, b: int) -> str:
   return f"What is {a} {op} {b}?"
 
 
-def is_heldout(a: int, op: str, b: int, fraction: float) -> bool:
-  """Whether a problem belongs to the held-out split (a fixed hash of its text, no seed)."""
-  h = hashlib.blake2b(problem_text(a, op, b).encode(), digest_size=8).digest()
-  return int.from_bytes(h, "big") < fraction * 2**64
+def canonical(a: int, op: str, b: int) -> tuple[int, str, int]:
+  """The problem that `a op b` is one of: commutative operands in ascending order, so that
+  `b + a` and `a + b` are one problem for the split and for distinctness."""
+  return (min(a, b), op, max(a, b)) if op in COMMUTATIVE else (a, op, b)
+
+
+def is_heldout(a: int, op: str, b: int) -> bool:
+  """Whether a problem belongs to the held-out split: a fixed hash of its canonical text
+  (`canonical`) below `HELDOUT_FRACTION`; no seed, no setting."""
+  text = problem_text(*canonical(a, op, b))
+  h = hashlib.blake2b(text.encode(), digest_size=8).digest()
+  return int.from_bytes(h, "big") < HELDOUT_FRACTION * 2**64
+
+
+def _operand_range(digits: int) -> range:
+  return range(0 if digits == 1 else 10 ** (digits - 1), 10**digits)
 
 
 def _operand(rng: np.random.Generator, digits: int) -> int:
-  low = 0 if digits == 1 else 10 ** (digits - 1)
-  return int(rng.integers(low, 10**digits))
+  r = _operand_range(digits)
+  return int(rng.integers(r.start, r.stop))
+
+
+def _cell_pairs(level: int) -> int:
+  """Canonical problems of one (level, operator) cell: unordered pairs, or ordered with
+  the larger operand first for '-'; N (N + 1) / 2 either way."""
+  n = len(_operand_range(level))
+  return n * (n + 1) // 2
+
+
+@functools.lru_cache(maxsize=32)
+def _heldout_cell(level: int, op: str) -> tuple[tuple[int, int], ...]:
+  """Every held-out canonical problem of a listed cell (`_LISTED_PAIRS`), as (a, b) with
+  a <= b for commutative operators and a >= b for '-'."""
+  r = _operand_range(level)
+  pairs = ((a, b) if op in COMMUTATIVE else (b, a) for a in r for b in r if a <= b)
+  return tuple((a, b) for a, b in pairs if is_heldout(a, op, b))
+
+
+def heldout_size(config: ArithConfig) -> int:
+  """Distinct held-out problems of `config` (levels of non-zero weight x operators): exact
+  for listed cells (levels 1-3), a lower bound of 0.9 x the expected share beyond."""
+  weights = config.level_weights or (1.0,) * len(config.levels)
+  total = 0
+  for level, w in zip(config.levels, weights, strict=True):
+    for op in dict.fromkeys(config.ops) if w > 0 else ():
+      if _cell_pairs(level) <= _LISTED_PAIRS:
+        total += len(_heldout_cell(level, op))
+      else:
+        total += int(0.9 * HELDOUT_FRACTION * _cell_pairs(level))
+  return total
 
 
 def examples(
   config: ArithConfig, split: str, n: int, *, seed: int, question: bool = False
 ) -> list[dict[str, str]]:
-  """n problems of one split, deterministic for (config, split, n, seed).
+  """n problems of one split, deterministic for (config, split, seed); a shorter draw is a
+  prefix of a longer one.
 
-  Problems may repeat (level 1 has only 100 additions); each draw is its own prompt.
+  The training split draws with replacement: a problem may repeat, each draw its own
+  prompt. The held-out split draws distinct problems (`canonical`: twins once): a level
+  is drawn by `level_weights` among the levels with problems left, an operator uniformly
+  among its cells with problems left, then a problem of that cell not drawn before (a
+  commutative one in a random operand order). So an exhausted level's weight passes to the
+  others, and level 1 (about 16 held-out problems over three operators) soon runs out.
 
   Args:
     config: the distribution.
@@ -130,25 +185,69 @@ def examples(
     metrics can be split by level).
 
   Raises:
-    ValueError: unknown split.
+    ValueError: unknown split, or more held-out problems asked for than the split holds
+      (`heldout_size`).
   """
   if split not in SPLITS:
     raise ValueError(f"split={split!r}; known: {SPLITS}")
   heldout = split == "test"
+  if heldout and n > (size := heldout_size(config)):
+    raise ValueError(
+      f"{n} distinct held-out problems asked for; levels={config.levels} "
+      f"(weights {config.level_weights or 'equal'}) with ops={config.ops} hold {size}"
+    )
   rng = np.random.default_rng([seed, SPLITS.index(split)])
   weights = np.asarray(config.level_weights or [1.0] * len(config.levels), np.float64)
-  weights = weights / weights.sum()
+  ops = tuple(dict.fromkeys(config.ops))
+  # Held out: per cell, the draw order of a listed cell (a permutation, made when the cell
+  # is first drawn) and its next index; for a large cell, the problems drawn so far.
+  order: dict[tuple[int, str], np.ndarray] = {}
+  taken: dict[tuple[int, str], int] = {}
+  seen: set[tuple[int, str, int]] = set()
+
+  def left(level: int, op: str) -> bool:
+    if _cell_pairs(level) > _LISTED_PAIRS:
+      return True
+    return taken.get((level, op), 0) < len(_heldout_cell(level, op))
+
+  def draw_heldout(level: int, op: str) -> tuple[int, int]:
+    cell = (level, op)
+    if _cell_pairs(level) <= _LISTED_PAIRS:
+      problems = _heldout_cell(level, op)
+      if cell not in order:
+        order[cell] = rng.permutation(len(problems))
+      a, b = problems[order[cell][taken.get(cell, 0)]]
+      taken[cell] = taken.get(cell, 0) + 1
+      if op in COMMUTATIVE and rng.integers(2):
+        a, b = b, a
+      return a, b
+    while True:  # rejection: about 1 / HELDOUT_FRACTION draws per new problem
+      a, b = _operand(rng, level), _operand(rng, level)
+      if op == "-" and b > a:
+        a, b = b, a
+      if is_heldout(a, op, b) and (key := canonical(a, op, b)) not in seen:
+        seen.add(key)
+        return a, b
+
   out = []
   text, name = (question_text, "arith_text") if question else (problem_text, "arith")
   while len(out) < n:
-    level = int(config.levels[rng.choice(len(config.levels), p=weights)])
-    op = config.ops[int(rng.integers(len(config.ops)))]
-    a, b = _operand(rng, level), _operand(rng, level)
-    if op == "-" and b > a:
-      a, b = b, a
-    # Rejection keeps the splits disjoint; it costs ~1/fraction draws per held-out problem.
-    if is_heldout(a, op, b, config.heldout_fraction) != heldout:
-      continue
+    if heldout:
+      open_ = np.asarray([any(left(lv, op) for op in ops) for lv in config.levels])
+      w = weights * open_
+      level = int(config.levels[rng.choice(len(config.levels), p=w / w.sum())])
+      cells = [op for op in ops if left(level, op)]
+      op = cells[int(rng.integers(len(cells)))]
+      a, b = draw_heldout(level, op)
+    else:
+      level = int(config.levels[rng.choice(len(config.levels), p=weights / weights.sum())])
+      op = config.ops[int(rng.integers(len(config.ops)))]
+      a, b = _operand(rng, level), _operand(rng, level)
+      if op == "-" and b > a:
+        a, b = b, a
+      # Rejection keeps the splits disjoint: about 1.1 draws per training problem.
+      if is_heldout(a, op, b):
+        continue
     out.append(
       {
         "prompt_id": f"{name}/{split}/{seed}/{len(out)}",

@@ -34,6 +34,7 @@ import os
 import pathlib
 import zlib
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -213,6 +214,21 @@ def benchmark_metrics(
   out["response_tokens"] = float(np.mean([r["lengths"] for r in samples])) if samples else 0.0
   out["num_problems"] = len(samples)
   return out
+
+
+def problem_results(samples: Sequence[Mapping]) -> list[dict[str, Any]]:
+  """Per-problem results for a report, from which any interval can be computed:
+  `{'prompt_id', 'correct' (rewards > 0.5 among k), 'boxed' (complete boxes among k), 'k'}`
+  per problem, in benchmark order."""
+  return [
+    {
+      "prompt_id": r["prompt_id"],
+      "correct": int(sum(x > 0.5 for x in r["rewards"])),
+      "boxed": int(sum(r["boxed"])),
+      "k": len(r["rewards"]),
+    }
+    for r in samples
+  ]
 
 
 def weighted_average(per_benchmark: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
@@ -400,6 +416,7 @@ def evaluate_policy(
   cache: ResultCache | None = None,
   model_tag: str = "",
   progress: bool = False,
+  records: dict[str, list[dict]] | None = None,
 ) -> dict[str, dict[str, float]]:
   """Metrics of `policy` on each benchmark plus their problem-weighted average.
 
@@ -411,6 +428,8 @@ def evaluate_policy(
     scorers: judge name -> reward function, for every judge the benchmarks use.
     greedy_policy: when given, greedy accuracy is measured with it too.
     cache, model_tag, progress: see `run_benchmark`.
+    records: when given, receives each benchmark's sampled per-problem records
+      (`run_benchmark`'s), for reports that keep them (`problem_results`).
 
   Returns:
     `{benchmark: metrics, ..., 'average': weighted metrics}` (see `benchmark_metrics`).
@@ -425,6 +444,8 @@ def evaluate_policy(
   for bench in benchmarks:
     kw = dict(cache=cache, model_tag=model_tag, progress=progress)
     samples = run_benchmark(bench, policy, scorers[bench.judge], config, rng, **kw)
+    if records is not None:
+      records[bench.name] = samples
     greedy = None
     if greedy_policy is not None:
       greedy = run_benchmark(

@@ -124,6 +124,7 @@ def evaluate(
   cache: ResultCache | None = None,
   model_tag: str = "",
   progress: bool = False,
+  records: dict[str, list[dict]] | None = None,
 ) -> dict[str, dict[str, float]]:
   """Avg@k (and pass@j, greedy) of a model; the training loop's periodic-eval hook.
 
@@ -137,7 +138,7 @@ def evaluate(
     config: settings.
     rng: PRNG key (e.g. `fold_in(eval_key, step)`).
     scorers: judge name -> reward function (`RewardPool.score` of a pool of that judge).
-    cache, model_tag, progress: see `run_benchmark`.
+    cache, model_tag, progress, records: see `evaluate_policy`.
 
   Returns:
     `{benchmark: metrics, ..., 'average': weighted metrics}`; `flat_metrics` flattens it.
@@ -152,5 +153,5 @@ def evaluate(
     if samplers.greedy is None:
       raise ValueError("config.greedy is set but samplers.greedy is None (EvalSamplers.make)")
     greedy = sampler_policy(samplers.greedy, params, tokenizer)
-  kw = dict(cache=cache, model_tag=model_tag, progress=progress)
+  kw = dict(cache=cache, model_tag=model_tag, progress=progress, records=records)
   return evaluate_policy(policy, benchmarks, config, rng, scorers, greedy_policy=greedy, **kw)

@@ -38,6 +38,10 @@ class StepStats:
       drawn before any exit decision, so this estimates the policy's mean pass rate on the
       step's prompts without bias for every method (`pool_pass_rate` is biased upward for
       pos and balance, which stop after successes).
+    first_round_all_correct: prompts of the B whose first-round samples are all positive.
+    first_round_all_wrong: prompts of the B whose first-round samples are all negative:
+      with `first_round_all_correct`, the groups a GRPO of the first round's size would
+      have learned nothing from.
     pool_size: int32[P] responses drawn per prompt.
     pool_positives: int32[P] positive responses (reward > `positive_threshold`) in each
       prompt's pool; `pool_pass_rate` is their fraction.
@@ -58,6 +62,8 @@ class StepStats:
   mean_pool_size: float
   reward_mean: float
   first_round_pass_rate: float
+  first_round_all_correct: int
+  first_round_all_wrong: int
   pool_size: np.ndarray
   pool_positives: np.ndarray
   est_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -79,7 +85,14 @@ class StepStats:
     """
     out = {
       f"{prefix}{k}": float(getattr(self, k))
-      for k in ("rows_selected", "rows_useful", "signal_fraction", "mean_pool_size")
+      for k in (
+        "rows_selected",
+        "rows_useful",
+        "signal_fraction",
+        "mean_pool_size",
+        "first_round_all_correct",
+        "first_round_all_wrong",
+      )
     }
     out[f"{prefix}rounds"] = float(len(self.samples_per_round))
     out[f"{prefix}samples_per_prompt"] = self.rows_requested / max(self.num_prompts, 1)
@@ -182,6 +195,8 @@ def finish(
     mean_pool_size=float(sizes[sampled].mean()) if sampled.any() else 0.0,
     reward_mean=float(all_rewards.mean()) if all_rewards.size else 0.0,
     first_round_pass_rate=float(np.mean(first_rates)) if first_rates else 0.0,
+    first_round_all_correct=sum(r == 1.0 for r in first_rates),
+    first_round_all_wrong=sum(r == 0.0 for r in first_rates),
     pool_size=sizes,
     pool_positives=pos.astype(np.int32),
   )
