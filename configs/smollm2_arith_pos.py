@@ -1,5 +1,6 @@
 """Reinforce-Ada-pos on a real pretrained instruct model on 2 CPU cores: SmolLM2-135M-Instruct
-(from its GGUF) on 1–2-digit additions asked as questions, with one worked example.
+(from its GGUF) on 2-digit additions asked as questions, with one worked example: the
+Ada-pos arm of the real-model comparison (experiments/smollm2_learning.py).
 
 Set-up, once (about 12 s; float32 weights, 540 MB):
 
@@ -13,13 +14,16 @@ then
 
   python -m ada_jax.main --config=configs/smollm2_arith_pos.py --workdir=/tmp/smollm2_pos
 
-(`--config.model.hf_dir=DIR` for a folder elsewhere). Sized for 2 loaded cores, float32:
-4 prompts per step, n = 4, M = 4 per round, at most 2 rounds, 96-token responses (one
-train step on 64 rows × 96 tokens takes about 2 minutes there; decode 80–100 tokens/s).
-The task mix follows the measured base pass rates (`../shared/models/README.md`): with one
-worked example, 1–2-digit additions pass at about 0.35, half the prompts between 0.05 and
-0.6. The worked example, 7 + 35, mixes digit counts, so it is never a drawn problem.
-The learning rate is a first guess, not yet swept.
+(`--config.model.hf_dir=DIR` for a folder elsewhere). Sized for 2 cores, float32: 4 prompts
+per step, n = 4, M = 4 per round, at most R = 4 rounds (16 samples a prompt), 96-token
+responses, 32 RL steps, held-out Avg@4 on 300 distinct unseen problems before RL, at step
+16 and after.
+
+The task is the one experiments/calibrate_smollm2.py picked
+(results/calibrate_smollm2.json): the base model passes 2-digit additions at a mean rate of
+0.12 over 100 held-out problems x 8 samples, and a group of 4 is all wrong with chance 0.70,
+so GRPO n = 4 loses most of its groups to failures, which `pos` is built to rescue. The
+worked example, 7 + 35, mixes digit counts, so it is never a drawn problem.
 """
 
 import pathlib
@@ -35,9 +39,9 @@ HF_DIR = str(pathlib.Path("~/.cache/ada_jax/smollm2-135m-instruct").expanduser()
 FRAME = dict(
   system="You are a careful calculator. Put the final answer in \\boxed{}.",
   suffix="",
-  examples=["What is 7 + 35?", "7 + 35 = 42. The answer is \\boxed{42}."],
+  examples=("What is 7 + 35?", "7 + 35 = 42. The answer is \\boxed{42}."),
 )
-TASK = dict(levels=[1, 2], ops=["+"])
+TASK = dict(levels=(2,), ops=("+",))
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -46,7 +50,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.dtype = "float32"  # CPU: no bfloat16 speed-up, and exact sampler/trainer log-probs
 
   c.data.source = "arith_text"  # 'What is 23 + 58?' through the chat template
-  c.data.arith = ml_collections.ConfigDict(TASK)  # 1–2-digit additions
+  c.data.arith = ml_collections.ConfigDict(TASK)  # 2-digit additions
   c.data.arith_prompts = 20_000  # training prompts drawn (an epoch)
   c.data.frame = ml_collections.ConfigDict(FRAME)  # instruction + one worked example
   c.data.max_prompt_tokens = 128  # the framed prompts are at most 82 tokens
@@ -58,15 +62,16 @@ def get_config() -> ml_collections.ConfigDict:
   c.ada.method = "pos"
   c.ada.n = 4  # final group size
   c.ada.seq.samples_per_round = 4  # M
-  c.ada.seq.max_rounds = 2  # R
+  c.ada.seq.max_rounds = 4  # R: the budget ceiling, 16 samples a prompt
 
-  c.rl.steps = 8  # RL steps: about 30 min on 2 cores, both held-out evaluations included
+  c.rl.steps = 32
   c.rl.batch_prompts = 4  # B: prompts per step
   c.rl.verifier.num_workers = 1  # one grader process beside the 2 cores' JAX work
   c.train.mini_batch_prompts = 4  # one update per step (16 rows)
 
-  # From experiments/smollm2_learning.py --sweep (results/smollm2_lr_sweep.json), pos, 8
-  # steps: held-out Avg@4 27.75% -> 44.0% at 3e-6, 62.6% at 1e-5, 53.1% at 3e-5.
+  # Provisional: the best of the earlier, easier task's sweep (pos, 8 steps). The comparison's
+  # own sweep (experiments/smollm2_learning.py --sweep: GRPO-matched, seed 0, 3e-6, 1e-5,
+  # 3e-5) chooses the rate of every arm before the comparison runs.
   c.optim.learning_rate = 1e-5
   c.optim.warmup_steps = 5
 
@@ -76,12 +81,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval.benchmarks = ("arith_text",)  # held-out problems, same phrasing and frame
   c.eval.arith_levels = TASK["levels"]
   c.eval.arith_ops = TASK["ops"]
-  c.eval.arith_problems = 200
+  c.eval.arith_problems = 300  # distinct; the split holds 434 2-digit additions
   c.eval.frame = ml_collections.ConfigDict(FRAME)
   c.eval.k = 4  # Avg@4
   c.eval.sampler.max_new_tokens = 96
   c.eval.sampler.chunk_rows = 64
   c.eval.sampler.prompt_buckets = (128,)
   c.eval.max_prompt_tokens = 128
-  c.eval.every_steps = 0  # before and after RL only: one evaluation costs 6.5 min here
+  c.eval.every_steps = 16  # before RL, at step 16 and after: about 8 min each here
   return c

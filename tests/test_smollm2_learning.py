@@ -28,8 +28,11 @@ def _line(step, **kw):
   return {
     "step": step,
     "first_round_pass_rate": 0.25 * step,
+    "ada/first_round_all_correct": 0,
+    "ada/first_round_all_wrong": 2,
     "samples_drawn": 16,
     "zero_signal_frac": 0.5,
+    "tokens_trained": 300,
     "time_sample_s": 60.0,
     "time_grade_wait_s": 1.0,
     "time_train_s": 59.0,
@@ -37,96 +40,133 @@ def _line(step, **kw):
   }
 
 
-def _eval_report(workdir, step, avg, boxed, suffix=""):
+def _eval_report(workdir, step, avg, boxed, suffix="", correct=None):
   path = workdir / "eval" / f"step_{step}{suffix}.json"
   path.parent.mkdir(parents=True, exist_ok=True)
-  results = {"arith_text": {"avg@4": avg, "boxed_rate": boxed, "num_problems": 200}}
-  path.write_text(json.dumps({"results": {**results, "average": results["arith_text"]}}))
+  results = {"arith_text": {"avg@4": avg, "boxed_rate": boxed, "num_problems": 4}}
+  correct = correct or [round(4 * avg)] * 4
+  problems = [
+    {"prompt_id": f"q{i}", "correct": c, "boxed": 4, "k": 4} for i, c in enumerate(correct)
+  ]
+  report = {
+    "results": {**results, "average": results["arith_text"]},
+    "problems": {"arith_text": problems},
+  }
+  path.write_text(json.dumps(report))
 
 
-def _fabricate(workdir, steps_done, *, finished, tokens=None):
+def _fabricate(workdir, steps_done, *, finished, tokens=None, pass_rate=None, after=0.5):
   """A run of `steps_done` steps, evaluated at 0, 2 and (finished) the end."""
   workdir.mkdir(parents=True)
   lines = []
   for s in range(1, steps_done + 1):
     extra = {"tokens_decoded": tokens[s - 1]} if tokens else {"response_len_mean": 10.0}
-    if s == 2:
-      extra.update({AVG: 0.4, BOXED: 0.8})
+    if pass_rate is not None:
+      extra["first_round_pass_rate"] = pass_rate(s)
     lines.append(_line(s, **extra))
   (workdir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
-  _eval_report(workdir, 0, 0.3, 0.7)
-  _eval_report(workdir, 2, 0.1, 0.1)  # replaced by the re-evaluation below
-  _eval_report(workdir, 2, 0.4, 0.8, suffix=".2")
+  _eval_report(workdir, 0, 0.25, 0.7)
+  _eval_report(workdir, 2, 0.0, 0.1)  # replaced by the re-evaluation below
+  _eval_report(workdir, 2, 0.5, 0.8, suffix=".2")
   (workdir / "sessions.json").write_text(json.dumps([{"wall_s": 3600.0}, {"wall_s": 1800.0}]))
   if finished:
-    _eval_report(workdir, steps_done, 0.5, 0.9)
-    summary = {
-      "steps_done": steps_done,
-      "before_rl": {AVG: 0.3, BOXED: 0.7},
-      "after_rl": {AVG: 0.5, BOXED: 0.9},
-    }
+    _eval_report(workdir, steps_done, after, 0.9)
+    summary = {"steps_done": steps_done, "after_rl": {AVG: after, BOXED: 0.9}}
     (workdir / "summary.json").write_text(json.dumps(summary))
 
 
-def test_report_reads_finished_partial_and_absent_runs(script, tmp_path):
+def test_report_reads_runs_and_computes_the_endpoints(script, tmp_path):
   root, out = tmp_path / "root", tmp_path / "out" / "learning"
   learning = root / "learning"
-  _fabricate(learning / "ada_pos_seed0", 4, finished=True, tokens=[100, 200, 300, 400])
-  _fabricate(learning / "grpo_n4_seed0", 3, finished=False)  # killed after step 3
+  for seed in (0, 1):
+    # pos leads GRPO-matched by 0.1 + 0.01 * seed at every step; held out 0.75 vs 0.5.
+    _fabricate(
+      learning / f"ada_pos_seed{seed}",
+      4,
+      finished=True,
+      tokens=[100, 200, 300, 400],
+      pass_rate=lambda s, seed=seed: 0.2 + 0.1 + 0.01 * seed,
+      after=0.75,
+    )
+    _fabricate(learning / f"grpo_matched_seed{seed}", 4, finished=True, pass_rate=lambda s: 0.2)
+  _fabricate(learning / "ada_balance_seed0", 3, finished=False)  # killed after step 3
   args = ["--report", f"--root={root}", f"--model_dir={tmp_path / 'model'}", f"--out={out}"]
-  script.main([*args, "--steps=4", "--eval_every=2"])
+  script.main([*args, "--steps=4", "--eval_every=2", "--seeds", "0", "1"])
   report = json.loads(out.with_suffix(".json").read_text())
   assert out.with_suffix(".png").stat().st_size > 0
-  assert (
-    report["steps"] == 4
-    and report["git_commit"]
-    and set(report["methods"])
-    == {
-      "GRPO n=4",
-      "Ada-pos",
-      "Ada-balance",
-    }
-  )
-  pos = report["methods"]["Ada-pos"]["runs"][0]
+  assert report["steps"] == 4 and report["git_commit"] and report["reference"] == "GRPO-matched"
+  assert list(report["arms"]) == ["GRPO-matched", "Ada-pos", "Ada-balance"]
+  pos = report["arms"]["Ada-pos"]["runs"][0]
   assert pos["status"] == "finished" and pos["steps_done"] == 4 and pos["seed"] == 0
-  assert pos["before"] == {"avg": 0.3, "boxed_rate": 0.7}
-  assert pos["after"] == {"avg": 0.5, "boxed_rate": 0.9}
-  assert pos["gain_points"] == pytest.approx(20.0)
-  # Held-out curve against steps and cumulative decode tokens (.2 wins at step 2).
-  assert [(p["step"], p["decode_tokens"], p["avg"], p["boxed_rate"]) for p in pos["heldout"]] == [
-    (0, 0.0, 0.3, 0.7),
-    (2, 300.0, 0.4, 0.8),
-    (4, 1000.0, 0.5, 0.9),
+  # Held-out points against steps and decode tokens (.2 wins at step 2), per-problem counts.
+  assert [(p["step"], p["decode_tokens"], p["avg"]) for p in pos["heldout"]] == [
+    (0, 0.0, 0.25),
+    (2, 300.0, 0.5),
+    (4, 1000.0, 0.75),
   ]
-  assert pos["train"]["pass_rate"] == [0.25, 0.5, 0.75, 1.0]
-  assert pos["train"]["decode_tokens"] == [100, 300, 600, 1000]
+  assert pos["heldout"][2]["problems"] == {f"q{i}": 3 for i in range(4)}
+  t = pos["train"]
+  assert t["decode_tokens"] == [100, 300, 600, 1000] and t["wall_s"] == [120, 240, 360, 480]
+  assert t["first_round_all_wrong"] == [2] * 4 and t["tokens_trained"] == [300] * 4
   assert pos["hours"] == 1.5 and pos["sessions"] == 2 and pos["step_s_median"] == 120.0
-  # The full parsed config and the command of the run.
-  assert pos["config"]["rl"]["steps"] == 4 and pos["config"]["eval"]["every_steps"] == 2
-  assert pos["config"]["ada"]["method"] == "pos"
-  assert pos["config"]["model"]["hf_dir"] == str(tmp_path / "model")
+  assert pos["config"]["ada"]["method"] == "pos" and pos["config"]["rl"]["steps"] == 4
   assert "--config=configs/smollm2_arith_pos.py" in pos["command"]
-  grpo = report["methods"]["GRPO n=4"]["runs"][0]
-  assert grpo["status"] == "partial" and grpo["steps_done"] == 3 and grpo["after"] is None
-  assert grpo["before"] == {"avg": 0.3, "boxed_rate": 0.7}  # from eval/step_0.json
-  # Decode tokens of a run logged before `tokens_decoded`: samples × mean length.
-  assert grpo["train"]["decode_tokens"] == [160.0, 320.0, 480.0]
+  grpo = report["arms"]["GRPO-matched"]["runs"][0]
   assert grpo["config"]["ada"]["method"] == "grpo"
-  balance = report["methods"]["Ada-balance"]["runs"][0]
-  assert balance["status"] == "not started" and balance["heldout"] == []
+  # Decode tokens of a run logged before `tokens_decoded`: samples x mean length.
+  assert grpo["train"]["decode_tokens"] == [160.0, 320.0, 480.0, 640.0]
+  balance = report["arms"]["Ada-balance"]["runs"]
+  assert balance[0]["status"] == "partial" and balance[1]["status"] == "not started"
+  # The endpoints: (a) zero-signal and all-wrong shares (B = 4 prompts).
+  ends = report["endpoints"]["Ada-pos"]
+  assert ends["zero_signal_fraction"]["mean"] == pytest.approx(0.5)
+  assert ends["first_round_all_wrong_share"]["mean"] == pytest.approx(0.5)
+  # (b) the paired per-step difference: 0.1 + 0.01 * seed, flat.
+  d = ends["pass_rate_vs_reference"]
+  assert d["difference"]["mean"] == pytest.approx(0.105)
+  assert d["slope"]["mean"] == pytest.approx(0.0, abs=1e-9)
+  # (c) held out at the last step: 0.75 - 0.5 on every problem and seed.
+  h = ends["heldout_vs_reference_step4"]
+  assert h["difference"] == pytest.approx(0.25) and h["low"] == pytest.approx(0.25)
+  assert "heldout_vs_reference_equal_tokens" not in ends  # the reference was not continued
+  assert report["endpoints"]["GRPO-matched"]["heldout_avg"]["4"]["arm"] == pytest.approx(0.5)
 
 
 def test_sweep_report_names_runs_by_learning_rate(script, tmp_path):
   root, out = tmp_path / "root", tmp_path / "sweep"
-  _fabricate(root / "lr_sweep" / "ada_pos_learning_rate3e_06_seed0", 2, finished=True)
+  _fabricate(root / "lr_sweep" / "grpo_matched_learning_rate3e_06_seed0", 2, finished=True)
   args = ["--sweep", "--report", f"--root={root}", f"--model_dir={tmp_path}", f"--out={out}"]
-  script.main([*args, "--lrs", "1e-6", "3e-6", "--steps=2"])
+  script.main([*args, "--lrs", "1e-6", "3e-6", "--steps=2", "--eval_every=0", "--seeds=0"])
   report = json.loads(out.with_suffix(".json").read_text())
-  assert list(report["methods"]) == ["Ada-pos lr=1e-06", "Ada-pos lr=3e-06"]
-  low, high = (report["methods"][k]["runs"][0] for k in report["methods"])
+  assert list(report["arms"]) == ["GRPO-matched lr=1e-06", "GRPO-matched lr=3e-06"]
+  low, high = (report["arms"][k]["runs"][0] for k in report["arms"])
   assert low["status"] == "not started" and high["status"] == "finished"
   assert high["config"]["optim"]["learning_rate"] == 3e-6
-  assert report["eval_every_steps"] == 0  # the sweep evaluates before and after only
+  assert high["config"]["ada"]["method"] == "grpo"
+
+
+def test_equal_compute_continues_the_reference_to_balances_tokens(script, tmp_path, monkeypatch):
+  balance = tmp_path / "balance"
+  _fabricate(balance, 4, finished=True, tokens=[300, 300, 300, 300, 300][:4])
+  assert script.equal_compute_target(balance, 4) == 1200.0
+  assert script.equal_compute_target(balance, 5) is None  # not there yet
+  ref = tmp_path / "ref"
+  _fabricate(ref, 4, finished=True, tokens=[100] * 4)
+  calls = []
+
+  def fake_run(workdir, config, overrides, steps):
+    calls.append((overrides["rl.steps"], overrides["eval.every_steps"]))
+    lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    with open(workdir / "metrics.jsonl", "a") as f:
+      for s in range(lines[-1]["step"] + 1, steps + 1):
+        f.write(json.dumps(_line(s, tokens_decoded=100)) + "\n")
+
+  monkeypatch.setattr(script, "run", fake_run)
+  spec = {"workdir": ref, "config": "configs/smollm2_arith_grpo_matched.py", "overrides": {}}
+  # 400 decoded by step 4 at 100 per step: 8 more steps reach 1,200.
+  assert script.continue_to_equal_compute(spec, 1200.0, 4) == 12
+  assert calls == [(12, 0)]
+  assert script.equal_compute_step(ref) == 12
 
 
 def test_names_overrides_and_skipping(script, tmp_path):
@@ -134,7 +174,8 @@ def test_names_overrides_and_skipping(script, tmp_path):
   assert sets == {"optim.learning_rate": 3e-6, "ada.method": "balance", "x.y": [1, 2]}
   with pytest.raises(SystemExit, match="group.field=value"):
     script.parse_sets(["optim.learning_rate"])
-  assert script.run_name("GRPO n=4", 1, {}) == "grpo_n4_seed1"
+  assert script.run_name("GRPO-matched", 1, {}) == "grpo_matched_seed1"
+  assert script.run_name("GRPO (authors')", 1, {}) == "grpo_authors_seed1"
   assert script.run_name("Ada-pos", 0, {"optim.learning_rate": 3e-6}) == (
     "ada_pos_learning_rate3e_06_seed0"
   )
@@ -150,7 +191,7 @@ def test_names_overrides_and_skipping(script, tmp_path):
 
 
 def test_fresh_run_gets_a_siblings_cache(script, tmp_path):
-  a, b = tmp_path / "learning" / "grpo_n4_seed0", tmp_path / "lr_sweep" / "ada_pos_seed0"
+  a, b = tmp_path / "learning" / "grpo_matched_seed0", tmp_path / "lr_sweep" / "ada_pos_seed0"
   (a / "eval").mkdir(parents=True)
   (a / "eval" / "cache.jsonl").write_text('{"key": "k"}')
   script.seed_eval_cache(b, [a, b])
