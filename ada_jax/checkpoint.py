@@ -458,9 +458,7 @@ def export_hf(
   params = sharding.host_copy(params)
   if jax.process_index() != 0:
     return
-  weights.save_hf(config, params, path, dtype=config.dtype)
-  if tokenizer is not None:
-    tokenizer.save(path)
+  weights.save_hf(config, params, path, dtype=config.dtype, tokenizer=tokenizer)
 
 
 def close(manager: ocp.CheckpointManager) -> None:

@@ -186,6 +186,11 @@ class Evaluator:
     """
     config = self.config
     model_tag = weights_tag(params, self.model_config) if model_tag is None else model_tag
+    # Where responses stop and what pads them are the tokenizer's (a folder's
+    # generation_config.json can change under the same weights): part of every result's
+    # identity and of the report's settings. The chat template changes the prompts' tokens,
+    # which the cache checks per problem.
+    stops = {"stop_ids": [int(i) for i in self.tokenizer.eos_ids], "pad_id": self.tokenizer.pad_id}
     out_dir = pathlib.Path(workdir) / "eval"
     start = time.perf_counter()
     rng = jax.random.key(config.seed) if rng is None else rng
@@ -199,11 +204,12 @@ class Evaluator:
       suffix = f".p{jax.process_index()}" if jax.process_count() > 1 else ""
       cache = benchmarks_lib.ResultCache(out_dir / f"cache{suffix}.jsonl")
       records: dict[str, list[dict]] = {}
-      kw = dict(cache=cache, model_tag=model_tag, progress=progress, records=records)
+      cache_tag = f"{model_tag}|stop_ids={stops['stop_ids']}|pad_id={stops['pad_id']}"
+      kw = dict(cache=cache, model_tag=cache_tag, progress=progress, records=records)
       results = eval_sampling.evaluate(
         params, self.samplers, self.tokenizer, self.benchmarks, config, rng, scorers, **kw
       )
-    settings = dataclasses.asdict(config)
+    settings = {**dataclasses.asdict(config), "tokenizer": stops}
     name = report_name(out_dir, name, model_tag, settings)
     report = {
       "model": model_tag,

@@ -215,7 +215,11 @@ def _set_up(cfg: config_lib.RunConfig, workdir: str) -> _SetUp:
       checkpoint.params_step_dir(cfg.ckpt.init_from)
     except FileNotFoundError as e:
       raise ConfigError(f"config.ckpt.init_from: {e}") from None
-  record = {**runstate.config_record(cfg, model_cfg), **runstate.prompts_record(ps)}
+  record = {
+    **runstate.config_record(cfg, model_cfg),
+    **runstate.prompts_record(ps),
+    **runstate.tokenizer_record(tokenizer),
+  }
   return _SetUp(cfg, workdir, model_dir, model_cfg, tokenizer, mesh, ps, evaluator, smp, record)
 
 

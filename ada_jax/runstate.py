@@ -147,6 +147,22 @@ def prompts_record(ps: Any) -> dict[str, Any]:
   return {"data.prompts_sha256": digest.hexdigest()}
 
 
+def tokenizer_record(tok: Any) -> dict[str, Any]:
+  """`{'tokenizer.resolved.stop_ids': [...], 'tokenizer.resolved.pad_id': ...}`: the stop and
+  pad ids the run samples with, as resolved from the config and the model folder's files
+  (`generation_config.json`), so that a resume after a folder changed in place is refused
+  instead of sampling other responses under the old record. The chat template is covered by
+  `prompts_record` (it changes the prompts' tokens).
+
+  Args:
+    tok: the run's `models.tokenizer.Tokenizer`.
+  """
+  return {
+    "tokenizer.resolved.stop_ids": [int(i) for i in tok.eos_ids],
+    "tokenizer.resolved.pad_id": int(tok.pad_id),
+  }
+
+
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
   out = {}
   for key, value in tree.items():
@@ -174,17 +190,22 @@ def check_resume(saved: Mapping[str, Any] | None, current: Mapping[str, Any], st
   ]
   refused = [k for k in changed if not any(k == p or k.startswith(p + ".") for p in RESUMABLE)]
   if refused:
-    diffs = "; ".join(
-      f"{'config.model, architecture ' if k.startswith('architecture.') else 'config.'}"
-      f"{k.removeprefix('architecture.')}: {saved[k]!r} -> {current[k]!r}"
-      for k in refused
-    )
+    diffs = "; ".join(f"{_described(k)}: {saved[k]!r} -> {current[k]!r}" for k in refused)
     raise ConfigError(
       f"the workdir's checkpoint {step} is of a run with another config ({diffs}); a "
       f"resume may change only {', '.join(RESUMABLE)}: restore the other fields, or "
       "start a new run in another --workdir (ckpt.init_from=<this workdir>/checkpoints "
       "starts it from these weights)"
     )
+
+
+def _described(key: str) -> str:
+  """A record key as a user knows it: a config field, the architecture, the tokenizer."""
+  if key.startswith("architecture."):
+    return f"config.model, architecture {key.removeprefix('architecture.')}"
+  if key.startswith("tokenizer.resolved."):
+    return f"the model folder's tokenizer {key.removeprefix('tokenizer.resolved.')}"
+  return f"config.{key}"
 
 
 # ----------------------------------------------------------------------------- numbers

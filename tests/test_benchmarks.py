@@ -171,6 +171,12 @@ def test_interrupted_evaluation_resumes_without_recomputation(tmp_path):
   assert fourth.rows == 12 * 8
   with pytest.raises(ValueError, match="model_tag"):
     _run(fourth, [a, b], config, cache=benchmarks.ResultCache(path))
+  # A stray non-UTF-8 byte costs its line only, in the middle of the file or at its end.
+  lines = path.read_bytes().splitlines(keepends=True)
+  path.write_bytes(b"".join([lines[0][:5] + b"\xff" + lines[0][5:], *lines[1:], b"\xfe\n"]))
+  fifth = StubPolicy([a, b], values)
+  assert _run(fifth, [a, b], config, model_tag="stub", cache=benchmarks.ResultCache(path)) == whole
+  assert fifth.calls == 1 and fifth.rows == 8  # only the damaged line's problem again
 
 
 class BoxingPolicy:

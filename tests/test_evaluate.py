@@ -132,6 +132,49 @@ def test_a_reused_workdir_never_answers_for_other_weights(tmp_path):
   assert cache.read_text().count("\n") == 2 * lines and again["results"] == first["results"]
 
 
+def test_results_are_of_the_tokenizer_stop_and_pad_ids_too(tmp_path):
+  """Same weights, same workdir, other stop ids (a folder's generation_config.json changed)
+  or pad id: sampled again and reported under another name, never the cached results."""
+  from ada_jax.data import arith
+  from ada_jax.eval.benchmarks import EvalConfig
+  from ada_jax.rewards.verifier import VerifierConfig
+  from ada_jax.rollout.spec import SamplerSpec
+
+  eval_cfg = EvalConfig(
+    benchmarks=("arith",),
+    k=2,
+    sampler=SamplerSpec(max_new_tokens=8, prompt_buckets=(16,), chunk_rows=8),
+    max_prompt_tokens=16,
+    arith_problems=4,
+    verifier=VerifierConfig(judge="", num_workers=1),
+  )
+  config, params = _tiny_params(0)
+  cache = tmp_path / "eval" / "cache.jsonl"
+  reports = []
+  for change in ({}, {"eos_ids": (2, 5)}, {"pad_id": 3}):
+    tok = arith.load_tokenizer()
+    for field, value in change.items():
+      setattr(tok, field, value)
+    reports.append(
+      evaluate.run(
+        eval_cfg,
+        tmp_path,
+        params=params,
+        model_config=config,
+        tokenizer=tok,
+        name="step_0",
+        progress=False,
+      )
+    )
+    assert cache.read_text().count("\n") == 4 * len(reports)  # sampled again each time
+  assert [r["name"] for r in reports] == ["step_0", "step_0.2", "step_0.3"]
+  assert [r["settings"]["tokenizer"] for r in reports] == [
+    {"stop_ids": [2], "pad_id": 0},
+    {"stop_ids": [2, 5], "pad_id": 0},
+    {"stop_ids": [2], "pad_id": 3},
+  ]
+
+
 # --------------------------------------------------------------------------- CLI
 
 

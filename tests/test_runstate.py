@@ -168,6 +168,24 @@ def test_resume_refuses_a_changed_seed_and_architecture():
     runstate.check_resume(arch, other, 2)
 
 
+@pytest.mark.parametrize(
+  ("field", "old", "new"), [("eos_ids", (2,), (2, 5)), ("eos_ids", (2,), (3,)), ("pad_id", 0, 4)]
+)
+def test_resume_refuses_a_model_folder_whose_stop_or_pad_ids_changed(field, old, new):
+  """The ids come from the folder's files, not the config: a folder edited in place between
+  two sessions would make the resumed run sample other responses under the same record."""
+  from ada_jax.data import arith
+
+  tok = arith.load_tokenizer()
+  before = {**_record(), **runstate.tokenizer_record(tok)}
+  setattr(tok, field, new)
+  after = {**_record(), **runstate.tokenizer_record(tok)}
+  what = {"eos_ids": "stop_ids", "pad_id": "pad_id"}[field]
+  with pytest.raises(config_lib.ConfigError, match=rf"the model folder's tokenizer {what}: "):
+    runstate.check_resume(before, after, 4)
+  runstate.check_resume(_record(), after, 4)  # a checkpoint saved before the record had them
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
   steps=st.integers(1, 10_000),

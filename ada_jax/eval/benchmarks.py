@@ -30,8 +30,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
-import pathlib
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -43,6 +41,7 @@ from absl import logging
 
 from ada_jax.data import arith, prompts
 from ada_jax.data import sets as data
+from ada_jax.eval.cache import ResultCache
 from ada_jax.models.tokenizer import Tokenizer
 from ada_jax.rewards.grader import last_boxed
 from ada_jax.rewards.verifier import VerifierConfig
@@ -251,47 +250,6 @@ def flat_metrics(
 
 
 # --------------------------------------------------------------------------- results cache
-
-
-class ResultCache:
-  """Per-problem results, appended as JSON lines to `path` after every finished batch.
-
-  A line is `{"key", "benchmark", "mode", "prompt_id", "prompt", "rewards", "lengths",
-  "boxed"}`:
-  `key` hashes the model, the PRNG key and every setting that changes the samples, `prompt`
-  the prompt's token ids, so a cache shared by several models, settings or prompt formats
-  never mixes them. A torn last line (a kill mid-write) is skipped.
-  """
-
-  def __init__(self, path: str | os.PathLike):
-    self.path = pathlib.Path(path)
-    self.records: dict[tuple[str, str, str, str], dict] = {}
-    if self.path.exists():
-      for lineno, line in enumerate(self.path.read_text().splitlines(), 1):
-        try:
-          r = json.loads(line)
-          self.records[r["key"], r["benchmark"], r["mode"], r["prompt_id"]] = r
-        except (json.JSONDecodeError, KeyError, TypeError):
-          logging.warning("%s:%d: unreadable cache line skipped", self.path, lineno)
-
-  def get(self, key: str, benchmark: str, mode: str, prompt_id: str) -> dict | None:
-    return self.records.get((key, benchmark, mode, prompt_id))
-
-  def add(self, records: Sequence[dict]) -> None:
-    self.path.parent.mkdir(parents=True, exist_ok=True)
-    with open(self.path, "a+b") as f:
-      f.seek(0, os.SEEK_END)
-      if f.tell():  # After a torn write the file may not end with a newline.
-        f.seek(-1, os.SEEK_END)
-        torn = f.read(1) != b"\n"
-        f.seek(0, os.SEEK_END)
-        if torn:
-          f.write(b"\n")
-      f.write(b"".join(json.dumps(r).encode() + b"\n" for r in records))
-      f.flush()
-      os.fsync(f.fileno())
-    for r in records:
-      self.records[r["key"], r["benchmark"], r["mode"], r["prompt_id"]] = r
 
 
 def _settings_key(config: EvalConfig, mode: str, judge: str, model_tag: str, rng) -> str:

@@ -23,6 +23,21 @@ class RopeScaling:
   original_max_position_embeddings: int = 8192
 
 
+# The largest architecture sizes accepted: well beyond every released model (405B: 126
+# layers, width 16,384, MLP 53,248, 128 heads; vocabularies up to 262,144), far below what
+# would make set-up loop for hours or allocate without bound on a corrupt config.json or GGUF.
+MAX_SIZES = {
+  "vocab_size": 1 << 21,
+  "embed_dim": 1 << 16,
+  "mlp_dim": 1 << 18,
+  "num_layers": 1024,
+  "num_heads": 1024,
+  "num_kv_heads": 1024,
+  "head_dim": 1024,
+  "max_position_embeddings": 1 << 24,
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Architecture of one decoder (hashable: it is a static argument under jit).
@@ -68,18 +83,15 @@ class ModelConfig:
   def __post_init__(self):
     if self.family not in ("llama", "qwen2", "qwen3"):
       raise ValueError(f"ModelConfig.family: {self.family!r} is not one of llama, qwen2, qwen3")
-    for name in (
-      "vocab_size",
-      "embed_dim",
-      "mlp_dim",
-      "num_layers",
-      "num_heads",
-      "num_kv_heads",
-      "head_dim",
-    ):
+    for name, most in MAX_SIZES.items():
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+      if value > most:
+        raise ValueError(
+          f"ModelConfig.{name}={value} is beyond any real model's (at most {most}): a "
+          "corrupt or hostile config"
+        )
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
         f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "

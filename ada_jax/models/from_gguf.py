@@ -37,6 +37,7 @@ import importlib.metadata
 import importlib.util
 import json
 import pathlib
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -46,6 +47,7 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
+from ada_jax.models import folder as folder_lib
 from ada_jax.models import weights
 from ada_jax.models.decoder import ModelConfig
 from ada_jax.models.tokenizer import CONFIG_FILE, Tokenizer
@@ -239,6 +241,38 @@ def read_tensors(reader: gguf.GGUFReader, hf_config: dict[str, Any], source: str
     yield name, np.ascontiguousarray(array)
 
 
+def check_tensors(tensors: dict[str, np.ndarray], hf_config: dict[str, Any], source: str) -> None:
+  """Refuses tensors that disagree with the metadata's architecture, before anything is
+  written: a tensor missing, left over or of another shape (3 layers declared for 2, a
+  vocabulary of 10 for 49,152 embedding rows).
+
+  Raises:
+    GGUFError: naming the tensor and both shapes (or the metadata field out of bounds).
+  """
+  try:
+    config = weights.config_from_hf(hf_config, source=f"{source} (metadata)")
+  except weights.CheckpointError as e:
+    raise GGUFError(str(e)) from None
+  expected = weights.hf_shapes(config)
+  missing = sorted(set(expected) - set(tensors), key=_natural)
+  extra = sorted(set(tensors) - set(expected), key=_natural)
+  if missing or extra:
+    raise GGUFError(
+      f"{source}: the tensors disagree with the metadata ({config.num_layers} layers, "
+      f"tied embeddings {config.tie_embeddings}): missing {missing[:3]}, unexpected {extra[:3]}"
+    )
+  for name, shape in expected.items():
+    if tensors[name].shape != shape:
+      raise GGUFError(
+        f"{source}: tensor {name} has shape {tensors[name].shape}, the metadata says {shape} "
+        f"(vocab_size {config.vocab_size}, hidden {config.embed_dim}, MLP {config.mlp_dim})"
+      )
+
+
+def _natural(name: str) -> list:
+  return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
 # ----------------------------------------------------------------------------- tokenizer
 
 
@@ -318,6 +352,8 @@ def convert(source: str | pathlib.Path, out_dir: str | pathlib.Path) -> pathlib.
   """
   path = locate(source)
   name = str(path)
+  out = pathlib.Path(out_dir)
+  folder_lib.check_output_folder(out, source=path)  # before 20 s of dequantizing
   try:
     reader = gguf.GGUFReader(path)
   except (ValueError, OSError) as e:
@@ -326,21 +362,19 @@ def convert(source: str | pathlib.Path, out_dir: str | pathlib.Path) -> pathlib.
   hf_config = model_config(meta, {t.name for t in reader.tensors}, name)
   tok = tokenizer(meta, name)  # before any tensor: a bad tokenizer fails fast
   tensors = dict(read_tensors(reader, hf_config, name))
-  out = pathlib.Path(out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  weights.write_safetensors(tensors, out / "model.safetensors")
-  (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-  tok.save(out)
-  # Tokenizer.save writes the template as chat_template.jinja (transformers >= 4.50); the
-  # config field keeps older readers of tokenizer_config.json working too.
-  config = json.loads((out / CONFIG_FILE).read_text(encoding="utf-8"))
-  if tok.chat_template:
-    config["chat_template"] = tok.chat_template
-  config.update(add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
-  config.update(add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)))
-  (out / CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-  # The load check: a folder that does not load is an error here, not at a run's start.
-  weights.config_from_hf(hf_config, source=str(out / "config.json"))
+  check_tensors(tensors, hf_config, name)
+  with folder_lib.model_folder(out) as folder:
+    folder_lib.write_safetensors(tensors, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    tok.save(folder)
+    # Tokenizer.save writes the template as chat_template.jinja (transformers >= 4.50); the
+    # config field keeps older readers of tokenizer_config.json working too.
+    config = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+    if tok.chat_template:
+      config["chat_template"] = tok.chat_template
+    config.update(add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+    config.update(add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)))
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
   return out
 
 
@@ -352,7 +386,7 @@ def main(argv: Sequence[str]) -> int:
     return 2
   try:
     out = convert(argv[0], argv[1])
-  except (FileNotFoundError, GGUFError) as e:
+  except (FileNotFoundError, GGUFError, folder_lib.FolderError) as e:
     print(f"ada_jax: {e}", file=sys.stderr)
     return 2
   print(f"wrote {out}")

@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
 
 from ada_jax.models import decoder as model_lib
 from ada_jax.models.decoder import PRESETS, ModelConfig, Params, RopeScaling
+from ada_jax.models.folder import model_folder, write_safetensors
 
 _ARCHITECTURES = {
   "llama": "LlamaForCausalLM",
@@ -225,6 +225,11 @@ def config_to_hf(config: ModelConfig, dtype: str | None = None) -> dict[str, Any
 # ----------------------------------------------------------------------------- name table
 
 
+def hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """Every tensor a Hugging Face folder of `config` holds, by name, with its shape."""
+  return {name: shape for name, (_, shape, _, _) in _tensor_table(config).items()}
+
+
 def _tensor_table(
   config: ModelConfig,
 ) -> dict[str, tuple[tuple[str, ...], tuple[int, ...], Callable, Callable]]:
@@ -334,17 +339,6 @@ def _open_safetensors(file: pathlib.Path):
     raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
 
 
-def write_safetensors(tensors: Mapping[str, np.ndarray], path: pathlib.Path) -> None:
-  """Writes one safetensors file (transformers' `format: pt` metadata) with the mode `open`
-  gives a new file (0644 under the usual umask 022), as the folder's other files have:
-  safetensors writes its files 0600, readable by their owner only, which an inference
-  server run as another user cannot load."""
-  save_file(dict(tensors), str(path), metadata={"format": "pt"})
-  umask = os.umask(0)
-  os.umask(umask)
-  os.chmod(path, 0o666 & ~umask)
-
-
 def _safetensors_files(folder: pathlib.Path) -> list[pathlib.Path]:
   index = folder / "model.safetensors.index.json"
   if index.exists():
@@ -430,8 +424,11 @@ def save_hf(
   *,
   dtype: str | None = None,
   max_shard_bytes: int = 4 << 30,
+  tokenizer=None,
 ) -> None:
-  """Writes `params` as a Hugging Face folder (config.json + safetensors [+ index]).
+  """Writes `params` as a Hugging Face folder (config.json + safetensors [+ index]), and the
+  tokenizer's files when one is given (`Tokenizer.save`), whole or not at all
+  (`model_folder`: the folder's old model files go, its other files stay).
 
   Tensors are gathered to the host one at a time and stored in `dtype` ('float32' or
   'bfloat16'; default `config.param_dtype`), which config.json names. Shards hold at most
@@ -439,10 +436,17 @@ def save_hf(
 
   Raises:
     CheckpointError: `params` does not match `config` (a missing or mis-shaped tensor).
+    folder.FolderError: `folder.model_folder`'s refusals (nothing written).
   """
-  folder = pathlib.Path(path)
-  folder.mkdir(parents=True, exist_ok=True)
-  dtype = dtype or config.param_dtype
+  with model_folder(path) as folder:
+    _write_hf(config, params, folder, dtype or config.param_dtype, max_shard_bytes)
+    if tokenizer is not None:
+      tokenizer.save(folder)
+
+
+def _write_hf(
+  config: ModelConfig, params: Params, folder: pathlib.Path, dtype: str, max_shard_bytes: int
+) -> None:
   table = _tensor_table(config)
   expected = jax.tree.map(lambda s: s.shape, model_lib.param_shapes(config))
   shards: list[dict[str, np.ndarray]] = [{}]
