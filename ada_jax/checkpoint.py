@@ -19,7 +19,8 @@ Saves are atomic (orbax writes a temporary folder and renames it when complete),
 killed at any moment, even by `kill -9`, restarts from its last complete checkpoint. The
 last `keep` checkpoints are kept. Nothing non-finite is saved or restored, so a NaN run
 never rotates its last finite checkpoint away. A checkpoint that does not restore (torn or
-missing files, garbage, NaN) is set aside as `<step>.unreadable` and an older one used
+missing files, garbage, NaN, finite values whose bits differ from the per-array checksums
+saved with them) is set aside as `<step>.unreadable` and an older one used
 (`restore_latest`); a full disk is one `DiskFullError` (orbax's temporary folder removed).
 """
 
@@ -154,6 +155,7 @@ def save(manager: ocp.CheckpointManager, step: int, run: RunState, *, force: boo
     "rng_impl": str(jax.random.key_impl(rng)) if typed else None,
     "est_size": None if run.est is None else int(np.asarray(run.est["keys"]).shape[0]),
     "has_ref": run.train.ref_params is not None,
+    "checksums": {name: checksums(tree) for name, tree in _summed(run.train).items()},
   }
   items = {
     "params": ocp.args.StandardSave(run.train.params),
@@ -171,6 +173,33 @@ def save(manager: ocp.CheckpointManager, step: int, run: RunState, *, force: boo
   except Exception as e:
     _raise_if_disk_full(e, manager, _nbytes(run), threads)
     raise
+
+
+@jax.jit
+def _checksums(tree: Any) -> Any:
+  """Per array, two uint32 sums of its bit patterns (plain and position-weighted, mod 2^32;
+  a Fletcher-style check computed where the array lives, so no host copy): what `save`
+  records and `restore` compares, because finite is not intact (garbage bytes can decode to
+  finite values)."""
+
+  def one(x):
+    bits = jax.lax.bitcast_convert_type(
+      x, {4: jnp.uint32, 2: jnp.uint16, 1: jnp.uint8}[x.dtype.itemsize]
+    )
+    bits = bits.astype(jnp.uint32).reshape(-1)
+    weights_ = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
+    return jnp.stack([bits.sum(dtype=jnp.uint32), (bits * weights_).sum(dtype=jnp.uint32)])
+
+  return jax.tree.map(one, tree)
+
+
+def checksums(tree: Any) -> dict[str, list[int]]:
+  """`_checksums` of every array of `tree` by its path (`jax.tree_util.keystr`), as JSON."""
+  sums = jax.device_get(_checksums(tree))
+  return {
+    jax.tree_util.keystr(path): [int(v) for v in np.asarray(leaf)]
+    for path, leaf in jax.tree_util.tree_leaves_with_path(sums)
+  }
 
 
 def _nbytes(run: RunState) -> int:
@@ -291,6 +320,19 @@ def restore(
     if bad:
       more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
       raise UnreadableCheckpoint(step, folder / name, f"NaN or infinity in {bad[0]}{more}")
+  saved = meta.get("checksums") or {}  # a checkpoint of an older version has none
+  restored = TrainState(
+    step=out["opt"]["step"],
+    params=out["params"],
+    opt_state=out["opt"]["opt_state"],
+    ref_params=out.get("ref_params"),
+  )
+  for name, tree in _summed(restored).items():
+    if name in saved and (now := checksums(tree)) != saved[name]:
+      bad = [k for k in saved[name] if now.get(k) != saved[name][k]]
+      raise UnreadableCheckpoint(
+        step, folder / name, f"checksum mismatch in {bad[:1] or 'its tree'}: the bytes changed"
+      )
   key = np.asarray(out["rng"]["key"])
   rng = (
     jax.random.wrap_key_data(key, impl=meta["rng_impl"]) if meta["rng_impl"] else jnp.asarray(key)
@@ -308,6 +350,14 @@ def restore(
     ref_params=out["ref_params"] if meta["has_ref"] else None,
   )
   return RunState(train=train, rng=rng, est=est, host=meta["user"])
+
+
+def _summed(state: TrainState) -> dict[str, Any]:
+  """The saved items whose arrays carry checksums, by item name."""
+  items = {"params": state.params, "opt": {"step": state.step, "opt_state": state.opt_state}}
+  if state.ref_params is not None:
+    items["ref_params"] = state.ref_params
+  return items
 
 
 def _reason(error: BaseException) -> str:

@@ -376,7 +376,38 @@ def _nan_params(step_dir):
   return "params", "NaN or infinity in"
 
 
+def _rewrite(step_dir, item, change):
+  import shutil
+
+  import orbax.checkpoint as ocp
+
+  with ocp.StandardCheckpointer() as c:
+    tree = c.restore(step_dir / item)
+    shutil.rmtree(step_dir / item)
+    c.save(step_dir / item, change(tree))
+
+
+def _finite_params(step_dir):
+  """Garbage that decodes to finite values: one element of one param moved by 1e-3."""
+
+  def change(params):
+    leaves, treedef = jax.tree.flatten(params)
+    first = np.array(leaves[0])
+    first.flat[0] += 1e-3
+    return jax.tree.unflatten(treedef, [first, *leaves[1:]])
+
+  _rewrite(step_dir, "params", change)
+  return "params", r"checksum mismatch in \[.*\]: the bytes changed"
+
+
+def _finite_opt(step_dir):
+  """The same in an Adam moment: finite, plausible, not what was saved."""
+  _rewrite(step_dir, "opt", lambda opt: jax.tree.map(lambda x: np.asarray(x) * 0.5, opt))
+  return "opt", "checksum mismatch in"
+
+
 CORRUPTIONS = [_truncate, _garbage, _garbage_1, _no_params, _no_rng, _bad_host, _nan_params]
+CORRUPTIONS += [_finite_params, _finite_opt]
 
 
 def _saved_run(tmp_path, steps=(1, 2, 3)):
