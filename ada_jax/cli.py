@@ -52,6 +52,12 @@ class _CompletingParser(ConfigFileFlagParser):
       # ml_collections re-raises get_config's error with its traceback as the message;
       # the original (e.g. an unknown `:host` argument) is the one line a user needs.
       original = e.__context__ if isinstance(e.__context__, (TypeError, ValueError)) else e
+      file, _, host = str(path).partition(":")
+      if host and isinstance(original, TypeError) and "positional argument" in str(original):
+        raise _GetConfigFailed(
+          f"--config={path}: {file} has no host settings (its get_config() takes no "
+          f"argument): drop ':{host}', or use a config whose get_config(host) takes one"
+        ) from None
       raise _GetConfigFailed(f"--config={path}: {original}") from None
     if isinstance(config, config_dict.ConfigDict):  # else a deferred load error
       complete(config)

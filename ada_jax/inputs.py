@@ -18,6 +18,7 @@ from ada_jax.data import arith, prompts, sources, verl
 from ada_jax.data import sets as data
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import weights
+from ada_jax.models.chat_template import ChatTemplateError
 from ada_jax.models.decoder import ModelConfig
 from ada_jax.models.tokenizer import Tokenizer, TokenizerConfig
 from ada_jax.models.weights import ModelSpec
@@ -45,13 +46,20 @@ def load_model_files(
       raise ConfigError(f"{hf_field}: {model_dir / 'config.json'}: not valid JSON ({e})") from None
     except (OSError, ValueError) as e:
       raise ConfigError(f"{hf_field}: {e}") from None
-  folder = tokenizer.dir or model_dir
+  # The built-in tokenizer takes the config's stop ids like any folder's (they were
+  # recorded and ignored).
+  folder = tokenizer.dir or model_dir or arith.TOKENIZER_DIR
   try:
-    tok = Tokenizer.from_dir(folder, eos_ids=tokenizer.eos_ids or None) if folder else None
+    tok = Tokenizer.from_dir(folder, eos_ids=tokenizer.eos_ids or None)
   except (OSError, ValueError) as e:
-    field = "config.tokenizer.dir" if tokenizer.dir else f"{hf_field} (its tokenizer)"
+    field = (
+      "config.tokenizer.dir"
+      if tokenizer.dir
+      else f"{hf_field} (its tokenizer)"
+      if model_dir
+      else "config.tokenizer.eos_ids (the built-in tokenizer)"
+    )
     raise ConfigError(f"{field}: {e}") from None
-  tok = tok or arith.load_tokenizer()
   try:
     model_config = model.model_config(hf_config)
     model_lib.check_vocab(model_config, tok.vocab_size)
@@ -118,9 +126,12 @@ def load_prompts(d: prompts.DataConfig, tokenizer: Tokenizer, *, seed: int) -> p
   except ValueError as e:
     why = " (source 'arith' is the bare problem)" if d.source == "arith" else ""
     raise ConfigError(f"config.data.{e}{why}") from None
-  ps = prompts.build_prompts(
-    examples, tokenizer, style=style, max_prompt_tokens=d.max_prompt_tokens, frame=d.frame
-  )
+  try:
+    ps = prompts.build_prompts(
+      examples, tokenizer, style=style, max_prompt_tokens=d.max_prompt_tokens, frame=d.frame
+    )
+  except ChatTemplateError as e:  # the folder's template met the config's frame
+    raise ConfigError(f"config.data (prompt_style {style!r}): {e}") from None
   if ps.num_dropped:
     logging.warning(
       "%d training prompts over %d tokens dropped", ps.num_dropped, d.max_prompt_tokens

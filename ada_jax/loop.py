@@ -278,6 +278,13 @@ def _start(
       )
     finished = _finished_summary(workdir, resumed, record)
     if resumed == cfg.rl.steps and finished is not None:
+      hf_final = pathlib.Path(workdir) / "hf_final"
+      if cfg.ckpt.export_hf and not (hf_final / "config.json").is_file():
+        # A resume may turn the export on (README): the final policy is this checkpoint.
+        params = run_state.train.params
+        checkpoint.export_hf(setup.model_cfg, params, hf_final, tokenizer=setup.tokenizer)
+        metrics_lib.console(f"already finished: exported the final policy to {hf_final}")
+        return finished
       metrics_lib.console(
         f"already finished: RL step {resumed} and its evaluation after RL are done; nothing "
         f"to do ({workdir}/summary.json unchanged)"

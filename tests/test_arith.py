@@ -5,7 +5,6 @@ import filecmp
 import itertools
 import re
 
-import jinja2
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -183,7 +182,7 @@ def test_tokenizer_chat_template():
   assert text == "<bos><|user|>1+1=<|end|><|assistant|>"
   ids = tok.encode(text)
   assert ids[:2] == [tok.bos_id, tok.token_to_id("<|user|>")] and len(ids) == 8
-  with pytest.raises(jinja2.TemplateError, match="role must be"):
+  with pytest.raises(ValueError, match="role must be"):
     tok.apply_chat_template([{"role": "tool", "content": "x"}])
 
 

@@ -100,6 +100,8 @@ def bad_inputs(tmp_path_factory):
   broken = tmp / "hf_broken_config"
   shutil.copytree(good, broken)
   (broken / "config.json").write_text('{"model_type": "llama",')
+  not_gguf = tmp / "not.gguf"
+  not_gguf.write_bytes(b"GGUF but not really")
   conf, tok = f"--config={config_file}", f"--tokenizer_dir={ARITH_TOKENIZER}"
   main_w, eval_w, sel_w = (f"--workdir={tmp / n}" for n in ("main", "eval", "select"))
   cases = {
@@ -135,6 +137,36 @@ def bad_inputs(tmp_path_factory):
       [f"--config={ROOT / 'configs' / 'llama3b_pos.py'}:h100", main_w],
       2,
       "llama3b_pos.py:h100: no GPU host settings named 'h100' in this config (known: ['h100x8', '",
+    ),
+    "main_host_on_a_config_without_hosts": (
+      "ada_jax.main",
+      [f"--config={ROOT / 'configs' / 'tiny_arith_pos.py'}:h100x8", main_w],
+      2,
+      "tiny_arith_pos.py has no host settings (its get_config() takes no argument)",
+    ),
+    "eval_host_on_a_config_without_hosts": (
+      "ada_jax.evaluate",
+      [f"--config={ROOT / 'configs' / 'tiny_arith_pos.py'}:v5e", eval_w, "--checkpoint=1"],
+      2,
+      "drop ':v5e'",
+    ),
+    "gguf_missing_file": (
+      "ada_jax.models.from_gguf",
+      [str(tmp / "none.gguf"), str(tmp / "gguf_out")],
+      2,
+      "none.gguf: no such GGUF file",
+    ),
+    "gguf_out_is_a_file": (
+      "ada_jax.models.from_gguf",
+      [str(not_gguf), str(a_file)],
+      2,
+      "exists and is not a folder",
+    ),
+    "gguf_not_a_gguf": (
+      "ada_jax.models.from_gguf",
+      [str(not_gguf), str(tmp / "gguf_out")],
+      2,
+      "not a readable GGUF file",
     ),
     "main_init_from_other_model": (
       "ada_jax.main",
@@ -248,6 +280,11 @@ CASES = [
   "main_top_p_2",
   "main_unknown_field",
   "main_unknown_gpu_host",
+  "main_host_on_a_config_without_hosts",
+  "eval_host_on_a_config_without_hosts",
+  "gguf_missing_file",
+  "gguf_out_is_a_file",
+  "gguf_not_a_gguf",
   "main_init_from_other_model",
   "eval_empty_workdir",
   "eval_missing_checkpoint",

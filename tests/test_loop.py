@@ -554,6 +554,23 @@ def test_rerun_of_a_finished_run_writes_nothing(reference_run, tmp_path, capsys)
   assert "already finished: RL step 4" in capsys.readouterr().err
 
 
+def test_export_asked_of_a_finished_run_is_done(reference_run, tmp_path, capsys):
+  """ckpt.export_hf on a finished run (a change a resume may make): the final policy is
+  exported, not "already finished" with nothing written; asked again, nothing more."""
+  from ada_jax.models import weights
+
+  workdir = _copy_run(reference_run, tmp_path)
+  summary = json.loads((workdir / "summary.json").read_text())
+  config = tiny_config(steps=4)
+  config.ckpt.export_hf = True
+  assert loop.run(config, str(workdir)) == summary
+  assert "exported the final policy to" in capsys.readouterr().err
+  weights.load_hf(workdir / "hf_final")
+  before = _files(workdir)
+  loop.run(config, str(workdir))
+  assert _files(workdir) == before and "already finished: RL step 4" in capsys.readouterr().err
+
+
 def test_a_real_change_is_still_refused_on_resume(reference_run, tmp_path):
   workdir = _copy_run(reference_run, tmp_path)
   config = tiny_config(steps=4)

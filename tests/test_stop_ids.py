@@ -118,3 +118,18 @@ def test_a_runs_stop_ids_are_in_its_log_summary_and_export(tmp_path, capsys):
   assert f"stop ids {stops}" in capsys.readouterr().err  # the console log
   gen = json.loads((tmp_path / "run" / "hf_final" / "generation_config.json").read_text())
   assert gen["eos_token_id"] == stops
+
+
+@pytest.mark.parametrize("stops", [(2, 5), (7,)])
+def test_the_builtin_tokenizer_takes_the_configs_stop_ids(stops):
+  """`tokenizer.eos_ids` with no folder (the arithmetic task's own tokenizer) was recorded
+  and ignored; it is what the run stops on, like a folder's override."""
+  from ada_jax.config import ConfigError
+
+  spec = weights.ModelSpec(preset="tiny-llama")
+  _, _, tok = inputs.load_model_files(spec, TokenizerConfig(eos_ids=stops))
+  assert tok.eos_ids == stops
+  _, _, default = inputs.load_model_files(spec, TokenizerConfig())
+  assert default.eos_ids == (2,)
+  with pytest.raises(ConfigError, match=r"config\.tokenizer\.eos_ids \(the built-in tokenizer\)"):
+    inputs.load_model_files(spec, TokenizerConfig(eos_ids=(10**6,)))

@@ -2,12 +2,14 @@
 
 import json
 import re
+import shutil
 
 import jinja2
 import numpy as np
 import pytest
 
 from ada_jax.models import chat_template as chat_template_lib
+from ada_jax.models.chat_template import ChatTemplateError
 from ada_jax.models.tokenizer import Tokenizer, pad_left
 
 # A Llama-3-style template written for this test. It exercises what transformers' jinja
@@ -183,10 +185,37 @@ def test_chat_template_details(tok, oracle):
 
 def test_raise_exception_in_template(tok, oracle):
   bad = [{"role": "robot", "content": "x"}]
-  with pytest.raises(jinja2.TemplateError, match="unknown role robot"):
+  with pytest.raises(ChatTemplateError, match="chat template of .*unknown role robot"):
     tok.apply_chat_template(bad)
   with pytest.raises(jinja2.TemplateError, match="unknown role robot"):
     oracle.apply_chat_template(bad, tokenize=False)
+
+
+@pytest.mark.parametrize(
+  ("template", "words"),
+  [
+    ("{% for m in messages %}{{ m.content }", "TemplateSyntaxError"),  # a syntax error
+    (
+      "{% if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}"
+      "{% endif %}",
+      "System role not supported",
+    ),  # Gemma/Mistral-style, meeting a system line
+    ("{{ messages[0].content + 1 }}", "TypeError"),  # an operation the messages do not allow
+    ("{{ 'x' * 1000000000 }}", "builds a value over"),  # a memory bomb
+    ("{{ 10 ** 100000000 }}", "raises to the power"),  # hours of arithmetic
+    ("{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}", "rendered prompt is over"),
+  ],
+)
+def test_a_bad_template_is_one_error_naming_its_folder(tmp_path, template, words):
+  from ada_jax.data import arith
+
+  folder = tmp_path / "tok"
+  shutil.copytree(arith.TOKENIZER_DIR, folder)
+  (folder / "chat_template.jinja").write_text(template)
+  tok = Tokenizer.from_dir(folder)
+  with pytest.raises(ChatTemplateError, match=f"chat template of {re.escape(str(folder))}") as e:
+    tok.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+  assert words in str(e.value) and "\n" not in str(e.value)
 
 
 def test_pad_left_of_encoded_texts(tok):
@@ -317,3 +346,22 @@ def test_malformed_config_names_file_and_field(tmp_path, llama3_dir, config, gen
   folder = _folder(tmp_path, llama3_dir, config, generation)
   with pytest.raises(ValueError, match=match):
     Tokenizer.from_dir(folder)
+
+
+def test_a_template_that_raises_at_set_up_is_a_config_error(tmp_path):
+  """The run's set-up renders the training prompts: a template that raises on the config's
+  system line is one ConfigError naming the data group and the template's folder."""
+  from ada_jax import inputs
+  from ada_jax.config import ConfigError
+  from ada_jax.data import arith, prompts
+
+  folder = tmp_path / "tok"
+  shutil.copytree(arith.TOKENIZER_DIR, folder)
+  (folder / "chat_template.jinja").write_text(
+    "{% if messages[0].role == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+  )
+  d = prompts.DataConfig(source="arith_text", arith_prompts=4)
+  with pytest.raises(
+    ConfigError, match=rf"config\.data .*chat template of {re.escape(str(folder))}"
+  ):
+    inputs.load_prompts(d, Tokenizer.from_dir(folder), seed=0)

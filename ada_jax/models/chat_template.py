@@ -63,11 +63,58 @@ def _strftime_now(fmt):
   return datetime.datetime.now().strftime(fmt)
 
 
+# The most characters a rendered prompt may have: far beyond any prompt a run can use
+# (`max_prompt_tokens` is at most a few thousand tokens), far below a memory bomb.
+MAX_RENDERED = 1 << 20
+
+
+class ChatTemplateError(ValueError):
+  """A chat template that does not compile, raises, or renders without bound, named with
+  the file it came from."""
+
+
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+  """The sandbox with a bound on what `*` and `**` can build: `'x' * 10**9` or
+  `10 ** 10**9` in a template would otherwise take the host's memory or hours."""
+
+  intercepted_binops = frozenset(["*", "**"])
+
+  def call_binop(self, context, operator, left, right):
+    sized = [x for x in (left, right) if isinstance(x, (str, list, tuple))]
+    count = next((x for x in (left, right) if isinstance(x, int)), 1)
+    if operator == "*" and sized and len(sized[0]) * max(count, 0) > MAX_RENDERED:
+      raise jinja2.exceptions.SecurityError(f"the template builds a value over {MAX_RENDERED} long")
+    if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64:
+      raise jinja2.exceptions.SecurityError(f"the template raises to the power {right}")
+    return super().call_binop(context, operator, left, right)
+
+
+def render(template: str, source: str, **variables) -> str:
+  """`template` rendered with `variables`, its output bounded by `MAX_RENDERED` characters.
+
+  Raises:
+    ChatTemplateError: naming `source` (the template's file): a syntax error, an error the
+      template raises (`raise_exception`, a bad operation on the messages), an unbounded
+      value or output.
+  """
+  out, size = [], 0
+  try:
+    for piece in compile_template(template).generate(**variables):
+      size += len(piece)
+      if size > MAX_RENDERED:
+        raise jinja2.exceptions.SecurityError(f"the rendered prompt is over {MAX_RENDERED} long")
+      out.append(piece)
+  except (jinja2.exceptions.TemplateError, TypeError, ValueError, AttributeError, KeyError) as e:
+    where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+    raise ChatTemplateError(f"chat template of {source}{where}: {type(e).__name__}: {e}") from None
+  return "".join(out)
+
+
 @functools.cache
 def _jinja_env() -> ImmutableSandboxedEnvironment:
   # Templates come from checkpoint folders, i.e. untrusted code: sandboxed, immutable
   # (no list.append), as in transformers. `dict`, `range`, `namespace` are jinja defaults.
-  env = ImmutableSandboxedEnvironment(
+  env = _BoundedEnvironment(
     trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
   )
   env.filters["tojson"] = _tojson

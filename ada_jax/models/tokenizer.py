@@ -180,8 +180,10 @@ class Tokenizer:
     special_tokens: Mapping[str, str],
     chat_templates: Mapping[str, str],
     chat_template: str | None = None,
+    source: str = "the tokenizer",
   ):
     self._tok = tok
+    self.source = source  # where the files came from, for errors
     self.bos_id = bos_id
     self.eos_ids = tuple(int(i) for i in eos_ids)
     self.pad_id = int(pad_id)
@@ -287,6 +289,7 @@ class Tokenizer:
       special_tokens=special,
       chat_templates=chat_template_lib.read_templates(folder, config, folder / CONFIG_FILE),
       chat_template=chat_template,
+      source=str(folder),
     )
 
   def _select_template(self, chat_template: str | None) -> str | None:
@@ -417,7 +420,8 @@ class Tokenizer:
 
     Raises:
       ValueError: the tokenizer has no chat template, or a message is not a mapping.
-      jinja2.TemplateError: the template raised (e.g. through `raise_exception`).
+      chat_template.ChatTemplateError (a ValueError): the template does not compile, raised
+        (e.g. through `raise_exception`) or rendered without bound; it names the folder.
     """
     if self._template is None:
       raise ValueError(
@@ -432,7 +436,9 @@ class Tokenizer:
         raise ValueError(f"messages[{i}] must be a mapping with 'role' and 'content', got {m!r}")
       chat.append({k: v for k, v in m.items() if v is not None})
     variables = {**self.special_tokens, **template_kwargs}
-    return chat_template_lib.compile_template(self._template).render(
+    return chat_template_lib.render(
+      self._template,
+      self.source,
       messages=chat,
       tools=None,
       documents=None,
