@@ -17,7 +17,7 @@ from ada_jax.config import ConfigError
 from ada_jax.data import arith, prompts, sources, verl
 from ada_jax.data import sets as data
 from ada_jax.models import decoder as model_lib
-from ada_jax.models import weights
+from ada_jax.models import folder as folder_lib
 from ada_jax.models.chat_template import ChatTemplateError
 from ada_jax.models.decoder import ModelConfig
 from ada_jax.models.tokenizer import Tokenizer, TokenizerConfig
@@ -40,7 +40,7 @@ def load_model_files(
   model_dir = hf_config = None
   if model.hf_dir:
     try:
-      model_dir = weights.resolve(model.hf_dir).absolute()
+      model_dir = folder_lib.resolve(model.hf_dir).absolute()
       hf_config = json.loads((model_dir / "config.json").read_text())
     except json.JSONDecodeError as e:  # its message names no file
       raise ConfigError(f"{hf_field}: {model_dir / 'config.json'}: not valid JSON ({e})") from None

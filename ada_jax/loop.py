@@ -35,6 +35,7 @@ from ada_jax.config import ConfigError
 from ada_jax.data import prompts as prompts_lib
 from ada_jax.eval import benchmarks
 from ada_jax.models import sharding as sharding_lib
+from ada_jax.models import weights
 from ada_jax.models.decoder import ModelConfig
 from ada_jax.models.tokenizer import Tokenizer
 from ada_jax.rewards.verifier import RewardPool
@@ -180,6 +181,12 @@ def _set_up(cfg: config_lib.RunConfig, workdir: str) -> _SetUp:
   """Model files, mesh, prompts, evaluator and sampler, each bad setting refused with the
   field named (`ConfigError`) before anything is written or compiled."""
   model_dir, model_cfg, tokenizer = inputs.load_model_files(cfg.model, cfg.tokenizer)
+  saved = pathlib.Path(workdir) / "checkpoints"
+  if model_dir and not cfg.ckpt.init_from and not (saved.is_dir() and any(saved.iterdir())):
+    try:  # a fresh start reads these weights: a bad file is refused before the workdir is held
+      weights.check_hf(model_dir, model_cfg)
+    except weights.CheckpointError as e:
+      raise ConfigError(f"config.model.hf_dir: {e}") from None
   try:
     mesh = sharding_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
   except ValueError as e:
@@ -408,12 +415,16 @@ def _close_out(setup, started, end: _End, writer, stop) -> dict[str, Any]:
       setup.evaluator, setup.workdir, end.state.params, end.step, eval_key
     )
     writer.add_scalars(end.step, summary["after_rl"])
-    if cfg.ckpt.export_hf:
-      hf_final = pathlib.Path(setup.workdir) / "hf_final"
-      checkpoint.export_hf(setup.model_cfg, end.state.params, hf_final, tokenizer=setup.tokenizer)
     stop.enter(None)
   if jax.process_index() == 0:
     (pathlib.Path(setup.workdir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+  # After the summary: an export that fails (a full disk) loses no result, and the same
+  # command exports again ("already finished" with ckpt.export_hf and no hf_final).
+  if "after_rl" in summary and cfg.ckpt.export_hf:
+    stop.enter("the export of the final policy")
+    hf_final = pathlib.Path(setup.workdir) / "hf_final"
+    checkpoint.export_hf(setup.model_cfg, end.state.params, hf_final, tokenizer=setup.tokenizer)
+    stop.enter(None)
   return summary
 
 

@@ -59,6 +59,7 @@ def main(argv):
     jax.devices()[0].platform,
   )
   from ada_jax import checkpoint, loop, runstate
+  from ada_jax.models import folder
 
   with distributed.exit_on_failure(), cli.exit_on_config_error():
     try:
@@ -69,6 +70,7 @@ def main(argv):
       checkpoint.NonFiniteError,
       checkpoint.UnreadableCheckpoint,
       checkpoint.DiskFullError,
+      folder.CheckpointError,  # the final export: a full disk (summary.json already written)
     ) as e:
       print(f"ada_jax: {e}", file=sys.stderr, flush=True)
       return EXIT_NONFINITE if isinstance(e, checkpoint.NonFiniteError) else EXIT_FAILED

@@ -250,6 +250,8 @@ def _tiny_gguf(
   seed: int = 0,
   declared_layers: int | None = None,
   declared_vocab: int | None = None,
+  token_types: int = 0,
+  extra_merges: tuple[str, ...] = (),
 ) -> dict[str, np.ndarray]:
   """Writes a 2-layer Llama GGUF (float32) with q/k rows permuted as llama.cpp does;
   returns the transformers-layout tensors it encodes. `declared_*`: metadata that lies
@@ -292,8 +294,8 @@ def _tiny_gguf(
   w.add_tokenizer_model(tokenizer_model)
   w.add_tokenizer_pre("gpt2")
   w.add_token_list(_TOKENS)
-  w.add_token_types([3, 3] + [1] * (len(_TOKENS) - 2))
-  w.add_token_merges(_MERGES)
+  w.add_token_types(([3, 3] + [1] * (len(_TOKENS) - 2))[: token_types or None])
+  w.add_token_merges([*_MERGES, *extra_merges])
   w.add_bos_token_id(0)
   w.add_eos_token_id(1)
   w.add_chat_template(_TEMPLATE)
@@ -435,7 +437,7 @@ def test_a_writer_that_fails_midway_leaves_the_old_model(tmp_path, monkeypatch, 
 
   monkeypatch.setattr(folder, "write_safetensors", disk_full)
   monkeypatch.setattr(weights, "write_safetensors", disk_full)
-  with pytest.raises(folder.FolderError, match="no space left"):
+  with pytest.raises(folder.CheckpointError, match="no space left"):
     if writer == "from_gguf":
       from_gguf.convert(tmp_path / "tiny.gguf", out)
     else:
@@ -475,6 +477,22 @@ def test_metadata_that_disagrees_with_the_tensors_is_refused_before_writing(
   _tiny_gguf(tmp_path / "bad.gguf", **kwargs)
   with pytest.raises(from_gguf.GGUFError, match=re.escape(words)):
     from_gguf.convert(tmp_path / "bad.gguf", tmp_path / "out")
+  assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "words"),
+  [
+    ({"token_types": 5}, "tokenizer.ggml.token_type has 5 entries for"),
+    ({"extra_merges": ("Ġthe",)}, "is not two tokens"),
+    ({"extra_merges": ("a ",)}, "is not two tokens"),
+  ],
+)
+def test_a_malformed_tokenizer_is_one_line(tmp_path, capsys, kwargs, words):
+  _tiny_gguf(tmp_path / "bad.gguf", **kwargs)
+  assert from_gguf.main([str(tmp_path / "bad.gguf"), str(tmp_path / "out")]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and words in err[0], err
   assert not (tmp_path / "out").exists()
 
 

@@ -554,15 +554,28 @@ def test_rerun_of_a_finished_run_writes_nothing(reference_run, tmp_path, capsys)
   assert "already finished: RL step 4" in capsys.readouterr().err
 
 
-def test_export_asked_of_a_finished_run_is_done(reference_run, tmp_path, capsys):
+def test_export_asked_of_a_finished_run_is_done(reference_run, tmp_path, capsys, monkeypatch):
   """ckpt.export_hf on a finished run (a change a resume may make): the final policy is
   exported, not "already finished" with nothing written; asked again, nothing more."""
-  from ada_jax.models import weights
+  import errno
+
+  from ada_jax.models import folder, weights
 
   workdir = _copy_run(reference_run, tmp_path)
   summary = json.loads((workdir / "summary.json").read_text())
   config = tiny_config(steps=4)
   config.ckpt.export_hf = True
+  before = _files(workdir)
+
+  def disk_full(tensors, path):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  with monkeypatch.context() as m:  # a full disk: one error, nothing written, no partial folder
+    m.setattr(folder, "write_safetensors", disk_full)
+    m.setattr(weights, "write_safetensors", disk_full)
+    with pytest.raises(folder.CheckpointError, match="no space left"):
+      loop.run(config, str(workdir))
+  assert _files(workdir) == before and not list(workdir.glob(".hf_final*"))
   assert loop.run(config, str(workdir)) == summary
   assert "exported the final policy to" in capsys.readouterr().err
   weights.load_hf(workdir / "hf_final")
@@ -597,3 +610,34 @@ def test_a_changed_evaluation_is_not_compared_with_the_one_before_rl(reference_r
   assert code == 0
   assert "not comparable with before RL, measured with other eval settings: eval.k: 2 -> 1" in text
   assert "->" not in text.split("eval.k: 2 -> 1")[1]  # no before -> after pair of scores
+
+
+@pytest.mark.parametrize("damage", ["truncate", "drop_tensor"])
+def test_a_bad_model_folder_is_refused_before_anything_is_written(tmp_path, damage):
+  """A fresh run from a folder whose weights do not load (a truncated file; a tensor
+  missing) was refused after it had made checkpoints/ and its lock: now before, from the
+  files' headers, and the workdir stays empty."""
+  from safetensors.numpy import load_file, save_file
+
+  from ada_jax import testing
+
+  model_config, params = testing.tiny_arith_model(seed=0)
+  folder = tmp_path / "hf"
+  testing.save_arith_model(model_config, params, folder, tmp_path / "unused_ckpt")
+  weights_file = folder / "model.safetensors"
+  if damage == "truncate":
+    weights_file.write_bytes(weights_file.read_bytes()[:1000])
+  else:
+    tensors = load_file(str(weights_file))
+    tensors.pop("model.norm.weight")
+    save_file(tensors, str(weights_file))
+  config = tiny_config(steps=1)
+  config.model.hf_dir = str(folder)
+  config.model.preset = ""
+  config.model.overrides = {}
+  config.warmstart = None  # a pretrained start
+  workdir = tmp_path / "run"
+  words = "not a readable safetensors file" if damage == "truncate" else "tensor(s) missing"
+  with pytest.raises(config_lib.ConfigError, match=rf"config\.model\.hf_dir: .*{re.escape(words)}"):
+    loop.run(config, str(workdir))
+  assert not workdir.exists() or not any(workdir.iterdir())

@@ -160,6 +160,25 @@ def test_hub_id_resolves_in_the_manual_dir_else_fails_fast_offline(tmp_path):
     verl.resolve(str(tmp_path / "empty"))
 
 
+@pytest.mark.parametrize("name", ["RLHFlow/..", "RLHFlow/.", "../x", "a/..b", "RLHFlow/.hidden"])
+def test_a_hub_id_is_a_name_never_a_path(tmp_path, name, monkeypatch):
+  """`RLHFlow/..` was a Hub id and resolved to `<manual_dir>/..`, reading every JSONL beside
+  it; a model folder's Hub id is checked the same way."""
+  from ada_jax.models import folder
+
+  monkeypatch.chdir(tmp_path)
+  write_parquet(tmp_path / "data" / "train-0.parquet")
+  manual = tmp_path / "data" / "manual"
+  manual.mkdir()
+  assert not folder.is_hub_id(name)
+  with pytest.raises(FileNotFoundError, match="not a Hub data set id"):
+    verl.resolve(name, manual)
+  with pytest.raises(folder.CheckpointError, match="not a Hugging Face repo id"):
+    folder.resolve(name + "_absent")
+  assert folder.is_hub_id("RLHFlow/reinforce_ada_hard_prompt")
+  assert folder.is_hub_id("Qwen/Qwen2.5-Math-1.5B") and folder.is_hub_id("meta-llama/Llama-3.2-3B")
+
+
 def _cfg(tmp_path, verl_set, **data):
   return config_lib.RunConfig(
     data=prompts.DataConfig(source="verl", verl_set=verl_set, **data),

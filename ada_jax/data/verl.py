@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import json
 import pathlib
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ada_jax.data import prompts, sets, sources
+from ada_jax.models import folder as folder_lib
 
 SUFFIXES = (".parquet", ".jsonl")
 _HUB = "https://huggingface.co"
@@ -55,12 +55,12 @@ def resolve(name: str, manual_dir: str | pathlib.Path | None = None) -> list[pat
   """
   local = pathlib.Path(name).expanduser()
   candidates = [local]
-  if manual_dir and re.fullmatch(r"[\w.-]+/[\w.-]+", name):
+  if manual_dir and folder_lib.is_hub_id(name):
     candidates.append(pathlib.Path(manual_dir) / name.split("/")[1])
   for path in candidates:
     if path.exists():
       return _data_files(path)
-  if not re.fullmatch(r"[\w.-]+/[\w.-]+", name):
+  if not folder_lib.is_hub_id(name):
     raise FileNotFoundError(f"{name}: no such file or folder (and not a Hub data set id)")
   where = f"{candidates[-1]}" if len(candidates) > 1 else "a manual directory (none set)"
   if not sets.reachable(_HUB):  # the one quick probe every other set uses

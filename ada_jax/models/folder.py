@@ -1,4 +1,5 @@
-"""A Hugging Face model folder on disk: which files make the model, and writing one whole.
+"""A Hugging Face model folder on disk: where it is (a path or a Hub id), which files make
+the model, and writing one whole.
 
 A folder is one model or another, never a mix: `model_folder` writes into a new sibling and
 swaps it in, taking every old model file with the old folder (a stale shard index would
@@ -13,6 +14,7 @@ import errno
 import fnmatch
 import os
 import pathlib
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -21,8 +23,42 @@ import numpy as np
 from safetensors.numpy import save_file
 
 
-class FolderError(ValueError):
-  """An output model folder that cannot be written, named with why."""
+class CheckpointError(ValueError):
+  """A Hugging Face folder that cannot be found, loaded as-is or written; the message names
+  the file or field."""
+
+
+def is_hub_id(name: str) -> bool:
+  """Whether `name` is a Hugging Face Hub repo id, `owner/name`: each part starts and ends
+  with a letter or digit and holds no '..', so no id is a relative path (`RLHFlow/..`)."""
+  part = r"[A-Za-z0-9](?:[\w.-]*[A-Za-z0-9])?"
+  return bool(re.fullmatch(f"{part}/{part}", name)) and ".." not in name
+
+
+def resolve(path: str | os.PathLike) -> pathlib.Path:
+  """A local folder, or a Hub repo id downloaded into the usual cache."""
+  local = pathlib.Path(path).expanduser()
+  if local.exists():
+    if not local.is_dir():
+      raise CheckpointError(f"{local}: expected a Hugging Face checkpoint folder, got a file")
+    return local
+  repo_id = str(path)
+  if not is_hub_id(repo_id):
+    raise CheckpointError(f"{path}: no such folder (and not a Hugging Face repo id)")
+  try:
+    import huggingface_hub
+
+    return pathlib.Path(
+      huggingface_hub.snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors"])
+    )
+  except Exception as e:  # offline, gated, or unknown repo: one clear message for all.
+    raise CheckpointError(
+      f"{repo_id}: not a local folder and it could not be downloaded from the Hugging Face "
+      f"Hub ({type(e).__name__}: {e}). On a machine with network access run "
+      f"`huggingface-cli download {repo_id} --local-dir DIR` (gated models need "
+      f"`huggingface-cli login` first), copy DIR here, and point the config's "
+      f"model.hf_dir at it."
+    ) from None
 
 
 # What makes a Hugging Face model folder a model: weights, their index, the config, the
@@ -59,26 +95,26 @@ def check_output_folder(
   """Refuses an output model folder that `model_folder` cannot write, before any work.
 
   Raises:
-    FolderError: `path` is a file (or `source` itself), holds a folder that is not a
+    CheckpointError: `path` is a file (or `source` itself), holds a folder that is not a
       model's (the folder is not a model folder: a home directory, a project), or its
       nearest existing parent is not writable.
   """
   out = pathlib.Path(path)
   if source is not None and out.exists() and out.resolve() == pathlib.Path(source).resolve():
-    raise FolderError(f"{out}: the output folder is the input file")
+    raise CheckpointError(f"{out}: the output folder is the input file")
   if out.exists() and not out.is_dir():
-    raise FolderError(f"{out}: exists and is not a folder; give a new or a model folder")
+    raise CheckpointError(f"{out}: exists and is not a folder; give a new or a model folder")
   if out.is_dir():
     folders = sorted(p.name for p in out.iterdir() if p.is_dir() and not is_model_file(p.name))
     if folders:
-      raise FolderError(
+      raise CheckpointError(
         f"{out}: holds folders {folders[:5]}, so it is not a model folder; give a new one"
       )
   parent = out.parent
   while not parent.exists():
     parent = parent.parent
   if not os.access(parent, os.W_OK | os.X_OK) or (out.is_dir() and not os.access(out, os.W_OK)):
-    raise FolderError(f"{out}: not writable")
+    raise CheckpointError(f"{out}: not writable")
 
 
 @contextlib.contextmanager
@@ -93,7 +129,7 @@ def model_folder(path: str | os.PathLike) -> Iterator[pathlib.Path]:
   old folder beside it as `.<name>.old-<pid>`, never a mix.
 
   Raises:
-    FolderError: `check_output_folder`'s refusals; no space left (the partial folder
+    CheckpointError: `check_output_folder`'s refusals; no space left (the partial folder
       removed).
   """
   out = pathlib.Path(path)
@@ -118,7 +154,7 @@ def model_folder(path: str | os.PathLike) -> Iterator[pathlib.Path]:
   except BaseException as e:
     shutil.rmtree(tmp, ignore_errors=True)
     if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-      raise FolderError(f"{out}: no space left on the device; nothing written") from None
+      raise CheckpointError(f"{out}: no space left on the device; nothing written") from None
     raise
 
 

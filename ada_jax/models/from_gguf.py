@@ -288,8 +288,20 @@ def tokenizer(meta: dict[str, Any], source: str) -> Tokenizer:
     raise GGUFError(f"{source}: tokenizer.ggml.model {kind!r} is not supported (supported: gpt2)")
   tokens = list(_field(meta, "tokenizer.ggml.tokens", source))
   types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-  merges = [tuple(m.split(" ", 1)) for m in _field(meta, "tokenizer.ggml.merges", source)]
-  bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges)
+  if len(types) != len(tokens):
+    raise GGUFError(
+      f"{source}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens"
+    )
+  merges = []
+  for i, m in enumerate(_field(meta, "tokenizer.ggml.merges", source)):
+    pair = tuple(str(m).split(" ", 1))
+    if len(pair) != 2 or not all(pair):
+      raise GGUFError(f"{source}: tokenizer.ggml.merges[{i}] {m!r} is not two tokens")
+    merges.append(pair)
+  try:
+    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges)
+  except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own kinds
+    raise GGUFError(f"{source}: the tokenizer does not build ({e})") from None
   tok = tokenizers.Tokenizer(bpe)
   tok.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"), source)
   tok.decoder = decoders.ByteLevel()
@@ -386,7 +398,7 @@ def main(argv: Sequence[str]) -> int:
     return 2
   try:
     out = convert(argv[0], argv[1])
-  except (FileNotFoundError, GGUFError, folder_lib.FolderError) as e:
+  except (FileNotFoundError, GGUFError, folder_lib.CheckpointError) as e:
     print(f"ada_jax: {e}", file=sys.stderr)
     return 2
   print(f"wrote {out}")

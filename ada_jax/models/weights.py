@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 
 from ada_jax.models import decoder as model_lib
 from ada_jax.models.decoder import PRESETS, ModelConfig, Params, RopeScaling
-from ada_jax.models.folder import model_folder, write_safetensors
+from ada_jax.models.folder import CheckpointError, model_folder, resolve, write_safetensors
 
 _ARCHITECTURES = {
   "llama": "LlamaForCausalLM",
@@ -34,10 +34,6 @@ _ARCHITECTURES = {
 }
 # Buffers some exporters write that are derived, not learned.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
-
-
-class CheckpointError(ValueError):
-  """A Hugging Face folder that cannot be loaded as-is; the message names the file/field."""
 
 
 # ----------------------------------------------------------------------------- config
@@ -304,32 +300,6 @@ def _set(tree, path, value):
 # ----------------------------------------------------------------------------- load / save
 
 
-def resolve(path: str | os.PathLike) -> pathlib.Path:
-  """A local folder, or a Hub repo id downloaded into the usual cache."""
-  local = pathlib.Path(path).expanduser()
-  if local.exists():
-    if not local.is_dir():
-      raise CheckpointError(f"{local}: expected a Hugging Face checkpoint folder, got a file")
-    return local
-  repo_id = str(path)
-  if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo_id):
-    raise CheckpointError(f"{path}: no such folder (and not a Hugging Face repo id)")
-  try:
-    import huggingface_hub
-
-    return pathlib.Path(
-      huggingface_hub.snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors"])
-    )
-  except Exception as e:  # offline, gated, or unknown repo: one clear message for all.
-    raise CheckpointError(
-      f"{repo_id}: not a local folder and it could not be downloaded from the Hugging Face "
-      f"Hub ({type(e).__name__}: {e}). On a machine with network access run "
-      f"`huggingface-cli download {repo_id} --local-dir DIR` (gated models need "
-      f"`huggingface-cli login` first), copy DIR here, and point the config's "
-      f"model.hf_dir at it."
-    ) from None
-
-
 def _open_safetensors(file: pathlib.Path):
   """`safe_open` of one weights file; a truncated or empty one is named (safetensors' own
   error names no file)."""
@@ -388,7 +358,30 @@ def load_hf(
   config = config_from_hf(hf_config, source=str(config_file), dtype=jnp.dtype(dtype).name)
   table = _tensor_table(config)
   params: Params = {}
-  seen: set[str] = set()
+  for file, names in check_hf(folder, config).items():
+    with _open_safetensors(file) as f:
+      for name in names:
+        our_path, _, to_ours, _ = table[name]
+        value = np.asarray(to_ours(f.get_tensor(name))).astype(dtype)
+        target = _get(shardings, our_path) if shardings is not None else None
+        _set(params, our_path, jax.device_put(value, target))
+        del value
+  return config, params
+
+
+def check_hf(folder: pathlib.Path, config: ModelConfig) -> dict[pathlib.Path, list[str]]:
+  """Checks a folder's weights against `config` from the files' headers alone (no tensor
+  read): every tensor there, none unexpected, each of its shape; so that a run refuses a
+  bad folder before it writes anything.
+
+  Returns:
+    Each weights file with the tensors to load from it.
+
+  Raises:
+    CheckpointError: an unreadable file, an unexpected, missing or mis-shaped tensor (named).
+  """
+  table = _tensor_table(config)
+  out: dict[pathlib.Path, list[str]] = {}
   for file in _safetensors_files(folder):
     with _open_safetensors(file) as f:
       for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
@@ -399,22 +392,16 @@ def load_hf(
             f"{file.name}: unexpected tensor {name!r} for a "
             f"{config.family} model with {config.num_layers} layers"
           )
-        our_path, hf_shape, to_ours, _ = table[name]
-        array = f.get_tensor(name)
-        if tuple(array.shape) != hf_shape:
+        shape = tuple(f.get_slice(name).get_shape())
+        if shape != table[name][1]:
           raise CheckpointError(
-            f"{file.name}: tensor {name!r} has shape {tuple(array.shape)}, "
-            f"config.json implies {hf_shape}"
+            f"{file.name}: tensor {name!r} has shape {shape}, config.json implies {table[name][1]}"
           )
-        value = np.asarray(to_ours(array)).astype(dtype)
-        target = _get(shardings, our_path) if shardings is not None else None
-        _set(params, our_path, jax.device_put(value, target))
-        seen.add(name)
-        del array, value
-  missing = sorted(set(table) - seen)
+        out.setdefault(file, []).append(name)
+  missing = sorted(set(table) - {n for names in out.values() for n in names})
   if missing:
     raise CheckpointError(f"{folder}: {len(missing)} tensor(s) missing, e.g. {missing[:5]}")
-  return config, params
+  return out
 
 
 def save_hf(
@@ -436,7 +423,7 @@ def save_hf(
 
   Raises:
     CheckpointError: `params` does not match `config` (a missing or mis-shaped tensor).
-    folder.FolderError: `folder.model_folder`'s refusals (nothing written).
+    CheckpointError: also `folder.model_folder`'s refusals (nothing written).
   """
   with model_folder(path) as folder:
     _write_hf(config, params, folder, dtype or config.param_dtype, max_shard_bytes)
