@@ -25,6 +25,8 @@ from absl import logging
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+from ada_jax.config import ConfigError
+
 
 def _scalar(value: Any) -> float | int | None:
   if isinstance(value, (bool, np.bool_)):
@@ -96,6 +98,33 @@ class MetricsWriter:
     self._bar = self._tb = None
     if not primary:
       return
+    try:
+      self._set_aside_stale(start_step)
+    except OSError as e:  # the file is a folder, on a read-only mount, ...: one line
+      self.path.with_suffix(".tmp").unlink(missing_ok=True)
+      raise ConfigError(
+        f"{self.path}: cannot be written ({e.strerror or e}); the run's metrics go there"
+      ) from None
+    from tqdm.auto import tqdm
+
+    # A session START at step s hides the events at steps >= s of earlier event files
+    # (TensorBoard's purge of orphaned steps): those steps are about to be written again.
+    # Step 0 holds only the held-out scores before RL, which a run restarted at step 0
+    # writes again too. The suffix keeps a restart within the same second from replacing
+    # the earlier file (named by the second) and sorts the files in the order started.
+    self._tb = EventFileWriter(
+      str(self.path.parent / "tensorboard"), filename_suffix=f".{time.time_ns()}"
+    )
+    purge = start_step + 1 if start_step else 0
+    start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+    self._tb.add_event(event_pb2.Event(wall_time=time.time(), step=purge, session_log=start))
+    self._bar = tqdm(
+      total=total_steps, initial=start_step, desc="RL steps", unit="step", dynamic_ncols=True
+    )
+
+  def _set_aside_stale(self, start_step: int) -> None:
+    """Moves the lines of steps after `start_step` (a resume repeats them) and torn lines to
+    metrics.orphaned.jsonl, and checks that the file can be appended to."""
     self.path.parent.mkdir(parents=True, exist_ok=True)
     lines, unreadable = _read_lines(self.path)
     stale = [line for line in lines if line.get("step", 0) > start_step]
@@ -115,22 +144,8 @@ class MetricsWriter:
         "".join(json.dumps(line) + "\n" for line in lines if line.get("step", 0) <= start_step)
       )
       os.replace(tmp, self.path)
-    from tqdm.auto import tqdm
-
-    # A session START at step s hides the events at steps >= s of earlier event files
-    # (TensorBoard's purge of orphaned steps): those steps are about to be written again.
-    # Step 0 holds only the held-out scores before RL, which a run restarted at step 0
-    # writes again too. The suffix keeps a restart within the same second from replacing
-    # the earlier file (named by the second) and sorts the files in the order started.
-    self._tb = EventFileWriter(
-      str(self.path.parent / "tensorboard"), filename_suffix=f".{time.time_ns()}"
-    )
-    purge = start_step + 1 if start_step else 0
-    start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
-    self._tb.add_event(event_pb2.Event(wall_time=time.time(), step=purge, session_log=start))
-    self._bar = tqdm(
-      total=total_steps, initial=start_step, desc="RL steps", unit="step", dynamic_ncols=True
-    )
+    with open(self.path, "a"):  # every step appends: a file that cannot take it fails now
+      pass
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float | int]:
     """Records one step. A list (e.g. per-round counts) is one JSONL field, and one

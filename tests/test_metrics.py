@@ -1,8 +1,10 @@
 """Metrics writer: one JSONL line per step, resume moves stale lines aside, PNG curves."""
 
 import json
+import os
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -132,3 +134,31 @@ def test_a_torn_last_line_is_set_aside_and_the_run_resumes(tmp_path_factory, cut
   orphaned = metrics.read_jsonl(workdir / "metrics.orphaned.jsonl")
   if torn.strip() and parsed == [1, 2]:
     assert {"unreadable_line": 3, "text": torn} in orphaned
+
+
+@pytest.mark.parametrize("start", [0, 3])
+def test_a_metrics_file_that_cannot_be_written_is_one_line_and_leaves_no_tmp(tmp_path, start):
+  """metrics.jsonl a folder (neighbour: with stale lines to set aside, start 3): one
+  ConfigError naming it, instead of a traceback and a metrics.tmp left behind."""
+  from ada_jax.config import ConfigError
+
+  (tmp_path / "metrics.jsonl").mkdir()
+  with pytest.raises(ConfigError, match=r"metrics\.jsonl: cannot be written"):
+    metrics.MetricsWriter(tmp_path, total_steps=5, start_step=start)
+  assert not (tmp_path / "metrics.tmp").exists()
+
+
+def test_a_metrics_file_on_a_failing_rewrite_leaves_no_tmp(tmp_path, monkeypatch):
+  path = tmp_path / "metrics.jsonl"
+  path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)))
+
+  def refuse(src, dst):
+    raise OSError(30, "Read-only file system")
+
+  monkeypatch.setattr(os, "replace", refuse)
+  from ada_jax.config import ConfigError
+
+  with pytest.raises(ConfigError, match="Read-only file system"):
+    metrics.MetricsWriter(tmp_path, total_steps=5, start_step=1)  # steps 2-3 to set aside
+  assert not (tmp_path / "metrics.tmp").exists()
+  assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3]
