@@ -7,6 +7,7 @@ import ast
 import dataclasses
 import importlib
 import importlib.util
+import json
 import pathlib
 import re
 
@@ -182,3 +183,67 @@ def test_short_names_resolve():
     except LookupError as e:
       stale.append(f"{where}: {name} ({e})")
   assert not stale, "stale package-relative names:\n" + "\n".join(stale)
+
+
+# --------------------------------------------------------------------------- plan figures
+
+
+def _plan(target: str, config: str) -> dict:
+  rows = json.loads((ROOT / "experiments" / "results" / f"memory_plan_{target}.json").read_text())
+  return next(r for r in rows["rows"] if r["config"] == config)
+
+
+def _peak(row: dict) -> tuple[float, float, str]:
+  """(GiB, usable GiB, phase) of a plan row's largest phase, as the docs round them."""
+  phase, p = max(row["phases"].items(), key=lambda kv: kv[1]["gib"])
+  return round(p["gib"], 2), round(p["gib"] + p["spare_gib"], 2), phase
+
+
+def _slots(row: dict) -> tuple[int, int]:
+  c = row["run_config"]
+  return c["sampler"]["chunk_rows"], c["eval"]["sampler"]["chunk_rows"]
+
+
+def test_readme_plan_figures_are_the_committed_plans():
+  """README's sentence on the TPU defaults quotes the committed XLA:TPU plans: slots and
+  the peak phase (it once said 192 slots and 12.3 GiB in the train step, long after the
+  plan moved to 304 slots peaking at 15.07 GiB in the evaluation phase)."""
+  text = " ".join((ROOT / "README.md").read_text().split())
+  m = re.search(
+    r"(\d+) rollout and (\d+) evaluation slots;.*?: ([\d.]+) GiB of ([\d.]+) per device at the "
+    r"peak \(the (\w+) phase\), and the 7B Qwen config fits a v4-32 with (\d+) rollout and "
+    r"(\d+) evaluation slots \(([\d.]+) GiB of ([\d.]+) at the peak, the (\w+) phase\)",
+    text,
+  )
+  assert m, "README's plan sentence changed shape: update this test with it"
+  llama, qwen = _plan("v5e-8", "llama3b_pos"), _plan("v4-32", "qwen_math7b_pos")
+  assert (int(m[1]), int(m[2])) == _slots(llama)
+  assert (float(m[3]), float(m[4]), m[5]) == _peak(llama)
+  assert (int(m[6]), int(m[7])) == _slots(qwen)
+  assert (float(m[8]), float(m[9]), m[10]) == _peak(qwen)
+
+
+def test_gpu_doc_slots_and_table_are_the_committed_plans():
+  text = " ".join((ROOT / "docs" / "gpu.md").read_text().split())
+  m = re.search(
+    r"llama3b_pos: (\d+) rollout and (\d+) evaluation slots on a v5e-8; qwen_math7b_pos: "
+    r"(\d+) rollout and (\d+) evaluation slots on a v4-32",
+    text,
+  )
+  assert m, "docs/gpu.md's slots sentence changed shape: update this test with it"
+  assert (int(m[1]), int(m[2])) == _slots(_plan("v5e-8", "llama3b_pos"))
+  assert (int(m[3]), int(m[4])) == _slots(_plan("v4-32", "qwen_math7b_pos"))
+  rows = re.findall(
+    r"^\| (\w+) \| (h\d00x8) \| (\d+) / (\d+) / (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| "
+    r"([\d.]+) \| ([\d.]+) \|",
+    (ROOT / "docs" / "gpu.md").read_text(),
+    re.M,
+  )
+  assert len(rows) == 6
+  for config, host, slots, prompts, eval_slots, *gib in rows:
+    row = _plan(host, f"{config}:{host}")
+    assert (int(slots), int(eval_slots)) == _slots(row), (config, host)
+    assert int(prompts) == row["run_config"]["sampler"]["prompts_per_chunk"], (config, host)
+    phases = [round(row["phases"][k]["gib"], 2) for k in ("train", "sample", "prefill", "eval")]
+    usable = round(row["phases"]["train"]["gib"] + row["phases"]["train"]["spare_gib"], 2)
+    assert [float(g) for g in gib] == [*phases, usable], (config, host)
