@@ -43,6 +43,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 
+from ada_jax import checksums as checksums_lib
 from ada_jax import distributed
 from ada_jax.models import sharding, weights
 from ada_jax.models.decoder import ModelConfig, Params
@@ -155,7 +156,7 @@ def save(manager: ocp.CheckpointManager, step: int, run: RunState, *, force: boo
     "rng_impl": str(jax.random.key_impl(rng)) if typed else None,
     "est_size": None if run.est is None else int(np.asarray(run.est["keys"]).shape[0]),
     "has_ref": run.train.ref_params is not None,
-    "checksums": {name: checksums(tree) for name, tree in _summed(run.train).items()},
+    "checksums": {name: checksums_lib.of(tree) for name, tree in _summed(run.train).items()},
   }
   items = {
     "params": ocp.args.StandardSave(run.train.params),
@@ -173,33 +174,6 @@ def save(manager: ocp.CheckpointManager, step: int, run: RunState, *, force: boo
   except Exception as e:
     _raise_if_disk_full(e, manager, _nbytes(run), threads)
     raise
-
-
-@jax.jit
-def _checksums(tree: Any) -> Any:
-  """Per array, two uint32 sums of its bit patterns (plain and position-weighted, mod 2^32;
-  a Fletcher-style check computed where the array lives, so no host copy): what `save`
-  records and `restore` compares, because finite is not intact (garbage bytes can decode to
-  finite values)."""
-
-  def one(x):
-    bits = jax.lax.bitcast_convert_type(
-      x, {4: jnp.uint32, 2: jnp.uint16, 1: jnp.uint8}[x.dtype.itemsize]
-    )
-    bits = bits.astype(jnp.uint32).reshape(-1)
-    weights_ = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
-    return jnp.stack([bits.sum(dtype=jnp.uint32), (bits * weights_).sum(dtype=jnp.uint32)])
-
-  return jax.tree.map(one, tree)
-
-
-def checksums(tree: Any) -> dict[str, list[int]]:
-  """`_checksums` of every array of `tree` by its path (`jax.tree_util.keystr`), as JSON."""
-  sums = jax.device_get(_checksums(tree))
-  return {
-    jax.tree_util.keystr(path): [int(v) for v in np.asarray(leaf)]
-    for path, leaf in jax.tree_util.tree_leaves_with_path(sums)
-  }
 
 
 def _nbytes(run: RunState) -> int:
@@ -320,19 +294,6 @@ def restore(
     if bad:
       more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
       raise UnreadableCheckpoint(step, folder / name, f"NaN or infinity in {bad[0]}{more}")
-  saved = meta.get("checksums") or {}  # a checkpoint of an older version has none
-  restored = TrainState(
-    step=out["opt"]["step"],
-    params=out["params"],
-    opt_state=out["opt"]["opt_state"],
-    ref_params=out.get("ref_params"),
-  )
-  for name, tree in _summed(restored).items():
-    if name in saved and (now := checksums(tree)) != saved[name]:
-      bad = [k for k in saved[name] if now.get(k) != saved[name][k]]
-      raise UnreadableCheckpoint(
-        step, folder / name, f"checksum mismatch in {bad[:1] or 'its tree'}: the bytes changed"
-      )
   key = np.asarray(out["rng"]["key"])
   rng = (
     jax.random.wrap_key_data(key, impl=meta["rng_impl"]) if meta["rng_impl"] else jnp.asarray(key)
@@ -349,6 +310,15 @@ def restore(
     opt_state=out["opt"]["opt_state"],
     ref_params=out["ref_params"] if meta["has_ref"] else None,
   )
+  saved = meta.get("checksums") or {}  # a checkpoint of an older version has none
+  for name, tree in _summed(train).items():
+    now = checksums_lib.of(tree) if name in saved else {}
+    # Arrays both have: a later version may name a tree's leaves otherwise (an optax upgrade).
+    bad = [k for k in saved.get(name, {}) if k in now and now[k] != saved[name][k]]
+    if bad:
+      raise UnreadableCheckpoint(
+        step, folder / name, f"checksum mismatch in {bad[:1]}: the bytes changed"
+      )
   return RunState(train=train, rng=rng, est=est, host=meta["user"])
 
 

@@ -17,8 +17,9 @@ least 40 % of its prompts' groups of 4 are all wrong, and the pass rates spread 
 prompts solved often): `pick` takes the suitable candidate whose all-wrong share is largest.
 Level-1 facts are not candidates (about 16 held-out problems, memorised).
 
-Writes experiments/results/calibrate_smollm2.json: the commit, the command, per candidate its
-task, settings, per-problem correct counts, the summary figures and whether it suits.
+Writes experiments/results/calibrate_smollm2.json: per candidate the commit and command it was
+measured with, its task, settings, per-problem correct counts, the summary figures and
+whether it suits (recomputed from the counts on every write, `--report` included).
 """
 
 from __future__ import annotations
@@ -135,6 +136,9 @@ def evaluate(name: str, root: pathlib.Path, args) -> dict:
   problems = report["problems"]["arith_text"]
   correct = [p["correct"] for p in problems]
   return {
+    "commit": learning.metrics_lib.git_commit(REPO),
+    "command": " ".join(["python", *sys.argv]),
+    "k": args.k,
     "levels": list(levels),
     "ops": list(ops),
     "examples": list(examples),
@@ -168,11 +172,14 @@ def main(argv=None) -> None:
     for name in args.candidates:
       out["candidates"][name] = evaluate(name, args.root, args)
       print(f"[{name}] {json.dumps(out['candidates'][name]['summary'])}", flush=True)
+  # Each candidate keeps the commit, command and k it was measured with; its summary is
+  # recomputed from its counts, so the criteria below are the ones its verdict used.
+  for c in out["candidates"].values():
+    c["summary"] = summarise(c["correct"], c.get("k", args.k))
+  for stale in ("commit", "command", "k"):  # once the last run's, now per candidate
+    out.pop(stale, None)
   out.update(
-    commit=learning.metrics_lib.git_commit(REPO),
-    command=" ".join(["python", *sys.argv]),
     config=CONFIG,
-    k=args.k,
     criteria={"pass_rate_mean": PASS_RANGE, "grpo4_all_wrong_min": MIN_ALL_WRONG},
     picked=pick(out["candidates"]),
   )

@@ -29,10 +29,12 @@ Endpoints, fixed before the comparison runs (`comparison_stats` computes each in
     same seed and step, steps 1-32: its mean and its slope against the step, each with a
     seed-clustered t interval.
 (c) held-out Avg@4 (problems distinct, never trained on) of each arm minus GRPO-matched's
-    at step 32, and at equal decode tokens: GRPO-matched continued (`--equal_compute`)
-    until it has decoded at least as many rollout tokens as Ada-balance by step 32,
-    evaluated there; two-level paired bootstrap (seeds, then problems within a seed).
-    Beside each, the smallest difference three seeds could have detected (80 % power).
+    at step 32, and at Ada-balance's decode tokens: GRPO-matched continued
+    (`--equal_compute`) until it has decoded at least as many rollout tokens as Ada-balance
+    by step 32, evaluated there (equal compute for balance; for pos, which decodes fewer, a
+    reference with more compute); paired by seed and problem, a t interval over seeds, and
+    per seed a bootstrap interval over problems. Beside each, the smallest difference the
+    seeds could have detected (80 % power).
 
 Each run is `python -m ada_jax.main` on its arm's config in its own process and workdir
 under `--root` (default `~/.cache/ada_jax/smollm2_runs`, outside the checkout so that a
@@ -508,7 +510,7 @@ def endpoints(results: dict, steps: int, k: int) -> dict:
     for step in sorted({h["step"] for r in runs for h in r["heldout"] if h["problems"]}):
       arm = _heldout_at(runs, lambda r, s=step: s)
       zero = {seed: dict.fromkeys(p, 0) for seed, p in arm.items()}
-      e.setdefault("heldout_avg", {})[str(step)] = cs.bootstrap_difference(arm, zero, k)
+      e.setdefault("heldout_avg", {})[str(step)] = cs.heldout_difference(arm, zero, k)
     if label != REFERENCE and ref_runs:
       ref_pass = _per_seed(ref_runs, "pass_rate", steps)
       arm_pass = _per_seed(runs, "pass_rate", steps)
@@ -518,16 +520,20 @@ def endpoints(results: dict, steps: int, k: int) -> dict:
           part["detectable"] = cs.detectable_difference(part["se"], part["seeds"])
         e["pass_rate_vs_reference"] = d
       at = lambda r: steps
+      # The reference continued to Ada-balance's decode tokens (`EQUAL_TO`): equal compute
+      # for balance; for pos, which decodes fewer, a reference with more compute than it.
       comparisons = {
         f"heldout_vs_reference_step{steps}": (at, at),
-        "heldout_vs_reference_equal_tokens": (at, lambda r: equal_at.get(r["seed"])),
+        f"heldout_vs_reference_at_{slug(EQUAL_TO)}_tokens": (
+          at,
+          lambda r: equal_at.get(r["seed"]),
+        ),
       }
       for name, (arm_step, ref_step) in comparisons.items():
         arm, ref = _heldout_at(runs, arm_step), _heldout_at(ref_runs, ref_step)
         if set(arm) & set(ref):
-          d = cs.bootstrap_difference(arm, ref, k)
-          se = (d["high"] - d["low"]) / (2 * 1.96)
-          d["detectable"] = cs.detectable_difference(se, d["seeds"])
+          d = cs.heldout_difference(arm, ref, k)
+          d["detectable"] = cs.detectable_difference(d["se"], d["seeds"])
           e[name] = d
     out[label] = e
   return out
@@ -589,9 +595,11 @@ def plot(results: dict, ends: dict, path: pathlib.Path, title: str) -> None:
       steps = sorted(avg, key=int)
       xs = [int(s) for s in steps]
       ys = [avg[s]["arm"] for s in steps]
+      # Over seeds (t); with one seed, that seed's bootstrap over problems.
+      bound = lambda a, key: a[key] if a["seeds"] > 1 else next(iter(a["per_seed"].values()))[key]
       err = [
-        [avg[s]["arm"] - avg[s]["low"] for s in steps],
-        [avg[s]["high"] - avg[s]["arm"] for s in steps],
+        [avg[s]["arm"] - bound(avg[s], "low") for s in steps],
+        [bound(avg[s], "high") - avg[s]["arm"] for s in steps],
       ]
       axes[1, 1].errorbar(xs, ys, yerr=err, color=c, marker="o", capsize=3, label=label)
     for r in runs:
@@ -679,7 +687,7 @@ def write_outputs(args, specs, out: pathlib.Path) -> dict:
     "arms": results,
   }
   out.parent.mkdir(parents=True, exist_ok=True)
-  out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+  out.with_suffix(".json").write_text(json.dumps(_strict(report), indent=1) + "\n")
   what = f"learning-rate sweep, {SWEEP_ARM}" if args.sweep else "GRPO vs Reinforce-Ada"
   plot(
     results, ends, out.with_suffix(".png"), f"SmolLM2-135M-Instruct on the calibrated task: {what}"
@@ -696,6 +704,17 @@ def write_outputs(args, specs, out: pathlib.Path) -> dict:
       )
   print(json.dumps({"json": str(out.with_suffix(".json")), "png": str(out.with_suffix(".png"))}))
   return report
+
+
+def _strict(value):
+  """`value` with NaN and infinities as None (null): strict JSON, which readers accept."""
+  if isinstance(value, dict):
+    return {str(k): _strict(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_strict(v) for v in value]
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  return value
 
 
 def parser() -> argparse.ArgumentParser:

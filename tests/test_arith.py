@@ -133,6 +133,8 @@ def test_the_split_is_fixed_not_a_setting():
     ({"levels": (0, 2)}, "levels="),
     ({"levels": (1, 2), "level_weights": (1.0,)}, "level_weights="),
     ({"ops": ("/",)}, "ops="),
+    ({"levels": (2, 2)}, "levels=.*each may appear once"),
+    ({"ops": ("+", "-", "+")}, "ops=.*each may appear once"),
   ],
 )
 def test_config_validation(kwargs, match):

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ada_jax import checkpoint, runstate, start
+from ada_jax import checkpoint, checksums, runstate, start
 from ada_jax.config import ConfigError
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding
@@ -473,3 +473,24 @@ def test_a_full_disk_is_one_line_and_leaves_no_temporary_folder(tmp_path, monkey
   assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["1"]
   monkeypatch.undo()
   manager.close()
+
+
+def test_checksums_cover_every_kind_of_leaf_and_see_one_bit():
+  """bool (optax's apply_if_finite), a typed PRNG key, bf16, int and empty leaves all sum;
+  one flipped bit of any leaf changes its pair."""
+  tree = {
+    "b": jnp.array([True, False, True]),
+    "k": jax.random.key(3),
+    "h": jnp.arange(6, dtype=jnp.bfloat16).reshape(2, 3),
+    "i": jnp.arange(4, dtype=jnp.int32),
+    "e": jnp.zeros((0, 2)),
+  }
+  sums = checksums.of(tree)
+  assert set(sums) == {"['b']", "['k']", "['h']", "['i']", "['e']"}
+  flipped = dict(tree, i=tree["i"].at[2].set(tree["i"][2] ^ 1), b=tree["b"].at[1].set(True))
+  again = checksums.of(flipped)
+  assert again["['i']"] != sums["['i']"] and again["['b']"] != sums["['b']"]
+  assert again["['h']"] == sums["['h']"]
+  # Swapping two elements keeps the plain sum but not the position-weighted one.
+  swapped = checksums.of(dict(tree, i=tree["i"][::-1]))["['i']"]
+  assert swapped[0] == sums["['i']"][0] and swapped[1] != sums["['i']"][1]

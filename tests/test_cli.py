@@ -78,6 +78,7 @@ def test_gsm8k_config_offline_without_files_fails_in_seconds_with_one_line(tmp_p
       f"--workdir={workdir}",
       "--config.data.manual_dir=",
       "--config.tokenizer.dir=",
+      "--config.tokenizer.eos_ids=()",  # the built-in tokenizer takes no Llama 3 stop ids
     ],
     cwd=tmp_path,
     env={**_env(), "TFDS_DATA_DIR": env_tfds},

@@ -52,36 +52,65 @@ def test_paired_difference_recovers_an_exact_line(cs):
     cs.paired_step_difference({0: {1: 0.0}}, {0: {1: 0.0}})
 
 
-def test_bootstrap_of_a_constant_difference_is_that_difference(cs):
+def test_heldout_difference_of_a_constant_shift_is_that_shift(cs):
   ids = [f"p{i}" for i in range(50)]
   rng = np.random.default_rng(0)
   ref = {s: {i: int(rng.integers(0, 4)) for i in ids} for s in range(3)}
   arm = {s: {i: c + 1 for i, c in ref[s].items()} for s in range(3)}
-  out = cs.bootstrap_difference(arm, ref, k=4, resamples=300)
-  assert out["difference"] == out["low"] == pytest.approx(out["high"]) == pytest.approx(0.25)
+  out = cs.heldout_difference(arm, ref, k=4)
+  assert out["mean"] == out["low"] == pytest.approx(out["high"]) == pytest.approx(0.25)
   assert (out["seeds"], out["problems"]) == (3, 50)
+  assert out["per_seed"][1]["low"] == pytest.approx(0.25)
 
 
-def test_bootstrap_interval_covers_the_truth_at_about_its_level(cs):
+def test_heldout_difference_is_the_t_interval_of_the_seeds_means(cs):
+  # Seed means of the difference 0.1, 0.2, 0.3 (every problem of a seed shifted alike).
+  ref = {s: {str(i): 0 for i in range(10)} for s in range(3)}
+  arm = {s: {str(i): [0.4, 0.8, 1.2][s] for i in range(10)} for s in range(3)}
+  out = cs.heldout_difference(arm, ref, k=4)
+  assert out["mean"] == pytest.approx(0.2)
+  assert out["se"] == pytest.approx(0.1 / np.sqrt(3))
+  assert out["high"] - out["mean"] == pytest.approx(4.302653 * 0.1 / np.sqrt(3), rel=1e-5)
+
+
+def test_heldout_interval_covers_a_true_zero_at_its_level_with_three_seeds(cs):
+  """Seeds shift both arms' difference (sd 0.03) and problems add noise: the t interval over
+  3 seeds must hold a true zero in about 95 % of trials (a bootstrap over the seeds held it
+  in 84 %)."""
+  covered = 0
+  trials = 300
+  for trial in range(trials):
+    rng = np.random.default_rng(trial)
+    arm, ref = {}, {}
+    for s in range(3):
+      shift = rng.normal(0, 0.03)
+      p = np.clip(0.3 + shift / 2, 0, 1)
+      q = np.clip(0.3 - shift / 2, 0, 1)
+      arm[s] = {str(i): int(rng.binomial(4, p)) for i in range(100)}
+      ref[s] = {str(i): int(rng.binomial(4, q)) for i in range(100)}
+    out = cs.heldout_difference(arm, ref, k=4)
+    covered += out["low"] <= 0 <= out["high"]
+  assert 0.91 <= covered / trials <= 0.99
+
+
+def test_bootstrap_over_problems_covers_at_about_its_level(cs):
   # One seed of 400 problems per arm, pass rates 0.3 both: the difference's sd is about
-  # sqrt(2 * 0.21 / 4 / 400) with k = 4 samples per problem; its 95 % interval must hold 0
-  # in most draws and be about 2 * 1.96 * sd wide.
+  # sqrt(2 * 0.21 / 4 / 400) with k = 4 samples per problem.
   covered, widths = 0, []
   for trial in range(20):
     rng = np.random.default_rng(trial)
-    arm = {0: {str(i): int(rng.binomial(4, 0.3)) for i in range(400)}}
-    ref = {0: {str(i): int(rng.binomial(4, 0.3)) for i in range(400)}}
-    out = cs.bootstrap_difference(arm, ref, k=4, resamples=400, seed=trial)
+    a = rng.binomial(4, 0.3, 400) / 4
+    r = rng.binomial(4, 0.3, 400) / 4
+    out = cs.bootstrap_difference(a, r, resamples=400, seed=trial)
     covered += out["low"] <= 0 <= out["high"]
     widths.append(out["high"] - out["low"])
-  sd = np.sqrt(2 * 0.21 / 4 / 400)
   assert covered >= 16
-  assert np.median(widths) == pytest.approx(2 * 1.96 * sd, rel=0.2)
+  assert np.median(widths) == pytest.approx(2 * 1.96 * np.sqrt(2 * 0.21 / 4 / 400), rel=0.2)
 
 
-def test_bootstrap_refuses_arms_with_nothing_in_common(cs):
+def test_heldout_difference_refuses_arms_with_nothing_in_common(cs):
   with pytest.raises(ValueError, match="no seed with a problem"):
-    cs.bootstrap_difference({0: {"a": 1}}, {1: {"a": 1}}, k=4)
+    cs.heldout_difference({0: {"a": 1}}, {1: {"a": 1}}, k=4)
 
 
 def test_detectable_difference_grows_with_the_error_and_shrinks_with_seeds(cs):

@@ -63,6 +63,22 @@ def _tiny_params(seed=0):
   return config, model_lib.init_params(config, jax.random.key(seed))
 
 
+def _arith_eval_config():
+  """Avg@2 on 4 held-out arithmetic problems, 8-token responses: an evaluation in seconds."""
+  from ada_jax.eval.benchmarks import EvalConfig
+  from ada_jax.rewards.verifier import VerifierConfig
+  from ada_jax.rollout.spec import SamplerSpec
+
+  return EvalConfig(
+    benchmarks=("arith",),
+    k=2,
+    sampler=SamplerSpec(max_new_tokens=8, prompt_buckets=(16,), chunk_rows=8),
+    max_prompt_tokens=16,
+    arith_problems=4,
+    verifier=VerifierConfig(judge="", num_workers=1),
+  )
+
+
 def test_the_cache_identity_is_the_weights_not_their_folder_or_layout():
   """Equal values give equal tags on any mesh (the loop's and the CLI's); one changed
   element of any leaf, or another architecture, gives another."""
@@ -86,18 +102,8 @@ def test_a_reused_workdir_never_answers_for_other_weights(tmp_path):
   """A result is reused only for the same weights: other weights under the same report
   name and workdir sample again (the cache grows); the same weights again do not."""
   from ada_jax.data import arith
-  from ada_jax.eval.benchmarks import EvalConfig
-  from ada_jax.rewards.verifier import VerifierConfig
-  from ada_jax.rollout.spec import SamplerSpec
 
-  eval_cfg = EvalConfig(
-    benchmarks=("arith",),
-    k=2,
-    sampler=SamplerSpec(max_new_tokens=8, prompt_buckets=(16,), chunk_rows=8),
-    max_prompt_tokens=16,
-    arith_problems=4,
-    verifier=VerifierConfig(judge="", num_workers=1),
-  )
+  eval_cfg = _arith_eval_config()
   tokenizer = arith.load_tokenizer()
 
   def run(seed):
@@ -136,18 +142,8 @@ def test_results_are_of_the_tokenizer_stop_and_pad_ids_too(tmp_path):
   """Same weights, same workdir, other stop ids (a folder's generation_config.json changed)
   or pad id: sampled again and reported under another name, never the cached results."""
   from ada_jax.data import arith
-  from ada_jax.eval.benchmarks import EvalConfig
-  from ada_jax.rewards.verifier import VerifierConfig
-  from ada_jax.rollout.spec import SamplerSpec
 
-  eval_cfg = EvalConfig(
-    benchmarks=("arith",),
-    k=2,
-    sampler=SamplerSpec(max_new_tokens=8, prompt_buckets=(16,), chunk_rows=8),
-    max_prompt_tokens=16,
-    arith_problems=4,
-    verifier=VerifierConfig(judge="", num_workers=1),
-  )
+  eval_cfg = _arith_eval_config()
   config, params = _tiny_params(0)
   cache = tmp_path / "eval" / "cache.jsonl"
   reports = []

@@ -452,10 +452,16 @@ def test_output_folder_is_checked_before_any_tensor_is_read(tmp_path, monkeypatc
   monkeypatch.setattr(gguf, "GGUFReader", lambda path: pytest.fail("read before the OUT check"))
   (tmp_path / "file").write_text("x")
   (tmp_path / "home" / "projects").mkdir(parents=True)
+  (tmp_path / "model").mkdir()
+  (tmp_path / "link").symlink_to(tmp_path / "model")
+  monkeypatch.chdir(tmp_path / "model")
   for out, words in (
     (tmp_path / "file", "exists and is not a folder"),
     (tmp_path / "tiny.gguf", "the output folder is the input file"),
     (tmp_path / "home", "holds folders ['projects'], so it is not a model folder"),
+    (tmp_path / "link", "a symbolic link"),
+    (pathlib.Path("."), "holds the current directory"),
+    (tmp_path, "holds"),  # a parent of the current directory (and of other folders)
   ):
     assert from_gguf.main([str(tmp_path / "tiny.gguf"), str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()

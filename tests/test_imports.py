@@ -27,7 +27,7 @@ LAYERS = (
     "run foundation",
     ("ada_jax.config", "ada_jax.checkpoint", "ada_jax.distributed", "ada_jax.metrics")
     + ("ada_jax.inputs", "ada_jax.testing", "ada_jax.runstate", "ada_jax.start")
-    + ("ada_jax.targets",),
+    + ("ada_jax.targets", "ada_jax.checksums"),
   ),
   ("the RL step", ("ada_jax.step",)),
   (

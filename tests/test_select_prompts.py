@@ -311,7 +311,7 @@ def test_cli_model_from_hf_folder_or_checkpoint_gives_the_same_rows(tmp_path):
     "from configs import tiny_arith_pos\n\ndef get_config():\n"
     "  c = tiny_arith_pos.get_config()\n"
     f"  c.model.overrides.update({arch!r})\n"
-    "  c.sampler.max_new_tokens = 12\n  c.data.arith_prompts = 64\n  return c\n"
+    "  c.sampler.max_new_tokens = 32\n  c.data.arith_prompts = 64\n  return c\n"
   )
   flags_ = [f"--config={config}", f"--workdir={tmp_path / 'work'}", "--k=2", "--limit=12"]
   from_hf = _cli([*flags_, f"--hf_dir={folder}", "--seed=4"])
@@ -319,7 +319,7 @@ def test_cli_model_from_hf_folder_or_checkpoint_gives_the_same_rows(tmp_path):
   assert from_hf["model"].startswith("weights:") and from_hf["init_from"] == ""
   assert from_ckpt["init_from"] == str(tmp_path / "work" / "checkpoints" / "3")
   assert from_hf["num_prompts"] == 12 and from_hf["k"] == 2 and from_hf["settings"]["seed"] == 4
-  assert from_hf["settings"]["sampler"]["max_new_tokens"] == 12
+  assert from_hf["settings"]["sampler"]["max_new_tokens"] == 32
   lengths = [r["mean_response_tokens"] for r in from_hf["rows"]]
   assert lengths == [r["mean_response_tokens"] for r in from_ckpt["rows"]]
   assert len(set(lengths)) > 1  # random responses, identical from both loads

@@ -127,8 +127,9 @@ def test_report_reads_runs_and_computes_the_endpoints(script, tmp_path):
   assert d["slope"]["mean"] == pytest.approx(0.0, abs=1e-9)
   # (c) held out at the last step: 0.75 - 0.5 on every problem and seed.
   h = ends["heldout_vs_reference_step4"]
-  assert h["difference"] == pytest.approx(0.25) and h["low"] == pytest.approx(0.25)
-  assert "heldout_vs_reference_equal_tokens" not in ends  # the reference was not continued
+  assert h["mean"] == pytest.approx(0.25) and h["low"] == pytest.approx(0.25)
+  assert h["per_seed"]["0"]["difference"] == pytest.approx(0.25)
+  assert "heldout_vs_reference_at_ada_balance_tokens" not in ends  # not continued
   assert report["endpoints"]["GRPO-matched"]["heldout_avg"]["4"]["arm"] == pytest.approx(0.5)
 
 

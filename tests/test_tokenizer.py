@@ -204,6 +204,18 @@ def test_raise_exception_in_template(tok, oracle):
     ("{{ 'x' * 1000000000 }}", "builds a value over"),  # a memory bomb
     ("{{ 10 ** 100000000 }}", "raises to the power"),  # hours of arithmetic
     ("{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}", "rendered prompt is over"),
+    ("{{ 1 // 0 }}", "ZeroDivisionError"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError"),
+    (
+      "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}"
+      "{% endfor %}",
+      "builds a value over",
+    ),  # doubling a string
+    (
+      "{% set ns = namespace(n=3) %}{% for i in range(40) %}{% set ns.n = ns.n * ns.n %}"
+      "{% endfor %}",
+      "integer over 4,096 bits",
+    ),  # squaring an integer
   ],
 )
 def test_a_bad_template_is_one_error_naming_its_folder(tmp_path, template, words):

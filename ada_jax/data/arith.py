@@ -74,6 +74,9 @@ class ArithConfig:
   def __post_init__(self):
     if not self.levels or not all(1 <= d <= 9 for d in self.levels):
       raise ValueError(f"levels={self.levels}: need one or more digit counts in 1..9")
+    for name in ("levels", "ops"):  # a repeat would weigh twice and count its split twice
+      if len(set(getattr(self, name))) != len(getattr(self, name)):
+        raise ValueError(f"{name}={getattr(self, name)}: each may appear once")
     if self.level_weights and (
       len(self.level_weights) != len(self.levels)
       or min(self.level_weights) < 0

@@ -74,19 +74,27 @@ class ChatTemplateError(ValueError):
 
 
 class _BoundedEnvironment(ImmutableSandboxedEnvironment):
-  """The sandbox with a bound on what `*` and `**` can build: `'x' * 10**9` or
-  `10 ** 10**9` in a template would otherwise take the host's memory or hours."""
+  """The sandbox with a bound on what its operators build: a sequence from `*` or `+` over
+  `MAX_RENDERED` long, a power over 64, an integer over 4,096 bits (`'x' * 10**9`, doubling
+  a string in a loop, `10 ** 10**9` would otherwise take the host's memory or hours). Not a
+  full resource limit: filters (`center(10**8)`) and deep loops are bounded only by the
+  output cap of `render` and jinja's own range limit."""
 
-  intercepted_binops = frozenset(["*", "**"])
+  intercepted_binops = frozenset(["*", "**", "+"])
 
   def call_binop(self, context, operator, left, right):
     sized = [x for x in (left, right) if isinstance(x, (str, list, tuple))]
     count = next((x for x in (left, right) if isinstance(x, int)), 1)
     if operator == "*" and sized and len(sized[0]) * max(count, 0) > MAX_RENDERED:
       raise jinja2.exceptions.SecurityError(f"the template builds a value over {MAX_RENDERED} long")
+    if operator == "+" and len(sized) == 2 and len(left) + len(right) > MAX_RENDERED:
+      raise jinja2.exceptions.SecurityError(f"the template builds a value over {MAX_RENDERED} long")
     if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64:
       raise jinja2.exceptions.SecurityError(f"the template raises to the power {right}")
-    return super().call_binop(context, operator, left, right)
+    out = super().call_binop(context, operator, left, right)
+    if isinstance(out, int) and out.bit_length() > 4096:
+      raise jinja2.exceptions.SecurityError("the template builds an integer over 4,096 bits")
+    return out
 
 
 def render(template: str, source: str, **variables) -> str:
@@ -94,8 +102,9 @@ def render(template: str, source: str, **variables) -> str:
 
   Raises:
     ChatTemplateError: naming `source` (the template's file): a syntax error, an error the
-      template raises (`raise_exception`, a bad operation on the messages), an unbounded
-      value or output.
+      template raises (`raise_exception`, a bad operation on the messages, a division by
+      zero, a recursion too deep), a value `_BoundedEnvironment` refuses, an output over
+      `MAX_RENDERED` characters.
   """
   out, size = [], 0
   try:
@@ -104,7 +113,15 @@ def render(template: str, source: str, **variables) -> str:
       if size > MAX_RENDERED:
         raise jinja2.exceptions.SecurityError(f"the rendered prompt is over {MAX_RENDERED} long")
       out.append(piece)
-  except (jinja2.exceptions.TemplateError, TypeError, ValueError, AttributeError, KeyError) as e:
+  except (
+    jinja2.exceptions.TemplateError,
+    TypeError,
+    ValueError,
+    AttributeError,
+    KeyError,
+    ArithmeticError,
+    RecursionError,
+  ) as e:
     where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
     raise ChatTemplateError(f"chat template of {source}{where}: {type(e).__name__}: {e}") from None
   return "".join(out)

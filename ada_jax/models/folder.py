@@ -17,6 +17,7 @@ import pathlib
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator, Mapping
 
 import numpy as np
@@ -100,6 +101,10 @@ def check_output_folder(
       nearest existing parent is not writable.
   """
   out = pathlib.Path(path)
+  if out.is_symlink():
+    raise CheckpointError(f"{out}: a symbolic link; give the folder it points to")
+  if out.exists() and pathlib.Path.cwd().resolve().is_relative_to(out.resolve()):
+    raise CheckpointError(f"{out}: holds the current directory, which a swap would remove")
   if source is not None and out.exists() and out.resolve() == pathlib.Path(source).resolve():
     raise CheckpointError(f"{out}: the output folder is the input file")
   if out.exists() and not out.is_dir():
@@ -126,7 +131,7 @@ def model_folder(path: str | os.PathLike) -> Iterator[pathlib.Path]:
   The old folder's model files (`MODEL_FILES`) all go with it, so a folder never mixes two
   models (a stale shard index or chat template beside new weights); its other files are
   carried over. The swap is two renames: a kill between them leaves `path` absent and the
-  old folder beside it as `.<name>.old-<pid>`, never a mix.
+  old folder beside it as `.<name>.old-<pid>-<ns>`, never a mix.
 
   Raises:
     CheckpointError: `check_output_folder`'s refusals; no space left (the partial folder
@@ -134,6 +139,7 @@ def model_folder(path: str | os.PathLike) -> Iterator[pathlib.Path]:
   """
   out = pathlib.Path(path)
   check_output_folder(out)
+  out = out.absolute()
   out.parent.mkdir(parents=True, exist_ok=True)
   tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
   umask = os.umask(0)
@@ -145,7 +151,7 @@ def model_folder(path: str | os.PathLike) -> Iterator[pathlib.Path]:
       for f in out.iterdir():
         if not is_model_file(f.name) and not (tmp / f.name).exists():
           shutil.copy2(f, tmp / f.name)
-      old = out.with_name(f".{out.name}.old-{os.getpid()}")
+      old = out.with_name(f".{out.name}.old-{os.getpid()}-{time.time_ns()}")
       os.replace(out, old)
       os.replace(tmp, out)
       shutil.rmtree(old, ignore_errors=True)
