@@ -197,10 +197,11 @@ class RunConfig:
     rows = self.min_rows_per_prompt
     if self.prompts_per_chunk * rows < self.sampler.chunk_rows:
       raise ConfigError(
-        f"config.sampler.prompts_per_chunk ({self.sampler.prompts_per_chunk}) × "
-        f"{rows} rows per prompt (ada.method {self.ada.method!r}) leaves sampler chunks of "
-        f"config.sampler.chunk_rows ({self.sampler.chunk_rows}) part empty: use at least "
-        f"{-(-self.sampler.chunk_rows // rows)}, or 0 to derive it"
+        f"config.sampler.prompts_per_chunk ({self.sampler.prompts_per_chunk}: the config's "
+        f"or its ':host' settings', set with their chunk_rows) × {rows} rows per prompt "
+        f"({self.ada.method}) leaves chunks of config.sampler.chunk_rows "
+        f"({self.sampler.chunk_rows}) part empty: set it too, to at least "
+        f"{-(-self.sampler.chunk_rows // rows)}, or to 0 to derive it"
       )
     if self.warmstart is not None and (self.tokenizer.dir or self.model.hf_dir):
       raise ConfigError(

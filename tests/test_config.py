@@ -496,3 +496,20 @@ def test_command_line_k_pos_reaches_the_run():
   argv = ("--config.ada.seq.k_pos=1", "--config.eval.prompt_style=plain")
   run = config_lib.parse(_parse_flags(*argv))
   assert run.ada.seq.k_pos == 1 and run.eval.prompt_style == "plain"
+
+
+@pytest.mark.parametrize(("host", "chunk_rows"), [("h100x8", 2048), ("h200x8", 4096)])
+def test_slots_changed_on_a_host_config_name_the_setting_the_host_made(host, chunk_rows):
+  """`:h100x8 --config.sampler.chunk_rows=2048` failed on prompts_per_chunk, a value the
+  user never set: the error says where it came from and to set it with chunk_rows."""
+  from configs import llama3b_pos
+
+  c = llama3b_pos.get_config(host)
+  c.sampler.chunk_rows = chunk_rows
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.parse(c)
+  text = str(e.value)
+  assert "config.sampler.prompts_per_chunk" in text and "':host' settings'" in text
+  assert f"({chunk_rows}) part empty: set it too" in text
+  c.sampler.prompts_per_chunk = 0  # derived: accepted
+  config_lib.parse(c)
