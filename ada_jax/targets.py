@@ -50,23 +50,84 @@ class Target:
     return self.hbm_gib if self.platform == "tpu" else self.hbm_gib * mem_fraction
 
 
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """One accelerator chip's vendor figures, the one table that plans (`Target`) and the
+  measured accelerator check (experiments/accelerator_peaks.py) divide by.
+
+  Attributes:
+    kinds: a chip matches a `jax.Device.device_kind` when every substring of one of these
+      tuples is in its lower case ('TPU v5 lite', 'NVIDIA H100 80GB HBM3').
+    hbm_gbs: peak HBM bandwidth, GB/s.
+    peak_tflops: peak dense bf16 TFLOP/s (no sparsity).
+    source: where the figures come from.
+  """
+
+  kinds: tuple[tuple[str, ...], ...]
+  hbm_gbs: float
+  peak_tflops: float
+  source: str
+
+
+# The first match wins, so the more specific entries come first.
+CHIPS = {
+  "h200": Chip(
+    (("h200",),), 4800.0, 989.0, "NVIDIA H200 datasheet (SXM): 4.8 TB/s, 989 TFLOPS bf16 dense"
+  ),
+  "h100_pcie": Chip(
+    (("h100", "pcie"),), 2000.0, 756.0, "NVIDIA H100 datasheet (PCIe): 2.0 TB/s, 756 TFLOPS"
+  ),
+  # 3,352 GB/s: the datasheet's 3.35 TB/s as the XLA:GPU description (gpu_targets/) says.
+  "h100": Chip(
+    (("h100",),), 3352.0, 989.0, "NVIDIA H100 datasheet (SXM): 3.35 TB/s, 989 TFLOPS bf16 dense"
+  ),
+  "a100_40gb": Chip(
+    (("a100", "40gb"),), 1555.0, 312.0, "NVIDIA A100 datasheet (40 GB): 1.555 TB/s, 312 TFLOPS"
+  ),
+  "a100": Chip(
+    (("a100",),), 2000.0, 312.0, "NVIDIA A100 datasheet (80 GB): 2.0 TB/s, 312 TFLOPS bf16"
+  ),
+  "v6e": Chip(
+    (("v6 lite",), ("v6e",)),
+    1640.0,
+    918.0,
+    "Cloud TPU v6e documentation: 1,640 GB/s, 918 TFLOPS bf16",
+  ),
+  "v5e": Chip(
+    (("v5 lite",), ("v5e",)), 819.0, 197.0, "Cloud TPU v5e documentation: 819 GB/s, 197 TFLOPS bf16"
+  ),
+  "v5p": Chip(
+    (("v5",),), 2765.0, 459.0, "Cloud TPU v5p documentation: 2,765 GB/s, 459 TFLOPS bf16"
+  ),
+  "v4": Chip((("v4",),), 1200.0, 275.0, "Cloud TPU v4 documentation: 1,200 GB/s, 275 TFLOPS bf16"),
+}
+
+
+def chip_of(device_kind: str) -> Chip | None:
+  """The `CHIPS` entry of a `jax.Device.device_kind`, or None (a CPU, an unknown chip)."""
+  kind = device_kind.lower()
+  return next((c for c in CHIPS.values() if any(all(n in kind for n in k) for k in c.kinds)), None)
+
+
 # JAX's GPU allocator takes this fraction of the card's memory unless told otherwise.
 DEFAULT_MEM_FRACTION = 0.75
-# (name, spec file, bytes of memory as the spec states it, GB/s, dense bf16 TFLOP/s).
-_GPUS = (
-  ("h100", "h100_sxm.txtpb", 84942979072, 3352.0, 989.0),
-  ("h200", "h200.txtpb", 151397597184, 4800.0, 989.0),
-)
+# (chip, spec file, bytes of memory as the spec states it).
+_GPUS = (("h100", "h100_sxm.txtpb", 84942979072), ("h200", "h200.txtpb", 151397597184))
+
+
+def _tpu(name: str, topology: str, chip_config: str, devices: int, hbm_gib: float) -> Target:
+  c = CHIPS[name.split("-")[0]]
+  return Target(name, topology, chip_config, devices, hbm_gib, c.hbm_gbs, c.peak_tflops)
 
 
 TARGETS = {
   t.name: t
   for t in (
-    Target("v5e-8", "v5e:2x4", "", 8, 15.75, 819.0, 197.0),
-    Target("v4-8", "v4:2x2x1", "megacore", 4, 30.75, 1200.0, 275.0),
-    Target("v4-32", "v4:2x2x4", "megacore", 16, 30.75, 1200.0, 275.0),
-    Target("v5p-8", "v5p:2x2x1", "", 4, 95.74, 2765.0, 459.0),
-    Target("v6e-8", "v6e:2x4", "", 8, 31.25, 1640.0, 918.0),
+    _tpu("v5e-8", "v5e:2x4", "", 8, 15.75),
+    _tpu("v4-8", "v4:2x2x1", "megacore", 4, 30.75),
+    _tpu("v4-32", "v4:2x2x4", "megacore", 16, 30.75),
+    _tpu("v5p-8", "v5p:2x2x1", "", 4, 95.74),
+    _tpu("v6e-8", "v6e:2x4", "", 8, 31.25),
     *(
       Target(
         f"{gpu}x{hosts * per_host}",
@@ -74,12 +135,12 @@ TARGETS = {
         "",
         hosts * per_host,
         round(memory / GIB, 2),
-        gbs,
-        tflops,
+        CHIPS[gpu].hbm_gbs,
+        CHIPS[gpu].peak_tflops,
         platform="gpu",
         spec=spec,
       )  # fmt: skip
-      for gpu, spec, memory, gbs, tflops in _GPUS
+      for gpu, spec, memory in _GPUS
       for hosts, per_host in ((1, 1), (1, 8), (2, 8))
     ),
   )

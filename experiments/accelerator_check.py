@@ -39,8 +39,8 @@ failing part never loses the others' figures; the JSON is rewritten after every 
   the tests cover that model in tests/test_gguf.py). The device machine cannot be handed
   the model: the GGUF is 94 MiB, over the 64 MiB the device tool carries.
 
-Peaks (`accelerator_peaks.PEAKS`): vendor datasheet figures per chip, dense bf16, matched on
-`device.device_kind`; `--peak_hbm_bytes_per_s` / `--peak_bf16_flops` override them.
+Peaks (`ada_jax.targets.CHIPS`, the plans' table): vendor datasheet figures per chip, dense
+bf16, matched on `device.device_kind`; `--peak_hbm_bytes_per_s` / `--peak_bf16_flops` override them.
 Output: `--out`, by default `experiments/results/accelerator_check_<device kind>.json`.
 """
 

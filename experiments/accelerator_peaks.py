@@ -1,29 +1,16 @@
 """Device facts for `accelerator_check.py`: per-chip peaks, and memory used vs planned.
 
-`PEAKS` holds the vendor's per-chip figures (dense bf16, no sparsity) that MBU and MFU
-divide by; `memory_record` sets a program's measured peak (`device.memory_stats()`)
-beside XLA's compiled memory analysis of the same program.
+`peaks_of` reads the vendor's per-chip figures (dense bf16, no sparsity) that MBU and MFU
+divide by from `ada_jax.targets.CHIPS`, the table the plans use too; `memory_record` sets a
+program's measured peak (`device.memory_stats()`) beside XLA's compiled memory analysis of
+the same program.
 """
 
 from __future__ import annotations
 
 import jax
 
-# Per chip: (substrings that must all be in device_kind.lower(), HBM bytes/s, dense bf16
-# FLOP/s, source). The first match wins, so the more specific entries come first.
-PEAKS = (
-  (("h200",), 4.8e12, 989e12, "NVIDIA H200 datasheet (SXM): 4.8 TB/s, 989 TFLOPS bf16 dense"),
-  (("h100", "pcie"), 2.0e12, 756e12, "NVIDIA H100 datasheet (PCIe): 2.0 TB/s, 756 TFLOPS"),
-  (("h100",), 3.35e12, 989e12, "NVIDIA H100 datasheet (SXM): 3.35 TB/s, 989 TFLOPS bf16 dense"),
-  (("a100", "40gb"), 1.555e12, 312e12, "NVIDIA A100 datasheet (40 GB): 1.555 TB/s, 312 TFLOPS"),
-  (("a100",), 2.0e12, 312e12, "NVIDIA A100 datasheet (80 GB): 2.0 TB/s, 312 TFLOPS bf16"),
-  (("v6 lite",), 1.64e12, 918e12, "Cloud TPU v6e documentation: 1,640 GB/s, 918 TFLOPS bf16"),
-  (("v6e",), 1.64e12, 918e12, "Cloud TPU v6e documentation: 1,640 GB/s, 918 TFLOPS bf16"),
-  (("v5 lite",), 819e9, 197e12, "Cloud TPU v5e documentation: 819 GB/s, 197 TFLOPS bf16"),
-  (("v5e",), 819e9, 197e12, "Cloud TPU v5e documentation: 819 GB/s, 197 TFLOPS bf16"),
-  (("v5",), 2.765e12, 459e12, "Cloud TPU v5p documentation: 2,765 GB/s, 459 TFLOPS bf16"),
-  (("v4",), 1.2e12, 275e12, "Cloud TPU v4 documentation: 1,200 GB/s, 275 TFLOPS bf16"),
-)
+from ada_jax import targets
 
 
 def peaks_of(kind: str, hbm_bytes_per_s: float = 0.0, bf16_flops: float = 0.0) -> dict:
@@ -31,10 +18,12 @@ def peaks_of(kind: str, hbm_bytes_per_s: float = 0.0, bf16_flops: float = 0.0) -
   `device.device_kind`), and their source; a non-zero argument overrides the table's
   figure. None where neither knows the chip (e.g. a CPU)."""
   out = {"hbm_bytes_per_s": None, "bf16_flops": None, "source": f"no entry for {kind!r}"}
-  for needles, bw, flops, source in PEAKS:
-    if all(n in kind.lower() for n in needles):
-      out = {"hbm_bytes_per_s": bw, "bf16_flops": flops, "source": source}
-      break
+  if (chip := targets.chip_of(kind)) is not None:
+    out = {
+      "hbm_bytes_per_s": chip.hbm_gbs * 1e9,
+      "bf16_flops": chip.peak_tflops * 1e12,
+      "source": chip.source,
+    }
   if hbm_bytes_per_s:
     out.update(hbm_bytes_per_s=hbm_bytes_per_s, source="--peak_hbm_bytes_per_s")
   if bf16_flops:

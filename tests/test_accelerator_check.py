@@ -143,7 +143,7 @@ def test_tiny_memory_beside_the_plan(tiny_report):
   "kind, bandwidth, flops",
   [
     ("NVIDIA H200", 4.8e12, 989e12),
-    ("NVIDIA H100 80GB HBM3", 3.35e12, 989e12),
+    ("NVIDIA H100 80GB HBM3", 3.352e12, 989e12),
     ("NVIDIA H100 PCIe", 2.0e12, 756e12),
     ("NVIDIA A100-SXM4-80GB", 2.0e12, 312e12),
     ("NVIDIA A100-SXM4-40GB", 1.555e12, 312e12),
