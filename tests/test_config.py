@@ -201,7 +201,7 @@ def test_part_empty_chunks_are_refused():
   cfg = tiny_arith_pos.get_config()
   cfg.ada.method = "grpo"  # 4 rows per prompt: 32 prompts fill only 128 of 256 rows
   cfg.sampler.prompts_per_chunk = 32
-  with pytest.raises(ValueError, match=r"config\.sampler\.prompts_per_chunk \(32\).*at least 64"):
+  with pytest.raises(ValueError, match=r"config\.sampler\.prompts_per_chunk \(32: .*at least 64"):
     config_lib.parse(cfg)
   cfg.sampler.prompts_per_chunk = 0
   assert config_lib.parse(cfg).prompts_per_chunk == 64
