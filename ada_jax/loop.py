@@ -285,12 +285,10 @@ def _start(
       )
     finished = _finished_summary(workdir, resumed, record)
     if resumed == cfg.rl.steps and finished is not None:
-      hf_final = pathlib.Path(workdir) / "hf_final"
-      if cfg.ckpt.export_hf and not (hf_final / "config.json").is_file():
+      if cfg.ckpt.export_hf and not (_hf_final(workdir) / "config.json").is_file():
         # A resume may turn the export on (README): the final policy is this checkpoint.
-        params = run_state.train.params
-        checkpoint.export_hf(setup.model_cfg, params, hf_final, tokenizer=setup.tokenizer)
-        metrics_lib.console(f"already finished: exported the final policy to {hf_final}")
+        _export_final(setup, run_state.train.params)
+        metrics_lib.console(f"already finished: exported the final policy to {_hf_final(workdir)}")
         return finished
       metrics_lib.console(
         f"already finished: RL step {resumed} and its evaluation after RL are done; nothing "
@@ -422,10 +420,18 @@ def _close_out(setup, started, end: _End, writer, stop) -> dict[str, Any]:
   # command exports again ("already finished" with ckpt.export_hf and no hf_final).
   if "after_rl" in summary and cfg.ckpt.export_hf:
     stop.enter("the export of the final policy")
-    hf_final = pathlib.Path(setup.workdir) / "hf_final"
-    checkpoint.export_hf(setup.model_cfg, end.state.params, hf_final, tokenizer=setup.tokenizer)
+    _export_final(setup, end.state.params)
     stop.enter(None)
   return summary
+
+
+def _hf_final(workdir: str) -> pathlib.Path:
+  return pathlib.Path(workdir) / "hf_final"
+
+
+def _export_final(setup: _SetUp, params) -> None:
+  """The final policy, as a Hugging Face folder with the run's tokenizer (`ckpt.export_hf`)."""
+  checkpoint.export_hf(setup.model_cfg, params, _hf_final(setup.workdir), tokenizer=setup.tokenizer)
 
 
 def _eval_settings(record: dict[str, Any]) -> dict[str, Any]:

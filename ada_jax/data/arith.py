@@ -131,6 +131,12 @@ def _operand(rng: np.random.Generator, digits: int) -> int:
   return int(rng.integers(r.start, r.stop))
 
 
+def _draw_pair(rng: np.random.Generator, level: int, op: str) -> tuple[int, int]:
+  """Two operands of `level` digits, the larger first for '-' (answers never negative)."""
+  a, b = _operand(rng, level), _operand(rng, level)
+  return (b, a) if op == "-" and b > a else (a, b)
+
+
 def _cell_pairs(level: int) -> int:
   """Canonical problems of one (level, operator) cell: unordered pairs, or ordered with
   the larger operand first for '-'; N (N + 1) / 2 either way."""
@@ -153,7 +159,7 @@ def heldout_size(config: ArithConfig) -> int:
   weights = config.level_weights or (1.0,) * len(config.levels)
   total = 0
   for level, w in zip(config.levels, weights, strict=True):
-    for op in dict.fromkeys(config.ops) if w > 0 else ():
+    for op in config.ops if w > 0 else ():
       if _cell_pairs(level) <= _LISTED_PAIRS:
         total += len(_heldout_cell(level, op))
       else:
@@ -201,7 +207,6 @@ def examples(
     )
   rng = np.random.default_rng([seed, SPLITS.index(split)])
   weights = np.asarray(config.level_weights or [1.0] * len(config.levels), np.float64)
-  ops = tuple(dict.fromkeys(config.ops))
   # Held out: per cell, the draw order of a listed cell (a permutation, made when the cell
   # is first drawn) and its next index; for a large cell, the problems drawn so far.
   order: dict[tuple[int, str], np.ndarray] = {}
@@ -225,9 +230,7 @@ def examples(
         a, b = b, a
       return a, b
     while True:  # rejection: about 1 / HELDOUT_FRACTION draws per new problem
-      a, b = _operand(rng, level), _operand(rng, level)
-      if op == "-" and b > a:
-        a, b = b, a
+      a, b = _draw_pair(rng, level, op)
       if is_heldout(a, op, b) and (key := canonical(a, op, b)) not in seen:
         seen.add(key)
         return a, b
@@ -236,18 +239,16 @@ def examples(
   text, name = (question_text, "arith_text") if question else (problem_text, "arith")
   while len(out) < n:
     if heldout:
-      open_ = np.asarray([any(left(lv, op) for op in ops) for lv in config.levels])
+      open_ = np.asarray([any(left(lv, op) for op in config.ops) for lv in config.levels])
       w = weights * open_
       level = int(config.levels[rng.choice(len(config.levels), p=w / w.sum())])
-      cells = [op for op in ops if left(level, op)]
+      cells = [op for op in config.ops if left(level, op)]
       op = cells[int(rng.integers(len(cells)))]
       a, b = draw_heldout(level, op)
     else:
       level = int(config.levels[rng.choice(len(config.levels), p=weights / weights.sum())])
       op = config.ops[int(rng.integers(len(config.ops)))]
-      a, b = _operand(rng, level), _operand(rng, level)
-      if op == "-" and b > a:
-        a, b = b, a
+      a, b = _draw_pair(rng, level, op)
       # Rejection keeps the splits disjoint: about 1.1 draws per training problem.
       if is_heldout(a, op, b):
         continue
