@@ -96,6 +96,9 @@ REFERENCE = "GRPO-matched"  # every difference is taken against it
 EQUAL_TO = "Ada-balance"  # the reference is continued to this arm's decode tokens
 SWEEP_ARM = "GRPO-matched"
 SWEEP_LRS = (3e-6, 1e-5, 3e-5)
+# The sweep's selection rule, fixed before its results were read (`choose_rate`).
+MIN_BOXED = 0.5  # a rate whose held-out boxed rate falls below this broke the format
+TIE = 0.01  # held-out Avg@4 within this of the best counts as a tie (about 2/3 of its SE)
 BENCH = "arith_text"  # the configs' held-out benchmark
 PASS_RATE = "first_round_pass_rate"  # unbiased for every method (compare_methods.py)
 # The GGUF of the set-up: ../shared beside the checkout where it exists, else the PyPI
@@ -419,6 +422,39 @@ def summarize(specs: dict[tuple[str, int], dict], steps: int) -> dict:
   return out
 
 
+def choose_rate(results: dict) -> dict:
+  """The sweep's learning rate by the rule fixed before the sweep ran: among finished runs
+  whose last held-out boxed rate is at least `MIN_BOXED`, the smallest rate whose last
+  held-out Avg@4 is within `TIE` of the best (the comparison runs twice the sweep's steps,
+  where a larger rate is the likelier to collapse). None, with the reason, when no rate
+  qualifies or the best is not `TIE` above the base model (nothing learned: the sweep
+  must be widened, not read).
+
+  results: `summarize`'s output for the sweep's labels (one run each, `lr=` in the label).
+  """
+  rows = []
+  for label, row in results.items():
+    match = re.search(r"lr=([0-9.e+-]+)", label)
+    run = row["runs"][0] if row["runs"] else None
+    if not match or not run or run["status"] != "finished" or len(run["heldout"]) < 2:
+      continue
+    base, last = run["heldout"][0], run["heldout"][-1]
+    if last["avg"] is None or (last["boxed_rate"] or 0.0) < MIN_BOXED:
+      continue
+    rows.append((float(match[1]), last["avg"], base["avg"]))
+  if not rows:
+    return {"learning_rate": None, "why": "no finished run kept the format"}
+  best = max(avg for _, avg, _ in rows)
+  lr, avg, base = min((r for r in rows if r[1] >= best - TIE), key=lambda r: r[0])
+  if base is not None and best < base + TIE:
+    return {"learning_rate": None, "why": f"best held-out {best:.4f} is not {TIE} above the base"}
+  return {
+    "learning_rate": lr,
+    "heldout_avg": avg,
+    "why": f"smallest rate within {TIE} of the best held-out Avg@4 ({best:.4f}), format kept",
+  }
+
+
 # --------------------------------------------------------------------------- equal compute
 
 
@@ -684,6 +720,7 @@ def write_outputs(args, specs, out: pathlib.Path) -> dict:
     "equal_compute_to": EQUAL_TO,
     "decode_tokens": "cumulative tokens_decoded of metrics.jsonl (rollouts only)",
     "endpoints": ends,
+    **({"chosen": choose_rate(results)} if args.sweep else {}),
     "arms": results,
   }
   out.parent.mkdir(parents=True, exist_ok=True)

@@ -226,3 +226,30 @@ def test_run_prints_a_line_per_step_and_keeps_its_wall_time(script, tmp_path, mo
   assert len(sessions) == 1 and sessions[0]["rc"] == 0 and sessions[0]["wall_s"] >= 0.9
   script.run(workdir, "configs/smollm2_arith_pos.py", {}, 3)  # finished: skipped
   assert "finished already" in capsys.readouterr().out
+
+
+def _sweep_row(avgs, boxed=0.8, status="finished"):
+  heldout = [{"step": s, "avg": a, "boxed_rate": boxed} for s, a in zip((0, 16), avgs)]
+  return {"runs": [{"status": status, "heldout": heldout}]}
+
+
+def test_choose_rate_applies_the_rule_fixed_before_the_sweep(script):
+  lr = lambda x: f"GRPO-matched lr={x:g}"
+  # The smallest rate within TIE of the best wins; a broken format or unfinished run is out.
+  chosen = script.choose_rate(
+    {
+      lr(3e-6): _sweep_row((0.11, 0.150)),
+      lr(1e-5): _sweep_row((0.11, 0.195)),
+      lr(3e-5): _sweep_row((0.11, 0.200)),
+      lr(1e-4): _sweep_row((0.11, 0.400), boxed=0.3),
+      lr(3e-4): _sweep_row((0.11, 0.500), status="partial"),
+    }
+  )
+  assert chosen["learning_rate"] == 1e-5 and chosen["heldout_avg"] == 0.195
+  # Just outside the tie, the larger rate wins.
+  rows = {lr(1e-5): _sweep_row((0.11, 0.189)), lr(3e-5): _sweep_row((0.11, 0.2))}
+  assert script.choose_rate(rows)["learning_rate"] == 3e-5
+  # Nothing learned (best not TIE above the base) or nothing qualifies: no rate.
+  flat = script.choose_rate({lr(1e-5): _sweep_row((0.11, 0.115))})
+  assert flat["learning_rate"] is None and "base" in flat["why"]
+  assert script.choose_rate({lr(1e-5): _sweep_row((0.11, 0.3), boxed=0.1)})["learning_rate"] is None
