@@ -229,7 +229,7 @@ def test_run_prints_a_line_per_step_and_keeps_its_wall_time(script, tmp_path, mo
 
 
 def _sweep_row(avgs, boxed=0.8, status="finished"):
-  heldout = [{"step": s, "avg": a, "boxed_rate": boxed} for s, a in zip((0, 16), avgs)]
+  heldout = [{"step": s, "avg": a, "boxed_rate": boxed} for s, a in zip((0, 16), avgs, strict=True)]
   return {"runs": [{"status": status, "heldout": heldout}]}
 
 
