@@ -43,20 +43,6 @@ from ada_jax.rl import train, update
 from ada_jax.rollout import sampler as sampler_lib
 from ada_jax.step import StepContext, rl_step
 
-# Controller outputs that must be identical on every process (`distributed.assert_same`).
-_AGREED = (
-  "reward_mean",
-  "pass_rate",
-  "first_round_pass_rate",
-  "samples_drawn",
-  "active_prompts_per_round",
-  "zero_signal_frac",
-  "response_len_mean",
-  "rows_computed",
-  "decode_steps",
-  "tokens_cancelled",
-)
-
 
 def _heldout_eval(evaluator, workdir, params, step, rng):
   """The held-out benchmarks of the current policy (`evaluator`, the run's
@@ -356,16 +342,17 @@ def _rl_loop(setup, started, writer, stop) -> _End:
     )  # fmt: skip
     for step in range(progress.step + 1, cfg.rl.steps + 1):
       state, est, m = rl_step(ctx, step, state, est, jax.random.fold_in(keys.rollout, step))
-      runstate.check_step(step, m, state.params)  # before anything of it is saved
+      runstate.check_step(step, m.train, state.params)  # before anything of it is saved
+      row = m.as_dict()
       if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < cfg.rl.steps:
-        m.update(_heldout_eval(setup.evaluator, setup.workdir, state.params, step, keys.eval))
-      writer.write(step, m)
+        row |= _heldout_eval(setup.evaluator, setup.workdir, state.params, step, keys.eval)
+      writer.write(step, row)
       progress.step = step
       progress.iterator = _jsonable(started.iterator.state())
       progress.np_rng = runstate.generator_state(started.np_rng)
       agreed = distributed.assert_same(
         f"controller state after RL step {step}",
-        [progress.iterator, progress.np_rng, est, [m.get(k) for k in _AGREED]],
+        [progress.iterator, progress.np_rng, est, m.agreed()],
       )
       stopping = runstate.stop_requested(stop)
       every = cfg.ckpt.every_steps

@@ -11,7 +11,7 @@ The step's data goes down the layers only (docs/design.md "One RL step"):
    advantages (`StepResult`).
 4. `make_train_batch`: the selected rows of the engine's response store, as a fixed-shape
    batch; `rl.update.update_policy`: the mini-batch updates.
-5. The step's metrics.
+5. The step's metrics (`StepMetrics`).
 
 `loop.py` keeps the run (set-up, checkpoints, evaluations, the loop over steps).
 """
@@ -113,9 +113,86 @@ class StepContext:
   logprob_fn: Any = None
 
 
+def _agreed() -> Any:
+  """A `StepMetrics` field every process of a run must hold equal (`StepMetrics.agreed`)."""
+  return dataclasses.field(metadata={"agreed": True})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepMetrics:
+  """One RL step's metrics, each field under its `metrics.jsonl` name (`as_dict`).
+
+  The fields marked agreed are decided by the controller from the shared grader's rewards
+  and the rollouts' counts, so every process of a multi-host run holds the same values;
+  the loop compares them after each step (`agreed`, `distributed.assert_same`). A field
+  renamed here is renamed everywhere: reading a missing one is an AttributeError, not a
+  silent None.
+
+  Attributes:
+    reward_mean: mean reward of every response drawn.
+    pass_rate: mean per-prompt pass rate over every response drawn: biased upward for
+      pos/balance, which stop after successes.
+    first_round_pass_rate: the first round's pass rate, unbiased whatever the method.
+    samples_drawn: responses requested by the controller.
+    active_prompts_per_round: prompts still sampling at each round.
+    zero_signal_frac: the fraction of training groups whose advantages are all zero.
+    tokens_trained: response tokens the update trained on (its loss mask); 0 if skipped.
+    response_len_mean .. tokens_decoded: the rollouts' costs (`RolloutCounters.metrics`).
+    time_train_s: seconds of the batch and update.
+    compiles: XLA compilations during the step.
+    update_skipped: 1.0 when no response was selected (params unchanged), else 0.0.
+    ada: the rule's statistics (`StepStats.as_metrics`: `ada/...` and its own figures).
+    train: the update's figures (loss, entropy, clip_frac, grad_norm, approx_kl,
+      learning_rate, old_logprob_gap); empty for a skipped update.
+  """
+
+  reward_mean: float = _agreed()
+  pass_rate: float = _agreed()
+  first_round_pass_rate: float = _agreed()
+  samples_drawn: int = _agreed()
+  active_prompts_per_round: list[int] = _agreed()
+  zero_signal_frac: float = _agreed()
+  tokens_trained: int = 0
+  response_len_mean: float = _agreed()
+  tokens_per_s: float = 0.0
+  time_sample_s: float = 0.0
+  time_grade_wait_s: float = 0.0
+  rows_computed: int = _agreed()
+  decode_steps: int = _agreed()
+  token_slot_utilization: float = 0.0
+  tokens_cancelled: int = _agreed()
+  tokens_decoded: int = 0
+  time_train_s: float = 0.0
+  compiles: int = 0
+  update_skipped: float = 0.0
+  ada: dict[str, float] = dataclasses.field(default_factory=dict)
+  train: dict[str, float] = dataclasses.field(default_factory=dict)
+
+  def agreed(self) -> list:
+    """The values every process must hold equal, in field order."""
+    return [getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata.get("agreed")]
+
+  def as_dict(self) -> dict[str, Any]:
+    """The flat `metrics.jsonl` row: the fields, then `ada` and `train` spread."""
+    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    return {k: v for k, v in out.items() if k not in ("ada", "train")} | self.ada | self.train
+
+
+# The update's figures a step reports (`update.update_policy`'s metrics).
+TRAIN_METRICS = (
+  "loss",
+  "entropy",
+  "clip_frac",
+  "grad_norm",
+  "approx_kl",
+  "learning_rate",
+  "old_logprob_gap",  # sampler–trainer mismatch before the first update
+)
+
+
 def rl_step(
   ctx: StepContext, step: int, state: train.TrainState, est: Any, key: jax.Array
-) -> tuple[train.TrainState, Any, dict[str, Any]]:
+) -> tuple[train.TrainState, Any, StepMetrics]:
   """One RL step: prompts -> the controller's rollouts -> training batch -> policy update.
 
   Args:
@@ -126,7 +203,7 @@ def rl_step(
     key: the step's rollout key, `fold_in(rollout_key, step)`.
 
   Returns:
-    (state, est, metrics): the updated state and statistics and the step's metrics.
+    (state, est, metrics): the updated state and statistics and the step's `StepMetrics`.
   """
   cfg = ctx.cfg
   with metrics_lib.CompileCounter() as compiles:
@@ -185,36 +262,19 @@ def rl_step(
       )
     time_train = time.perf_counter() - start
   s = result.stats
-  m = {
-    "reward_mean": s.reward_mean,
-    # Over every response drawn: biased upward for pos/balance, which stop after
-    # successes. The first-round rate is the unbiased one, whichever the method.
-    "pass_rate": float(np.mean(s.pool_pass_rate[: cfg.rl.batch_prompts])),
-    "first_round_pass_rate": s.first_round_pass_rate,
-    "samples_drawn": s.rows_requested,
-    "active_prompts_per_round": list(s.active_per_round),
-    "zero_signal_frac": s.zero_signal_fraction,
-    # Response tokens the update trained on (its loss mask), 0 for a skipped update.
-    "tokens_trained": tokens_trained,
+  m = StepMetrics(
+    reward_mean=s.reward_mean,
+    pass_rate=float(np.mean(s.pool_pass_rate[: cfg.rl.batch_prompts])),
+    first_round_pass_rate=s.first_round_pass_rate,
+    samples_drawn=s.rows_requested,
+    active_prompts_per_round=list(s.active_per_round),
+    zero_signal_frac=s.zero_signal_fraction,
+    tokens_trained=tokens_trained,
     **engine.counters.metrics(),
-    "time_train_s": time_train,
-    "compiles": compiles.count,  # XLA compilations during the step
-    "update_skipped": float(skipped),  # 1: no response to train on, params unchanged
-  }
-  m.update(s.as_metrics())
-  m.update(
-    {
-      k: tm[k]
-      for k in (
-        "loss",
-        "entropy",
-        "clip_frac",
-        "grad_norm",
-        "approx_kl",
-        "learning_rate",
-        "old_logprob_gap",  # sampler–trainer mismatch before the first update
-      )
-      if k in tm
-    }
+    time_train_s=time_train,
+    compiles=compiles.count,
+    update_skipped=float(skipped),
+    ada=s.as_metrics(),
+    train={k: tm[k] for k in TRAIN_METRICS if k in tm},
   )
   return state, est, m

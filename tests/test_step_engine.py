@@ -204,3 +204,30 @@ def test_fixed_quotas_give_the_rounds_step_exactly(tiny, config, no_implicit_tra
   assert ca.tokens == cb.tokens and ca.decode_steps == cb.decode_steps
   if est_a is not None:
     assert distributed.fingerprint(est_a) == distributed.fingerprint(est_b)
+
+
+def test_step_metrics_are_one_type_that_the_agreement_compares_by_field():
+  """The multi-host agreement compares the agreed fields themselves (a renamed counter is
+  a TypeError where the step builds its metrics, not a silent None), and the flat row
+  holds every field, the rule's statistics and the update's figures."""
+  counters = rollout_engine.RolloutCounters(responses=4, tokens=20, decode_steps=7)
+  base = dict(
+    reward_mean=0.5, pass_rate=0.5, first_round_pass_rate=0.25, samples_drawn=8,
+    active_prompts_per_round=[2, 1], zero_signal_frac=0.5, **counters.metrics(),
+  )  # fmt: skip
+  m = step.StepMetrics(**base, ada={"ada/rounds": 2.0}, train={"loss": 0.1})
+  agreed = [f.name for f in step.dataclasses.fields(m) if f.metadata.get("agreed")]
+  assert agreed == [
+    "reward_mean", "pass_rate", "first_round_pass_rate", "samples_drawn",
+    "active_prompts_per_round", "zero_signal_frac", "response_len_mean", "rows_computed",
+    "decode_steps", "tokens_cancelled",
+  ]  # fmt: skip
+  assert m.agreed() == [0.5, 0.5, 0.25, 8, [2, 1], 0.5, 5.0, 0, 7, 0]
+  row = m.as_dict()
+  assert row["decode_steps"] == 7 and row["ada/rounds"] == 2.0 and row["loss"] == 0.1
+  assert "ada" not in row and "train" not in row and row["tokens_decoded"] == 20
+  renamed = {**base, "decode_step_count": base.pop("decode_steps")}
+  with pytest.raises(TypeError, match="decode_step_count"):
+    step.StepMetrics(**renamed)
+  with pytest.raises(TypeError, match="decode_steps"):  # an agreed field cannot be left out
+    step.StepMetrics(**base)
