@@ -19,57 +19,19 @@ from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding, weights
 from ada_jax.rl import controller, losses, train
 
-# transformers config kwargs of one tiny checkpoint per family; the Llama one uses the
-# llama3 rope scaling (factor 32, as Llama-3.2-3B) and tied embeddings.
-TINY_HF = {
-  "llama": dict(
-    model_type="llama",
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=256,
-    tie_word_embeddings=True,
-    rope_parameters=dict(
-      rope_type="llama3",
-      rope_theta=500_000.0,
-      factor=32.0,
-      low_freq_factor=1.0,
-      high_freq_factor=4.0,
-      original_max_position_embeddings=16,
-    ),
-  ),
-  "qwen2": dict(
-    model_type="qwen2",
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=256,
-    tie_word_embeddings=False,
-    rope_parameters=dict(rope_type="default", rope_theta=10_000.0),
-  ),
-  "qwen3": dict(
-    model_type="qwen3",
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=256,
-    tie_word_embeddings=True,
-    rope_parameters=dict(rope_type="default", rope_theta=1_000_000.0),
-  ),
-}
+
+def tiny_hf_config(family: str) -> dict:
+  """The transformers config.json of one tiny checkpoint of `family`
+  (`architecture.FAMILIES`): its tiny preset `tiny-<family>` with a 256-token vocabulary
+  and positions; the Llama one keeps the preset's llama3 rope scaling (factor 32, as
+  Llama-3.2-3B) from 16 original positions, so that short prompts reach the scaled band."""
+  config = model_lib.PRESETS[f"tiny-{family}"]
+  sizes = dict(vocab_size=256, max_position_embeddings=256)
+  if config.rope_scaling is not None:
+    sizes["rope_scaling"] = dataclasses.replace(
+      config.rope_scaling, original_max_position_embeddings=16
+    )
+  return weights.config_to_hf(dataclasses.replace(config, **sizes))
 
 
 def save_tiny_hf(family: str, folder: str | pathlib.Path, seed: int = 0, init_std: float = 0.2):
@@ -81,7 +43,7 @@ def save_tiny_hf(family: str, folder: str | pathlib.Path, seed: int = 0, init_st
   import torch
   import transformers
 
-  kwargs = dict(TINY_HF[family])
+  kwargs = tiny_hf_config(family)
   config = transformers.AutoConfig.for_model(
     kwargs.pop("model_type"), **kwargs, initializer_range=init_std
   )

@@ -39,7 +39,7 @@ failing part never loses the others' figures; the JSON is rewritten after every 
   the tests cover that model in tests/test_gguf.py). The device machine cannot be handed
   the model: the GGUF is 94 MiB, over the 64 MiB the device tool carries.
 
-Peaks (`ada_jax.targets.CHIPS`, the plans' table): vendor datasheet figures per chip, dense
+Peaks (`ada_jax.plan.targets.CHIPS`, the plans' table): vendor datasheet figures per chip, dense
 bf16, matched on `device.device_kind`; `--peak_hbm_bytes_per_s` / `--peak_bf16_flops` override them.
 Output: `--out`, by default `experiments/results/accelerator_check_<device kind>.json`.
 """
@@ -70,12 +70,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ada_jax import aot, loop  # noqa: E402
 from ada_jax import config as config_lib  # noqa: E402
+from ada_jax import loop, platforms  # noqa: E402
 from ada_jax import metrics as metrics_lib  # noqa: E402
 from ada_jax.models import decoder as model_lib  # noqa: E402
 from ada_jax.models import sharding as sharding_lib  # noqa: E402
 from ada_jax.models import weights  # noqa: E402
+from ada_jax.plan import programs  # noqa: E402
 from ada_jax.rl import losses, train  # noqa: E402
 from ada_jax.rollout import sampler as sampler_lib  # noqa: E402
 from ada_jax.rollout.spec import SamplerSpec  # noqa: E402
@@ -297,18 +298,18 @@ def decode_at(check: Check, cfg, params, slots: int, memory: bool) -> dict:
 def expected_decode(smp, params, state, measured_step_s: float, bw: float | None) -> dict:
   """On a TPU, the compiler's expectation beside the measurement: the HBM bytes XLA:TPU's
   cost analysis gives one step of this pool's decode loop, every slot reading its whole
-  cache (`aot.decode_step_program`, the plan's roofline), over the chip's peak bandwidth,
+  cache (`plan.programs.decode_step_program`, the plan's roofline), over the chip's peak bandwidth,
   against the measured step (whose rows read their live columns only, so it can beat
   it). Elsewhere nothing: XLA:GPU and XLA:CPU give the plan no cost analysis."""
-  if jax.devices()[0].platform != "tpu" or not bw:
+  if not platforms.of(jax.devices()[0].platform).cost_analysis or not bw:
     return {"expected": "not derived: only XLA:TPU's cost analysis is the plan's"}
   abstract = lambda t: jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), t
   )
   try:
-    bytes_per_step = aot.decode_step_program(smp, abstract(params), abstract(state))[
-      "bytes_accessed"
-    ]
+    bytes_per_step = programs.decode_step_program(
+      smp, abstract(params), abstract(state)
+    ).bytes_accessed
   except Exception as e:  # noqa: BLE001 -- the measured figures stand without it
     return {"expected": f"not derived: {type(e).__name__}: {e}"}
   expected_s = bytes_per_step / bw

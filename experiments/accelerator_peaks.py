@@ -1,7 +1,7 @@
 """Device facts for `accelerator_check.py`: per-chip peaks, and memory used vs planned.
 
 `peaks_of` reads the vendor's per-chip figures (dense bf16, no sparsity) that MBU and MFU
-divide by from `ada_jax.targets.CHIPS`, the table the plans use too; `memory_record` sets a
+divide by from `ada_jax.plan.targets.CHIPS`, the table the plans use too; `memory_record` sets a
 program's measured peak (`device.memory_stats()`) beside XLA's compiled memory analysis of
 the same program.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax
 
-from ada_jax import targets
+from ada_jax.plan import targets
 
 
 def peaks_of(kind: str, hbm_bytes_per_s: float = 0.0, bf16_flops: float = 0.0) -> dict:

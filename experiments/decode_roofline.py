@@ -7,7 +7,7 @@ configs on their slices, at their slot counts.
   python experiments/decode_roofline.py                      # both configs, about 25 min
   python experiments/decode_roofline.py --configs=llama3b_pos --slots=192,384
 
-Each figure is `aot.decode_step_program`'s: the pool's decode loop compiled with one and
+Each figure is `plan.programs.decode_step_program`'s: the pool's decode loop compiled with one and
 two steps per trip (every slot live, reading its whole cache), VMEM/CMEM prefetching off so
 that XLA's cost analysis counts HBM bytes; the ratio holds them against the copy's weights
 on a device (an untied input embedding not counted) plus the slot cache. Compiler-derived,
@@ -19,6 +19,7 @@ every layer) is in no figure here. Output: a table and JSON
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -40,9 +41,10 @@ import jax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from ada_jax import aot, capacity, metrics, plan, targets  # noqa: E402
 from ada_jax import config as config_lib  # noqa: E402
+from ada_jax import metrics  # noqa: E402
 from ada_jax.models import sharding as sharding_lib  # noqa: E402
+from ada_jax.plan import compiler, programs, roofline, targets  # noqa: E402
 from ada_jax.rollout import slots as slots_lib  # noqa: E402
 
 SHIPPED_LAYOUT = sharding_lib.rollout_param_shardings
@@ -58,15 +60,16 @@ def params_layout(config, mesh):
 def measure(cfg, target, devices, slots, layout, kernel):
   sharding_lib.rollout_param_shardings = SHIPPED_LAYOUT if layout == "decode" else params_layout
   slots_lib.uses_kernel = SHIPPED_KERNEL if kernel else (lambda mesh: False)
-  model_cfg = plan.model_of(cfg)
-  mesh = aot.mesh_for(cfg, devices)
-  smp = aot.rollout_sampler(cfg, model_cfg, mesh, slots)
-  params = aot.rollout_params(model_cfg, mesh)
-  _, (_, state, *_) = aot.segment_args(smp, params)
-  step = aot.decode_step_program(smp, params, state)
+  model_cfg = programs.model_of(cfg)
+  mesh = programs.mesh_for(cfg, devices)
+  smp = programs.rollout_sampler(cfg, model_cfg, mesh, slots)
+  params = programs.rollout_params(model_cfg, mesh)
+  _, (_, state, *_) = programs.segment_args(smp, params)
+  step = programs.decode_step_program(smp, params, state)
   cache = state.cache
-  pool = {"slot_cache": aot.per_device_bytes((cache.prompt_k, cache.prompt_v, cache.k, cache.v))}
-  return capacity.roofline_figures(model_cfg, target, mesh, smp, pool, step)
+  kv = compiler.per_device_bytes((cache.prompt_k, cache.prompt_v, cache.k, cache.v))
+  figures = roofline.decode_roofline(model_cfg, target, mesh, smp.slots, kv, step)
+  return dataclasses.asdict(figures)
 
 
 def main():

@@ -6,7 +6,7 @@
   python experiments/memory_plan.py --target=v4-8 --configs=llama3b_pos --set=sampler.chunk_rows=256
   python experiments/memory_plan.py --target=h100x8 --configs=qwen_math7b_pos:h100x8
 
-For each config, `ada_jax.plan.plan` compiles with the target's compiler, on this CPU with
+For each config, `ada_jax.plan.verdict.plan` compiles with the target's compiler, on this CPU with
 no accelerator and no weight allocated, every program the run holds in device memory (the
 train step, the rollout pool's segment and prefill, the held-out evaluation's pool on the
 run's mesh) and, on TPU, one decode step for the roofline, and says per phase whether it
@@ -69,7 +69,8 @@ import time  # noqa: E402
 import jax  # noqa: E402
 
 from ada_jax import config as config_lib  # noqa: E402
-from ada_jax import metrics, plan, targets  # noqa: E402
+from ada_jax import metrics  # noqa: E402
+from ada_jax.plan import targets, verdict  # noqa: E402
 
 
 def load_config(name: str, overrides: list[str]) -> config_lib.RunConfig:
@@ -91,7 +92,7 @@ def load_config(name: str, overrides: list[str]) -> config_lib.RunConfig:
 def compiler(target: targets.Target) -> tuple[str, list | None]:
   """('XLA:TPU (libtpu <version>)' or 'XLA:GPU (jax-cuda12-plugin <version>)', None), or
   the XLA:CPU fallback's name and its devices."""
-  package = "libtpu" if target.platform == "tpu" else "jax-cuda12-plugin"
+  package = target.traits.package.split()[0]  # libtpu, jax-cuda12-plugin
   try:
     targets.devices_for(target)
     return f"{target.compiler} ({package} {importlib.metadata.version(package)})", None
@@ -108,12 +109,12 @@ def main() -> None:
   for name in ARGS.configs.split(","):
     cfg = load_config(name, ARGS.set)
     print(f"[{time.perf_counter() - start:6.0f} s] {name} on {t.name}", flush=True)
-    result = plan.plan(
+    result = verdict.plan(
       cfg, t.name, devices=devices, progress=lambda line: print(line, flush=True),
       size_slots=not ARGS.no_size_slots,
     )  # fmt: skip
-    print(plan.report(result), flush=True)
-    rows.append({"config": name, "run_config": dataclasses.asdict(cfg)} | result)
+    print(verdict.report(result), flush=True)
+    rows.append({"config": name, "run_config": dataclasses.asdict(cfg)} | result.as_json())
   out = ARGS.out or os.path.join(os.path.dirname(__file__), "results", f"memory_plan_{t.name}.json")
   result = {
     "what": "per-device bytes of every program a run holds in device memory, compiled ahead "

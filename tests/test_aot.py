@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ada_jax import aot, targets
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding as sharding_lib
+from ada_jax.plan import compiler, programs, targets
 from ada_jax.rollout import sampler as sampler_lib
 
 pytest.importorskip("libtpu", reason="libtpu (requirements-dev.txt) is the TPU compiler")
@@ -45,8 +45,8 @@ def test_targets_name_the_compilers_devices_and_hbm(v5e_devices):
   mesh = jax.sharding.Mesh(np.array(v5e_devices), ("x",))
   sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
   too_big = jax.ShapeDtypeStruct((8 * 2**33,), jnp.float32, sharding=sh)  # 32 GiB/device
-  with pytest.raises(aot.OutOfMemory, match=re.escape(f"({V5E.hbm_gib}G)")):
-    aot.compile_program(jax.jit(lambda x: x * 2 + 1), too_big, what="probe")
+  with pytest.raises(compiler.OutOfMemory, match=re.escape(f"({V5E.hbm_gib}G)")):
+    compiler.compile_program(jax.jit(lambda x: x * 2 + 1), too_big, what="probe")
 
 
 def _kv_model(**overrides):
@@ -66,11 +66,11 @@ def test_pool_cache_stays_in_place_under_xla_tpu(v5e_devices):
     config, max_new_tokens=1024, stop_ids=(1,), chunk_rows=64, prompts_per_chunk=8,
     prompt_buckets=(128,), mesh=mesh,
   )  # fmt: skip
-  params = aot.abstract_params(config, mesh)
-  out = aot.pool_programs(smp, params, what="pool")
-  kv = out["slot_cache"]
+  params = programs.abstract_params(config, mesh)
+  out = programs.pool_programs(smp, params, what="pool")
+  kv = out.slot_cache
   assert kv == 2 * 4 * (64 // 8) * 8 * (128 + 1024) * 128 * 2  # bf16 K and V per device
-  segment = out["segment"]
+  segment = out.segment
   # No second copy of the cache (a scatter's or a transposed layout's): temporaries are a
   # small fraction of it, and the donated cache aliases its output.
   assert segment.temp <= 0.25 * kv, segment.largest
@@ -87,7 +87,7 @@ def test_decode_loop_moves_no_cache_sized_operand_between_devices(v5e_devices):
     config, max_new_tokens=512, stop_ids=(1,), chunk_rows=32, prompts_per_chunk=4,
     prompt_buckets=(64,), mesh=mesh,
   )  # fmt: skip
-  fns, args = aot.segment_args(smp, aot.abstract_params(config, mesh))
+  fns, args = programs.segment_args(smp, programs.abstract_params(config, mesh))
   text = fns.run.lower(*args).compile().as_text()
   layer_shard = (32 // 4) * (4 // 2) * 512 * 128 * 2  # one layer's ring K per device
   dtype_bytes = {"bf16": 2, "f32": 4, "s32": 4, "pred": 1, "u32": 4}
@@ -156,7 +156,7 @@ def test_plan_finds_the_largest_slot_count_that_fits(v5e_devices):
   the plan's largest rollout slot count fits every phase with the spare, and one
   granule more (compiled here) does not; the roofline at that count says its tokens/s."""
   from ada_jax import config as config_lib
-  from ada_jax import plan
+  from ada_jax.plan import verdict
   from ada_jax.rollout import decode_kernel
 
   c = _tiny_arith()
@@ -169,20 +169,22 @@ def test_plan_finds_the_largest_slot_count_that_fits(v5e_devices):
   c.sampler.chunk_rows, c.eval.benchmarks = 64, ()
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 4, 1, 2
   cfg = config_lib.parse(c)
-  result = plan.plan(cfg, "v5e-8", devices=v5e_devices, progress=lambda line: None)
-  sized = result["slots"]["rollout"]
+  result = verdict.plan(cfg, "v5e-8", devices=v5e_devices, progress=lambda line: None)
+  sized = result.slots["rollout"]
   granule = 4 * decode_kernel.SLOT_BLOCK
-  assert sized["largest"] > 64 and sized["largest"] % granule == 0
-  assert sized["gib"] + plan.SPARE_GIB <= V5E.hbm_gib
-  assert sized["roofline"]["slots"] == sized["largest"]
-  assert sized["roofline"]["decode_tokens_per_s_per_chip"] > 0
-  mesh = aot.mesh_for(cfg, v5e_devices)
-  smp = aot.rollout_sampler(cfg, plan.model_of(cfg), mesh, sized["largest"] + granule)
+  assert sized.largest > 64 and sized.largest % granule == 0
+  assert sized.bytes / targets.GIB + verdict.SPARE_GIB <= V5E.hbm_gib
+  assert sized.roofline.slots == sized.largest
+  assert sized.roofline.decode_tokens_per_s_per_chip > 0
+  mesh = programs.mesh_for(cfg, v5e_devices)
+  smp = programs.rollout_sampler(cfg, programs.model_of(cfg), mesh, sized.largest + granule)
   try:
-    pool = aot.pool_programs(smp, aot.rollout_params(plan.model_of(cfg), mesh), what="pool")
-    over = max(pool["segment"].peak, pool["prefill"].peak + pool["pool_state"])
-    assert over / targets.GIB + plan.SPARE_GIB > V5E.hbm_gib
-  except aot.OutOfMemory:
+    pool = programs.pool_programs(
+      smp, programs.rollout_params(programs.model_of(cfg), mesh), what="pool"
+    )
+    over = max(pool.segment.peak, pool.prefill.peak + pool.pool_state)
+    assert over / targets.GIB + verdict.SPARE_GIB > V5E.hbm_gib
+  except compiler.OutOfMemory:
     pass
 
 
@@ -197,7 +199,7 @@ def test_decode_loop_runs_the_kernel_and_gathers_no_weight_under_fsdp(v5e_device
     config, max_new_tokens=512, stop_ids=(1,), chunk_rows=32, prompts_per_chunk=4,
     prompt_buckets=(128,), mesh=mesh,
   )  # fmt: skip
-  fns, args = aot.segment_args(smp, aot.rollout_params(config, mesh))
+  fns, args = programs.segment_args(smp, programs.rollout_params(config, mesh))
   text = fns.run.lower(*args).compile().as_text()
   assert 'custom_call_target="tpu_custom_call"' in text
   weight = 1024 * 2048 * 2 // 2  # one MLP weight's bytes per device (bf16, split over tensor)

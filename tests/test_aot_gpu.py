@@ -16,10 +16,10 @@ import sys
 import jax
 import pytest
 
-from ada_jax import aot, plan, targets
 from ada_jax import config as config_lib
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding as sharding_lib
+from ada_jax.plan import compiler, programs, targets
 from ada_jax.rollout import sampler as sampler_lib
 
 pytest.importorskip("jax_plugins.xla_cuda12", reason="jax-cuda12-plugin (requirements-dev.txt)")
@@ -47,16 +47,16 @@ def test_gpu_targets_give_the_compilers_devices(name, devices, hosts, kind, gib)
 
 
 def _keep_texts(monkeypatch) -> list[str]:
-  """The HLO text of every program `aot` compiles from here on, in order."""
+  """The HLO text of every program `plan.compiler` compiles from here on, in order."""
   texts = []
-  compile_ = aot._compile
+  compile_ = compiler._compile
 
   def keep_text(fn, *args, **kw):
     compiled = compile_(fn, *args, **kw)
     texts.append(compiled.as_text())
     return compiled
 
-  monkeypatch.setattr(aot, "_compile", keep_text)
+  monkeypatch.setattr(compiler, "_compile", keep_text)
   return texts
 
 
@@ -65,9 +65,9 @@ def test_eight_gpu_train_step_all_reduces_the_gradients(monkeypatch):
   all-reduce in XLA:GPU's program), so every replica applies the same update."""
   texts = _keep_texts(monkeypatch)
   cfg = config_lib.parse(_tiny_arith())
-  mesh = aot.mesh_for(cfg, targets.devices_for(targets.target("h100x8")))
+  mesh = programs.mesh_for(cfg, targets.devices_for(targets.target("h100x8")))
   assert mesh.shape["data"] == 8
-  program, _ = aot.train_program(cfg, plan.model_of(cfg), mesh)
+  program = programs.train_program(cfg, programs.model_of(cfg), mesh).program
   (text,) = texts
   # XLA:GPU's async all-reduce over all 8 devices (its replica groups printed as a mesh).
   assert "all-reduce-start(" in text and "replica_groups=mesh['axis_0'=8" in text
@@ -89,8 +89,8 @@ def test_pool_cache_stays_in_place_under_xla_gpu(monkeypatch):
     prompt_buckets=(128,), mesh=mesh,
   )  # fmt: skip
   texts = _keep_texts(monkeypatch)
-  out = aot.pool_programs(smp, aot.rollout_params(config, mesh), what="pool")
-  kv, segment = out["slot_cache"], out["segment"]
+  out = programs.pool_programs(smp, programs.rollout_params(config, mesh), what="pool")
+  kv, segment = out.slot_cache, out.segment
   assert kv == 2 * 4 * (64 // 4) * (8 // 2) * (128 + 2048) * 128 * 2  # bf16 K, V per device
   assert segment.temp <= 0.25 * kv, segment.largest
   assert segment.alias >= kv  # the donated cache is the output's

@@ -5,6 +5,7 @@ with `ast`, nothing imported."""
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -12,12 +13,12 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "ada_jax"
 # These command-line entries may import late on purpose: logging is quieted, the
 # multi-process runtime joined (main) or JAX kept off the TPU it compiles for (plan)
 # before JAX, and so the library, is first imported.
-LATE_IMPORTS_ALLOWED = {"ada_jax.main", "ada_jax.plan"}
+LATE_IMPORTS_ALLOWED = {"ada_jax.main", "ada_jax.plan.__main__"}
 
 # The layers, lowest first; a module imports only from its own layer or lower ones (the
 # most specific prefix places a module; a package's `__init__` imports nothing).
 LAYERS = (
-  ("models", ("ada_jax.models",)),
+  ("models", ("ada_jax.models", "ada_jax.platforms")),
   ("rewards", ("ada_jax.rewards",)),
   ("data", ("ada_jax.data",)),
   ("rollout engine", ("ada_jax.rollout",)),
@@ -27,21 +28,22 @@ LAYERS = (
     "run foundation",
     ("ada_jax.config", "ada_jax.checkpoint", "ada_jax.distributed", "ada_jax.metrics")
     + ("ada_jax.inputs", "ada_jax.testing", "ada_jax.runstate", "ada_jax.start")
-    + ("ada_jax.targets", "ada_jax.checksums"),
+    + ("ada_jax.checksums",),
   ),
   ("the RL step", ("ada_jax.step",)),
   (
     "run drivers",
     ("ada_jax.loop", "ada_jax.evaluation", "ada_jax.policy", "ada_jax.selection")
-    + ("ada_jax.aot", "ada_jax.capacity"),
+    + ("ada_jax.plan",),
   ),
   (
     "command lines",
-    ("ada_jax.main", "ada_jax.evaluate", "ada_jax.select_prompts", "ada_jax.plan", "ada_jax.cli"),
+    ("ada_jax.main", "ada_jax.evaluate", "ada_jax.select_prompts", "ada_jax.plan.__main__")
+    + ("ada_jax.cli",),
   ),
 )
 PACKAGES = {"ada_jax", "ada_jax.models", "ada_jax.rewards", "ada_jax.data", "ada_jax.rl"}
-PACKAGES |= {"ada_jax.rollout", "ada_jax.eval"}
+PACKAGES |= {"ada_jax.rollout", "ada_jax.eval", "ada_jax.plan"}
 
 MAX_LINES = 500
 
@@ -206,3 +208,29 @@ def test_the_walk_finds_a_planted_cycle(tmp_path, late):
     ["ada_jax.b", "ada_jax.a", "ada_jax.b"],
   )
   assert (_cycle(top) is None) == late and (hidden["ada_jax.b"] == {"ada_jax.a"}) == late
+
+
+# A platform's name compared with a string: `== "tpu"`, `"gpu" !=`, `in ("tpu", "gpu")`.
+_PLATFORM = r"(?:tpu|gpu|cpu|cuda|rocm)"
+PLATFORM_COMPARE = re.compile(
+  rf"""(?:[!=]=|\bin)\s*[(\[{{]?\s*["']{_PLATFORM}["']|["']{_PLATFORM}["']\s*(?:[!=]=|\bin\b)"""
+)
+# The modules that own the platforms' traits (`platforms.Platform`) and the targets.
+PLATFORM_OWNERS = {"ada_jax/platforms.py", "ada_jax/plan/targets.py"}
+
+
+def test_only_the_targets_compare_a_platform_name():
+  """A choice that depends on the compiler asks a trait of `ada_jax.platforms`, so a new
+  platform is one table entry, not an edit in every module that tests a name."""
+  found = []
+  for path in sorted(PACKAGE.rglob("*.py")):
+    name = path.relative_to(PACKAGE.parent).as_posix()
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+      if name not in PLATFORM_OWNERS and PLATFORM_COMPARE.search(line.split("#")[0]):
+        found.append(f"{name}:{i}: {line.strip()}")
+  assert found == []
+  planted = ['if sharding.platform(mesh) == "tpu":', "x = p != 'gpu'", 'if kind in ("tpu", "gpu"):']
+  assert all(PLATFORM_COMPARE.search(line) for line in planted)
+  assert not PLATFORM_COMPARE.search('JAX_PLATFORMS="cpu"') and not PLATFORM_COMPARE.search(
+    'platform="gpu",'
+  )

@@ -1,11 +1,11 @@
 """The plan's pure parts: a sampler group at another slot count, and the search for the
-largest slot count that fits (`capacity.largest_fitting`) on made-up byte counts."""
+largest slot count that fits (`plan.search.largest_fitting`) on made-up byte counts."""
 
 import hypothesis
 import pytest
 from hypothesis import strategies as st
 
-from ada_jax import capacity
+from ada_jax.plan import search
 from ada_jax.rollout.spec import SamplerSpec
 
 
@@ -35,7 +35,7 @@ def test_largest_fitting_finds_the_largest_multiple_that_fits(base, per_slot, wo
     measure_calls.append(slots)
     return base + per_slot * slots + wobble * (slots // 64 % 3)
 
-  best, best_bytes = capacity.largest_fitting(measure, start, measure(start), step, limit)
+  best, best_bytes = search.largest_fitting(measure, start, measure(start), step, limit)
   measure_calls.pop(0)
   assert len(measure_calls) <= 5
   if best == 0:
@@ -53,14 +53,14 @@ def test_largest_fitting_when_the_compiler_refuses():
   def measure(slots):
     return None if slots > 100 else 10 * slots
 
-  assert capacity.largest_fitting(measure, 192, None, 16, 10**6) == (96, 960)
-  assert capacity.largest_fitting(lambda s: None, 192, None, 16, 10**6) == (0, None)
+  assert search.largest_fitting(measure, 192, None, 16, 10**6) == (96, 960)
+  assert search.largest_fitting(lambda s: None, 192, None, 16, 10**6) == (0, None)
 
 
 @pytest.mark.parametrize("start", [32, 48])
 def test_largest_fitting_from_a_config_that_already_fits(start):
   measure = lambda slots: 1000 + 10 * slots
-  assert capacity.largest_fitting(measure, start, measure(start), 16, 1000 + 10 * 400) == (
+  assert search.largest_fitting(measure, start, measure(start), 16, 1000 + 10 * 400) == (
     400,
     5000,
   )

@@ -1,5 +1,8 @@
 """The decoder's architecture: `ModelConfig` (Llama 3.x, Qwen2/2.5, Qwen3 in one set of
-fields), its `llama3` RoPE scaling, and the named presets. Field names follow the Hugging
+fields), its `llama3` RoPE scaling, and the one table of model families: `FAMILIES` (each
+family's Hugging Face class and fixed attention traits; its tiny preset `tiny-<family>`,
+from which the tests' random checkpoints are made), `PRESETS` (the named architectures)
+and `HUB_PRESETS` (the Hub ids the presets describe). Field names follow the Hugging
 Face config.json keys they are read from (`weights.config_from_hf`).
 
 `decoder` re-exports `ModelConfig`, `PRESETS` and `preset`, so callers that only build a
@@ -11,6 +14,31 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """A model family as Hugging Face names it (config.json's `model_type`).
+
+  Attributes:
+    hf_architecture: its transformers class (config.json's `architectures`).
+    qkv_bias: its q/k/v projections always have a bias (Qwen2/2.5); in another family a
+      bias is config.json's `attention_bias`.
+    qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
+  """
+
+  hf_architecture: str
+  qkv_bias: bool = False
+  qk_norm: bool = False
+
+
+# Adding a family: an entry here, its tiny preset `tiny-<family>` in `PRESETS`, and the
+# decoder's code for whatever its traits do not cover.
+FAMILIES = {
+  "llama": Family("LlamaForCausalLM"),
+  "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True),
+  "qwen3": Family("Qwen3ForCausalLM", qk_norm=True),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +71,7 @@ class ModelConfig:
   """Architecture of one decoder (hashable: it is a static argument under jit).
 
   Attributes:
-    family: 'llama', 'qwen2' or 'qwen3' (the Hugging Face `model_type`).
+    family: a key of `FAMILIES` (the Hugging Face `model_type`).
     vocab_size: V.
     embed_dim: D, the residual width (`hidden_size`).
     mlp_dim: F, the SwiGLU hidden width (`intermediate_size`).
@@ -81,8 +109,8 @@ class ModelConfig:
   param_dtype: str = "float32"
 
   def __post_init__(self):
-    if self.family not in ("llama", "qwen2", "qwen3"):
-      raise ValueError(f"ModelConfig.family: {self.family!r} is not one of llama, qwen2, qwen3")
+    if self.family not in FAMILIES:
+      raise ValueError(f"ModelConfig.family: {self.family!r} is not one of {', '.join(FAMILIES)}")
     for name, most in MAX_SIZES.items():
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
@@ -255,6 +283,16 @@ PRESETS: dict[str, ModelConfig] = {
   ),
 }
 PRESETS["llama-3.2-3b-instruct"] = PRESETS["llama-3.2-3b"]
+# Hub ids of the published checkpoints -> their presets: a plan names the architecture of
+# an experiment config's `model.hf_dir` without reading its config.json.
+HUB_PRESETS = {
+  "meta-llama/Llama-3.2-3B-Instruct": "llama-3.2-3b",
+  "meta-llama/Llama-3.2-3B": "llama-3.2-3b",
+  "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",
+  "Qwen/Qwen2.5-Math-1.5B": "qwen2.5-math-1.5b",
+  "Qwen/Qwen2.5-Math-7B": "qwen2.5-math-7b",
+  "Qwen/Qwen3-4B": "qwen3-4b",
+}
 
 
 def preset(name: str, **overrides) -> ModelConfig:

@@ -37,6 +37,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ada_jax import platforms
 from ada_jax.models import decoder as model_lib
 from ada_jax.models.decoder import ModelConfig, Params
 
@@ -196,10 +197,10 @@ def param_shardings(config: ModelConfig, mesh: Mesh) -> Params:
   )
 
 
-def platform(mesh: Mesh | None) -> str:
-  """The platform of the mesh's devices ('cpu', 'gpu', 'tpu'), or JAX's default backend
-  without a mesh: the compilers differ where a layout choice depends on it."""
-  return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+def platform(mesh: Mesh | None) -> platforms.Platform:
+  """The traits of the mesh's devices' platform, or of JAX's default backend without a
+  mesh: the compilers differ where a layout choice depends on it (`platforms`)."""
+  return platforms.of(mesh.devices.flat[0].platform if mesh is not None else jax.default_backend())
 
 
 def rollout_param_shardings(config: ModelConfig, mesh: Mesh) -> Params:

@@ -24,14 +24,10 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from ada_jax.models import decoder as model_lib
+from ada_jax.models.architecture import FAMILIES
 from ada_jax.models.decoder import PRESETS, ModelConfig, Params, RopeScaling
 from ada_jax.models.folder import CheckpointError, model_folder, resolve, write_safetensors
 
-_ARCHITECTURES = {
-  "llama": "LlamaForCausalLM",
-  "qwen2": "Qwen2ForCausalLM",
-  "qwen3": "Qwen3ForCausalLM",
-}
 # Buffers some exporters write that are derived, not learned.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
@@ -126,10 +122,11 @@ def config_from_hf(
     return default
 
   family = field("model_type")
-  if family not in _ARCHITECTURES:
+  if family not in FAMILIES:
     raise CheckpointError(
-      f"{source}: model_type {family!r} is not supported (supported: {sorted(_ARCHITECTURES)})"
+      f"{source}: model_type {family!r} is not supported (supported: {sorted(FAMILIES)})"
     )
+  traits = FAMILIES[family]
   rope = dict(hf.get("rope_parameters") or {})
   if hf.get("rope_scaling"):
     rope.update(hf["rope_scaling"])
@@ -154,7 +151,7 @@ def config_from_hf(
   heads = int(field("num_attention_heads"))
   hidden = int(field("hidden_size"))
   for flag in ("attention_bias", "mlp_bias"):
-    if hf.get(flag) and not (flag == "attention_bias" and family == "qwen2"):
+    if hf.get(flag) and not (flag == "attention_bias" and traits.qkv_bias):
       raise CheckpointError(f"{source}: {flag}=true is not supported for {family}")
   try:
     return ModelConfig(
@@ -170,8 +167,8 @@ def config_from_hf(
       rope_scaling=scaling,
       rms_norm_eps=float(field("rms_norm_eps", 1e-6)),
       tie_embeddings=bool(field("tie_word_embeddings", False)),
-      qkv_bias=family == "qwen2",
-      qk_norm=family == "qwen3",
+      qkv_bias=traits.qkv_bias,
+      qk_norm=traits.qk_norm,
       max_position_embeddings=int(field("max_position_embeddings", 131_072)),
       dtype=dtype,
       param_dtype=dtype,
@@ -196,7 +193,7 @@ def config_to_hf(config: ModelConfig, dtype: str | None = None) -> dict[str, Any
       original_max_position_embeddings=s.original_max_position_embeddings,
     )
   return {
-    "architectures": [_ARCHITECTURES[config.family]],
+    "architectures": [FAMILIES[config.family].hf_architecture],
     "model_type": config.family,
     "vocab_size": config.vocab_size,
     "hidden_size": config.embed_dim,
@@ -211,7 +208,8 @@ def config_to_hf(config: ModelConfig, dtype: str | None = None) -> dict[str, Any
     "rope_scaling": rope if config.rope_scaling is not None else None,
     "tie_word_embeddings": config.tie_embeddings,
     "max_position_embeddings": config.max_position_embeddings,
-    "attention_bias": config.qkv_bias if config.family == "llama" else False,
+    # A family whose projections always have a bias (Qwen2) writes no flag for it.
+    "attention_bias": config.qkv_bias and not FAMILIES[config.family].qkv_bias,
     "hidden_act": "silu",
     "dtype": dtype,
     "torch_dtype": dtype,

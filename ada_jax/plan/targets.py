@@ -1,12 +1,15 @@
 """The accelerators a run can be planned for: TPU slices and GPU hosts as users name them
 (`TARGETS`), their vendor figures (memory, bandwidth, peak FLOP/s) and their compile-only
-devices (`devices_for`), on which `aot` compiles a run's programs without the hardware.
+devices (`devices_for`), on which `plan.compiler` compiles a run's programs without the
+hardware. What differs between their compilers is `Target.traits` (`ada_jax.platforms`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import pathlib
+
+from ada_jax import platforms
 
 GIB = 2**30
 
@@ -41,13 +44,18 @@ class Target:
   spec: str = ""
 
   @property
+  def traits(self) -> platforms.Platform:
+    return platforms.of(self.platform)
+
+  @property
   def compiler(self) -> str:
-    return "XLA:TPU" if self.platform == "tpu" else "XLA:GPU"
+    return self.traits.compiler
 
   def usable_gib(self, mem_fraction: float) -> float:
-    """Memory a run's programs may use per device: a TPU's `hbm_gib`; a GPU's times the
-    fraction JAX's allocator takes (`XLA_PYTHON_CLIENT_MEM_FRACTION`, default 0.75)."""
-    return self.hbm_gib if self.platform == "tpu" else self.hbm_gib * mem_fraction
+    """Memory a run's programs may use per device: `hbm_gib` where the compiler refuses
+    what does not fit (a TPU); else (a GPU) times the fraction JAX's allocator takes
+    (`XLA_PYTHON_CLIENT_MEM_FRACTION`, default 0.75)."""
+    return self.hbm_gib if self.traits.refuses_oversize else self.hbm_gib * mem_fraction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +117,8 @@ def chip_of(device_kind: str) -> Chip | None:
   return next((c for c in CHIPS.values() if any(all(n in kind for n in k) for k in c.kinds)), None)
 
 
+# The GPUs' `GpuTargetConfigProto` descriptions.
+GPU_TARGETS = pathlib.Path(__file__).resolve().parent.parent / "gpu_targets"
 # JAX's GPU allocator takes this fraction of the card's memory unless told otherwise.
 DEFAULT_MEM_FRACTION = 0.75
 # (chip, spec file, bytes of memory as the spec states it).
@@ -166,15 +176,15 @@ def devices_for(t: Target) -> list:
   """
   from jax.experimental import topologies
 
-  if t.platform == "tpu":
-    kwargs = {"platform": "tpu", "topology_name": t.topology}
+  kwargs = {"platform": t.traits.topology}
+  if t.spec:  # a GPU: its description, and the topology as '<slices>x<hosts>x<gpus>'
+    spec = (GPU_TARGETS / t.spec).read_text()
+    kwargs |= {"target_config": spec, "topology": t.topology}
+  else:
+    kwargs["topology_name"] = t.topology
     if t.chip_config:
       kwargs["chip_config_name"] = t.chip_config
-    package = "libtpu"
-  else:
-    spec = (pathlib.Path(__file__).parent / "gpu_targets" / t.spec).read_text()
-    kwargs = {"platform": "cuda", "target_config": spec, "topology": t.topology}
-    package = "jax-cuda12-plugin and nvidia-cuda-nvcc-cu12"
+  package = t.traits.package
   try:
     topo = topologies.get_topology_desc(**kwargs)
   except Exception as e:  # jax raises several kinds when the plugin is missing

@@ -315,7 +315,7 @@ def draw_and_decode(
   """One step of the decode loop after its refill (pure): every live slot draws a token
   (`rule.draw` with `row_uniforms`), rows that drew a stop token or reached the budget Lr
   finish, and one decode step runs for the slots still live. `run_segment`'s loop body
-  with `_refill`; `aot.decode_step_program` loops it alone for the roofline.
+  with `_refill`; `plan.programs.decode_step_program` loops it alone for the roofline.
 
   Args:
     s: the pool after this step's refill.

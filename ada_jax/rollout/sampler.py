@@ -288,7 +288,7 @@ class Sampler:
 
   def programs(self, prompt_len: int) -> PoolPrograms:
     """The jitted pool functions for prompts padded to `prompt_len` (built once per
-    bucket; each compiles on its first call, or when lowered ahead of time: `aot.py`)."""
+    bucket; each compiles on its first call, or when lowered ahead of time: `plan.programs`)."""
     if prompt_len in self._fns:
       return self._fns[prompt_len]
     cfg, mesh = self.config, self.mesh

@@ -295,7 +295,7 @@ def in_place_under_cond(mesh: jax.sharding.Mesh | None) -> bool:
   overwritten by the next row) and the refill's cache copy runs outside the conditional
   (no trip when no slot refills), so the tokens are the same (tests/test_pool.py).
   """
-  return sharding_lib.platform(mesh) != "gpu"
+  return sharding_lib.platform(mesh).cache_in_place_under_cond
 
 
 def ring_windows(ring: int, block: int) -> tuple[int, ...]:
@@ -307,7 +307,7 @@ def uses_kernel(mesh: jax.sharding.Mesh | None) -> bool:
   """Whether decode attention runs as the Pallas TPU kernel (`decode_kernel`): on TPU,
   where XLA's formulation writes every layer's float32 scores to HBM and reads them back;
   elsewhere `layers.attend` over the pieces."""
-  return sharding_lib.platform(mesh) == "tpu"
+  return sharding_lib.platform(mesh).decode_kernel
 
 
 def slot_attention(
@@ -403,7 +403,7 @@ def _on_shards(config, mesh, q, prompt, ring, column, window):
   """`decode_kernel.decode_attention` on each device's slots and kv heads (a Pallas call
   is not partitioned by XLA), or whole without a mesh; in Pallas' interpreter off TPU.
   The kernel reads `MODEL_AXES` blocks: the caches' pieces are handed over in that order."""
-  interpret = sharding_lib.platform(mesh) != "tpu"
+  interpret = not sharding_lib.platform(mesh).decode_kernel
   run = lambda q, prompt, ring, c, w: decode_kernel.decode_attention(
     q, prompt, ring, c, w, interpret=interpret
   )

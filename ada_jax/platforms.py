@@ -1,0 +1,76 @@
+"""What differs between the compilers a program runs under, as properties of a platform:
+the one place a platform's name (`jax.Device.platform`: 'tpu', 'gpu', 'cpu') is read.
+Code that chooses a form by compiler asks a trait (`sharding.platform(mesh).decode_kernel`,
+`Target.traits.refuses_oversize`), so a new platform is one entry of `PLATFORMS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+  """One platform's traits.
+
+  Attributes:
+    name: `jax.Device.platform` ('tpu', 'gpu', 'cpu').
+    compiler: the compiler's name in reports ('XLA:TPU').
+    refuses_oversize: XLA refuses a program larger than the device's memory ("Ran out of
+      memory on HBM": XLA:TPU); otherwise it compiles anything and a plan holds the
+      program's figures against the memory JAX's allocator takes.
+    cost_analysis: the compiled executable's cost analysis counts every byte a program
+      moves (XLA:TPU); XLA:GPU gives none, and XLA:CPU's counts no library call.
+    cache_in_place_under_cond: a buffer passed through a `lax.cond` stays in place
+      (XLA:TPU, XLA:CPU); XLA:GPU copies it into the branch (`slots.in_place_under_cond`).
+    decode_kernel: decode attention runs as the Pallas TPU kernel (`decode_kernel`)
+      natively; elsewhere XLA's form (the kernel itself only in Pallas' interpreter).
+    compile_options: XLA options every ahead-of-time compile for it takes, (name, value).
+    topology: `jax.experimental.topologies`' platform name for compile-only devices, or ''.
+    package: what to install for its compile-only devices, or ''.
+  """
+
+  name: str
+  compiler: str
+  refuses_oversize: bool = False
+  cost_analysis: bool = False
+  cache_in_place_under_cond: bool = True
+  decode_kernel: bool = False
+  compile_options: tuple[tuple[str, object], ...] = ()
+  topology: str = ""
+  package: str = ""
+
+
+PLATFORMS = {
+  p.name: p
+  for p in (
+    Platform(
+      "tpu",
+      "XLA:TPU",
+      refuses_oversize=True,
+      cost_analysis=True,
+      decode_kernel=True,
+      topology="tpu",
+      package="libtpu",
+    ),
+    Platform(
+      "gpu",
+      "XLA:GPU",
+      cache_in_place_under_cond=False,
+      # Triton gemm fusions need the autotuner, which needs a device ("Couldn't find output
+      # tile sizes"): compile-only devices use cuBLAS.
+      compile_options=(("xla_gpu_enable_triton_gemm", False),),
+      topology="cuda",
+      package="jax-cuda12-plugin and nvidia-cuda-nvcc-cu12",
+    ),
+    Platform("cpu", "XLA:CPU"),
+  )
+}
+
+
+def of(name: str) -> Platform:
+  """The traits of platform `name`; an unknown one (a new backend) gets the traits that
+  are right everywhere: XLA's forms, buffers copied into conditionals, no cost analysis."""
+  return PLATFORMS.get(name) or Platform(
+    name, f"XLA:{name.upper()}", cache_in_place_under_cond=False
+  )
