@@ -202,7 +202,7 @@ def block_of(n: int, process: int | None = None, count: int | None = None) -> sl
 
 
 class SharedGrader:
-  """A `verifier.RewardPool` whose rewards are identical on every process, each response
+  """A `verifier.Verifier` whose rewards are identical on every process, each response
   graded once: process p grades block p of each batch (`block_of`), and `collect`
   all-gathers the blocks. With one process it is the pool itself.
 
@@ -212,7 +212,7 @@ class SharedGrader:
 
   Args:
     pool: an object with `submit(responses, references) -> ids` and
-      `collect(ids) -> float[k]` (`RewardPool`).
+      `collect(ids) -> float[k]` (`Verifier`).
   """
 
   def __init__(self, pool: Any):

@@ -44,7 +44,7 @@ from ada_jax.eval import sampling as eval_sampling
 from ada_jax.eval.benchmarks import EvalConfig
 from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.models.tokenizer import Tokenizer
-from ada_jax.rewards.verifier import RewardPool
+from ada_jax.rewards.verifier import Verifier
 
 # --------------------------------------------------------------------------- reports
 
@@ -197,7 +197,7 @@ class Evaluator:
     with contextlib.ExitStack() as stack:
       scorers = {}
       for judge in sorted({b.judge for b in self.benchmarks}):
-        pool = RewardPool(dataclasses.replace(config.verifier, judge=judge))
+        pool = Verifier(dataclasses.replace(config.verifier, judge=judge))
         scorers[judge] = stack.enter_context(pool).score
       # One file per process: each process must find the same finished batches on resume
       # (every process launches the same sampler calls), even without a shared file system.

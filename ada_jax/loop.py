@@ -38,7 +38,7 @@ from ada_jax.models import sharding as sharding_lib
 from ada_jax.models import weights
 from ada_jax.models.decoder import ModelConfig
 from ada_jax.models.tokenizer import Tokenizer
-from ada_jax.rewards.verifier import RewardPool
+from ada_jax.rewards.verifier import Verifier
 from ada_jax.rl import train, update
 from ada_jax.rollout import sampler as sampler_lib
 from ada_jax.step import StepContext, rl_step
@@ -334,7 +334,7 @@ def _rl_loop(setup, started, writer, stop) -> _End:
   writer.log_text(f"stop ids {list(setup.tokenizer.eos_ids)} (training and evaluation samplers)")
   state, est, step = started.state, started.est, progress.step
   agreed = stopped_by = None
-  with RewardPool(cfg.rl.verifier) as pool:
+  with Verifier(cfg.rl.verifier) as pool:
     grader = distributed.SharedGrader(pool)  # identical rewards on every process
     ctx = StepContext(
       cfg, setup.prompts, started.iterator, setup.sampler, step_fn, grader, setup.tokenizer,

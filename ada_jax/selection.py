@@ -54,7 +54,7 @@ from ada_jax.eval import benchmarks
 from ada_jax.eval import sampling as eval_sampling
 from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.models.tokenizer import Tokenizer
-from ada_jax.rewards.verifier import RewardPool, VerifierConfig
+from ada_jax.rewards.verifier import Verifier, VerifierConfig
 from ada_jax.rollout.spec import SamplerSpec
 
 _NAME = "train_prompts"  # benchmark name of the prompt set in the results cache
@@ -214,7 +214,7 @@ def pass_rates(
 
   Args:
     policy: generates the responses (`eval_sampling.sampler_policy`, or a stub).
-    score: reward function (`RewardPool.score`).
+    score: reward function (`Verifier.score`).
     prompt_set: the prompts (unique `prompt_ids`).
     config: K, batch size, sampling rule, judge.
     rng: PRNG key; with fixed settings the rows are a function of it (batch b of the set
@@ -430,7 +430,7 @@ def run(
   cache = benchmarks.ResultCache(out / f"cache{suffix}.jsonl")
   start = time.perf_counter()
   kw = dict(cache=cache, model_tag=model_tag, progress=progress)
-  with RewardPool(c.verifier) as pool:
+  with Verifier(c.verifier) as pool:
     rows = pass_rates(policy, pool.score, prompt_set, config, jax.random.key(c.seed), **kw)
   summary = {}
   if jax.process_index() == 0:

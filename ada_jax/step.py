@@ -3,7 +3,7 @@
 The step's data goes down the layers only (docs/design.md "One RL step"):
 
 1. `StepPrompts`: the iterator's B prompts (and DAPO's extra ones, `more_prompts`).
-2. `rollout.engine.PoolEngine`: one slot pool for the step (`rollout.queue.RolloutPool`)
+2. `rollout.engine.SlotEngine`: one slot pool for the step (`rollout.queue.SlotDriver`)
    with the verifier; Est's learned head reads the prompts' hidden states from its prefill.
 3. `rl.controller.run_step`: the one controller, under the schedule's driver (`rounds`:
    each round decoded and graded before it decides; `stream`: a segment's rows graded
@@ -216,7 +216,7 @@ def rl_step(
     offload = cfg.train.offload_state and rollout is not state.params
     if offload:  # the masters and moments wait in host memory while the step samples
       state = sharding.to_memory(state, "pinned_host")
-    engine = rollout_engine.PoolEngine(
+    engine = rollout_engine.SlotEngine(
       ctx.sampler,
       rollout,
       ctx.tokenizer,

@@ -7,7 +7,7 @@
 Parts (`--parts`, comma-separated; each catches its own failure and records it, so one
 failing part never loses the others' figures; the JSON is rewritten after every part):
 
-* `decode`: the slot-pool sampler (`Sampler.from_spec`, `RolloutPool`) on a
+* `decode`: the slot-pool sampler (`Sampler.from_spec`, `SlotDriver`) on a
   Qwen2.5-Math-1.5B-shaped model with random weights (float32 masters, decoded from
   their bf16 copy), S in {64, 256, 1024} slots, S/8 prompts of 512 tokens with 8 rows
   each, forced lengths (the stop id is outside the vocabulary, so every row runs to the
@@ -208,7 +208,7 @@ class Check:
 def capture_segment(smp: sampler_lib.Sampler, prompt_len: int) -> dict:
   """Arms a one-shot hook that lowers the sampler's segment program with the arguments of
   its next call; returns the dict that will hold the `Lowered` (or the error). The segment
-  program is `Sampler.programs(...).run`; the hook swaps the bucket's `PoolPrograms` for
+  program is `Sampler.programs(...).run`; the hook swaps the bucket's `SlotPrograms` for
   one whose `run` sees its arguments first, and the lowering reuses the program the call
   compiles."""
   box: dict = {}

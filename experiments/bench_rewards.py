@@ -3,7 +3,7 @@
 Builds N responses as an RL step would produce them (N/8 MATH500 prompts x 8 responses each),
 each the problem's reference solution with its final box rewritten in one of several surface
 forms (verbatim, `\\dfrac`, tight spacing, `\\left(`/`\\right)` dropped, as a decimal, another
-problem's answer, cut off before the box), scores them with `RewardPool.score` and prints
+problem's answer, cut off before the box), scores them with `Verifier.score` and prints
 one JSON object.
 
   .venv/bin/python experiments/bench_rewards.py                  # 4096 responses, 1 and all
@@ -73,9 +73,7 @@ def build_responses(rows: list[dict], num: int, seed: int) -> tuple[list[str], l
 
 def bench(responses, references, kinds, workers: int, timeout_s: float) -> dict:
   t0 = time.perf_counter()
-  with verifier.RewardPool(
-    verifier.VerifierConfig(num_workers=workers, timeout_s=timeout_s)
-  ) as pool:
+  with verifier.Verifier(verifier.VerifierConfig(num_workers=workers, timeout_s=timeout_s)) as pool:
     startup = time.perf_counter() - t0
     t0 = time.perf_counter()
     out = pool.score(responses, references)

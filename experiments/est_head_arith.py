@@ -11,7 +11,7 @@ the arithmetic task's held-out split (never trained on, never sampled by the run
 digit counts as training):
 
 * the head predicts each prompt's pass rate p̂ from the policy's hidden state at the
-  prompt's last token (the sampler's prefill, `RolloutPool.prefill_all`);
+  prompt's last token (the sampler's prefill, `SlotDriver.prefill_all`);
 * the policy draws --k responses per prompt at the training temperature; the label of a
   prompt is "at least one of k correct", the outcome of a response is its reward.
 

@@ -21,7 +21,7 @@ Records what the step decides, so that a restructure of the controller (one cont
 
 Row ids are the controller's (`controller.Controller`), in queue order: under `rounds`
 round after round, each round's rows prompt-major. The capture wraps the step's entry
-points (`controller.run_step`, `update.make_train_batch`, `loop.RewardPool`); code that moves
+points (`controller.run_step`, `update.make_train_batch`, `loop.Verifier`); code that moves
 them re-points the capture, not the data.
 
   python experiments/record_golden.py            # rewrites tests/data/golden_step.json
@@ -213,7 +213,7 @@ def text_reward(text: str, answer: str) -> float:
 
 
 class TextRewardPool:
-  """`verifier.RewardPool`'s interface (submit / collect, a context manager), in process,
+  """`verifier.Verifier`'s interface (submit / collect, a context manager), in process,
   grading with `text_reward`."""
 
   def __init__(self, config=None):
@@ -298,7 +298,7 @@ def record_tiny(seeds: dict[int, tuple[str, ...]] = TINY_SEEDS, schedules=SCHEDU
       with tempfile.TemporaryDirectory() as workdir, contextlib.ExitStack() as stack:
         stack.enter_context(capture_steps(steps))
         stack.enter_context(patched(update, "make_train_batch", recording_batch))
-        stack.enter_context(patched(loop, "RewardPool", TextRewardPool))
+        stack.enter_context(patched(loop, "Verifier", TextRewardPool))
         loop.run(tiny_run_config(method, schedule, seed), workdir)
         metrics = read_jsonl(pathlib.Path(workdir) / "metrics.jsonl")
       metrics = [m for m in metrics if "ada/rows_selected" in m]  # the RL steps' lines

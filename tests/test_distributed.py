@@ -285,7 +285,7 @@ def test_block_of_covers_every_item_once():
 
 
 class _ExactPool:
-  """A stand-in `RewardPool`: reward 1 when the response equals the reference."""
+  """A stand-in `Verifier`: reward 1 when the response equals the reference."""
 
   def __init__(self):
     self.items, self.seen, self.next = {}, [], 0

@@ -3,7 +3,7 @@
 import pytest
 
 from ada_jax.rewards import grader, judges
-from ada_jax.rewards.verifier import RewardPool, VerifierConfig
+from ada_jax.rewards.verifier import Verifier, VerifierConfig
 
 RELEASED = judges.JUDGES["released"]
 OURS = judges.JUDGES["math"]
@@ -50,7 +50,7 @@ def test_released_judge_uses_stock_numbers_after_ours_patched_them():
 
 def test_released_judge_runs_in_the_reward_pool_with_the_released_timeout():
   config = VerifierConfig(judge="released", num_workers=1, timeout_s=20.0)
-  with RewardPool(config) as pool:
+  with Verifier(config) as pool:
     rewards = pool.score(["\\boxed{7.2}", "\\boxed{7.19}", "\\fbox{7.2}"], ["7.2"] * 3)
   assert rewards.tolist() == [1.0, 0.0, 0.0]
   with pytest.raises(ValueError, match="judge='verl'"):

@@ -455,7 +455,7 @@ def test_rollouts_decode_from_one_compute_dtype_copy_per_step(tmp_path, no_impli
   c.eval.benchmarks = ()
   c.ckpt.every_steps = 0
   seen, copies, moves = [], [], []
-  real_pool, real_copy = queue.RolloutPool.__init__, sampler.Sampler.rollout_params
+  real_pool, real_copy = queue.SlotDriver.__init__, sampler.Sampler.rollout_params
   real_move = sharding_lib.to_memory
 
   def to_memory(state, kind):
@@ -476,7 +476,7 @@ def test_rollouts_decode_from_one_compute_dtype_copy_per_step(tmp_path, no_impli
     return out
 
   with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(queue.RolloutPool, "__init__", pool_init)
+    patch.setattr(queue.SlotDriver, "__init__", pool_init)
     patch.setattr(sampler.Sampler, "rollout_params", rollout_params)
     patch.setattr(sharding_lib, "to_memory", to_memory)
     summary = _guarded_run(c, str(tmp_path), no_implicit_transfers)

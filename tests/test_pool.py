@@ -133,7 +133,7 @@ def test_running_idle_decode_steps_draws_the_same_tokens(tiny, monkeypatch, mesh
 def test_a_first_row_blocked_by_entries_kept_behind_it_still_starts(tiny):
   """A livelock found by the cache-layout test: with the queue empty, the first pending
   row's prompt had no prompt-cache entry and every entry was kept for rows further back,
-  so no row was queued and every segment returned at once (`RolloutPool.admit` now frees
+  so no row was queued and every segment returned at once (`SlotDriver.admit` now frees
   those entries). Here: 2 entries, 4 prompts, 16 rows; every row ends."""
   config, params = tiny
   smp = sampler_lib.Sampler(

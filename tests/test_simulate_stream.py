@@ -29,7 +29,7 @@ SMALL = ss.StreamSimConfig(
   segment=st.integers(1, 30),
 )
 def test_slot_pool_schedule_is_list_scheduling_whatever_the_segments(lengths, slots, segment):
-  whole = ss.SlotPool(slots)
+  whole = ss.SimSlots(slots)
   whole.enqueue(range(len(lengths)), lengths)
   finished, makespan = whole.run(None)
   assert sorted(finished) == list(range(len(lengths)))
@@ -41,7 +41,7 @@ def test_slot_pool_schedule_is_list_scheduling_whatever_the_segments(lengths, sl
   if slots == 1:
     assert makespan == sum(lengths)
   # Decoding in segments changes nothing without cancellations.
-  seg = ss.SlotPool(slots)
+  seg = ss.SimSlots(slots)
   seg.enqueue(range(len(lengths)), lengths)
   got, busy = [], 0
   while len(got) < len(lengths):
@@ -52,7 +52,7 @@ def test_slot_pool_schedule_is_list_scheduling_whatever_the_segments(lengths, sl
 
 
 def test_cancel_pays_the_tokens_so_far_and_refills_the_slot():
-  pool = ss.SlotPool(2)
+  pool = ss.SimSlots(2)
   pool.enqueue([0, 1, 2, 3], [10, 100, 5, 7])
   finished, busy = pool.run(8)
   assert finished == [] and busy == 8

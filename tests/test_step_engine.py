@@ -1,4 +1,4 @@
-"""The controller on the slot pool (`rollout.engine.PoolEngine` under `rl.controller.run_step`): the
+"""The controller on the slot pool (`rollout.engine.SlotEngine` under `rl.controller.run_step`): the
 tokens are the seeds' own, `stream`'s decisions do not depend on the grader's speed,
 exited prompts' rows are cancelled, every method runs through it, and a fixed-quota step
 is the same under both schedules."""
@@ -84,7 +84,7 @@ def tiny():
 def _step(tiny, config, prompts, key, grader, schedule):
   """(result, est state, engine) of one step of `config` under `schedule`."""
   _, params, smp = tiny
-  engine = rollout_engine.PoolEngine(smp, params, _Tokens(), grader, prompts, key, prompt_len=8)
+  engine = rollout_engine.SlotEngine(smp, params, _Tokens(), grader, prompts, key, prompt_len=8)
   result, est = controller.run_step(
     config,
     prompts.ids,

@@ -29,7 +29,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def pool():
-  p = verifier.RewardPool(verifier.VerifierConfig(num_workers=2, timeout_s=TIMEOUT_S))
+  p = verifier.Verifier(verifier.VerifierConfig(num_workers=2, timeout_s=TIMEOUT_S))
   yield p
   pids = p.worker_pids
   p.close()
@@ -83,7 +83,7 @@ def test_ungradable_references_count_as_errors(pool):
   np.testing.assert_array_equal(pool.score(["\\boxed{5}"] * 4, refs), [0, 0, 1, 0])
   stats = pool.last_stats
   assert (stats.errors, stats.correct, stats.items) == (3, 1, 4)
-  exact = verifier.RewardPool(verifier.VerifierConfig(judge="exact", num_workers=1))
+  exact = verifier.Verifier(verifier.VerifierConfig(judge="exact", num_workers=1))
   with exact:
     np.testing.assert_array_equal(exact.score(["\\boxed{5}"] * 2, [" ", "5"]), [0, 1])
     assert exact.last_stats.errors == 1
@@ -142,7 +142,7 @@ def test_hostile_responses_reach_math_verify_without_length_guard():
   # (or a crash) must still end them.
   config = verifier.VerifierConfig(num_workers=2, timeout_s=1.0, max_answer_chars=10**7)
   names = sorted(HOSTILE)
-  with verifier.RewardPool(config) as p:
+  with verifier.Verifier(config) as p:
     t0 = time.monotonic()
     out = p.score([HOSTILE[n] for n in names] + ["\\boxed{1}"], ["1"] * (len(names) + 1))
     elapsed = time.monotonic() - t0
@@ -156,7 +156,7 @@ def test_hostile_responses_reach_math_verify_without_length_guard():
 def test_hung_item_is_killed_and_worker_replaced():
   # No soft timer: only the parent's hard deadline can end the power tower.
   config = verifier.VerifierConfig(num_workers=1, timeout_s=1.0, soft_timeout_frac=None)
-  with verifier.RewardPool(config) as p:
+  with verifier.Verifier(config) as p:
     (old_pid,) = p.worker_pids
     t0 = time.monotonic()
     out = p.score([HOSTILE["power_tower"]], ["1"])
@@ -174,7 +174,7 @@ def test_hung_item_is_killed_and_worker_replaced():
 
 def test_crashed_worker_scores_zero_and_is_replaced():
   config = verifier.VerifierConfig(num_workers=1, timeout_s=30.0, soft_timeout_frac=None)
-  with verifier.RewardPool(config) as p:
+  with verifier.Verifier(config) as p:
     # A worker that dies while idle is replaced; no item is lost.
     os.kill(p.worker_pids[0], 9)
     time.sleep(0.2)
@@ -200,7 +200,7 @@ def test_crashed_worker_scores_zero_and_is_replaced():
 
 def test_submit_returns_at_once_and_collect_waits_only_for_its_ids():
   config = verifier.VerifierConfig(num_workers=2, timeout_s=1.5, soft_timeout_frac=None)
-  with verifier.RewardPool(config) as p:
+  with verifier.Verifier(config) as p:
     t0 = time.monotonic()
     ids = p.submit([HOSTILE["power_tower"], "\\boxed{4}", "no box", "\\boxed{5}"], ["1", "4"] * 2)
     assert time.monotonic() - t0 < 0.2  # Queued, not graded.
@@ -239,7 +239,7 @@ def test_collect_and_discard_reject_or_ignore_ids_that_are_not_open(pool):
 
 def test_discarded_items_are_not_graded_and_leave_nothing_behind():
   config = verifier.VerifierConfig(num_workers=1, timeout_s=1.0, soft_timeout_frac=None)
-  with verifier.RewardPool(config) as p:
+  with verifier.Verifier(config) as p:
     ids = p.submit([HOSTILE["power_tower"]] + ["\\boxed{2}"] * 5, ["1"] + ["2"] * 5)
     time.sleep(0.2)  # The hung item is in flight, the rest queued.
     p.discard(ids[:5])  # One in flight, four queued: the queued ones never reach a worker.
@@ -277,7 +277,7 @@ def test_threads_submit_and_collect_at_once(pool):
 
 def test_close_wakes_a_waiting_collect_and_stops_everything():
   config = verifier.VerifierConfig(num_workers=1, timeout_s=30.0, soft_timeout_frac=None)
-  p = verifier.RewardPool(config)
+  p = verifier.Verifier(config)
   ids = p.submit([HOSTILE["power_tower"]], ["1"])
   errors = []
 
@@ -294,7 +294,7 @@ def test_close_wakes_a_waiting_collect_and_stops_everything():
   t0 = time.monotonic()
   p.close()
   waiter.join(5.0)
-  assert time.monotonic() - t0 < 5.0 and errors == ["RewardPool is closed"]
+  assert time.monotonic() - t0 < 5.0 and errors == ["Verifier is closed"]
   assert not thread.is_alive() and not any(_alive(pid) for pid in pids)
   with pytest.raises(RuntimeError, match="closed"):
     p.submit(["\\boxed{1}"], ["1"])

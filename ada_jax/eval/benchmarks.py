@@ -59,7 +59,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 
 # (prompt token arrays, row_prompt int[R], PRNG key) -> (R response texts, int32[R] lengths).
 Policy = Callable[[Sequence[np.ndarray], np.ndarray, jax.Array], tuple[list[str], np.ndarray]]
-# (R responses, R references) -> float32[R] rewards in {0, 1}: `RewardPool.score`.
+# (R responses, R references) -> float32[R] rewards in {0, 1}: `Verifier.score`.
 Scorer = Callable[[Sequence[str], Sequence[str]], np.ndarray]
 
 
@@ -292,7 +292,7 @@ def run_benchmark(
   Args:
     bench: the benchmark.
     policy: generates responses (`sampler_policy`, or a stub).
-    score: reward function for `bench.judge` (e.g. `RewardPool.score`).
+    score: reward function for `bench.judge` (e.g. `Verifier.score`).
     config: k, batch size, settings.
     rng: PRNG key of this evaluation.
     mode: 'sample' (k rows per problem) or 'greedy' (one row).

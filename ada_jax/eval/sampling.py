@@ -137,7 +137,7 @@ def evaluate(
     benchmarks: from `benchmarks.load_benchmark`.
     config: settings.
     rng: PRNG key (e.g. `fold_in(eval_key, step)`).
-    scorers: judge name -> reward function (`RewardPool.score` of a pool of that judge).
+    scorers: judge name -> reward function (`Verifier.score` of a pool of that judge).
     cache, model_tag, progress, records: see `evaluate_policy`.
 
   Returns:

@@ -175,10 +175,10 @@ def segment_args(smp: sampler_lib.Sampler, params, *, what: str = "pool"):
 
 
 @dataclasses.dataclass(frozen=True)
-class PoolFigures:
+class SlotFigures:
   """One slot pool compiled: its sampler, one segment and one prefill launch at its largest
   prompt bucket, and per device the bytes of its slot cache, its whole state and its
-  prompt cache; `state` its abstract `PoolState` (for `decode_step_program`)."""
+  prompt cache; `state` its abstract `SlotState` (for `decode_step_program`)."""
 
   sampler: sampler_lib.Sampler
   segment: Program
@@ -207,7 +207,7 @@ class PoolFigures:
     }
 
 
-def pool_programs(smp: sampler_lib.Sampler, params, *, what: str) -> PoolFigures:
+def pool_programs(smp: sampler_lib.Sampler, params, *, what: str) -> SlotFigures:
   """One segment and one prefill launch of `smp`'s pool at its largest prompt bucket,
   compiled, with its caches' bytes. Raises `compiler.OutOfMemory` (naming `what`)."""
   fns, args = segment_args(smp, params, what=what)
@@ -225,7 +225,7 @@ def pool_programs(smp: sampler_lib.Sampler, params, *, what: str) -> PoolFigures
     what=f"{what} prefill",
   )
   per_device = compiler.per_device_bytes
-  return PoolFigures(
+  return SlotFigures(
     sampler=smp,
     segment=segment,
     prefill=prefill,
@@ -286,7 +286,7 @@ def decode_step_program(smp: sampler_lib.Sampler, params, state) -> DecodeStep:
   Args:
     smp: the sampler (its rule, stop ids, mesh, sizes).
     params: its abstract rollout copy.
-    state: its abstract `PoolState` (`PoolFigures.state`).
+    state: its abstract `SlotState` (`SlotFigures.state`).
 
   Raises:
     compiler.OutOfMemory: the compiler refused a loop.

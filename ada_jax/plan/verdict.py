@@ -56,12 +56,12 @@ class Phase:
 
 
 @dataclasses.dataclass(frozen=True)
-class PoolPhases:
+class SlotPhases:
   """A slot pool compiled at one slot count (`pool`) or refused (`refused`), and the bytes
   per device of each phase it is in, resident state included (none when refused)."""
 
   names: tuple[str, ...]
-  pool: programs.PoolFigures | None
+  pool: programs.SlotFigures | None
   refused: OutOfMemory | None = None
   bytes: dict[str, int] = dataclasses.field(default_factory=dict)
 
@@ -204,28 +204,28 @@ def train_phase(s: Setting) -> tuple[Phase, programs.TrainProgram | None]:
   return Phase(out.program.peak, s.usable_gib, largest_temps=tuple(out.program.largest)), out
 
 
-def rollout_phases(s: Setting, slots: int, beside: int, name: str = "sample") -> PoolPhases:
+def rollout_phases(s: Setting, slots: int, beside: int, name: str = "sample") -> SlotPhases:
   """The rollout pool at `slots`: the sample phase (a segment) and the prefill phase (a
   launch while the pool state is allocated), each with `beside` resident bytes."""
   smp = programs.rollout_sampler(s.cfg, s.model_cfg, s.mesh, slots)
   pool = s.timed(name, lambda: programs.pool_programs(smp, s.params, what="rollout pool"))
   if isinstance(pool, OutOfMemory):
-    return PoolPhases(("sample", "prefill"), None, pool)
+    return SlotPhases(("sample", "prefill"), None, pool)
   sample = pool.segment.peak + beside
   prefill = pool.prefill.peak + pool.pool_state + beside
-  return PoolPhases(("sample", "prefill"), pool, bytes={"sample": sample, "prefill": prefill})
+  return SlotPhases(("sample", "prefill"), pool, bytes={"sample": sample, "prefill": prefill})
 
 
-def eval_phase(s: Setting, slots: int, beside: int, name: str = "eval") -> PoolPhases:
+def eval_phase(s: Setting, slots: int, beside: int, name: str = "eval") -> SlotPhases:
   """The held-out evaluation's pool at `slots`, with the train state beside it."""
   ev = programs.eval_sampler(s.cfg, s.model_cfg, s.mesh, slots)
   pool = s.timed(name, lambda: programs.pool_programs(ev, s.params, what="evaluation pool"))
   if isinstance(pool, OutOfMemory):
-    return PoolPhases(("eval",), None, pool)
-  return PoolPhases(("eval",), pool, bytes={"eval": pool.segment.peak + beside})
+    return SlotPhases(("eval",), None, pool)
+  return SlotPhases(("eval",), pool, bytes={"eval": pool.segment.peak + beside})
 
 
-def decode_step(s: Setting, pool: programs.PoolFigures) -> programs.DecodeStep | None:
+def decode_step(s: Setting, pool: programs.SlotFigures) -> programs.DecodeStep | None:
   """One decode step of `pool` compiled for the roofline; None when refused."""
   step = s.timed(
     f"decode step at {pool.sampler.slots} slots (roofline)",
@@ -235,10 +235,10 @@ def decode_step(s: Setting, pool: programs.PoolFigures) -> programs.DecodeStep |
 
 
 def largest_slots(
-  s: Setting, which: str, at_config: PoolPhases, compile_at
-) -> tuple[SlotCount, PoolPhases | None]:
+  s: Setting, which: str, at_config: SlotPhases, compile_at
+) -> tuple[SlotCount, SlotPhases | None]:
   """The largest slot count of the `which` pool ('rollout', 'eval') that fits (`search`),
-  from its compile at the config's count and `compile_at(slots) -> PoolPhases`; and the
+  from its compile at the config's count and `compile_at(slots) -> SlotPhases`; and the
   pool compiled at that count (None when none fits)."""
   granule = search.slot_step(s.mesh)
   name = "rollout" if which == "rollout" else "evaluation"
@@ -275,7 +275,7 @@ def sized_slots(s: Setting, rollout, step, evaluation, beside: int, resident: in
   return out
 
 
-def program_figures(train_prog, rollout: PoolPhases, step, evaluation) -> dict[str, dict]:
+def program_figures(train_prog, rollout: SlotPhases, step, evaluation) -> dict[str, dict]:
   """JSON-ready figures of every program compiled at the config's sizes."""
   out = {"train": train_prog.figures()} if train_prog else {}
   if rollout.pool:
@@ -344,7 +344,7 @@ def plan(
   s = Setting(cfg, model_cfg, t, mesh, params, t.usable_gib(mem_fraction), progress)
   # Resident beside every sampling program: the train state (the master params, the
   # optimizer state and a KL term's reference params); the train step holds it as its
-  # arguments, and the rollout copy is freed before it (`rollout.engine.PoolEngine.finish`).
+  # arguments, and the rollout copy is freed before it (`rollout.engine.SlotEngine.finish`).
   state = train.abstract_state(model_cfg, cfg.train, mesh, with_ref=cfg.loss.kl_coeff > 0)
   resident = compiler.per_device_bytes(state)
   # `train.offload_state`: during a step's rollouts the state waits in host memory.

@@ -51,7 +51,7 @@ one do:
   statistic.
 
 `math_reward` runs the judge in-process, for trusted input and tests; untrusted model output
-is scored by `ada_jax.rewards.verifier.RewardPool`, which runs the `JUDGES` in worker processes
+is scored by `ada_jax.rewards.verifier.Verifier`, which runs the `JUDGES` in worker processes
 under a hard timeout. `rewards.references` extracts the reference of a data-set row.
 """
 
@@ -399,7 +399,7 @@ def math_reward(response: str, reference: str, timeout_s: float = 5) -> float:
 
   In-process there is no hard timeout: math-verify's signal timer (main thread only) stops
   slow Python-level work, but C-level hangs (huge integer powers) are not interruptible.
-  Score untrusted model output through `verifier.RewardPool.score`.
+  Score untrusted model output through `verifier.Verifier.score`.
 
   Args:
     response: model output text.

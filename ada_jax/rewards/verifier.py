@@ -3,12 +3,12 @@
 Symbolic maths on model output can run for hours inside C code (sympy evaluates
 `9^{9^{9^{9^{9}}}}` as a big-integer power; one multiplication of such numbers never looks at
 Python signals), exhaust memory or crash the parser. So the batched scorer
-`RewardPool.score` runs the judges of `rewards.judges.JUDGES` in worker processes: each
+`Verifier.score` runs the judges of `rewards.judges.JUDGES` in worker processes: each
 item gets a soft in-worker timer and a HARD deadline after which the parent SIGKILLs the
 worker, scores the item 0, starts a replacement and goes on with the batch (the worker
 side and its dispatcher thread are in `ada_jax.rewards.workers`).
-Grading can also overlap other work: `RewardPool.submit` queues items and returns at once,
-`RewardPool.collect` waits for chosen items; `score` is exactly those two calls.
+Grading can also overlap other work: `Verifier.submit` queues items and returns at once,
+`Verifier.collect` waits for chosen items; `score` is exactly those two calls.
 `ada_jax.rewards.grader.math_reward` is the same judge in-process, for trusted input and tests.
 """
 
@@ -32,7 +32,7 @@ class VerifierConfig:
   Attributes:
     judge: reward function name in `JUDGES` ("math", "exact" or the authors' "released");
       '' = the caller's default (an evaluation: each benchmark's own judge), which a
-      `RewardPool` refuses.
+      `Verifier` refuses.
     num_workers: worker processes; 0 means every core this process may use.
     timeout_s: hard per-item limit in seconds, from dispatch to result; the worker is killed
       and replaced when it passes, and the item scores 0.
@@ -70,7 +70,7 @@ class VerifierConfig:
 
 @dataclasses.dataclass
 class VerifyStats:
-  """Counts for metrics (per batch in `RewardPool.last_stats`, cumulative in `.stats`).
+  """Counts for metrics (per batch in `Verifier.last_stats`, cumulative in `.stats`).
 
   Attributes:
     items: responses scored.
@@ -95,7 +95,7 @@ class VerifyStats:
       setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
-class RewardPool:
+class Verifier:
   """Persistent pool of verifier processes with a hard per-item timeout.
 
   Create once per run (workers import sympy once); use as a context manager or call
@@ -112,7 +112,7 @@ class RewardPool:
   they finish), never reused. Every method may be called from any thread.
 
   Example:
-    with RewardPool(VerifierConfig(num_workers=8)) as pool:
+    with Verifier(VerifierConfig(num_workers=8)) as pool:
       ids = pool.submit(responses, references)  # Returns at once.
       ...  # decode the next segment
       rewards = pool.collect(ids)  # float32[N]
@@ -149,7 +149,7 @@ class RewardPool:
     not collected are lost; a `collect` waiting in another thread raises RuntimeError."""
     self._finalizer()
 
-  def __enter__(self) -> "RewardPool":
+  def __enter__(self) -> "Verifier":
     return self
 
   def __exit__(self, *exc) -> None:
@@ -283,9 +283,9 @@ class RewardPool:
   def _check_alive(self) -> None:
     d = self._dispatcher
     if d.closed:
-      raise RuntimeError("RewardPool is closed")
+      raise RuntimeError("Verifier is closed")
     if d.failure is not None:
-      raise RuntimeError(f"RewardPool dispatcher failed: {d.failure}") from d.failure
+      raise RuntimeError(f"Verifier dispatcher failed: {d.failure}") from d.failure
 
   def _check_open(self, ids: Sequence[int]) -> list[int]:
     out = [int(i) for i in np.asarray(ids, np.int64).reshape(-1)]

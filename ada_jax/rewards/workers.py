@@ -1,4 +1,4 @@
-"""The reward pool's worker processes and the thread that feeds them (`verifier.RewardPool`).
+"""The reward pool's worker processes and the thread that feeds them (`verifier.Verifier`).
 
 Each worker runs a judge of `rewards.judges.JUDGES` on one item at a time under a soft
 in-worker timer (SIGALRM); the dispatcher thread in the parent enforces the HARD deadline:

@@ -7,7 +7,7 @@ answers with a `Decision` (rows to cancel, rows to queue, prompts retired), and
 is its rule (`rules.RULES`); the controller only keeps the books.
 
 The schedules are two drivers of the same controller over an `Engine` (the slot pool with
-the verifier, `ada_jax.rollout.engine.PoolEngine`; or a simulator's, `simulate`, `simulate_stream`):
+the verifier, `ada_jax.rollout.engine.SlotEngine`; or a simulator's, `simulate`, `simulate_stream`):
 
 * `rounds` (`drive_rounds`, the released barriers): every queued row is decoded to its
   end and graded before the boundary, so a prompt retires only at the end of a round.
@@ -268,7 +268,7 @@ class Controller:
   def result(self, rng: np.random.Generator) -> StepResult:
     """The step's training responses (handles: row ids) and statistics.
 
-    Pools are each prompt's graded rows in row-id order; the rule selects from them
+    ResponsePools are each prompt's graded rows in row-id order; the rule selects from them
     (`Rule.select`) and `pools.finish` computes the advantages. Under `rounds`
     `stats.samples_per_round` holds each round's rows; under `stream` one entry, the rows
     graded. `first_round_pass_rate` reads each prompt's first `Rule.first_rows` row ids
@@ -283,7 +283,7 @@ class Controller:
     if not self.done:
       raise RuntimeError("Controller.result: the step is not done")
     num = len(self.active)
-    pools = pools_lib.Pools(num)
+    pools = pools_lib.ResponsePools(num)
     first = [self.rule.first_rows(self, p) for p in range(num)]
     rank, issued = {}, [0] * num
     for row, p in enumerate(self.row_prompt):
@@ -382,7 +382,7 @@ def run_step(
     more_prompts: `more_prompts(k)` returns up to k further prompt ids (DAPO); an empty
       answer ends the search. Without it DAPO makes no extra passes.
     features: Est with a head-based `est.estimator`: float32[B, d] the prompts' hidden
-      states at their last token (the slot pool's prefill: `queue.RolloutPool.prefill`).
+      states at their last token (the slot pool's prefill: `queue.SlotDriver.prefill`).
     schedule, window, min_pool: `Controller`'s (None: the config's schedule, defaults).
 
   Returns:

@@ -7,7 +7,7 @@ until it has been sampled; this head reads the policy's own representation of th
 so a prompt seen for the first time gets an estimate of its own.
 
 * Input: float32[P, d_model], the final-normed hidden state at each prompt's last token,
-  from the rollout pool's own prefill (`rollout.queue.RolloutPool.prefill_all`): no
+  from the rollout pool's own prefill (`rollout.queue.SlotDriver.prefill_all`): no
   second forward pass. Gradients never flow into the policy: the head trains on host
   copies of those features (stop-gradient by construction).
 * Head: one hidden layer of `WIDTH` GELU units, then a logit; p = sigmoid(logit). The

@@ -1,6 +1,6 @@
 """One step's response pools and what the sampling controller returns from them.
 
-`Pools` holds each prompt's graded (reward, row id) pairs at the end of a step; `finish`
+`ResponsePools` holds each prompt's graded (reward, row id) pairs at the end of a step; `finish`
 turns the kept responses into advantages (`advantages.group_advantages`) and assembles the
 `StepResult` with its `StepStats` (docs/design.md "Algorithm"). Host-side numpy only; used
 by `ada_jax.rl.controller.Controller.result`.
@@ -123,7 +123,7 @@ class StepResult:
   stats: StepStats
 
 
-class Pools:
+class ResponsePools:
   """Per-prompt pools of one step: rewards and handles (row ids) in row-id order, the rows
   and prompts of each round (`stream`: one entry) and each prompt's first-round size."""
 
@@ -137,7 +137,7 @@ class Pools:
 
 def finish(
   config,
-  pools: Pools,
+  pools: ResponsePools,
   prompt_ids: Sequence[Any],
   num_base: int,
   kept: dict[int, np.ndarray],

@@ -39,7 +39,7 @@ from ada_jax.rl.simulate import PASS_RATE_MIX, _check_pass_rates, method_table, 
 __all__ = [
   "ScheduleResult",
   "SimEngine",
-  "SlotPool",
+  "SimSlots",
   "StreamSimConfig",
   "length_sigma",
   "drifted_pass_rates",
@@ -118,7 +118,7 @@ class StreamSimConfig:
     length_sigma(self.median_length, self.budget, self.at_budget)
 
 
-class SlotPool:
+class SimSlots:
   """S decode slots with a FIFO queue; a finished or cancelled row's slot is refilled at
   once. Time is in decode steps; a row of length L occupies a slot for L steps."""
 
@@ -244,7 +244,7 @@ class _Totals:
 
 
 class SimEngine:
-  """The controller's `Engine` on a `SlotPool`: a row's reward and length are drawn when
+  """The controller's `Engine` on a `SimSlots`: a row's reward and length are drawn when
   it is queued (`_Draws`, the same k-th response of a prompt under both schedules); a
   decode runs the pool to its end (`rounds`) or one segment (`stream`).
 
@@ -254,7 +254,7 @@ class SimEngine:
   """
 
   def __init__(self, draws: _Draws, sim: StreamSimConfig):
-    self.draws, self.sim, self.pool = draws, sim, SlotPool(sim.slots)
+    self.draws, self.sim, self.pool = draws, sim, SimSlots(sim.slots)
     self.reward_of: dict[int, float] = {}
     self.decode_steps = self.idle = self.updates = self.rows_cancelled = 0
 

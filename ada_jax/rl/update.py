@@ -163,7 +163,7 @@ def make_train_batch(
 
   Args:
     result: the controller's selection (handles: row ids, indexing `responses`).
-    responses: the step's response store by row id (`PoolEngine.responses`):
+    responses: the step's response store by row id (`SlotEngine.responses`):
       `tokens int32[N, Lr]`, `logprobs float32[N, Lr]`, `mask bool[N, Lr]`.
     prompt_tokens: token ids of the step's prompts (indexed by `result.prompt_index`).
     rows: the batch's fixed row count (>= number selected).

@@ -1,7 +1,7 @@
-"""The controller's engine on the slot pool: one `RolloutPool` per RL step with the
+"""The controller's engine on the slot pool: one `SlotDriver` per RL step with the
 verifier, the step's response store keyed by row id, and what the step's sampling cost.
 
-`rl.controller` drives a `PoolEngine` through its `Engine` calls (enqueue, update, decode,
+`rl.controller` drives a `SlotEngine` through its `Engine` calls (enqueue, update, decode,
 submit, collect) under either schedule; the engine knows nothing of the algorithm: rows
 are ids, prompts are indices into `prompts.tokens`, a decision is rows to cancel and to
 queue. Built by `ada_jax.step.rl_step`.
@@ -47,7 +47,7 @@ class RolloutCounters:
   time_grade_wait_s: float = 0.0
 
   def add(self, cost: dict[str, float]) -> None:
-    """Adds a `RolloutPool.take_counters` account (a round, or a whole stream step)."""
+    """Adds a `SlotDriver.take_counters` account (a round, or a whole stream step)."""
     self.decode_steps += cost["steps"]
     self.slot_steps += cost["slot_steps"]
     self.rows_computed += cost["rows_computed"]
@@ -76,8 +76,8 @@ def _fold_in(key: jax.Array, data: int) -> jax.Array:
   return jax.random.fold_in(key, jax.device_put(np.uint32(data)))
 
 
-class PoolEngine:
-  """The controller's `Engine` on the slot pool: one `RolloutPool` for the whole step (the
+class SlotEngine:
+  """The controller's `Engine` on the slot pool: one `SlotDriver` for the whole step (the
   prompt cache kept across rounds and segments), the verifier, and the step's response
   store keyed by row id.
 
@@ -121,7 +121,7 @@ class PoolEngine:
 
   def features(self) -> np.ndarray:
     """float32[B, D] the step's prompts' final-normed hidden states at their last token,
-    from the prefill that fills the pool's prompt cache (`RolloutPool.prefill_all`; Est's
+    from the prefill that fills the pool's prompt cache (`SlotDriver.prefill_all`; Est's
     learned head reads them): the prompts stay cached for their rows."""
     return self.pool.prefill_all(self.prompts.tokens, self.entry_of)
 

@@ -13,7 +13,7 @@ budget Lr): the queue contents, its fill level, cancellations and the RNG are tr
 values, so nothing recompiles after warm-up. `run_segment` returns after at most
 `segment_steps` steps, when the pool and queue are empty, or, when the host says it has
 more rows (`Queue.more`), as soon as the queue is drained, so that the host can add,
-cancel and collect rows (`sampler.RolloutPool`) while the live rows keep their slots.
+cancel and collect rows (`sampler.SlotDriver`) while the live rows keep their slots.
 
 The prompt and slot caches, their layouts, writes and reads are `slots.py`'s.
 """
@@ -41,7 +41,7 @@ class Queue:
 
   Attributes:
     prompt: `int32[Q]` prompt-cache entry of each row.
-    position: `int32[Q]` output position of each row (index into `PoolState.tokens`).
+    position: `int32[Q]` output position of each row (index into `SlotState.tokens`).
     row_id: `int32[Q]` the row's id: its tokens are drawn from `fold_in(fold_in(key,
       row_id), token index)`.
     count: `int32[]` rows queued; entries `>= count` are padding.
@@ -59,7 +59,7 @@ class Queue:
 
 
 @struct.dataclass
-class PoolState:
+class SlotState:
   """The pool between segments (S slots, O output positions, budget Lr).
 
   Attributes:
@@ -183,12 +183,12 @@ def init_pool(
   prompt_len: int,
   max_new_tokens: int,
   mesh: jax.sharding.Mesh | None = None,
-) -> PoolState:
+) -> SlotState:
   """An empty pool: S = `slots` free slots, `outputs` output positions, a `SlotCache` of
   `prompt_len` prompt and `max_new_tokens` ring columns per slot."""
   cache = slots_lib.init_slot_cache(config, slots, prompt_len, max_new_tokens, mesh)
   zeros = lambda shape, dtype=jnp.int32: jnp.zeros(shape, dtype)
-  return PoolState(
+  return SlotState(
     cache=cache,
     logits=zeros((slots, config.vocab_size), jnp.float32),
     live=zeros((slots,), bool),
@@ -207,7 +207,7 @@ def init_pool(
   )
 
 
-def _start_rows(config, params, s: PoolState, prompts: PromptCache, queue: Queue, take, qi):
+def _start_rows(config, params, s: SlotState, prompts: PromptCache, queue: Queue, take, qi):
   """The pool's bookkeeping for slots `take` (bool[S]) starting queue rows `qi` (int32[S]):
   their first logits (from the prompt's last hidden state), ids, counters and output rows
   reset. Reads no slot cache (`s.cache` may be None)."""
@@ -232,7 +232,7 @@ def _start_rows(config, params, s: PoolState, prompts: PromptCache, queue: Queue
   )
 
 
-def _refill(config, params, s: PoolState, prompts: PromptCache, queue: Queue, take, qi, mesh):
+def _refill(config, params, s: SlotState, prompts: PromptCache, queue: Queue, take, qi, mesh):
   """Slots `take` (bool[S]) start queue rows `qi` (int32[S]), when any does.
 
   XLA:TPU updates a cache passed through a conditional in place; XLA:GPU copies all of it
@@ -261,13 +261,13 @@ def row_uniforms(key: jax.Array, row_id: jax.Array, index: jax.Array) -> jax.Arr
 def decode_step(
   config: ModelConfig,
   params: Params,
-  s: PoolState,
+  s: SlotState,
   token: jax.Array,
   still: jax.Array,
   *,
   attention_block: int,
   mesh: jax.sharding.Mesh | None = None,
-) -> PoolState:
+) -> SlotState:
   """One decode step of the pool (pure): the slots' new tokens go through the model, their
   keys and values into the slot cache's ring column, their next-token logits into `logits`.
 
@@ -304,14 +304,14 @@ def decode_step(
 def draw_and_decode(
   config: ModelConfig,
   params: Params,
-  s: PoolState,
+  s: SlotState,
   key: jax.Array,
   *,
   rule: SamplingRule,
   stop_ids: tuple[int, ...],
   attention_block: int,
   mesh: jax.sharding.Mesh | None = None,
-) -> PoolState:
+) -> SlotState:
   """One step of the decode loop after its refill (pure): every live slot draws a token
   (`rule.draw` with `row_uniforms`), rows that drew a stop token or reached the budget Lr
   finish, and one decode step runs for the slots still live. `run_segment`'s loop body
@@ -359,7 +359,7 @@ def draw_and_decode(
 def run_segment(
   config: ModelConfig,
   params: Params,
-  state: PoolState,
+  state: SlotState,
   prompts: PromptCache,
   queue: Queue,
   key: jax.Array,
@@ -369,7 +369,7 @@ def run_segment(
   segment_steps: int,
   attention_block: int,
   mesh: jax.sharding.Mesh | None = None,
-) -> tuple[PoolState, jax.Array]:
+) -> tuple[SlotState, jax.Array]:
   """Decodes the pool for one segment (pure; jit with everything after `key` static).
 
   Each step: free slots take the next queued rows (in queue order), then

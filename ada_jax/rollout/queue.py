@@ -1,6 +1,6 @@
 """The host's view of one slot pool (`pool.py`): the rollout's streaming vocabulary.
 
-`RolloutPool` tracks which prompt-cache entries hold which prompts, the rows waiting for a
+`SlotDriver` tracks which prompt-cache entries hold which prompts, the rows waiting for a
 slot and the output positions in use. Its calls are what a streaming controller needs:
 `prefill` prompts (returning each one's last hidden state, e.g. for a learned pass-rate
 head, from the same forward pass that fills the cache), `add_rows` of a prefilled
@@ -10,7 +10,7 @@ row counts from the hidden states, then queue rows, with no extra forward pass.
 
 `advance` is the one admit / run / collect step every caller drives: `drain` loops it to
 the last row (`Sampler.generate`, evaluation, a `rounds` round), a `stream` step calls it
-once per segment (`ada_jax.rollout.engine.PoolEngine`). `take_counters` is the one account of what
+once per segment (`ada_jax.rollout.engine.SlotEngine`). `take_counters` is the one account of what
 the decode loop cost.
 """
 
@@ -54,11 +54,11 @@ def response_arrays(
   return out
 
 
-class RolloutPool:
+class SlotDriver:
   """Host driver of one pool (`pool.run_segment`) for prompts of one bucket length.
 
   Args:
-    programs: the bucket's jitted programs and sizes (`sampler.PoolPrograms`).
+    programs: the bucket's jitted programs and sizes (`sampler.SlotPrograms`).
     params: model parameters.
     key: the rollout key (a row's tokens are `fold_in(fold_in(key, draw id), index)`
       draws; the draw id is the row id unless `rekey` says otherwise).
@@ -340,7 +340,7 @@ class RolloutPool:
     (a `rounds` round keys its rows apart, numbered from 0 as `Sampler.generate` numbers
     a call's rows). Raises RuntimeError while rows are queued or live."""
     if self.busy:
-      raise RuntimeError("RolloutPool.rekey: rows are still queued or decoding")
+      raise RuntimeError("SlotDriver.rekey: rows are still queued or decoding")
     self.key, self.draw_base = self.programs.put(key), base
 
   def advance(

@@ -1,6 +1,6 @@
 """Rollout engine, host side: `Sampler`, its compiled pool functions and `generate`.
 
-The device loop is `pool.py`; the host's queue of one pool is `queue.RolloutPool`.
+The device loop is `pool.py`; the host's queue of one pool is `queue.SlotDriver`.
 `Sampler.generate` is the batch call the RL step, evaluation and prompt selection use:
 any number of rows (responses) of any prompts, returned in request order. Row i's tokens
 depend only on (rng, i, token index), never on the pool size, the schedule or the mesh.
@@ -25,7 +25,7 @@ from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.rollout import pool as pool_lib
 from ada_jax.rollout import slots as slots_lib
-from ada_jax.rollout.queue import RolloutPool, response_arrays
+from ada_jax.rollout.queue import SlotDriver, response_arrays
 from ada_jax.rollout.rule import SamplingRule as SamplingRule
 from ada_jax.rollout.spec import SamplerSpec
 
@@ -62,12 +62,12 @@ class SampleStats:
 
 
 @dataclasses.dataclass(frozen=True)
-class PoolPrograms:
+class SlotPrograms:
   """One prompt bucket's rollout engine: its jitted pool functions and the sizes they were
-  built for (`Sampler.programs`), all a `queue.RolloutPool` needs.
+  built for (`Sampler.programs`), all a `queue.SlotDriver` needs.
 
   Attributes:
-    init: `() -> pool.PoolState`, an empty pool (`pool.init_pool`).
+    init: `() -> pool.SlotState`, an empty pool (`pool.init_pool`).
     empty_prompts: `() -> slots.PromptCache`, an empty prompt cache.
     prefill: `(params, prompts, tokens, mask, entries) -> (prompts, hidden)`
       (`pool.prefill_prompts`; the prompt cache is donated).
@@ -249,7 +249,7 @@ class Sampler:
     self.attention_block = attention_block
     self.prompt_buckets, self.pad_id, self.mesh = tuple(prompt_buckets), pad_id, mesh
     self.compiles = self.copies = 0
-    self._fns: dict[int, PoolPrograms] = {}
+    self._fns: dict[int, SlotPrograms] = {}
     self._cast = None
 
   @classmethod
@@ -286,7 +286,7 @@ class Sampler:
   def _block(self) -> int:
     return self.attention_block or max(16, -(-self.max_new_tokens // 16))
 
-  def programs(self, prompt_len: int) -> PoolPrograms:
+  def programs(self, prompt_len: int) -> SlotPrograms:
     """The jitted pool functions for prompts padded to `prompt_len` (built once per
     bucket; each compiles on its first call, or when lowered ahead of time: `plan.programs`)."""
     if prompt_len in self._fns:
@@ -343,7 +343,7 @@ class Sampler:
       ),
       donate_argnums=(1,),
     )
-    self._fns[prompt_len] = PoolPrograms(
+    self._fns[prompt_len] = SlotPrograms(
       init,
       empty,
       prefill,
@@ -369,7 +369,7 @@ class Sampler:
 
     The decode loop reads every weight at every step, so it must read this copy, never
     cast, stack or gather the float32 masters inside the loop. A caller makes the copy
-    once per RL step (`ada_jax.step.rl_step`; `PoolEngine.finish` frees it with the pool
+    once per RL step (`ada_jax.step.rl_step`; `SlotEngine.finish` frees it with the pool
     before the update), evaluation or prompt selection and passes it to every `pool` /
     `generate` call; `pool` makes one itself when given the masters.
 
@@ -399,15 +399,15 @@ class Sampler:
     self.copies += 1
     return self._cast(params)
 
-  def pool(self, params: Params, key: jax.Array, prompt_len: int) -> RolloutPool:
-    """An empty `RolloutPool` for prompts padded to `prompt_len` (a prompt bucket),
+  def pool(self, params: Params, key: jax.Array, prompt_len: int) -> SlotDriver:
+    """An empty `SlotDriver` for prompts padded to `prompt_len` (a prompt bucket),
     decoding from `rollout_params(params)`."""
     if prompt_len not in self.prompt_buckets:
       raise ValueError(
         f"prompt_len ({prompt_len}) is not one of prompt_buckets {self.prompt_buckets}"
       )
     programs = self.programs(prompt_len)
-    return RolloutPool(programs, self.rollout_params(params), programs.put(key))
+    return SlotDriver(programs, self.rollout_params(params), programs.put(key))
 
   def generate(
     self,
