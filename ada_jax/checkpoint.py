@@ -43,8 +43,8 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 
+from ada_jax import bounds, distributed
 from ada_jax import checksums as checksums_lib
-from ada_jax import distributed
 from ada_jax.models import sharding, weights
 from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.models.tokenizer import Tokenizer
@@ -69,8 +69,8 @@ class CheckpointConfig:
       (`export_hf`).
   """
 
-  every_steps: int = 10
-  keep: int = 3
+  every_steps: int = bounds.within("[0, STEPS]", 10)
+  keep: int = bounds.within("[1, 10**6]", 3)
   async_save: bool = False
   init_from: str = ""
   export_hf: bool = False

@@ -17,6 +17,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
+from ada_jax import bounds
 from ada_jax.checkpoint import CheckpointConfig
 from ada_jax.data.prompts import DataConfig
 from ada_jax.eval.benchmarks import EvalConfig
@@ -67,8 +68,8 @@ class RLConfig:
       cores; 'exact' runs in-process), the hard per-response `timeout_s`, ...
   """
 
-  steps: int = 100
-  batch_prompts: int = 512
+  steps: int = bounds.within("[1, STEPS]", 100)
+  batch_prompts: int = bounds.within("[1, ROWS]", 512)
   verifier: VerifierConfig = VerifierConfig()
 
   def __post_init__(self):
@@ -99,7 +100,7 @@ class RunConfig:
   `train.temperature` are filled from the `loss`, `optim` and `sampler` groups, and
   `train.num_minibatches` is derived from `train.mini_batch_prompts`)."""
 
-  seed: int = 0
+  seed: int = bounds.within("[0, 2**63)", 0)
   model: ModelSpec = ModelSpec(preset="tiny-llama")
   tokenizer: TokenizerConfig = TokenizerConfig()
   data: DataConfig = DataConfig()
@@ -222,140 +223,16 @@ class RunConfig:
     return out
 
 
-# The valid range of every numeric field of every group ('Class.field': interval; a tuple
-# field's items each). The groups' own checks catch what the code cannot run; these add the
-# upper ends that fail only later (a verifier timeout too large for the OS's timers
-# overflowed at RL step 1, after the warm start and the first evaluation) and the lower
-# ends no group checked. tests/test_config.py checks every numeric field is listed.
-_TOKENS = 2**20  # any token count or length: far beyond any context
-_ROWS = 2**24  # any row, slot or prompt count: far beyond any slice's memory
-_STEPS = 10**9
-_RANGES = {
-  "RunConfig.seed": "[0, 2**63)",
-  "TokenizerConfig.eos_ids": "[0, 2**31)",
-  "DataConfig.max_prompt_tokens": "[1, _TOKENS]",
-  "DataConfig.arith_prompts": "[1, 10**8]",
-  "ArithConfig.levels": "[1, 9]",
-  "ArithConfig.level_weights": "[0, 1e6]",
-  "SamplerSpec.temperature": "[0, 100]",
-  "SamplerSpec.top_k": "[0, _TOKENS]",
-  "SamplerSpec.top_p": "(0, 1]",
-  "SamplerSpec.max_new_tokens": "[1, _TOKENS]",
-  "SamplerSpec.chunk_rows": "[1, _ROWS]",
-  "SamplerSpec.prompts_per_chunk": "[0, _ROWS]",
-  "SamplerSpec.prompt_buckets": "[1, _TOKENS]",
-  "SamplerSpec.segment_steps": "[0, _TOKENS]",
-  "SamplerSpec.queue_rows": "[0, 16 * _ROWS]",
-  "SamplerSpec.attention_block": "[0, _TOKENS]",
-  "AdaConfig.n": "[1, 2**16]",
-  "AdaConfig.positive_threshold": "[-1, 1]",
-  "AdaConfig.std_eps": "(0, 1]",
-  "AdaConfig.inverse_p_weight": "[0, 10]",
-  "SeqConfig.samples_per_round": "[1, 2**16]",
-  "SeqConfig.max_rounds": "[1, 2**10]",
-  "SeqConfig.k_pos": "[0, 2**16]",
-  "SeqConfig.k_neg": "[0, 2**16]",
-  "SeqConfig.min_exit_chance": "[0, 1]",
-  "DapoConfig.max_extra_passes": "[0, 2**10]",
-  "DapoConfig.prompts_per_pass": "[1, _ROWS]",
-  "EstConfig.alpha": "(0, 1e6]",
-  "EstConfig.beta": "(0, 1e6]",
-  "EstConfig.decay": "[0, 1]",
-  "EstConfig.budget_per_prompt": "(0, 2**16]",
-  "EstConfig.weight": "[0, 10]",
-  "EstConfig.p_min": "(0, 0.5]",
-  "EstConfig.head_lr": "(0, 100]",
-  "EstConfig.head_steps": "[0, 10**6]",
-  "EstConfig.n_min": "[0, 2**16]",
-  "EstConfig.n_max": "[1, 2**16]",
-  "RLConfig.steps": "[1, _STEPS]",
-  "RLConfig.batch_prompts": "[1, _ROWS]",
-  # Timeouts: a day at most (poll(2) takes milliseconds as a C int: 24.8 days overflow).
-  "VerifierConfig.num_workers": "[0, 4096]",
-  "VerifierConfig.timeout_s": "(0, 86400]",
-  "VerifierConfig.soft_timeout_frac": "(0, 1]",
-  "VerifierConfig.startup_timeout_s": "(0, 86400]",
-  "VerifierConfig.max_memory_mb": "[64, 2**30]",
-  "VerifierConfig.max_answer_chars": "[1, 10**8]",
-  "LossConfig.clip_low": "[0, 1)",
-  "LossConfig.clip_high": "[0, 100]",
-  "LossConfig.dual_clip": "(1, 1e6]",
-  "LossConfig.log_ratio_clamp": "(0, 100]",
-  "LossConfig.entropy_coeff": "[-100, 100]",
-  "LossConfig.kl_coeff": "[0, 1e6]",
-  "OptimConfig.learning_rate": "(0, 100]",
-  "OptimConfig.warmup_steps": "[0, _STEPS]",
-  "OptimConfig.b1": "[0, 1)",
-  "OptimConfig.b2": "[0, 1)",
-  "OptimConfig.eps": "(0, 1]",
-  "OptimConfig.weight_decay": "[0, 100]",
-  "OptimConfig.grad_clip": "[0, 1e12]",
-  "TrainConfig.mini_batch_prompts": "[0, _ROWS]",
-  "TrainConfig.micro_batch_size": "[0, 16 * _ROWS]",
-  "CheckpointConfig.every_steps": "[0, _STEPS]",
-  "CheckpointConfig.keep": "[1, 10**6]",
-  "WarmStartConfig.steps": "[1, _STEPS]",
-  "WarmStartConfig.batch_size": "[1, _ROWS]",
-  "WarmStartConfig.learning_rate": "(0, 100]",
-  "WarmStartConfig.warmup_steps": "[0, _STEPS]",
-  "WarmStartConfig.final_lr_fraction": "[0, 1]",
-  "WarmStartConfig.weight_decay": "[0, 100]",
-  "WarmStartConfig.grad_clip": "[0, 1e12]",
-  "WarmStartConfig.seed": "[0, 2**63)",
-  "WarmStartConfig.target_accuracy": "[0, 1]",
-  "WarmStartConfig.target_level": "[0, 9]",
-  "WarmStartConfig.check_every": "[1, _STEPS]",
-  "EvalConfig.k": "[1, 2**16]",
-  "EvalConfig.pass_at": "[1, 2**16]",
-  "EvalConfig.max_prompt_tokens": "[1, _TOKENS]",
-  "EvalConfig.limit": "[0, 10**9]",
-  "EvalConfig.seed": "[0, 2**63)",
-  "EvalConfig.problems_per_batch": "[1, _ROWS]",
-  "EvalConfig.arith_levels": "[1, 9]",
-  "EvalConfig.arith_problems": "[1, 10**8]",
-  "EvalConfig.every_steps": "[0, _STEPS]",
-  "MeshConfig.data": "[-1, 2**16]",
-  "MeshConfig.fsdp": "[-1, 2**16]",
-  "MeshConfig.tensor": "[-1, 2**16]",
-}
-
-
-def _interval(text: str) -> tuple[float, float, bool, bool]:
-  """(low, high, low closed, high closed) of an interval written as in `_RANGES`."""
-  low, high = text[1:-1].split(",")
-  return _number(low), _number(high), text[0] == "[", text[-1] == "]"
-
-
-def _number(text: str) -> float:
-  """`2**63`, `16 * _TOKENS`, `1e6`: the products and powers `_RANGES` writes."""
-  names = {"_TOKENS": _TOKENS, "_ROWS": _ROWS, "_STEPS": _STEPS}
-  out = 1
-  for factor in text.split(" * "):
-    base, _, power = factor.strip().partition("**")
-    x = names[base] if base in names else float(base) if "." in base or "e" in base else int(base)
-    out *= x ** int(power) if power else x
-  return out
-
-
 def check_range(cls: type, name: str, value: Any, path: str) -> None:
-  """Refuses a number (or a tuple item) of field `cls.name` outside its `_RANGES` interval.
+  """Refuses a number (or a tuple item) of field `cls.name` outside the interval declared
+  at the field (`bounds.within`).
 
   Raises:
     ConfigError: naming `config.<path>`, the value and the interval.
   """
-  interval = _RANGES.get(f"{cls.__name__}.{name}")
-  if interval is None:
-    return
-  low, high, low_closed, high_closed = _interval(interval)
-  for x in value if isinstance(value, tuple) else (value,):
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-      continue  # a string of a str-or-float field, None for "derived": the group checks it
-    above = x > low if not low_closed else x >= low
-    below = x < high if not high_closed else x <= high
-    if not (above and below):
-      for symbol, text in (("_TOKENS", "2**20"), ("_ROWS", "2**24"), ("_STEPS", "10**9")):
-        interval = interval.replace(symbol, text)
-      raise ConfigError(f"config.{path}.{name}={value!r}: must be in {interval}")
+  interval = bounds.of(cls, name)
+  if interval is not None and bounds.outside(interval, value):
+    raise ConfigError(f"config.{path}.{name}={value!r}: must be in {bounds.written(interval)}")
 
 
 def check_workdir(workdir: str | None, flag: str = "--workdir") -> pathlib.Path:

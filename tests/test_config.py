@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from ml_collections import config_flags
 
+from ada_jax import bounds
 from ada_jax import config as config_lib
 from ada_jax.checkpoint import CheckpointConfig
 from ada_jax.models.tokenizer import TokenizerConfig
@@ -339,14 +340,14 @@ NUMERIC = [f for f in _group_fields() if _is_numeric(f[3])]
 def test_every_numeric_field_has_a_range():
   """A field added without a range would let a value through that fails only later."""
   missing = sorted(
-    {f"{cls.__name__}.{name}" for _, cls, name, _ in NUMERIC} - set(config_lib._RANGES)
+    f"{cls.__name__}.{name}" for _, cls, name, _ in NUMERIC if bounds.of(cls, name) is None
   )
   assert not missing
   assert len(NUMERIC) > 80  # the nested groups (eval.sampler, rl.verifier, ...) are walked
 
 
 def _outside(interval: str) -> list[float]:
-  low, high, low_closed, high_closed = config_lib._interval(interval)
+  low, high, low_closed, high_closed = bounds.parse(interval)
   return [low - 1 if low_closed else low, high + 1 if high_closed else high]
 
 
@@ -370,7 +371,7 @@ def test_a_value_outside_its_range_is_refused_at_parse_naming_the_bound(field, s
   import typing
 
   path, cls, name, hint = field
-  interval = config_lib._RANGES[f"{cls.__name__}.{name}"]
+  interval = bounds.of(cls, name)
   value = _outside(interval)[side]
   is_int = int in {hint, *typing.get_args(hint)} or hint == tuple[int, ...]
   value = int(value) if is_int and float(value).is_integer() else float(value)
@@ -513,3 +514,23 @@ def test_slots_changed_on_a_host_config_name_the_setting_the_host_made(host, chu
   assert f"({chunk_rows}) part empty: set it too" in text
   c.sampler.prompts_per_chunk = 0  # derived: accepted
   config_lib.parse(c)
+
+
+def test_a_bound_is_declared_at_its_field_and_read_from_there():
+  """A new group declares its bounds where its fields are: the parser reads them from the
+  field, a malformed interval fails where it is written, and names read as numbers."""
+
+  @dataclasses.dataclass(frozen=True)
+  class Patience:
+    rounds: int = bounds.within("[1, 2**4]", 2)
+
+  assert bounds.of(Patience, "rounds") == "[1, 2**4]" and Patience().rounds == 2
+  with pytest.raises(
+    config_lib.ConfigError, match=r"config\.ada\.patience\.rounds=17: must be in \[1, 2\*\*4\]"
+  ):
+    config_lib.check_range(Patience, "rounds", 17, "ada.patience")
+  config_lib.check_range(Patience, "rounds", 16, "ada.patience")
+  with pytest.raises(ValueError, match="interval"):
+    bounds.within("1..16", 2)
+  assert bounds.written("[0, 16 * ROWS]") == "[0, 16 * 2**24]"
+  assert bounds.outside("(0, 1]", (0.5, 0.0)) and not bounds.outside("(0, 1]", None)

@@ -18,7 +18,7 @@ LATE_IMPORTS_ALLOWED = {"ada_jax.main", "ada_jax.plan.__main__"}
 # The layers, lowest first; a module imports only from its own layer or lower ones (the
 # most specific prefix places a module; a package's `__init__` imports nothing).
 LAYERS = (
-  ("models", ("ada_jax.models", "ada_jax.platforms")),
+  ("models", ("ada_jax.models", "ada_jax.platforms", "ada_jax.bounds")),
   ("rewards", ("ada_jax.rewards",)),
   ("data", ("ada_jax.data",)),
   ("rollout engine", ("ada_jax.rollout",)),
@@ -170,14 +170,15 @@ def test_imports_only_go_down_the_layers():
 
 
 def test_the_rollout_engine_needs_only_the_model():
-  """`rollout/` is self-contained: it imports the model and itself, nothing of the RL
-  algorithm or the run (the step module, above both, joins them)."""
+  """`rollout/` is self-contained: it imports the model, the bottom layer's field bounds
+  and itself, nothing of the RL algorithm or the run (the step module, above both, joins
+  them)."""
   top, late = _imports()
   for module in [m for m in top if m.startswith("ada_jax.rollout")]:
     outside = {
       t
       for t in top[module] | late[module]
-      if not t.startswith(("ada_jax.models", "ada_jax.rollout"))
+      if not t.startswith(("ada_jax.models", "ada_jax.rollout", "ada_jax.bounds"))
     }
     assert outside == set(), f"{module} imports {sorted(outside)}"
 

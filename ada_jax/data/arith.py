@@ -43,6 +43,7 @@ import numpy as np
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
+from ada_jax import bounds
 from ada_jax.models.tokenizer import Tokenizer, pad_left
 
 TOKENIZER_DIR = pathlib.Path(__file__).resolve().parent / "assets" / "arith_tokenizer"
@@ -67,8 +68,8 @@ class ArithConfig:
     ops: operators to draw from, uniformly (subset of '+', '-', '*').
   """
 
-  levels: tuple[int, ...] = (1, 2, 3, 4, 5)
-  level_weights: tuple[float, ...] = ()
+  levels: tuple[int, ...] = bounds.within("[1, 9]", (1, 2, 3, 4, 5))
+  level_weights: tuple[float, ...] = bounds.within("[0, 1e6]", ())
   ops: tuple[str, ...] = ("+", "-", "*")
 
   def __post_init__(self):

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 from absl import logging
 
+from ada_jax import bounds
 from ada_jax.data.arith import ArithConfig
 from ada_jax.models.tokenizer import Tokenizer
 
@@ -106,9 +107,9 @@ class DataConfig:
   exclude_math500: bool = True
   prompt_style: str = "chat"
   frame: PromptFrame = PromptFrame()
-  max_prompt_tokens: int = 1024
+  max_prompt_tokens: int = bounds.within("[1, TOKENS]", 1024)
   arith: ArithConfig = ArithConfig()
-  arith_prompts: int = 20_000
+  arith_prompts: int = bounds.within("[1, 10**8]", 20_000)
 
 
 # --------------------------------------------------------------------------- prompts

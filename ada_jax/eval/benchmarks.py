@@ -39,6 +39,7 @@ import numpy as np
 import tqdm
 from absl import logging
 
+from ada_jax import bounds
 from ada_jax.data import arith, prompts
 from ada_jax.data import sets as data
 from ada_jax.eval.cache import ResultCache
@@ -103,23 +104,23 @@ class EvalConfig:
   """
 
   benchmarks: tuple[str, ...] = PAPER_BENCHMARKS
-  k: int = 32
+  k: int = bounds.within("[1, 2**16]", 32)
   sampler: SamplerSpec = SamplerSpec(max_new_tokens=4096)
-  pass_at: tuple[int, ...] = ()
+  pass_at: tuple[int, ...] = bounds.within("[1, 2**16]", ())
   greedy: bool = False
   prompt_style: str = ""
   frame: prompts.PromptFrame = prompts.PromptFrame()
   verifier: VerifierConfig = VerifierConfig(judge="")
-  max_prompt_tokens: int = 1024
-  limit: int = 0
-  seed: int = 0
-  problems_per_batch: int = 64
+  max_prompt_tokens: int = bounds.within("[1, TOKENS]", 1024)
+  limit: int = bounds.within("[0, 10**9]", 0)
+  seed: int = bounds.within("[0, 2**63)", 0)
+  problems_per_batch: int = bounds.within("[1, ROWS]", 64)
   data_dir: str = ""
   manual_dir: str = ""
-  arith_levels: tuple[int, ...] = ()
+  arith_levels: tuple[int, ...] = bounds.within("[1, 9]", ())
   arith_ops: tuple[str, ...] = ()
-  arith_problems: int = 200
-  every_steps: int = 0
+  arith_problems: int = bounds.within("[1, 10**8]", 200)
+  every_steps: int = bounds.within("[0, STEPS]", 0)
 
   def __post_init__(self):
     if isinstance(self.benchmarks, str):  # 'math500,aime24', e.g. from a command line.

@@ -37,7 +37,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ada_jax import platforms
+from ada_jax import bounds, platforms
 from ada_jax.models import decoder as model_lib
 from ada_jax.models.decoder import ModelConfig, Params
 
@@ -65,9 +65,9 @@ class MeshConfig:
   """Mesh axis sizes (the run config's `mesh` group), as `make_mesh` takes them: one may
   be -1 (all remaining devices)."""
 
-  data: int = -1
-  fsdp: int = 1
-  tensor: int = 1
+  data: int = bounds.within("[-1, 2**16]", -1)
+  fsdp: int = bounds.within("[-1, 2**16]", 1)
+  tensor: int = bounds.within("[-1, 2**16]", 1)
 
 
 def make_mesh(

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import tokenizers
 
+from ada_jax import bounds
 from ada_jax.models import chat_template as chat_template_lib
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -43,7 +44,7 @@ class TokenizerConfig:
   """
 
   dir: str = ""
-  eos_ids: tuple[int, ...] = ()
+  eos_ids: tuple[int, ...] = bounds.within("[0, 2**31)", ())
 
 
 _SPECIAL_TOKEN_FIELDS = tuple(

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ada_jax import bounds
 from ada_jax.rewards.grader import ERROR, MAX_ANSWER_CHARS, NO_BOX, TIMEOUT
 from ada_jax.rewards.judges import JUDGES
 from ada_jax.rewards.workers import Dispatcher
@@ -47,13 +48,14 @@ class VerifierConfig:
   """
 
   judge: str = "math"
-  num_workers: int = 0
-  timeout_s: float = 5.0
-  soft_timeout_frac: float | None = 0.8
+  num_workers: int = bounds.within("[0, 4096]", 0)
+  # Timeouts: a day at most (poll(2) takes milliseconds as a C int: 24.8 days overflow).
+  timeout_s: float = bounds.within("(0, 86400]", 5.0)
+  soft_timeout_frac: float | None = bounds.within("(0, 1]", 0.8)
   start_method: str = "forkserver"
-  startup_timeout_s: float = 120.0
-  max_memory_mb: int | None = 4096
-  max_answer_chars: int = MAX_ANSWER_CHARS
+  startup_timeout_s: float = bounds.within("(0, 86400]", 120.0)
+  max_memory_mb: int | None = bounds.within("[64, 2**30]", 4096)
+  max_answer_chars: int = bounds.within("[1, 10**8]", MAX_ANSWER_CHARS)
 
   def __post_init__(self):
     if self.judge not in ("", *JUDGES):

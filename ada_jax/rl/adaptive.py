@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ada_jax import bounds
 from ada_jax.rl import advantages as adv_lib
 from ada_jax.rl import estimate
 from ada_jax.rl.estimate import EST_PAPER, EstConfig
@@ -87,13 +88,13 @@ class SeqConfig:
     ValueError: naming the bad field.
   """
 
-  samples_per_round: int = 8
-  max_rounds: int = 4
-  k_pos: int | None = None
-  k_neg: int | None = None
+  samples_per_round: int = bounds.within("[1, 2**16]", 8)
+  max_rounds: int = bounds.within("[1, 2**10]", 4)
+  k_pos: int | None = bounds.within("[0, 2**16]", None)
+  k_neg: int | None = bounds.within("[0, 2**16]", None)
   selection: str = "first"
   batch_order: str = "exit"
-  min_exit_chance: float = 0.0
+  min_exit_chance: float = bounds.within("[0, 1]", 0.0)
 
   def __post_init__(self):
     bad = lambda field, why: _refuse("SeqConfig", self, field, why)
@@ -131,8 +132,8 @@ class DapoConfig:
     ValueError: naming the bad field.
   """
 
-  max_extra_passes: int = 4
-  prompts_per_pass: int | None = None
+  max_extra_passes: int = bounds.within("[0, 2**10]", 4)
+  prompts_per_pass: int | None = bounds.within("[1, ROWS]", None)
 
   def __post_init__(self):
     bad = lambda field, why: _refuse("DapoConfig", self, field, why)
@@ -179,12 +180,12 @@ class AdaConfig:
 
   method: str = "pos"
   schedule: str = "rounds"
-  n: int = 4
-  positive_threshold: float = 0.5
+  n: int = bounds.within("[1, 2**16]", 4)
+  positive_threshold: float = bounds.within("[-1, 1]", 0.5)
   baseline: str = "global"
   std_normalize: bool = False
-  std_eps: float = 1e-6
-  inverse_p_weight: str | float = "none"
+  std_eps: float = bounds.within("(0, 1]", 1e-6)
+  inverse_p_weight: str | float = bounds.within("[0, 10]", "none")
   seq: SeqConfig = SeqConfig()
   dapo: DapoConfig = DapoConfig()
   est: EstConfig = EstConfig()

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from ada_jax import bounds
 from ada_jax.rl import pass_rate_head as head_lib
 
 EstState = dict[str, np.ndarray]
@@ -121,18 +122,18 @@ class EstConfig:
     ValueError: naming the first bad field.
   """
 
-  alpha: float = 1.0
-  beta: float = 16.0
-  decay: float = 0.9
-  budget_per_prompt: float = 8.0
-  weight: str | float = "1/p"
+  alpha: float = bounds.within("(0, 1e6]", 1.0)
+  beta: float = bounds.within("(0, 1e6]", 16.0)
+  decay: float = bounds.within("[0, 1]", 0.9)
+  budget_per_prompt: float = bounds.within("(0, 2**16]", 8.0)
+  weight: str | float = bounds.within("[0, 10]", "1/p")
   estimator: str = "ema"
-  p_min: float = 1e-3
-  head_lr: float = 1e-2
-  head_steps: int = 8
+  p_min: float = bounds.within("(0, 0.5]", 1e-3)
+  head_lr: float = bounds.within("(0, 100]", 1e-2)
+  head_steps: int = bounds.within("[0, 10**6]", 8)
   split: str = "released"
-  n_min: int = 1
-  n_max: int | None = None
+  n_min: int = bounds.within("[0, 2**16]", 1)
+  n_max: int | None = bounds.within("[1, 2**16]", None)
 
   def __post_init__(self):
     def bad(field: str, why: str):

@@ -32,6 +32,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ada_jax import bounds
 from ada_jax.models import decoder as model_lib
 from ada_jax.models.decoder import ModelConfig, Params
 
@@ -50,13 +51,13 @@ class LossConfig:
     kl_coeff: β_KL, weight of the k3 KL to the reference policy; 0 disables it.
   """
 
-  clip_low: float = 0.2
-  clip_high: float = 0.28
-  dual_clip: float | None = 10.0
-  log_ratio_clamp: float = 20.0
+  clip_low: float = bounds.within("[0, 1)", 0.2)
+  clip_high: float = bounds.within("[0, 100]", 0.28)
+  dual_clip: float | None = bounds.within("(1, 1e6]", 10.0)
+  log_ratio_clamp: float = bounds.within("(0, 100]", 20.0)
   aggregation: str = "token-mean"
-  entropy_coeff: float = 0.0
-  kl_coeff: float = 0.0
+  entropy_coeff: float = bounds.within("[-100, 100]", 0.0)
+  kl_coeff: float = bounds.within("[0, 1e6]", 0.0)
 
   def __post_init__(self):
     if self.aggregation not in AGGREGATIONS:

@@ -28,6 +28,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ada_jax import bounds
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.rl import losses
@@ -49,13 +50,13 @@ class OptimConfig:
     grad_clip: max global gradient norm; 0 disables clipping.
   """
 
-  learning_rate: float = 1e-6
-  warmup_steps: int = 10
-  b1: float = 0.9
-  b2: float = 0.999
-  eps: float = 1e-8
-  weight_decay: float = 0.0
-  grad_clip: float = 1.0
+  learning_rate: float = bounds.within("(0, 100]", 1e-6)
+  warmup_steps: int = bounds.within("[0, STEPS]", 10)
+  b1: float = bounds.within("[0, 1)", 0.9)
+  b2: float = bounds.within("[0, 1)", 0.999)
+  eps: float = bounds.within("(0, 1]", 1e-8)
+  weight_decay: float = bounds.within("[0, 100]", 0.0)
+  grad_clip: float = bounds.within("[0, 1e12]", 1.0)
 
   def __post_init__(self):
     if self.learning_rate <= 0:
@@ -100,8 +101,8 @@ class TrainConfig:
   loss: LossConfig = LossConfig()
   optim: OptimConfig = OptimConfig()
   num_minibatches: int = 4
-  mini_batch_prompts: int = 0
-  micro_batch_size: int = 0
+  mini_batch_prompts: int = bounds.within("[0, ROWS]", 0)
+  micro_batch_size: int = bounds.within("[0, 16 * ROWS]", 0)
   remat: bool = False
   old_logprobs: str = "sampler"
   temperature: float = 1.0

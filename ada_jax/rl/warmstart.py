@@ -28,6 +28,7 @@ import numpy as np
 import optax
 import tqdm
 
+from ada_jax import bounds
 from ada_jax.data import arith
 from ada_jax.models import decoder as model_lib
 from ada_jax.models.decoder import ModelConfig, Params
@@ -65,17 +66,17 @@ class WarmStartConfig:
       never trained on.
   """
 
-  steps: int = 600
-  batch_size: int = 64
-  learning_rate: float = 3e-3
-  warmup_steps: int = 50
-  final_lr_fraction: float = 0.1
-  weight_decay: float = 0.0
-  grad_clip: float = 1.0
-  seed: int = 0
-  target_accuracy: float = 0.0
-  target_level: int = 0
-  check_every: int = 25
+  steps: int = bounds.within("[1, STEPS]", 600)
+  batch_size: int = bounds.within("[1, ROWS]", 64)
+  learning_rate: float = bounds.within("(0, 100]", 3e-3)
+  warmup_steps: int = bounds.within("[0, STEPS]", 50)
+  final_lr_fraction: float = bounds.within("[0, 1]", 0.1)
+  weight_decay: float = bounds.within("[0, 100]", 0.0)
+  grad_clip: float = bounds.within("[0, 1e12]", 1.0)
+  seed: int = bounds.within("[0, 2**63)", 0)
+  target_accuracy: float = bounds.within("[0, 1]", 0.0)
+  target_level: int = bounds.within("[0, 9]", 0)
+  check_every: int = bounds.within("[1, STEPS]", 25)
   task: arith.ArithConfig = arith.ArithConfig(levels=(1, 2, 3), ops=("+", "-"))
 
   def __post_init__(self):

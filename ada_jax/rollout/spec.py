@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ada_jax import bounds
 from ada_jax.rollout.rule import SamplingRule
 
 
@@ -29,16 +30,16 @@ class SamplerSpec:
       (at least 16; `Sampler._block`).
   """
 
-  temperature: float = 1.0
-  top_k: int = 0
-  top_p: float = 1.0
-  max_new_tokens: int = 2048
-  chunk_rows: int = 64
-  prompts_per_chunk: int = 0
-  prompt_buckets: tuple[int, ...] = (128, 256, 512, 1024)
-  segment_steps: int = 0
-  queue_rows: int = 0
-  attention_block: int = 0
+  temperature: float = bounds.within("[0, 100]", 1.0)
+  top_k: int = bounds.within("[0, TOKENS]", 0)
+  top_p: float = bounds.within("(0, 1]", 1.0)
+  max_new_tokens: int = bounds.within("[1, TOKENS]", 2048)
+  chunk_rows: int = bounds.within("[1, ROWS]", 64)
+  prompts_per_chunk: int = bounds.within("[0, ROWS]", 0)
+  prompt_buckets: tuple[int, ...] = bounds.within("[1, TOKENS]", (128, 256, 512, 1024))
+  segment_steps: int = bounds.within("[0, TOKENS]", 0)
+  queue_rows: int = bounds.within("[0, 16 * ROWS]", 0)
+  attention_block: int = bounds.within("[0, TOKENS]", 0)
 
   def __post_init__(self):
     self.rule  # noqa: B018 -- SamplingRule checks temperature, top_k, top_p
