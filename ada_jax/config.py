@@ -212,15 +212,7 @@ class RunConfig:
 
   def warnings(self) -> list[str]:
     """Settings that run but are likely mistakes (the loop logs them before compiling)."""
-    out = []
-    m, n = self.ada.seq.samples_per_round, self.ada.n
-    if isinstance(self.rule, rules.Seq) and m > 16 * n:
-      out.append(
-        f"config.ada.seq.samples_per_round={m} draws {m} responses per active prompt per round "
-        f"to keep n={n} ({m // n}x GRPO's rows per round; the paper: M=8, n=4): "
-        "each step costs that much more decoding"
-      )
-    return out
+    return [f"config.ada.{w}" for w in self.rule.warnings(self.ada)]
 
 
 def check_range(cls: type, name: str, value: Any, path: str) -> None:

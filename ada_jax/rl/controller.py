@@ -34,7 +34,7 @@ from ada_jax.rl import pools as pools_lib
 from ada_jax.rl import rules
 from ada_jax.rl.adaptive import SCHEDULES, AdaConfig
 from ada_jax.rl.pools import StepResult
-from ada_jax.rl.rules import Plan, Seq
+from ada_jax.rl.rules import Plan
 
 MorePromptsFn = Callable[[int], Sequence[Any]]
 
@@ -121,7 +121,7 @@ class Controller:
     if self.schedule == "stream":
       default_pool = min(max(config.n, config.seq.samples_per_round), cap)
     self.min_pool = default_pool if min_pool is None else min_pool
-    if isinstance(self.rule, Seq) and not config.n <= self.min_pool <= cap:
+    if self.rule.has_exit_rule and not config.n <= self.min_pool <= cap:
       raise ValueError(f"min_pool={min_pool}: must lie in [n, R*M]")
     self.more_prompts, self.state = more_prompts, self.rule.new_state()
     self.prompt_ids = list(range(num_prompts) if prompt_ids is None else prompt_ids)

@@ -89,8 +89,8 @@ def pool_meets_exit(
   Raises:
     ValueError: `config.method` has no exit rule.
   """
-  if not isinstance(RULES.get(config.method), Seq):
-    seq = [m for m, r in RULES.items() if isinstance(r, Seq)]
+  if not getattr(RULES.get(config.method), "has_exit_rule", False):
+    seq = [m for m, r in RULES.items() if r.has_exit_rule]
     raise ValueError(f"config.method={config.method!r}: the exit rule is for {seq}")
   r = np.asarray(rewards, np.float64)
   k_pos, k_neg = thresholds(config)
@@ -182,6 +182,9 @@ class Rule:
   Attributes:
     adds_prompts: the rule may ask for prompts beyond the step's B (`more_prompts`), so
       the step's prompt bucket must fit any prompt of the set.
+    has_exit_rule: a prompt retires when its pool meets an exit rule (`pool_meets_exit`),
+      or with R·M rows drawn (Seq): the stream schedule's smallest exiting pool and the
+      simulators' count of prompts that hit the cap read it.
 
   `ctl` below is the `controller.Controller` asking: a rule reads its pools
   (`ctl.graded[p]`: row id -> reward), its counts (`ctl.pending(p)`, `ctl.issued(p)`),
@@ -190,6 +193,7 @@ class Rule:
   """
 
   adds_prompts = False
+  has_exit_rule = False
 
   def check(self, config: AdaConfig, bad: Callable[[str, str], None]) -> None:
     """Raises (by `bad(field, why)`, the field's path under `AdaConfig`) on settings this
@@ -200,6 +204,11 @@ class Rule:
         "seq.min_exit_chance",
         f"stops prompts that cannot meet an exit rule; {config.method!r} has none",
       )
+
+  def warnings(self, config) -> list[str]:
+    """Settings this rule runs but that are likely mistakes, each '<field under ada>=value:
+    why' (`RunConfig.warnings`, logged before compiling)."""
+    return []
 
   def needs_features(self, config) -> bool:
     """Whether the step must hand `plan` the prompts' hidden states (`run_step`'s
@@ -258,6 +267,7 @@ class Seq(Rule):
   """
 
   exit_thresholds: Thresholds = lambda n: (n // 2, n - n // 2)
+  has_exit_rule = True
 
   def check(self, config, bad):
     k_pos, k_neg = thresholds(config)
@@ -274,6 +284,16 @@ class Seq(Rule):
 
   def min_rows(self, config):
     return config.seq.samples_per_round
+
+  def warnings(self, config):
+    m, n = config.seq.samples_per_round, config.n
+    if m <= 16 * n:
+      return []
+    return [
+      f"seq.samples_per_round={m} draws {m} responses per active prompt per round to keep "
+      f"n={n} ({m // n}x GRPO's rows per round; the paper: M=8, n=4): each step costs that "
+      "much more decoding"
+    ]
 
   def plan(self, config, prompt_ids, est_state, features):
     if not config.seq.min_exit_chance:

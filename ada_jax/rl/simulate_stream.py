@@ -417,7 +417,7 @@ def simulate_schedule(
       tot.signal += res.stats.signal_fraction * sim.batch
       for k, v in stats.items():
         setattr(tot, k, getattr(tot, k) + v)
-      if isinstance(rules.RULES[cfg.method], rules.Seq):  # Drew R·M without exiting.
+      if rules.RULES[cfg.method].has_exit_rule:  # Drew R·M without exiting.
         capped = np.flatnonzero(res.stats.pool_size[: sim.batch] >= cap)
         tot.capped_prompts += capped.size
         tot.capped_tokens += sum(int(draws.length[p][: draws.count[p]].sum()) for p in capped)
