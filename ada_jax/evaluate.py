@@ -20,7 +20,7 @@ from ada_jax import cli, runstate
 from ada_jax import config as config_lib
 from ada_jax.eval import benchmarks as benchmarks_lib
 from ada_jax.eval.benchmarks import EvalConfig
-from ada_jax.evaluation import report_text, run
+from ada_jax.eval.evaluator import report_text, run
 from ada_jax.models import sharding
 from ada_jax.policy import load_model
 

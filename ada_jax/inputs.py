@@ -1,5 +1,5 @@
 """What a run reads before anything compiles: its model's architecture and tokenizer, and
-its training prompts (the evaluation's data: `evaluation.Evaluator.make`).
+its training prompts (the evaluation's data: `eval.evaluator.Evaluator.make`).
 
 Shared by the training loop (`loop`), the evaluation command (`evaluate`) and prompt
 selection (`select_prompts`), so that all three tokenize exactly alike. Every failure is

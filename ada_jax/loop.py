@@ -28,12 +28,13 @@ import jax
 import numpy as np
 from absl import logging
 
-from ada_jax import checkpoint, distributed, evaluation, inputs, runstate, start
+from ada_jax import checkpoint, distributed, inputs, runstate, start
 from ada_jax import config as config_lib
 from ada_jax import metrics as metrics_lib
 from ada_jax.config import ConfigError
 from ada_jax.data import prompts as prompts_lib
 from ada_jax.eval import benchmarks
+from ada_jax.eval.evaluator import Evaluator
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.models import weights
 from ada_jax.models.decoder import ModelConfig
@@ -46,7 +47,7 @@ from ada_jax.step import StepContext, rl_step
 
 def _heldout_eval(evaluator, workdir, params, step, rng):
   """The held-out benchmarks of the current policy (`evaluator`, the run's
-  `evaluation.Evaluator`, or None: none set), report in workdir/eval/step_<step>.*,
+  `eval.evaluator.Evaluator`, or None: none set), report in workdir/eval/step_<step>.*,
   with a progress bar and a closing line on the console; `rng` the run's eval key
   (`runstate.RunKeys.eval`: every evaluation of the run samples with it, so two
   evaluations differ only by the policy). Returns the flat metrics."""
@@ -132,7 +133,7 @@ class _SetUp:
   tokenizer: Tokenizer
   mesh: jax.sharding.Mesh
   prompts: prompts_lib.PromptSet
-  evaluator: evaluation.Evaluator | None
+  evaluator: Evaluator | None
   sampler: sampler_lib.Sampler
   # What the run depends on, the prompts' fingerprint standing for where they were read.
   record: dict[str, Any]
@@ -191,7 +192,7 @@ def _set_up(cfg: config_lib.RunConfig, workdir: str) -> _SetUp:
     )
   evaluator = None
   if cfg.eval.benchmarks:  # set up once: every held-out evaluation reuses its data, compiles
-    evaluator = evaluation.Evaluator.make(cfg.eval, model_cfg, tokenizer, mesh)
+    evaluator = Evaluator.make(cfg.eval, model_cfg, tokenizer, mesh)
   try:
     smp = sampler_lib.Sampler.from_spec(
       model_cfg,

@@ -22,7 +22,7 @@ from absl import logging
 from ada_jax import checkpoint as checkpoint_lib
 from ada_jax import config as config_lib
 from ada_jax import inputs, runstate, start
-from ada_jax.evaluation import weights_tag
+from ada_jax.eval.evaluator import weights_tag
 from ada_jax.models import sharding, weights
 from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.models.tokenizer import Tokenizer

@@ -12,8 +12,8 @@ import pytest
 from absl import flags
 
 from ada_jax import evaluate as evaluate_cli
-from ada_jax import evaluation as evaluate
 from ada_jax import testing
+from ada_jax.eval import evaluator as evaluate
 from ada_jax.models import decoder as model_lib
 from ada_jax.rollout import sampler
 

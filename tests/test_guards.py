@@ -14,11 +14,11 @@ from ml_collections import config_flags
 from test_loop import tiny_config
 
 from ada_jax import config as config_lib
-from ada_jax import evaluation as evaluate
 from ada_jax import loop
 from ada_jax import metrics as metrics_lib
 from ada_jax import selection as select_prompts
 from ada_jax.data import arith
+from ada_jax.eval import evaluator as evaluate
 from ada_jax.eval.benchmarks import EvalConfig
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import weights

@@ -33,7 +33,7 @@ LAYERS = (
   ("the RL step", ("ada_jax.step",)),
   (
     "run drivers",
-    ("ada_jax.loop", "ada_jax.evaluation", "ada_jax.policy", "ada_jax.selection")
+    ("ada_jax.loop", "ada_jax.eval.evaluator", "ada_jax.policy", "ada_jax.selection")
     + ("ada_jax.plan",),
   ),
   (

@@ -19,9 +19,9 @@ import pytest
 
 from ada_jax import checkpoint as checkpoint_lib
 from ada_jax import config as config_lib
-from ada_jax import evaluation as evaluate
 from ada_jax import loop
 from ada_jax import metrics as metrics_lib
+from ada_jax.eval import evaluator as evaluate
 from configs import tiny_arith_pos
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

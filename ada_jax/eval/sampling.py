@@ -1,7 +1,7 @@
 """How an evaluation (or a prompt selection) generates: the chunked samplers, built once per
 run and passed to every call so that repeated evaluations compile once (`EvalSamplers`), the
 `benchmarks.Policy` over a sampler (`sampler_policy`), and `evaluate`, a model's Avg@k
-through `benchmarks.evaluate_policy` (`evaluation.Evaluator.run`'s).
+through `benchmarks.evaluate_policy` (`eval.evaluator.Evaluator.run`'s).
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def evaluate(
   Returns:
     `{benchmark: metrics, ..., 'average': weighted metrics}`; `flat_metrics` flattens it.
 
-  `evaluation.Evaluator` makes the samplers and benchmarks once and adds pools, the cache
+  `eval.evaluator.Evaluator` makes the samplers and benchmarks once and adds pools, the cache
   and the reports.
   """
   params = samplers.sampled.rollout_params(params)  # one copy for both policies
