@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from ada_jax import platforms
-from ada_jax.plan.targets import GIB
+from ada_jax.plan.targets import gib
 
 
 def per_device_bytes(tree) -> int:
@@ -56,7 +56,6 @@ class Program:
     return self.argument + self.output + self.temp - self.alias
 
   def as_dict(self) -> dict:
-    gib = lambda b: round(b / GIB, 4)
     return {
       "argument_gib": gib(self.argument),
       "output_gib": gib(self.output),

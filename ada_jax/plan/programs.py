@@ -30,14 +30,10 @@ from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.architecture import HUB_PRESETS
 from ada_jax.plan import compiler
 from ada_jax.plan.compiler import Program
-from ada_jax.plan.targets import GIB
+from ada_jax.plan.targets import gib
 from ada_jax.rl import train
 from ada_jax.rollout import pool as pool_lib
 from ada_jax.rollout import sampler as sampler_lib
-
-
-def _gib(b: float) -> float:
-  return round(b / GIB, 4)
 
 
 def model_of(cfg: config_lib.RunConfig) -> model_lib.ModelConfig:
@@ -192,8 +188,8 @@ class SlotFigures:
     """JSON-ready: the segment's figures, its slots and caches (GiB)."""
     return self.segment.as_dict() | {
       "slots": self.sampler.slots,
-      "kv_cache_gib": _gib(self.slot_cache),
-      "prompt_cache_gib": _gib(self.prompt_cache),
+      "kv_cache_gib": gib(self.slot_cache),
+      "prompt_cache_gib": gib(self.prompt_cache),
       "temp_over_kv": round(self.segment.temp / self.slot_cache, 4),
     }
 
@@ -203,7 +199,7 @@ class SlotFigures:
     filled = self.prompt_cache * smp.prompts_per_chunk / smp.prompt_entries
     return self.prefill.as_dict() | {
       "prompts": smp.prompts_per_chunk,
-      "prompt_cache_filled_gib": _gib(filled),
+      "prompt_cache_filled_gib": gib(filled),
     }
 
 

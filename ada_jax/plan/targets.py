@@ -14,6 +14,11 @@ from ada_jax import platforms
 GIB = 2**30
 
 
+def gib(nbytes: float) -> float:
+  """Bytes as GiB, rounded to 4 decimals as every plan figure is."""
+  return round(nbytes / GIB, 4)
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
   """A TPU slice or a GPU host (or hosts) as users name it.

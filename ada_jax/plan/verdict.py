@@ -22,10 +22,6 @@ from ada_jax.rl import train
 SPARE_GIB = 0.5
 
 
-def _gib(b: float) -> float:
-  return round(b / targets.GIB, 4)
-
-
 @dataclasses.dataclass(frozen=True)
 class Phase:
   """One phase of the run: the bytes per device its program holds with what is resident
@@ -39,7 +35,7 @@ class Phase:
 
   @property
   def gib(self) -> float:
-    return _gib(self.bytes)
+    return targets.gib(self.bytes)
 
   @property
   def spare_gib(self) -> float:
@@ -93,7 +89,7 @@ class SlotCount:
   def as_json(self) -> dict:
     out = {"config": self.config, "largest": self.largest}
     if self.largest:
-      out["gib"] = _gib(self.bytes)
+      out["gib"] = targets.gib(self.bytes)
     if self.roofline is not None:
       out["roofline"] = dataclasses.asdict(self.roofline)
     return out
@@ -115,10 +111,10 @@ class Resident:
     """From the abstract train state and rollout copy (sharded `ShapeDtypeStruct`s)."""
     per_device = compiler.per_device_bytes
     return cls(
-      params=_gib(per_device(state.params)),
-      opt_state=_gib(per_device(state.opt_state)),
-      rollout_copy=_gib(per_device(rollout_copy)),
-      offloaded_while_sampling=_gib(per_device(state)) if offloaded else 0.0,
+      params=targets.gib(per_device(state.params)),
+      opt_state=targets.gib(per_device(state.opt_state)),
+      rollout_copy=targets.gib(per_device(rollout_copy)),
+      offloaded_while_sampling=targets.gib(per_device(state)) if offloaded else 0.0,
     )
 
 
@@ -298,7 +294,7 @@ def notes(s: Setting, resident: int, offloaded: bool, mem_fraction: float) -> tu
     )
   if offloaded:
     out.append(
-      f"train.offload_state: the train state ({_gib(resident)} GiB per device) is in host "
+      f"train.offload_state: the train state ({targets.gib(resident)} GiB per device) is in host "
       "memory during the sample and prefill phases, on the device in train and eval"
     )
   out.append(
@@ -408,7 +404,7 @@ def report(p: Plan) -> str:
     line = f"largest {which} slots that fit every phase with {SPARE_GIB} GiB spare: "
     line += f"{sized.largest} (config: {sized.config})"
     if sized.largest:
-      line += f", {_gib(sized.bytes):.2f} GiB/device"
+      line += f", {targets.gib(sized.bytes):.2f} GiB/device"
     if (f := sized.roofline) is not None:
       line += (
         f"; decode bytes / (weights + KV) = {f.decode_bytes_ratio}, "
