@@ -210,7 +210,7 @@ def test_run_step_with_a_head(estimator):
   res, state = rounds_step(cfg, ids, _draw(rates, rng), rng, features=features)
   # An untrained head predicts the prior for all, so the first budget is uniform.
   np.testing.assert_array_equal(res.stats.pool_size, 4)
-  assert {"est/head_brier", "est/head_ece", "est/head_loss"} <= set(res.stats.est_metrics)
+  assert {"est/head_brier", "est/head_ece", "est/head_loss"} <= set(res.stats.rule_metrics)
   assert "est/head_brier" in res.stats.as_metrics()
   assert any(k.startswith("head_") for k in state) and state["keys"].size == 6
   before = head_lib.params_from_state({}, features.shape[1], cfg)

@@ -61,7 +61,7 @@ def test_the_worked_example_is_one_table_entry(patient, schedule):
   )  # fmt: skip
   assert used == [4, 8, 8]  # prompt 1 gave up after 2 rounds instead of drawing 12
   assert result.stats.pool_size.tolist() == [4, 8, 8]
-  assert result.stats.est_metrics == {"ada/gave_up_fraction": pytest.approx(1 / 3)}
+  assert result.stats.rule_metrics == {"ada/gave_up_fraction": pytest.approx(1 / 3)}
   assert result.stats.as_metrics()["ada/gave_up_fraction"] == pytest.approx(1 / 3)
   if schedule == "rounds":
     assert result.stats.samples_per_round == (12, 8)
@@ -152,7 +152,7 @@ def test_a_prompt_that_cannot_exit_is_stopped_after_its_first_round(schedule):
     cfg, ["a", "b"], engine, np.random.default_rng(0), state, schedule=schedule
   )
   assert result.stats.stopped == (0, 1) and used == [8, 24]
-  assert result.stats.est_metrics["ada/stopped_fraction"] == 1.0
+  assert result.stats.rule_metrics["ada/stopped_fraction"] == 1.0
   # Trained on as a prompt that never exits: its group of n, zero advantage.
   assert result.stats.rows_selected == 8 and not result.advantages.any()
   # Its outcomes join the statistics it was judged by (decayed by est.decay).

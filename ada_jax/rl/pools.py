@@ -45,7 +45,7 @@ class StepStats:
     pool_size: int32[P] responses drawn per prompt.
     pool_positives: int32[P] positive responses (reward > `positive_threshold`) in each
       prompt's pool; `pool_pass_rate` is their fraction.
-    est_metrics: the rule's own figures: Est's (`estimate.plan_budget`,
+    rule_metrics: the rule's own figures: Est's (`estimate.plan_budget`,
       `estimate.fold_step`: budget share per p̂ band, the head's calibration before it
       trains), Seq's with `min_exit_chance` (prompts stopped); empty for the others.
     stopped: indices of the prompts the exit-chance rule stopped (`rules.Seq`).
@@ -66,7 +66,7 @@ class StepStats:
   first_round_all_wrong: int
   pool_size: np.ndarray
   pool_positives: np.ndarray
-  est_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+  rule_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
   stopped: tuple[int, ...] = ()
 
   @property
@@ -98,7 +98,7 @@ class StepStats:
     out[f"{prefix}samples_per_prompt"] = self.rows_requested / max(self.num_prompts, 1)
     for r, s in enumerate(self.samples_per_round, 1):
       out[f"{prefix}samples_r{r}"] = float(s)
-    out.update(self.est_metrics)
+    out.update(self.rule_metrics)
     return out
 
 

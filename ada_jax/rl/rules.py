@@ -323,7 +323,7 @@ class Seq(Rule):
       config.est.decay,
     )
     stopped = {"ada/stopped_fraction": len(result.stats.stopped) / b}
-    stats = dataclasses.replace(result.stats, est_metrics={**result.stats.est_metrics, **stopped})
+    stats = dataclasses.replace(result.stats, rule_metrics={**result.stats.rule_metrics, **stopped})
     return dataclasses.replace(result, stats=stats), new_state
 
   def first_rows(self, ctl, p):
@@ -476,7 +476,7 @@ class Est(Rule):
       features,
       plan.p_head,
     )
-    stats = dataclasses.replace(result.stats, est_metrics={**plan.metrics, **fold})
+    stats = dataclasses.replace(result.stats, rule_metrics={**plan.metrics, **fold})
     return dataclasses.replace(result, stats=stats), new_state
 
 
