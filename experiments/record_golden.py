@@ -212,7 +212,7 @@ def text_reward(text: str, answer: str) -> float:
   return float(sum(map(ord, text)) % 4 < level)
 
 
-class TextRewardPool:
+class TextVerifier:
   """`verifier.Verifier`'s interface (submit / collect, a context manager), in process,
   grading with `text_reward`."""
 
@@ -298,7 +298,7 @@ def record_tiny(seeds: dict[int, tuple[str, ...]] = TINY_SEEDS, schedules=SCHEDU
       with tempfile.TemporaryDirectory() as workdir, contextlib.ExitStack() as stack:
         stack.enter_context(capture_steps(steps))
         stack.enter_context(patched(update, "make_train_batch", recording_batch))
-        stack.enter_context(patched(loop, "Verifier", TextRewardPool))
+        stack.enter_context(patched(loop, "Verifier", TextVerifier))
         loop.run(tiny_run_config(method, schedule, seed), workdir)
         metrics = read_jsonl(pathlib.Path(workdir) / "metrics.jsonl")
       metrics = [m for m in metrics if "ada/rows_selected" in m]  # the RL steps' lines
