@@ -69,12 +69,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.verifier.num_workers = 1  # one grader process beside the 2 cores' JAX work
   c.train.mini_batch_prompts = 4  # one update per step (16 rows)
 
-  # Provisional: the best of the earlier, easier task's sweep (pos, 8 steps). The comparison's
-  # own sweep (experiments/smollm2_learning.py --sweep: GRPO-matched, seed 0, 3e-6, 1e-5,
-  # 3e-5, 16 steps) chooses the rate of every arm before the comparison runs, by a rule fixed
-  # before it ran (smollm2_learning.choose_rate): among rates that keep the held-out boxed
-  # rate >= 0.5, the smallest whose held-out Avg@4 after 16 steps is within 0.01 of the
-  # best; none if the best is not 0.01 above the base model (then the sweep is widened).
+  # Every arm's rate, chosen before the comparison by its sweep (experiments/smollm2_learning.py
+  # --sweep: GRPO-matched, seed 0, 16 steps; results/smollm2_lr_sweep.json) under a rule fixed
+  # before the sweep ran (smollm2_learning.choose_rate: among rates that keep the held-out
+  # boxed rate >= 0.5, the smallest whose held-out Avg@4 is within 0.01 of the best). Held-out
+  # Avg@4 from 0.1142: 3e-6 0.3567, 1e-5 0.4842, 3e-5 0.305; 1e-5 is the best outright.
   c.optim.learning_rate = 1e-5
   c.optim.warmup_steps = 5
 
