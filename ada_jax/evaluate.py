@@ -1,7 +1,7 @@
 """Command line of the held-out evaluation: `python -m ada_jax.evaluate --config=...
 --workdir=DIR (--checkpoint=STEP | --hf_dir=PATH) [--benchmarks=...] [--k=K] [--json]`.
 
-Thin on purpose: flags, then `policy.load_model` and `evaluation.run`; the
+Thin on purpose: flags, then `policy.load_model` and `eval.evaluator.run`; the
 report goes to `<workdir>/eval/` and its table (or JSON) to stdout.
 """
 

@@ -37,7 +37,7 @@ class LoadedModel:
       `init_dir` was given (the caller initialises them).
     model_config: the architecture.
     tokenizer: `inputs.load_model_files`', checked against `model_config.vocab_size`.
-    tag: identity of the weights in results caches (`evaluation.weights_tag`: their
+    tag: identity of the weights in results caches (`eval.evaluator.weights_tag`: their
       values' digest, wherever they came from), or '' when params is None.
     init_from: a checkpoint folder that `ckpt.init_from` accepts for training from these
       params, or '' (a Hugging Face model: use `model.hf_dir`; or no params).

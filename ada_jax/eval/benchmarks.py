@@ -88,7 +88,7 @@ class EvalConfig:
     max_prompt_tokens: longer prompts are dropped and counted (docs/design.md "Algorithm": 1024).
     limit: evaluate only the first `limit` problems of each benchmark; 0 = all.
     seed: seed of the held-out arithmetic split, and of the sampling key of an
-      `evaluation.run` given none (the prompt selection's K-sampling); a training run and
+      `eval.evaluator.run` given none (the prompt selection's K-sampling); a training run and
       `python -m ada_jax.evaluate` sample with the run's eval key (`runstate.RunKeys.eval`).
     problems_per_batch: problems per sampler call; also the granularity of the results
       cache and of the progress bar.
