@@ -154,7 +154,7 @@ def test_file_paths_exist():
 # `rl` and `eval` are also config groups: `data.source` may be the setting.
 SHORT = re.compile(
   r"`((?:models|rewards|rollout|data|rl|eval|inputs|checkpoint|distributed|metrics|loop|platforms"
-  r"|plan|testing|evaluate|select_prompts)(?:\.[A-Za-z_]\w*)+)`"
+  r"|plan|testing|evaluate|evaluation|select_prompts)(?:\.[A-Za-z_]\w*)+)`"
 )
 FILE_NAME = re.compile(r"\.(?:py|md|json|jsonl|npz|png)$")
 
