@@ -27,7 +27,7 @@ class Platform:
       natively; elsewhere XLA's form (the kernel itself only in Pallas' interpreter).
     compile_options: XLA options every ahead-of-time compile for it takes, (name, value).
     topology: `jax.experimental.topologies`' platform name for compile-only devices, or ''.
-    package: what to install for its compile-only devices, or ''.
+    packages: what to install for its compile-only devices, the compiler's own first.
   """
 
   name: str
@@ -38,7 +38,7 @@ class Platform:
   decode_kernel: bool = False
   compile_options: tuple[tuple[str, object], ...] = ()
   topology: str = ""
-  package: str = ""
+  packages: tuple[str, ...] = ()
 
 
 PLATFORMS = {
@@ -51,7 +51,7 @@ PLATFORMS = {
       cost_analysis=True,
       decode_kernel=True,
       topology="tpu",
-      package="libtpu",
+      packages=("libtpu",),
     ),
     Platform(
       "gpu",
@@ -61,7 +61,7 @@ PLATFORMS = {
       # tile sizes"): compile-only devices use cuBLAS.
       compile_options=(("xla_gpu_enable_triton_gemm", False),),
       topology="cuda",
-      package="jax-cuda12-plugin and nvidia-cuda-nvcc-cu12",
+      packages=("jax-cuda12-plugin", "nvidia-cuda-nvcc-cu12"),
     ),
     Platform("cpu", "XLA:CPU"),
   )

@@ -92,7 +92,7 @@ def load_config(name: str, overrides: list[str]) -> config_lib.RunConfig:
 def compiler(target: targets.Target) -> tuple[str, list | None]:
   """('XLA:TPU (libtpu <version>)' or 'XLA:GPU (jax-cuda12-plugin <version>)', None), or
   the XLA:CPU fallback's name and its devices."""
-  package = target.traits.package.split()[0]  # libtpu, jax-cuda12-plugin
+  package = target.traits.packages[0]  # the compiler's own: libtpu, jax-cuda12-plugin
   try:
     targets.devices_for(target)
     return f"{target.compiler} ({package} {importlib.metadata.version(package)})", None

@@ -189,7 +189,7 @@ def devices_for(t: Target) -> list:
     kwargs["topology_name"] = t.topology
     if t.chip_config:
       kwargs["chip_config_name"] = t.chip_config
-  package = t.traits.package
+  package = " and ".join(t.traits.packages)
   try:
     topo = topologies.get_topology_desc(**kwargs)
   except Exception as e:  # jax raises several kinds when the plugin is missing
