@@ -1,6 +1,6 @@
-"""Run state on disk: orbax checkpoints saved and restored, and the final export
-(docs/design.md "Run state"; `loop._start` resumes a run from it, else starts it fresh with
-`start.initial_state`).
+"""Run state on disk: orbax checkpoints saved and restored (docs/design.md "Run state";
+`loop._start` resumes a run from it, else starts it fresh with `start.initial_state`; a
+policy's params alone are `saved_params`').
 
 A checkpoint holds the whole run, so that a restarted run continues exactly where the
 saved one was (same next batches, same samples, same updates):
@@ -9,11 +9,17 @@ saved one was (same next batches, same samples, same updates):
   opt          {'step': int32[], 'opt_state': Adam moments and counts}
   ref_params   the frozen KL reference, only when the run has one
   rng          the root PRNG key's raw data (`jax.random.key_data` of a typed key)
-  est          Reinforce-Ada-Est statistics (keys int64[P], pos/tot float64[P]), P grows;
-               with a learned estimator also its pass-rate head and Adam moments
-               (fixed-shape `head_*` arrays, `rl.pass_rate_head`)
+  method_state the sampling rule's cross-step state (`rules.Rule.init_state`: Est's
+               statistics, keys int64[P] and pos/tot float64[P] with P growing, and with a
+               learned estimator its pass-rate head), only when the rule keeps one: its
+               leaves in `flax.serialization.to_state_dict` order, each flattened with one
+               zero appended (orbax refuses zero-size arrays)
   host         JSON: the caller's host state (data-iterator position, numpy Generator
-               state, ...) and what is needed to rebuild the rest (key impl, P)
+               state, ...) and what is needed to rebuild the rest (key impl, each
+               method_state leaf's path, shape and dtype)
+
+A checkpoint written before the rules owned their state holds Est's statistics as item
+`est` (its size P in the host JSON as `est_size`); it restores as the same dict.
 
 Saves are atomic (orbax writes a temporary folder and renames it when complete), so a run
 killed at any moment, even by `kill -9`, restarts from its last complete checkpoint. The
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import math
 import os
 import pathlib
 import shutil
@@ -41,15 +48,12 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from flax import serialization, traverse_util
 from jax.experimental import multihost_utils
 
 from ada_jax import bounds, distributed
 from ada_jax import checksums as checksums_lib
-from ada_jax.models import sharding, weights
-from ada_jax.models.decoder import ModelConfig, Params
-from ada_jax.models.tokenizer import Tokenizer
 from ada_jax.rl.estimate import COUNT_FIELDS as _EST_FIELDS
-from ada_jax.rl.estimate import EstState
 from ada_jax.rl.train import TrainState
 
 
@@ -89,14 +93,15 @@ class RunState:
   Attributes:
     train: the `TrainState` (params, optimizer state, update count, reference params).
     rng: the root PRNG key (typed, e.g. `jax.random.key(seed)`, or a raw uint32[2] key).
-    est: Reinforce-Ada-Est statistics (`estimate.EstState`), or None.
+    method_state: the sampling rule's cross-step state (`rules.Rule.init_state`), or None;
+      restored as nested dicts of numpy arrays (`Rule.restore_state` rebuilds its type).
     host: JSON-serialisable host state: RL step, data-iterator position, numpy Generator
       state (`generator_state`), ... Python ints of any size are kept exactly.
   """
 
   train: TrainState
   rng: jax.Array
-  est: EstState | None = None
+  method_state: Any = None
   host: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -154,7 +159,7 @@ def save(manager: ocp.CheckpointManager, step: int, run: RunState, *, force: boo
   meta = {
     "user": run.host,
     "rng_impl": str(jax.random.key_impl(rng)) if typed else None,
-    "est_size": None if run.est is None else int(np.asarray(run.est["keys"]).shape[0]),
+    "method_state": _leaves(run.method_state)[0],
     "has_ref": run.train.ref_params is not None,
     "checksums": {name: checksums_lib.of(tree) for name, tree in _summed(run.train).items()},
   }
@@ -166,8 +171,11 @@ def save(manager: ocp.CheckpointManager, step: int, run: RunState, *, force: boo
   }
   if run.train.ref_params is not None:
     items["ref_params"] = ocp.args.StandardSave(run.train.ref_params)
-  if run.est is not None:
-    items["est"] = ocp.args.StandardSave(_pad_est(run.est))
+  if _leaves(run.method_state)[1]:
+    padded = [
+      np.concatenate([x.ravel(), np.zeros(1, x.dtype)]) for x in _leaves(run.method_state)[1]
+    ]
+    items["method_state"] = ocp.args.StandardSave(padded)
   threads = threading.active_count()
   try:
     return manager.save(step, args=ocp.args.Composite(**items), force=force)
@@ -211,15 +219,25 @@ def _raise_if_disk_full(
   ) from None
 
 
-def _pad_est(est: EstState) -> EstState:
-  # orbax refuses zero-size arrays and P starts at 0: store P + 1 entries, P in the JSON.
-  # Other entries (the pass-rate head's) have fixed, non-empty shapes and go as they are.
-  out = {k: np.asarray(v) for k, v in est.items() if k not in _EST_FIELDS}
-  for name, dtype in _EST_FIELDS.items():
-    if name not in est:
-      raise ValueError(f"Est state lacks field {name!r}; expected {sorted(_EST_FIELDS)}")
-    out[name] = np.concatenate([np.asarray(est[name], dtype), np.zeros(1, dtype)])
-  return out
+def _leaves(state: Any) -> tuple[list[list] | None, list[np.ndarray]]:
+  """([path, shape, dtype] of each leaf, the leaves as numpy arrays) of a rule's state in
+  `flax.serialization.to_state_dict` form ((None, []) for None)."""
+  if state is None:
+    return None, []
+  flat = traverse_util.flatten_dict(serialization.to_state_dict(state), sep="/")
+  leaves = [np.asarray(v) for v in flat.values()]
+  return [[k, list(x.shape), x.dtype.str] for k, x in zip(flat, leaves, strict=True)], leaves
+
+
+def _unpad(record: list[list], saved: Any) -> dict[str, Any]:
+  """The state dict `_leaves` described, from the padded leaves orbax gives back."""
+  if isinstance(saved, dict):  # orbax may give a list back as a dict keyed '0', '1', ...
+    saved = [saved[k] for k in sorted(saved, key=int)]
+  flat = {
+    path: np.asarray(x)[: math.prod(shape)].astype(dtype).reshape(shape)
+    for (path, shape, dtype), x in zip(record, saved, strict=True)
+  }
+  return traverse_util.unflatten_dict(flat, sep="/")
 
 
 def restore(
@@ -242,7 +260,8 @@ def restore(
       loop's resume-compatibility check, which may raise `config.ConfigError`).
 
   Returns:
-    The `RunState` as saved (est arrays at their saved length P, rng with its key impl).
+    The `RunState` as saved (method_state as nested dicts of arrays at their saved
+    shapes, rng with its key impl).
 
   Raises:
     FileNotFoundError: no checkpoint (or not `step`) in the manager's directory.
@@ -269,7 +288,8 @@ def restore(
       raise UnreadableCheckpoint(step, path, _reason(e)) from None
 
   meta = read("host", ocp.args.JsonRestore())
-  if not {"user", "has_ref", "est_size", "rng_impl"} <= set(meta if isinstance(meta, dict) else ()):
+  keys = set(meta if isinstance(meta, dict) else ())
+  if not {"user", "has_ref", "rng_impl"} <= keys or not keys & {"method_state", "est_size"}:
     raise UnreadableCheckpoint(step, folder / "host" / "metadata", "not a run-state record")
   if check_host is not None:
     check_host(meta["user"], step)
@@ -286,7 +306,9 @@ def restore(
   }
   if meta["has_ref"]:
     items["ref_params"] = ocp.args.StandardRestore(target.ref_params)
-  if meta["est_size"] is not None:
+  if meta.get("method_state"):
+    items["method_state"] = ocp.args.StandardRestore()
+  if meta.get("est_size") is not None:  # written before the rules owned their state
     items["est"] = ocp.args.StandardRestore()
   out = {name: read(name, arg) for name, arg in items.items()}
   for name in ("params", "opt", "ref_params"):
@@ -298,9 +320,11 @@ def restore(
   rng = (
     jax.random.wrap_key_data(key, impl=meta["rng_impl"]) if meta["rng_impl"] else jnp.asarray(key)
   )
-  est = None
-  if meta["est_size"] is not None:
-    est = {
+  method_state = None
+  if meta.get("method_state") is not None:
+    method_state = _unpad(meta["method_state"], out.get("method_state", []))
+  elif meta.get("est_size") is not None:
+    method_state = {
       k: np.asarray(v)[: meta["est_size"]] if k in _EST_FIELDS else np.asarray(v)
       for k, v in out["est"].items()
     }
@@ -319,7 +343,7 @@ def restore(
       raise UnreadableCheckpoint(
         step, folder / name, f"checksum mismatch in {bad[:1]}: the bytes changed"
       )
-  return RunState(train=train, rng=rng, est=est, host=meta["user"])
+  return RunState(train=train, rng=rng, method_state=method_state, host=meta["user"])
 
 
 def _summed(state: TrainState) -> dict[str, Any]:
@@ -354,78 +378,6 @@ def _set_aside(manager: ocp.CheckpointManager, skipped: list[UnreadableCheckpoin
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices("ada_jax: unreadable checkpoints set aside")
   manager.reload()
-
-
-def params_step_dir(path: str | os.PathLike) -> pathlib.Path:
-  """The step folder whose `params` `restore_params` reads: `path` itself when it is one
-  step's folder, else the latest step of the checkpoint directory `path`.
-
-  Raises:
-    FileNotFoundError: `path` holds no checkpoint; the message lists the steps saved next
-      to it, or points at `path/checkpoints` when `path` is a run folder.
-  """
-
-  def saved_steps(folder: pathlib.Path) -> list[int]:
-    if not folder.is_dir():
-      return []
-    return sorted(
-      int(p.name) for p in folder.iterdir() if p.name.isdigit() and (p / "params").is_dir()
-    )
-
-  path = pathlib.Path(path).absolute()
-  if (path / "params").is_dir():
-    return path
-  steps = saved_steps(path)
-  if steps:
-    return path / str(steps[-1])
-  nearby = saved_steps(path.parent)
-  hint = f"; {path.parent} holds steps {nearby}" if nearby else ""
-  if saved_steps(path / "checkpoints"):
-    hint = f"; it is a run folder: use {path / 'checkpoints'}"
-  raise FileNotFoundError(f"{path} holds no checkpoint (no <step>/params){hint}")
-
-
-def restore_params(path: str | os.PathLike, target: Params) -> Params:
-  """Only the policy params of another run's checkpoint (for `init_from`).
-
-  Args:
-    path: a checkpoint directory of `make_manager` (its latest step is used) or one step's
-      folder in it.
-    target: params tree of `jax.ShapeDtypeStruct`s with shardings. Params saved in another
-      dtype (a run from before `model.param_dtype`: bfloat16) are restored cast to the
-      target's, with one warning line.
-
-  Raises:
-    FileNotFoundError: `path` holds no checkpoint (see `params_step_dir`).
-    weights.CheckpointError: the checkpoint's params tree or shapes are another model's
-      (orbax's 50-line refusal in one line, the folder named).
-  """
-  folder = params_step_dir(path) / "params"
-  with ocp.StandardCheckpointer() as checkpointer:
-    saved = checkpointer.metadata(folder).item_metadata.tree
-    stored = {str(m.dtype) for m in jax.tree.leaves(saved) if hasattr(m, "dtype")}
-    wanted = {str(jnp.dtype(t.dtype)) for t in jax.tree.leaves(target)}
-    if stored and stored != wanted:
-      logging.warning(
-        "%s: parameters stored in %s, restored cast to %s (model.param_dtype)",
-        folder,
-        "/".join(sorted(stored)),
-        "/".join(sorted(wanted)),
-      )
-    try:
-      return checkpointer.restore(folder, target)
-    except ValueError as e:  # orbax: another tree or shapes
-      first = " ".join(str(e).split("\n")[0].split())
-      raise weights.CheckpointError(
-        f"{folder}: a checkpoint of another model than the configured one ({first[:200]})"
-      ) from None
-
-
-def save_params(folder: str | os.PathLike, params: Params) -> None:
-  """Writes `params` as `folder/params`, the layout `restore_params(folder, ...)` reads
-  (and `ckpt.init_from` accepts)."""
-  with ocp.StandardCheckpointer() as checkpointer:
-    checkpointer.save(pathlib.Path(folder).absolute() / "params", params)
 
 
 def restore_latest(
@@ -463,22 +415,6 @@ def restore_latest(
     older = f" (nor do the {len(skipped) - 1} older ones)" if len(skipped) > 1 else ""
     raise UnreadableCheckpoint(e.step, e.path, e.reason + older)
   return None
-
-
-def export_hf(
-  config: ModelConfig, params: Params, path: str | os.PathLike, tokenizer: Tokenizer | None = None
-) -> None:
-  """Writes the final policy as a Hugging Face folder (`weights.save_hf`) in the compute
-  dtype `config.dtype` (bfloat16 for the paper configs, as released checkpoints are; the
-  float32 masters stay in the orbax checkpoints) and, when given,
-  the run's tokenizer with its chat template and a generation_config.json holding the run's
-  stop ids (`Tokenizer.save`), so that transformers and inference servers load the folder
-  as is and stop where the sampler did. Call it on every process: the params are gathered
-  to the host (a collective with several processes), process 0 writes."""
-  params = sharding.host_copy(params)
-  if jax.process_index() != 0:
-    return
-  weights.save_hf(config, params, path, dtype=config.dtype, tokenizer=tokenizer)
 
 
 def close(manager: ocp.CheckpointManager) -> None:

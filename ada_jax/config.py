@@ -26,9 +26,8 @@ from ada_jax.models.tokenizer import TokenizerConfig
 from ada_jax.models.weights import ModelSpec
 from ada_jax.rewards.verifier import VerifierConfig
 from ada_jax.rl import rules
-from ada_jax.rl.adaptive import AdaConfig, DapoConfig, SeqConfig
-from ada_jax.rl.estimate import EstConfig
 from ada_jax.rl.losses import LossConfig
+from ada_jax.rl.rules import AdaConfig, DapoConfig, EstConfig, SeqConfig
 from ada_jax.rl.train import OptimConfig, TrainConfig
 from ada_jax.rl.warmstart import WarmStartConfig
 from ada_jax.rollout.sampler import prompts_per_chunk
@@ -215,6 +214,13 @@ class RunConfig:
     return [f"config.ada.{w}" for w in self.rule.warnings(self.ada)]
 
 
+def as_dict(run: RunConfig) -> dict[str, Any]:
+  """`dataclasses.asdict` of a run's config with each settings group where a config file
+  writes it (`ada.seq`, not `ada.groups.seq`): the form results JSON and the checkpoint's
+  config record (`runstate.config_record`) keep."""
+  return {**dataclasses.asdict(run), "ada": run.ada.as_dict()}
+
+
 def check_range(cls: type, name: str, value: Any, path: str) -> None:
   """Refuses a number (or a tuple item) of field `cls.name` outside the interval declared
   at the field (`bounds.within`).
@@ -243,8 +249,22 @@ def check_workdir(workdir: str | None, flag: str = "--workdir") -> pathlib.Path:
 
 
 def _fields(cls) -> dict[str, Any]:
+  """Field name -> type of a config group; `AdaConfig`'s settings groups count as its fields
+  (`ada.seq`, ...: whichever the rules declared, `rules.GROUPS`), its `groups` does not."""
   hints = typing.get_type_hints(cls)
-  return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+  out = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+  if cls is AdaConfig:
+    del out["groups"]
+    out |= rules.GROUPS
+  return out
+
+
+def _defaults(cls) -> dict[str, Any]:
+  """Field name -> default of a config group (`_fields`'s names)."""
+  out = {f.name: f.default for f in dataclasses.fields(cls)}
+  if cls is AdaConfig:
+    out |= {name: group() for name, group in rules.GROUPS.items()}
+  return out
 
 
 def _dataclass_of(annotation) -> type | None:
@@ -266,7 +286,7 @@ def build(cls, group: Mapping[str, Any] | None, path: str, base: Any = None):
   if group is None:
     return None
   fields = _fields(cls)
-  defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+  defaults = _defaults(cls)
   kwargs = {}
   for key, value in dict(group).items():
     if key not in fields:
@@ -314,12 +334,11 @@ def complete(config: Any) -> None:
   def fill(group, cls, base, path):
     # Every field given, so `build` gets the same values whatever base it starts from:
     # `base`'s (the group's default instance), else the dataclass's own defaults.
-    hints = _fields(cls)
-    for f in dataclasses.fields(cls):
-      name, hint = f.name, hints[f.name]
+    defaults = _defaults(cls)
+    for name, hint in _fields(cls).items():
       if name in _FILLED.get(path, {}):
         continue
-      default = getattr(base, name) if base is not None else f.default
+      default = getattr(base, name) if base is not None else defaults[name]
       sub = _dataclass_of(hint)
       if sub is not None:
         if name not in group and dataclasses.is_dataclass(default):

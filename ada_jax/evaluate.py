@@ -15,8 +15,7 @@ from typing import Any
 import jax
 from absl import app, flags
 
-from ada_jax import checkpoint as checkpoint_lib
-from ada_jax import cli, runstate
+from ada_jax import cli, runstate, saved_params
 from ada_jax import config as config_lib
 from ada_jax.eval import benchmarks as benchmarks_lib
 from ada_jax.eval.benchmarks import EvalConfig
@@ -94,7 +93,7 @@ def main(argv: Sequence[str], flag_values=None) -> dict[str, Any]:
     directory = directory.absolute()
     ckpt = directory / str(fv.checkpoint)
     try:
-      checkpoint_lib.params_step_dir(ckpt)
+      saved_params.params_step_dir(ckpt)
     except FileNotFoundError as e:
       raise config_lib.ConfigError(f"--checkpoint={fv.checkpoint}: {e}") from None
     model = load_model(cfg, mesh, checkpoint_path=ckpt, tokenizer_dir=fv.tokenizer_dir)

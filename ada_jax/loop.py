@@ -27,8 +27,9 @@ from typing import Any
 import jax
 import numpy as np
 from absl import logging
+from flax import serialization
 
-from ada_jax import checkpoint, distributed, inputs, runstate, start
+from ada_jax import checkpoint, distributed, inputs, runstate, saved_params, start
 from ada_jax import config as config_lib
 from ada_jax import metrics as metrics_lib
 from ada_jax.config import ConfigError
@@ -146,7 +147,7 @@ class _Started:
   manager: Any
   source: str  # 'checkpoint:<step>' or `start.initial_params`' source
   state: train.TrainState
-  est: Any
+  method_state: Any  # the sampling rule's (`Rule.init_state`), None until its first step
   root: jax.Array  # the checkpoint's root key, not the config's seed (tests/test_guards.py)
   keys: runstate.RunKeys  # the keys derived from `root`, once
   progress: runstate.Progress
@@ -206,7 +207,7 @@ def _set_up(cfg: config_lib.RunConfig, workdir: str) -> _SetUp:
     raise ConfigError(f"config.sampler: {e}") from None
   if cfg.ckpt.init_from:
     try:
-      checkpoint.params_step_dir(cfg.ckpt.init_from)
+      saved_params.params_step_dir(cfg.ckpt.init_from)
     except FileNotFoundError as e:
       raise ConfigError(f"config.ckpt.init_from: {e}") from None
   record = {
@@ -291,7 +292,7 @@ def _start(
     manager,
     source,
     run_state.train,
-    run_state.est,
+    cfg.rule.restore_state(cfg.ada, run_state.method_state),
     run_state.rng,
     runstate.run_keys(run_state.rng),
     progress,
@@ -333,7 +334,7 @@ def _rl_loop(setup, started, writer, stop) -> _End:
   step_fn = train.make_train_step(setup.model_cfg, cfg.train, setup.mesh, with_ref=with_ref)
   # The stop ids end responses in training and evaluation; the folder's are the default.
   writer.log_text(f"stop ids {list(setup.tokenizer.eos_ids)} (training and evaluation samplers)")
-  state, est, step = started.state, started.est, progress.step
+  state, method_state, step = started.state, started.method_state, progress.step
   agreed = stopped_by = None
   with Verifier(cfg.rl.verifier) as pool:
     grader = distributed.SharedGrader(pool)  # identical rewards on every process
@@ -342,7 +343,9 @@ def _rl_loop(setup, started, writer, stop) -> _End:
       setup.mesh, started.np_rng, logprob_fn,
     )  # fmt: skip
     for step in range(progress.step + 1, cfg.rl.steps + 1):
-      state, est, m = rl_step(ctx, step, state, est, jax.random.fold_in(keys.rollout, step))
+      state, method_state, m = rl_step(
+        ctx, step, state, method_state, jax.random.fold_in(keys.rollout, step)
+      )
       runstate.check_step(step, m.train, state.params)  # before anything of it is saved
       row = m.as_dict()
       if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < cfg.rl.steps:
@@ -353,13 +356,13 @@ def _rl_loop(setup, started, writer, stop) -> _End:
       progress.np_rng = runstate.generator_state(started.np_rng)
       agreed = distributed.assert_same(
         f"controller state after RL step {step}",
-        [progress.iterator, progress.np_rng, est, m.agreed()],
+        [progress.iterator, progress.np_rng, serialization.to_state_dict(method_state), m.agreed()],
       )
       stopping = runstate.stop_requested(stop)
       every = cfg.ckpt.every_steps
       if stopping or step == cfg.rl.steps or (every and step % every == 0):
         run_state = checkpoint.RunState(
-          train=state, rng=started.root, est=est, host=progress.to_host()
+          train=state, rng=started.root, method_state=method_state, host=progress.to_host()
         )
         checkpoint.save(started.manager, step, run_state)
       if stopping:
@@ -419,7 +422,9 @@ def _hf_final(workdir: str) -> pathlib.Path:
 
 def _export_final(setup: _SetUp, params) -> None:
   """The final policy, as a Hugging Face folder with the run's tokenizer (`ckpt.export_hf`)."""
-  checkpoint.export_hf(setup.model_cfg, params, _hf_final(setup.workdir), tokenizer=setup.tokenizer)
+  saved_params.export_hf(
+    setup.model_cfg, params, _hf_final(setup.workdir), tokenizer=setup.tokenizer
+  )
 
 
 def _eval_settings(record: dict[str, Any]) -> dict[str, Any]:

@@ -19,9 +19,8 @@ import pathlib
 import jax
 from absl import logging
 
-from ada_jax import checkpoint as checkpoint_lib
 from ada_jax import config as config_lib
-from ada_jax import inputs, runstate, start
+from ada_jax import inputs, runstate, saved_params, start
 from ada_jax.eval.evaluator import weights_tag
 from ada_jax.models import sharding, weights
 from ada_jax.models.decoder import ModelConfig, Params
@@ -130,7 +129,7 @@ def load_model(
   if checkpoint_path is not None:
     path = pathlib.Path(checkpoint_path).absolute()
     try:
-      params = checkpoint_lib.restore_params(path, target)
+      params = saved_params.restore_params(path, target)
     except weights.CheckpointError as e:  # another model's params
       raise config_lib.ConfigError(
         f"{e}; load it with the config of the run that wrote it"

@@ -45,7 +45,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from ada_jax import checkpoint, distributed
-from ada_jax.config import RENAMED, ConfigError
+from ada_jax.config import RENAMED, ConfigError, as_dict
 
 # ----------------------------------------------------------------------------- the lock
 
@@ -127,7 +127,7 @@ def config_record(cfg: Any, architecture: Any) -> dict[str, Any]:
     cfg: the `config.RunConfig`.
     architecture: the resolved `decoder.ModelConfig`.
   """
-  tree = {**dataclasses.asdict(cfg), "architecture": dataclasses.asdict(architecture)}
+  tree = {**as_dict(cfg), "architecture": dataclasses.asdict(architecture)}
   flat = _flatten(json.loads(json.dumps(tree, default=str)))
   return {k: v for k, v in flat.items() if not k.startswith(_COPIES)}
 

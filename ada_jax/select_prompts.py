@@ -14,8 +14,7 @@ from typing import Any
 
 from absl import app, flags, logging
 
-from ada_jax import checkpoint as checkpoint_lib
-from ada_jax import cli
+from ada_jax import cli, saved_params
 from ada_jax import config as config_lib
 from ada_jax.models import sharding
 from ada_jax.policy import load_model
@@ -81,7 +80,7 @@ def main(argv: Sequence[str], flag_values=None) -> dict[str, Any]:
     ckpt = pathlib.Path(fv.checkpoint_dir or pathlib.Path(fv.workdir) / "checkpoints")
     ckpt = ckpt.absolute() / str(fv.checkpoint)
     try:
-      checkpoint_lib.params_step_dir(ckpt)
+      saved_params.params_step_dir(ckpt)
     except FileNotFoundError as e:  # as evaluate: a usage error, named
       raise config_lib.ConfigError(f"--checkpoint={fv.checkpoint}: {e}") from None
   base = load_model(

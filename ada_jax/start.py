@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from ada_jax import checkpoint, runstate
+from ada_jax import checkpoint, runstate, saved_params
 from ada_jax import metrics as metrics_lib
 from ada_jax.config import ConfigError
 from ada_jax.models import decoder as model_lib
@@ -87,7 +87,7 @@ def initial_params(
   # 1. Another run's params (a fresh optimizer and step 0 are the caller's).
   if cfg.ckpt.init_from:
     try:
-      params = checkpoint.restore_params(cfg.ckpt.init_from, target)
+      params = saved_params.restore_params(cfg.ckpt.init_from, target)
     except FileNotFoundError as e:
       raise FileNotFoundError(f"config.ckpt.init_from: {e}") from None
     except weights.CheckpointError as e:  # another model's params
@@ -101,7 +101,7 @@ def initial_params(
       raise ConfigError(f"config.model.hf_dir: {e}") from None
   # 3. Random init, then the warm start.
   if scratch_cache is not None and (scratch_cache / "params").is_dir():
-    return checkpoint.restore_params(scratch_cache, target), "scratch", None
+    return saved_params.restore_params(scratch_cache, target), "scratch", None
   params, summary = model_lib.init_params(model_config, init_key), None
   if cfg.warmstart is not None:
     if phase:
@@ -115,7 +115,7 @@ def initial_params(
     metrics_lib.console(line)
   if scratch_cache is not None:
     params = jax.device_put(params, jax.tree.map(lambda s: s.sharding, target))
-    checkpoint.save_params(scratch_cache, params)
+    saved_params.save_params(scratch_cache, params)
   return params, "scratch", summary
 
 
@@ -165,4 +165,4 @@ def initial_state(
     model_config, cfg.train, params, mesh, ref_params=params if with_ref else None
   )
   host = {**host, **({"warmstart": warm} if warm else {})}
-  return checkpoint.RunState(train=state, rng=root, est=None, host=host), source
+  return checkpoint.RunState(train=state, rng=root, host=host), source

@@ -191,7 +191,7 @@ TRAIN_METRICS = (
 
 
 def rl_step(
-  ctx: StepContext, step: int, state: train.TrainState, est: Any, key: jax.Array
+  ctx: StepContext, step: int, state: train.TrainState, method_state: Any, key: jax.Array
 ) -> tuple[train.TrainState, Any, StepMetrics]:
   """One RL step: prompts -> the controller's rollouts -> training batch -> policy update.
 
@@ -199,11 +199,13 @@ def rl_step(
     ctx: the run's fixed parts.
     step: the RL step (1-based; for log lines).
     state: the train state before the step.
-    est: Est's per-prompt statistics (None for the other methods / before the first step).
+    method_state: the sampling rule's cross-step state (Est's statistics; None before the
+      first step or for a rule that keeps none: `Rule.init_state`).
     key: the step's rollout key, `fold_in(rollout_key, step)`.
 
   Returns:
-    (state, est, metrics): the updated state and statistics and the step's `StepMetrics`.
+    (state, method_state, metrics): the updated train state and rule state and the step's
+    `StepMetrics`.
   """
   cfg = ctx.cfg
   with metrics_lib.CompileCounter() as compiles:
@@ -228,9 +230,10 @@ def rl_step(
     del rollout
     # Est's pass-rate head reads the prompts' hidden states off the pool's own prefill.
     features = engine.features() if cfg.rule.needs_features(cfg.ada) else None
-    result, est = controller.run_step(
-      cfg.ada, step_prompts.ids, engine, ctx.np_rng, est, step_prompts.more_prompts, features
-    )
+    result, method_state = controller.run_step(
+      cfg.ada, step_prompts.ids, engine, ctx.np_rng, method_state, step_prompts.more_prompts,
+      features,
+    )  # fmt: skip
     engine.finish()
     if offload:
       state = sharding.to_memory(state, "device")
@@ -277,4 +280,4 @@ def rl_step(
     ada=s.as_metrics(),
     train={k: tm[k] for k in TRAIN_METRICS if k in tm},
   )
-  return state, est, m
+  return state, method_state, m

@@ -473,7 +473,7 @@ def rl_run(c, extra: tuple[str, ...] = ()) -> dict:
   later = steps[1:]
   mean = lambda k: float(np.mean([s[k] for s in later])) if later else None
   return {
-    "run_config": dataclasses.asdict(config_lib.parse(c)),
+    "run_config": config_lib.as_dict(config_lib.parse(c)),
     "wall_s": wall,
     "steps": steps,
     "compiles_step_1": steps[0]["compiles"] if steps else None,

@@ -47,7 +47,6 @@ not: pos and balance stop sampling a prompt after successes, so it reads high fo
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import json
 import os
@@ -140,7 +139,7 @@ def full_config(config: str, overrides: dict[str, object]) -> dict:
     {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in overrides.items()}
   )
   parsed = config_lib.parse(c)
-  out = json.loads(json.dumps(dataclasses.asdict(parsed), default=str))
+  out = json.loads(json.dumps(config_lib.as_dict(parsed), default=str))
   out["derived"] = {"train_rows": parsed.train_rows, "prompts_per_chunk": parsed.prompts_per_chunk}
   return out
 

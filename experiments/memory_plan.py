@@ -60,7 +60,6 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
   ).strip()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import dataclasses  # noqa: E402
 import importlib  # noqa: E402
 import importlib.metadata  # noqa: E402
 import json  # noqa: E402
@@ -114,7 +113,7 @@ def main() -> None:
       size_slots=not ARGS.no_size_slots,
     )  # fmt: skip
     print(verdict.report(result), flush=True)
-    rows.append({"config": name, "run_config": dataclasses.asdict(cfg)} | result.as_json())
+    rows.append({"config": name, "run_config": config_lib.as_dict(cfg)} | result.as_json())
   out = ARGS.out or os.path.join(os.path.dirname(__file__), "results", f"memory_plan_{t.name}.json")
   result = {
     "what": "per-device bytes of every program a run holds in device memory, compiled ahead "

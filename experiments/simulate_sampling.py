@@ -19,7 +19,6 @@ exits non-zero when a GRPO row disagrees with its closed form by more than --tol
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import pathlib
 import sys
@@ -29,7 +28,7 @@ import numpy as np
 
 from ada_jax import metrics
 from ada_jax.rl import simulate as sim
-from ada_jax.rl.adaptive import AdaConfig, EstConfig
+from ada_jax.rl.rules import AdaConfig, EstConfig
 
 
 def plot(rows: dict[str, sim.SimResult], p: np.ndarray, path: pathlib.Path) -> None:
@@ -182,7 +181,7 @@ def main() -> None:
       ],
       "fraction_p_below_0.02": float(np.mean(p < 0.02)),
       **{k: v for k, v in vars(args).items() if k not in ("out_dir", "tolerance")},
-      "configs": {k: dataclasses.asdict(v) for k, v in configs.items()},
+      "configs": {k: v.as_dict() for k, v in configs.items()},
     },
     "rows": rows,
     "closed_form_checks": checks,

@@ -295,7 +295,7 @@ def main() -> None:
     "command": "python experiments/simulate_stream.py " + " ".join(sys.argv[1:]),
     "config": dataclasses.asdict(sim),
     "length_sigma": ss.length_sigma(sim.median_length, sim.budget, sim.at_budget),
-    "methods": {k: dataclasses.asdict(v) for k, v in configs.items()},
+    "methods": {k: v.as_dict() for k, v in configs.items()},
     "paper_wall_time_vs_grpo": PAPER_WALL_TIME_RATIO,
     "goal": {"decode_steps_vs_grpo_n4": GOAL, "signal_tolerance": SIGNAL_TOLERANCE},
     "notes": {

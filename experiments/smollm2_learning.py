@@ -59,7 +59,6 @@ held-out reports with per-problem correct counts, and the endpoints with their i
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import json
 import math
@@ -170,7 +169,7 @@ def full_config(config: str, overrides: dict[str, object]) -> dict:
   c = _config(config)
   c.update_from_flattened_dict(overrides)
   parsed = config_lib.parse(c)
-  out = json.loads(json.dumps(dataclasses.asdict(parsed), default=str))
+  out = json.loads(json.dumps(config_lib.as_dict(parsed), default=str))
   out["derived"] = {"train_rows": parsed.train_rows, "prompts_per_chunk": parsed.prompts_per_chunk}
   return out
 

@@ -38,7 +38,7 @@ from ada_jax import loop  # noqa: E402
 from ada_jax import metrics as metrics_lib  # noqa: E402
 from ada_jax.rl import controller  # noqa: E402
 from ada_jax.rl import simulate_stream as ss  # noqa: E402
-from ada_jax.rl.adaptive import AdaConfig, SeqConfig  # noqa: E402
+from ada_jax.rl.rules import AdaConfig, SeqConfig  # noqa: E402
 from configs import tiny_arith_pos  # noqa: E402
 
 

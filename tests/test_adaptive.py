@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from ada_jax.rl import advantages as adv_lib
 from ada_jax.rl import estimate, pools, rules
-from ada_jax.rl.adaptive import AdaConfig, DapoConfig, EstConfig, SeqConfig
+from ada_jax.rl.rules import AdaConfig, DapoConfig, EstConfig, SeqConfig
 from ada_jax.testing import rounds_step
 
 
@@ -381,7 +381,7 @@ def test_est_state_updates_and_steers_the_budget():
   )
   # Released rule w = 1/p̂: weights 21/5 and 21, budget 8: 1 each, then 6 * [1/6, 5/6].
   draw = Scripted([[1] * 8, [0, 0, 0, 0, 0, 1, 0, 0]])
-  res, state = rounds_step(cfg, ids, draw, _rng(), est_state=state)
+  res, state = rounds_step(cfg, ids, draw, _rng(), method_state=state)
   np.testing.assert_array_equal(res.stats.pool_size, [2, 6])
   # Decayed counts: pos 0.9*4 + 2 = 5.6, tot 0.9*4 + 2 = 5.6 for "easy".
   i = int(np.flatnonzero(state["keys"] == keys[0])[0])
@@ -408,7 +408,7 @@ def test_est_released_defaults_and_single_sample_advantage():
   state = estimate.update_est_state(
     estimate.init_est_state(), estimate.prompt_keys(["e"]), np.array([40.0]), np.array([40.0]), 1.0
   )
-  res, _ = rounds_step(cfg, ["e", "new"], Scripted([[1] * 2, [0] * 14]), _rng(), est_state=state)
+  res, _ = rounds_step(cfg, ["e", "new"], Scripted([[1] * 2, [0] * 14]), _rng(), method_state=state)
   np.testing.assert_array_equal(res.stats.pool_size, [2, 14])
   # Budget 3 over 3 prompts: one sample each; a lone sample's advantage is its reward.
   cfg = AdaConfig(method="est", est=EstConfig(budget_per_prompt=1))
@@ -433,7 +433,7 @@ def test_est_paper_variant_clips_and_weights():
     1.0,
   )
   streams = [[1] * 6, [0] * 5 + [1], [1, 0] * 3]
-  res, _ = rounds_step(cfg, ["a", "b", "c"], Scripted(streams), _rng(), est_state=state)
+  res, _ = rounds_step(cfg, ["a", "b", "c"], Scripted(streams), _rng(), method_state=state)
   assert res.stats.pool_size.sum() == 12
   assert res.stats.pool_size.min() >= 2 and res.stats.pool_size.max() <= 6
   assert res.stats.pool_size[1] == 6  # hardest prompt hits the cap
@@ -592,7 +592,7 @@ def test_est_properties(b, k, seed, steps):
   draw = lambda rows: ((gen.random(rows.size) < p_true[rows]).astype(np.float32), list(rows))
   state = None
   for _ in range(steps):
-    res, state = rounds_step(cfg, _ids(b), draw, _rng(), est_state=state)
+    res, state = rounds_step(cfg, _ids(b), draw, _rng(), method_state=state)
     assert res.stats.rows_requested == int(round(k * b)) == res.rewards.size
     assert res.stats.pool_size.min() >= 1
     for p in range(b):

@@ -13,12 +13,14 @@ import textwrap
 import time
 import types
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
-from ada_jax import checkpoint, checksums, runstate, start
+from ada_jax import checkpoint, checksums, runstate, saved_params, start
 from ada_jax.config import ConfigError
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding
@@ -65,7 +67,7 @@ def test_round_trip_is_exact_and_keeps_last_k(tmp_path, async_save):
     run = checkpoint.RunState(
       train=_state(mesh, shift=step),
       rng=jax.random.split(jax.random.key(step))[1],
-      est=_est(size, step),
+      method_state=_est(size, step),
       host={"rl_step": step, "data_pos": 10 * step, "gen": runstate.generator_state(gen)},
     )
     assert checkpoint.save(manager, step, run)
@@ -73,7 +75,8 @@ def test_round_trip_is_exact_and_keeps_last_k(tmp_path, async_save):
     if step == 1:  # the empty Est state round-trips too (before keep=2 deletes step 1)
       manager.wait_until_finished()
       back = checkpoint.restore(manager, train.abstract_state(CONFIG, TRAIN, mesh), 1)
-      assert back.est["keys"].shape == (0,) and back.est["keys"].dtype == np.int64
+      keys = back.method_state["keys"]
+      assert keys.shape == (0,) and keys.dtype == np.int64
   assert not checkpoint.save(manager, 3, saved[3])  # already there: no second write
   checkpoint.close(manager)
 
@@ -88,10 +91,10 @@ def test_round_trip_is_exact_and_keeps_last_k(tmp_path, async_save):
     assert shard(back.train) == shard(target)
     assert back.rng.dtype == want.rng.dtype  # a typed key with its impl
     np.testing.assert_array_equal(jax.random.key_data(back.rng), jax.random.key_data(want.rng))
-    assert back.est.keys() == want.est.keys()
-    for name in want.est:
-      assert back.est[name].dtype == want.est[name].dtype
-      np.testing.assert_array_equal(back.est[name], want.est[name])
+    assert back.method_state.keys() == want.method_state.keys()
+    for name in want.method_state:
+      assert back.method_state[name].dtype == want.method_state[name].dtype
+      np.testing.assert_array_equal(back.method_state[name], want.method_state[name])
     assert back.host["rl_step"] == step and back.host["data_pos"] == 10 * step
   restored_gen = runstate.generator_from_state(back.host["gen"])
   np.testing.assert_array_equal(restored_gen.random(4), gen.random(4))
@@ -110,9 +113,54 @@ def test_reference_params_and_no_est(tmp_path):
   checkpoint.save(manager, 4, run)
   back = checkpoint.restore(manager, train.abstract_state(CONFIG, TRAIN, mesh, with_ref=True))
   _assert_tree_equal(back.train, run.train)
-  assert back.est is None and back.host == {}
+  assert back.method_state is None and back.host == {}
   np.testing.assert_array_equal(back.rng, [1, 2])  # a raw uint32 key stays raw
   manager.close()
+
+
+@flax.struct.dataclass
+class _Books:
+  gave_up: np.ndarray
+  per_prompt: dict
+  seen: int
+
+
+def test_a_rules_typed_state_round_trips_and_an_old_est_item_restores(tmp_path):
+  """A rule's state of any pytree type comes back as its state dict (`Rule.restore_state`
+  rebuilds the type); a checkpoint written when Est's statistics were item `est` restores
+  them as the same dict."""
+  mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  books = _Books(
+    gave_up=np.asarray(3), per_prompt={"keys": np.zeros(0, np.int64), "w": np.ones((2, 3))}, seen=7
+  )
+  run = checkpoint.RunState(
+    train=_state(mesh), rng=jnp.asarray([1, 2], jnp.uint32), method_state=books
+  )
+  manager = checkpoint.make_manager(tmp_path / "new")
+  checkpoint.save(manager, 1, run)
+  back = checkpoint.restore(manager, train.abstract_state(CONFIG, TRAIN, mesh))
+  again = flax.serialization.from_state_dict(books, back.method_state)
+  _assert_tree_equal(again, books)
+  assert again.per_prompt["keys"].dtype == np.int64 and again.per_prompt["w"].shape == (2, 3)
+  manager.close()
+
+  est = _est(4, 1)
+  old = checkpoint.make_manager(tmp_path / "old")
+  state = run.train
+  old.save(1, args=ocp.args.Composite(
+    params=ocp.args.StandardSave(state.params),
+    opt=ocp.args.StandardSave({"step": state.step, "opt_state": state.opt_state}),
+    rng=ocp.args.StandardSave({"key": np.asarray([1, 2], np.uint32)}),
+    host=ocp.args.JsonSave({"user": {}, "rng_impl": None, "est_size": 4, "has_ref": False}),
+    est=ocp.args.StandardSave({k: np.append(v, v.dtype.type(0)) for k, v in est.items()}),
+  ))  # fmt: skip
+  old.wait_until_finished()
+  back = checkpoint.restore(old, train.abstract_state(CONFIG, TRAIN, mesh))
+  assert back.method_state.keys() == est.keys()
+  for name, want in est.items():
+    assert back.method_state[name].dtype == want.dtype
+    np.testing.assert_array_equal(back.method_state[name], want)
+  old.close()
 
 
 def test_fresh_start_order(tmp_path):
@@ -130,7 +178,7 @@ def test_fresh_start_order(tmp_path):
   checkpoint.save(other, 9, other_run)
   other.close()
   hf = tmp_path / "hf"
-  checkpoint.export_hf(CONFIG, jax.tree.map(lambda x: x * 2, fresh_params), hf)
+  saved_params.export_hf(CONFIG, jax.tree.map(lambda x: x * 2, fresh_params), hf)
 
   def initial(init_from="", pretrained=None):
     cfg = types.SimpleNamespace(
@@ -171,16 +219,18 @@ def test_init_from_bf16_params_restores_them_upcast_with_one_warning(tmp_path, c
   mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
   params = model_lib.init_params(CONFIG, jax.random.key(3))
   old = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
-  checkpoint.save_params(tmp_path, old)
+  saved_params.save_params(tmp_path, old)
   target = sharding.abstract_params(CONFIG, mesh)
   with caplog.at_level(logging.WARNING):
-    got = checkpoint.restore_params(tmp_path, target)
+    got = saved_params.restore_params(tmp_path, target)
   _assert_tree_equal(got, jax.tree.map(lambda x: x.astype(jnp.float32), old))
   lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
   assert len(lines) == 1 and "stored in bfloat16, restored cast to float32" in lines[0]
   assert "\n" not in lines[0]
   caplog.clear()
-  checkpoint.restore_params(tmp_path, jax.tree.map(lambda t: t.update(dtype=jnp.bfloat16), target))
+  saved_params.restore_params(
+    tmp_path, jax.tree.map(lambda t: t.update(dtype=jnp.bfloat16), target)
+  )
   assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import pytest
 from test_loop import _write_config
 
-from ada_jax import checkpoint
 from ada_jax import config as config_lib
+from ada_jax import saved_params
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import weights
 
@@ -88,7 +88,7 @@ def bad_inputs(tmp_path_factory):
   a_file = tmp / "a_file"
   a_file.write_text("not a folder\n")
   other = tmp / "other_model"  # a checkpoint of params of another tree and shapes
-  checkpoint.save_params(other / "1", {"embed": jnp.ones((3, 5))})
+  saved_params.save_params(other / "1", {"embed": jnp.ones((3, 5))})
   good = _model_folder(tmp / "hf_good", cfg)
   truncated = tmp / "hf_truncated"
   shutil.copytree(good, truncated)

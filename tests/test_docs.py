@@ -103,7 +103,7 @@ def resolve(name: str) -> None:
 
 
 def test_resolve_catches_a_stale_name():
-  resolve("ada_jax.rl.adaptive.AdaConfig")
+  resolve("ada_jax.rl.rules.AdaConfig")
   resolve("ada_jax.main")
   with pytest.raises(LookupError, match="ada_jax has no attribute 'adaptive'"):
     resolve("ada_jax.adaptive.run_step")

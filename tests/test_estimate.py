@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from ada_jax.rl import estimate
 from ada_jax.rl import pass_rate_head as head_lib
 from ada_jax.rl import simulate as sim
-from ada_jax.rl.adaptive import AdaConfig, EstConfig
+from ada_jax.rl.rules import AdaConfig, EstConfig
 from ada_jax.testing import rounds_step
 
 # --- The power objective f(p) = (p^α − 1)/α, f'(p) = p^(α−1) --------------------------
@@ -216,7 +216,9 @@ def test_run_step_with_a_head(estimator):
   before = head_lib.params_from_state({}, features.shape[1], cfg)
   after = head_lib.params_from_state(state, features.shape[1], cfg)
   assert not np.array_equal(before["w2"], after["w2"])  # it trained on the step's rewards
-  res2, state2 = rounds_step(cfg, ids, _draw(rates, rng), rng, est_state=state, features=features)
+  res2, state2 = rounds_step(
+    cfg, ids, _draw(rates, rng), rng, method_state=state, features=features
+  )
   assert res2.stats.pool_size.sum() == 24 and state2["keys"].size == 6
 
 
@@ -270,16 +272,20 @@ def test_head_state_round_trips_through_a_checkpoint_exactly(tmp_path):
   params = model_lib.init_params(model_cfg, jax.random.key(0))
   state = train.init_train_state(model_cfg, train.TrainConfig(), params, mesh)
   manager = checkpoint.make_manager(tmp_path)
-  checkpoint.save(manager, 1, checkpoint.RunState(train=state, rng=jax.random.key(1), est=est))
+  checkpoint.save(
+    manager, 1, checkpoint.RunState(train=state, rng=jax.random.key(1), method_state=est)
+  )
   manager.wait_until_finished()
   back = checkpoint.restore(manager, train.abstract_state(model_cfg, train.TrainConfig(), mesh))
   manager.close()
-  assert sorted(back.est) == sorted(est)
+  assert sorted(back.method_state) == sorted(est)
   for k, v in est.items():
-    assert back.est[k].dtype == v.dtype and back.est[k].shape == v.shape, k
-    np.testing.assert_array_equal(back.est[k], v)
+    assert back.method_state[k].dtype == v.dtype and back.method_state[k].shape == v.shape, k
+    np.testing.assert_array_equal(back.method_state[k], v)
   # The restored Adam moments continue training exactly as the saved ones would.
   a, _ = head_lib.train_head(est, features, np.ones(16), np.full(16, 4.0), lr=1e-2, steps=2)
-  b, _ = head_lib.train_head(back.est, features, np.ones(16), np.full(16, 4.0), lr=1e-2, steps=2)
+  b, _ = head_lib.train_head(
+    back.method_state, features, np.ones(16), np.full(16, 4.0), lr=1e-2, steps=2
+  )
   for k in a:
     np.testing.assert_array_equal(a[k], b[k])

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ada_jax import checkpoint, testing
+from ada_jax import saved_params, testing
 from ada_jax.data import arith
 from ada_jax.models import decoder as model_lib
 from ada_jax.models.tokenizer import Tokenizer
@@ -42,7 +42,7 @@ def exported(tmp_path_factory):
   stop = int(free[j])
   tokenizer = Tokenizer.from_dir(arith.TOKENIZER_DIR, eos_ids=[stop])  # as config.tokenizer
   folder = tmp_path_factory.mktemp("hf_final")
-  checkpoint.export_hf(config, params, folder, tokenizer=tokenizer)
+  saved_params.export_hf(config, params, folder, tokenizer=tokenizer)
   return folder, config, params, tokenizer, prompt, free[: j + 1]
 
 
@@ -104,7 +104,7 @@ def test_export_writes_the_compute_dtype(tmp_path):
 
   config, params = testing.tiny_arith_model(seed=1)
   config = config.replace(dtype="bfloat16", param_dtype="float32")
-  checkpoint.export_hf(config, params, tmp_path)
+  saved_params.export_hf(config, params, tmp_path)
   hf_config = json.loads((tmp_path / "config.json").read_text())
   assert hf_config["dtype"] == hf_config["torch_dtype"] == "bfloat16"
   with safe_open(str(tmp_path / "model.safetensors"), framework="numpy") as f:

@@ -28,7 +28,7 @@ LAYERS = (
     "run foundation",
     ("ada_jax.config", "ada_jax.checkpoint", "ada_jax.distributed", "ada_jax.metrics")
     + ("ada_jax.inputs", "ada_jax.testing", "ada_jax.runstate", "ada_jax.start")
-    + ("ada_jax.checksums",),
+    + ("ada_jax.checksums", "ada_jax.saved_params"),
   ),
   ("the RL step", ("ada_jax.step",)),
   (

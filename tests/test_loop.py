@@ -19,7 +19,7 @@ import pytest
 
 from ada_jax import checkpoint as checkpoint_lib
 from ada_jax import config as config_lib
-from ada_jax import loop
+from ada_jax import loop, saved_params
 from ada_jax import metrics as metrics_lib
 from ada_jax.eval import evaluator as evaluate
 from configs import tiny_arith_pos
@@ -245,7 +245,7 @@ def _est_state(workdir, step):
   target = train.abstract_state(cfg.model.model_config(), cfg.train, mesh)
   manager = checkpoint_lib.make_manager(pathlib.Path(workdir) / "checkpoints")
   try:
-    return checkpoint_lib.restore(manager, target, step).est
+    return checkpoint_lib.restore(manager, target, step).method_state
   finally:
     manager.close()
 
@@ -490,7 +490,7 @@ def test_rollouts_decode_from_one_compute_dtype_copy_per_step(tmp_path, no_impli
   for params in seen:
     for (dtype, got, ndim), sh in zip(params, jax.tree.leaves(want), strict=True):
       assert dtype == jnp.bfloat16 and got.is_equivalent_to(sh, ndim)
-  saved = checkpoint_lib.restore_params(
+  saved = saved_params.restore_params(
     tmp_path / "checkpoints", sharding_lib.abstract_params(model_cfg, mesh)
   )
   assert {x.dtype for x in jax.tree.leaves(saved)} == {jnp.dtype(jnp.float32)}

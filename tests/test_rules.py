@@ -1,36 +1,53 @@
-"""The rule table: the worked example of docs/design.md "Adding a sampling method" runs as
-written, under both schedules, and behaves as the text says."""
+"""The rule table: the worked example of docs/design.md "Adding a sampling method" (a rule's
+module and its config file) runs as written, under both schedules and from the command line
+through a checkpoint, and behaves as the text says."""
 
-import dataclasses
+import copy
+import json
 import pathlib
 import re
+import sys
+import types
 
 import numpy as np
 import pytest
+from absl import flags
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ada_jax import cli, loop
 from ada_jax.rl import controller, estimate, rules
-from ada_jax.rl.adaptive import AdaConfig, SeqConfig
+from ada_jax.rl.rules import AdaConfig, SeqConfig
 
 DESIGN = pathlib.Path(__file__).resolve().parents[1] / "docs" / "design.md"
 
 
-def _worked_example() -> str:
-  section = DESIGN.read_text().split("### Adding a sampling method", 1)[1].split("\n## ", 1)[0]
+def _worked_example() -> list[str]:
+  section = DESIGN.read_text().split("### Adding a sampling method", 1)[1].split("\n### ", 1)[0]
   blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-  assert len(blocks) == 1, "the section holds one code block"
-  return blocks[0]
+  assert len(blocks) == 2, "the section holds the rule's module and its config file"
+  return blocks
 
 
 @pytest.fixture
 def patient():
-  scope: dict = {}
-  exec(_worked_example(), scope)  # noqa: S102 - the doc's own code, checked as written
+  """The doc's rule module, imported as `ada_jax.rl.rules.patient` (as its config imports it),
+  and the doc's config file's text."""
+  module_text, config_text = _worked_example()
+  module = types.ModuleType("ada_jax.rl.rules.patient")
+  sys.modules[module.__name__] = module
   try:
-    yield scope
+    exec(compile(module_text, "ada_jax/rl/rules/patient.py", "exec"), module.__dict__)  # noqa: S102
+    yield module, config_text
   finally:
-    del rules.RULES["pos_patient"]
+    rules.RULES.pop("pos_patient", None)
+    rules.GROUPS.pop("patience", None)
+    del sys.modules[module.__name__]
+
+
+def _patient_config(module, **seq):
+  seq = SeqConfig(**{"samples_per_round": 4, "max_rounds": 3, **seq})
+  return AdaConfig(method="pos_patient", n=4, seq=seq, patience=module.Patience(rounds=2))
 
 
 def _draw(streams):
@@ -48,21 +65,22 @@ def _draw(streams):
 
 @pytest.mark.parametrize("schedule", controller.SCHEDULES)
 def test_the_worked_example_is_one_table_entry(patient, schedule):
-  config = patient["config"]
+  module, _ = patient
+  config = _patient_config(module)
   rule = rules.rule_for(config)
   assert isinstance(rule, rules.Seq) and rule.min_rows(config) == 4
-  assert rules.thresholds(config) == (1, 0)
+  assert rules.thresholds(config) == (1, 0) and rule.settings_of(config).rounds == 2
   # Prompt 0: a positive in round 1; prompt 1: none in 12; prompt 2: its first in round 2.
   streams = [[0, 1, 0, 0] + [0] * 8, [0] * 12, [0, 0, 0, 0, 0, 1, 0, 0] + [0] * 4]
   draw, used = _draw(streams)
-  result, _ = controller.run_step(
+  result, state = controller.run_step(
     config, ["a", "b", "c"], controller.DrawEngine(draw), np.random.default_rng(0),
     schedule=schedule,
   )  # fmt: skip
   assert used == [4, 8, 8]  # prompt 1 gave up after 2 rounds instead of drawing 12
   assert result.stats.pool_size.tolist() == [4, 8, 8]
-  assert result.stats.rule_metrics == {"ada/gave_up_fraction": pytest.approx(1 / 3)}
-  assert result.stats.as_metrics()["ada/gave_up_fraction"] == pytest.approx(1 / 3)
+  assert result.stats.rule_metrics == {"ada/gave_up": 1, "ada/gave_up_total": 1}
+  assert result.stats.as_metrics()["ada/gave_up"] == 1
   if schedule == "rounds":
     assert result.stats.samples_per_round == (12, 8)
   # Seq's own selection and global baseline: prompt 0 keeps its positive and three
@@ -71,20 +89,62 @@ def test_the_worked_example_is_one_table_entry(patient, schedule):
     result.advantages[result.prompt_index == 0], [0.75, -0.25, -0.25, -0.25]
   )
   assert not result.advantages[result.prompt_index == 1].any()
+  # The next step starts from this one's state: the total goes on.
+  draw, _ = _draw([[0] * 12] * 2)
+  again, state = controller.run_step(
+    config, ["d", "e"], controller.DrawEngine(draw), np.random.default_rng(0), state,
+    schedule=schedule,
+  )  # fmt: skip
+  assert again.stats.rule_metrics == {"ada/gave_up": 2, "ada/gave_up_total": 3}
+  assert isinstance(state, module.PatientState) and int(state.gave_up) == 3
 
 
 def test_the_worked_example_refuses_bad_settings(patient):
+  module, _ = patient
   with pytest.raises(ValueError, match=r"Patience.rounds=0: must be >= 1"):
-    patient["Patience"](rounds=0)
-  config = patient["config"]
-  short = dataclasses.replace(config, seq=dataclasses.replace(config.seq, max_rounds=2))
+    module.Patience(rounds=0)
   with pytest.raises(ValueError, match=r"AdaConfig.seq.max_rounds=2: must exceed patience"):
-    rules.rule_for(short)
-  no_positive = dataclasses.replace(
-    config, seq=SeqConfig(samples_per_round=4, max_rounds=3, k_pos=0, k_neg=4)
-  )
+    rules.rule_for(_patient_config(module, max_rounds=2))
   with pytest.raises(ValueError, match=r"AdaConfig.seq.k_pos=0: pos_patient waits"):
-    rules.rule_for(no_positive)
+    rules.rule_for(_patient_config(module, k_pos=0, k_neg=4))
+  with pytest.raises(TypeError, match=r"'patient' is neither a field nor a settings group"):
+    AdaConfig(method="pos_patient", patient=module.Patience())
+  with pytest.raises(ValueError, match=r"AdaConfig.patience=.*expected a Patience"):
+    AdaConfig(method="pos_patient", patience=SeqConfig())
+
+
+def test_the_worked_example_runs_from_its_config_file_and_resumes(patient, tmp_path, monkeypatch):
+  """The doc's two files are the whole method: its config file runs it from the command line
+  (`--config.ada.patience.rounds` reaches the rule's own group), its state is checkpointed,
+  and a resumed run goes on from it."""
+  from test_loop import no_eval, tiny_config
+
+  from configs import tiny_arith_pos
+
+  small = no_eval(tiny_config(steps=2))
+  monkeypatch.setattr(tiny_arith_pos, "get_config", lambda: copy.deepcopy(small))
+  _, config_text = patient
+  path = tmp_path / "tiny_arith_pos_patient.py"
+  path.write_text(config_text)
+  workdir = tmp_path / "run"
+
+  def run(steps):
+    argv = ["main", f"--config={path}", "--config.ada.patience.rounds=1"]
+    argv.append(f"--config.rl.steps={steps}")
+    fv = flags.FlagValues()
+    cli.define_config_file("config", "the experiment", flag_values=fv, sys_argv=argv)
+    fv(argv)
+    assert fv.config.ada.patience.rounds == 1 and fv.config.ada.method == "pos_patient"
+    loop.run(fv.config, str(workdir))
+
+  run(2)
+  run(3)  # resumes from checkpoint 2 (`ckpt.every_steps` = 2)
+  rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+  rows = [r for r in rows if "ada/gave_up" in r]
+  assert [r["step"] for r in rows] == [1, 2, 3]
+  gave_up = [r["ada/gave_up"] for r in rows]
+  assert gave_up[0] + gave_up[1] > 0, "the tiny policy solves nothing: every prompt gives up"
+  assert [r["ada/gave_up_total"] for r in rows] == np.cumsum(gave_up).tolist()
 
 
 def test_an_unknown_method_names_the_table():
@@ -205,11 +265,11 @@ def test_a_run_resumed_from_its_saved_statistics_decides_the_same(tmp_path):
   )
   manager = checkpoint.make_manager(tmp_path)
   checkpoint.save(
-    manager, 1, checkpoint.RunState(train=train_state, rng=jax.random.key(0), est=state)
+    manager, 1, checkpoint.RunState(train=train_state, rng=jax.random.key(0), method_state=state)
   )
   checkpoint.close(manager)
   target = train.abstract_state(config, train.TrainConfig(), mesh)
-  restored = checkpoint.restore(checkpoint.make_manager(tmp_path), target).est
+  restored = checkpoint.restore(checkpoint.make_manager(tmp_path), target).method_state
   a, _ = step(state, 1)
   b, _ = step(restored, 1)
   assert a.stats.stopped == b.stats.stopped and a.handles == b.handles

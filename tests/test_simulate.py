@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from ada_jax.rl import simulate as sim
-from ada_jax.rl.adaptive import AdaConfig, SeqConfig
+from ada_jax.rl.rules import AdaConfig, SeqConfig
 
 
 @pytest.fixture(scope="module")

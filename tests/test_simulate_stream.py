@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from ada_jax.rl import simulate as sim
 from ada_jax.rl import simulate_stream as ss
-from ada_jax.rl.adaptive import AdaConfig, EstConfig, SeqConfig
+from ada_jax.rl.rules import AdaConfig, EstConfig, SeqConfig
 
 SMALL = ss.StreamSimConfig(
   batch=64, slots=128, budget=256, median_length=64.0, segment=16, num_prompts=256, epochs=2

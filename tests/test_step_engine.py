@@ -15,7 +15,7 @@ from ada_jax import distributed, step
 from ada_jax.data.prompts import PromptSet
 from ada_jax.models import decoder as model_lib
 from ada_jax.rl import controller
-from ada_jax.rl.adaptive import AdaConfig, DapoConfig, EstConfig, SeqConfig
+from ada_jax.rl.rules import AdaConfig, DapoConfig, EstConfig, SeqConfig
 from ada_jax.rollout import engine as rollout_engine
 from ada_jax.rollout import sampler as sampler_lib
 

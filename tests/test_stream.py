@@ -11,9 +11,8 @@ from hypothesis import strategies as st
 from ada_jax.rl import advantages as adv_lib
 from ada_jax.rl import controller, rules
 from ada_jax.rl import simulate as sim
-from ada_jax.rl.adaptive import AdaConfig, DapoConfig, EstConfig, SeqConfig
 from ada_jax.rl.controller import Controller
-from ada_jax.rl.rules import RULES, pool_meets_exit
+from ada_jax.rl.rules import RULES, AdaConfig, DapoConfig, EstConfig, SeqConfig, pool_meets_exit
 from ada_jax.testing import rounds_step
 
 SEQ = [
@@ -81,7 +80,8 @@ def _run(cfg, rates, seed, finish_prob=0.4, shuffle=False, **kw):
     rates.extend(np.random.default_rng([seed, len(rates)]).random(k).tolist())
     return [f"x{len(rates) - k + i}" for i in range(k)]
 
-  plan = RULES[cfg.method].plan(cfg, [f"p{i}" for i in range(len(rates))], None, None)
+  rule = RULES[cfg.method]
+  plan = rule.plan(cfg, [f"p{i}" for i in range(len(rates))], rule.init_state(cfg), None)
   if "quotas" in kw:
     plan = dataclasses.replace(plan, quotas=np.asarray(kw.pop("quotas")))
   ctl = Controller(cfg, len(rates), more_prompts=more, plan=plan, **kw, schedule="stream")

@@ -243,7 +243,7 @@ def abstract(shapes: Any, shardings: Any) -> Any:
 
 def abstract_params(config: ModelConfig, mesh: Mesh) -> Params:
   """The parameter tree as `jax.ShapeDtypeStruct`s with their shardings, allocating
-  nothing: the target for `checkpoint.restore_params`."""
+  nothing: the target for `saved_params.restore_params`."""
   return abstract(model_lib.param_shapes(config), param_shardings(config, mesh))
 
 

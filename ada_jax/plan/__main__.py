@@ -15,7 +15,6 @@ refusal), 2 a bad flag, config field or target name (one line, nothing compiled)
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import pathlib
@@ -113,7 +112,7 @@ def main(argv) -> int:
   print(verdict.report(result), flush=True)
   if json_path:
     record = result.as_json()
-    record |= {"git_commit": metrics.git_commit(), "config": dataclasses.asdict(cfg)}
+    record |= {"git_commit": metrics.git_commit(), "config": config_lib.as_dict(cfg)}
     try:
       with open(json_path, "w") as f:
         json.dump(record, f, indent=1, default=str)

@@ -1,6 +1,6 @@
 """Per-prompt pure functions of Reinforce-Ada: response selection and advantages.
 
-Pure numpy helpers used by the sampling controller (`ada_jax.rl.adaptive`):
+Pure numpy helpers used by the sampling controller (`ada_jax.rl.controller`):
 
 * `select_group`: the "half-then-fill" choice of the n training responses out of a
   prompt's pool (Reinforce-Ada-Seq, docs/design.md "Algorithm").

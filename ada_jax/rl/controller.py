@@ -32,9 +32,8 @@ import numpy as np
 
 from ada_jax.rl import pools as pools_lib
 from ada_jax.rl import rules
-from ada_jax.rl.adaptive import SCHEDULES, AdaConfig
 from ada_jax.rl.pools import StepResult
-from ada_jax.rl.rules import Plan
+from ada_jax.rl.rules import SCHEDULES, AdaConfig, Plan
 
 MorePromptsFn = Callable[[int], Sequence[Any]]
 
@@ -361,14 +360,14 @@ def run_step(
   prompt_ids: Sequence[Any],
   engine: Engine,
   rng: np.random.Generator,
-  est_state: dict | None = None,
+  method_state: Any = None,
   more_prompts: MorePromptsFn | None = None,
   features: np.ndarray | None = None,
   *,
   schedule: str | None = None,
   window: int | None = None,
   min_pool: int | None = None,
-) -> tuple[StepResult, dict | None]:
+) -> tuple[StepResult, Any]:
   """One training step's sampling for B prompts.
 
   Args:
@@ -377,8 +376,8 @@ def run_step(
       passed through to `StepResult.prompt_ids`).
     engine: decodes and grades the controller's rows (`Engine`).
     rng: host Generator; consumed only by `seq.selection='random'`.
-    est_state: Est's statistics from the previous step (None: empty); other methods
-      return it unchanged.
+    method_state: the rule's cross-step state as the previous step left it (Est's
+      statistics; None before the first step: the rule's `init_state`).
     more_prompts: `more_prompts(k)` returns up to k further prompt ids (DAPO); an empty
       answer ends the search. Without it DAPO makes no extra passes.
     features: Est with a head-based `est.estimator`: float32[B, d] the prompts' hidden
@@ -386,7 +385,7 @@ def run_step(
     schedule, window, min_pool: `Controller`'s (None: the config's schedule, defaults).
 
   Returns:
-    (StepResult, est_state after this step).
+    (StepResult, the rule's state after this step).
 
   Raises:
     ValueError: no prompts, a bad config (named field), or the engine answered with a
@@ -396,7 +395,8 @@ def run_step(
     raise ValueError("run_step needs at least one prompt")
   rule = rules.rule_for(config)
   ids = list(prompt_ids)
-  plan = rule.plan(config, ids, est_state, features)
+  state = rule.init_state(config) if method_state is None else method_state
+  plan = rule.plan(config, ids, state, features)
   ctl = Controller(
     config,
     len(ids),
@@ -408,7 +408,7 @@ def run_step(
     plan=plan,
   )
   DRIVERS[ctl.schedule](ctl, engine)
-  return rule.fold(config, ids, est_state, features, plan, ctl.result(rng))
+  return rule.fold(config, ids, state, features, plan, ctl.result(rng))
 
 
 class DrawEngine:

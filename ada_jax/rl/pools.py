@@ -214,7 +214,7 @@ def batch_order(order: str, exit_round: Sequence[int | None]) -> list[int]:
   """The order of a Seq step's B groups in the training batch (`SeqConfig.batch_order`).
 
   Args:
-    order: 'exit' or 'prompt' (`adaptive.BATCH_ORDERS`).
+    order: 'exit' or 'prompt' (`rules.BATCH_ORDERS`).
     exit_round: per prompt, the round (or stream boundary) at whose end it exited; None
       for a prompt that never met the exit rule.
 

@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 
 from ada_jax.rl import controller, rules
-from ada_jax.rl.adaptive import EST_PAPER, AdaConfig, DapoConfig, EstConfig, SeqConfig
 from ada_jax.rl.pools import StepResult
+from ada_jax.rl.rules import EST_PAPER, AdaConfig, DapoConfig, EstConfig, SeqConfig
 
 __all__ = [
   "PASS_RATE_MIX",
@@ -321,7 +321,7 @@ def simulate(
   rng = np.random.default_rng(seed)
   extra_rng = np.random.default_rng(seed + 1)
   features = toy_features(p_all, np.random.default_rng(seed + 2), feature_noise)
-  est_state = None
+  method_state = None
   tot = dict(prompts=0, samples=0, signal=0, zero_groups=0, groups=0, selected=0, useful=0)
   rounds, active, truth, first, pool = [], [], [], [], []
   for epoch in range(epochs):
@@ -334,12 +334,12 @@ def simulate(
         rates.extend(sample_pass_rates(extra_rng, k, mix))
         return [f"extra{len(rates) - k + i}" for i in range(k)]
 
-      res, est_state = controller.run_step(
+      res, method_state = controller.run_step(
         cfg,
         [f"p{i}" for i in ids],
         controller.DrawEngine(_bernoulli_draw(rates, rng)),
         rng,
-        est_state,
+        method_state,
         more_prompts=more_prompts,
         features=features[ids],
         schedule="rounds",

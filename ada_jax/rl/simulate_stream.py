@@ -32,8 +32,7 @@ from typing import Any
 import numpy as np
 
 from ada_jax.rl import controller, rules
-from ada_jax.rl.adaptive import AdaConfig
-from ada_jax.rl.rules import pool_meets_exit
+from ada_jax.rl.rules import AdaConfig, pool_meets_exit
 from ada_jax.rl.simulate import PASS_RATE_MIX, _check_pass_rates, method_table, sample_pass_rates
 
 __all__ = [
@@ -299,13 +298,13 @@ class SimEngine:
     )
 
 
-def _step(cfg, schedule, ids, draws: _Draws, sim, rng, est_state):
+def _step(cfg, schedule, ids, draws: _Draws, sim, rng, method_state):
   engine = SimEngine(draws, sim)
   options = dict(window=sim.window, min_pool=sim.min_pool) if schedule == "stream" else {}
-  res, est_state = controller.run_step(
-    cfg, ids, engine, rng, est_state, draws.more_prompts, schedule=schedule, **options
+  res, method_state = controller.run_step(
+    cfg, ids, engine, rng, method_state, draws.more_prompts, schedule=schedule, **options
   )
-  return res, est_state, engine.stats(schedule, res)
+  return res, method_state, engine.stats(schedule, res)
 
 
 def drifted_pass_rates(p0: np.ndarray, sim: StreamSimConfig, epoch: int) -> np.ndarray:
@@ -395,7 +394,7 @@ def simulate_schedule(
   p_all = _check_pass_rates(pass_rates)
   if p_all.size < sim.batch:
     raise ValueError(f"pass_rates: {p_all.size} prompts, fewer than batch={sim.batch}")
-  tot, est_state, step = _Totals(), None, 0
+  tot, method_state, step = _Totals(), None, 0
   cap = cfg.seq.budget
   order_rng = np.random.default_rng([sim.seed, 1])
   for epoch in range(sim.epochs):
@@ -405,8 +404,8 @@ def simulate_schedule(
       ids = order[start : start + sim.batch]
       draws = _Draws(p_epoch[ids], sim, step, mix)
       rng = np.random.default_rng([sim.seed, step, 1])
-      res, est_state, stats = _step(
-        cfg, schedule, [f"p{i}" for i in ids], draws, sim, rng, est_state
+      res, method_state, stats = _step(
+        cfg, schedule, [f"p{i}" for i in ids], draws, sim, rng, method_state
       )
       step += 1
       if epoch < sim.warmup_epochs:
