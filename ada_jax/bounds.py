@@ -3,7 +3,8 @@ checked by the run config's parser (`config.build`, `check`), so that a bound si
 what it bounds. The groups' own checks catch what the code cannot run; these add the upper
 ends that fail only later (a verifier timeout too large for the OS's timers overflowed at
 RL step 1, after the warm start and the first evaluation) and the lower ends no group
-checks. tests/test_config.py checks that every numeric field of every group has one.
+checks. tests/test_config.py checks that every numeric field of every group has one. The
+error a bad setting raises, `ConfigError`, is here too, below everything that raises it.
 
 An interval is written as in mathematics, `[1, TOKENS]`, `(0, 1]`, `[0, 2**63)`, its ends
 integers, floats, powers (`2**16`) or products (`16 * ROWS`) of the names below.
@@ -18,6 +19,12 @@ TOKENS = 2**20  # any token count or length: far beyond any context
 ROWS = 2**24  # any row, slot or prompt count: far beyond any slice's memory
 STEPS = 10**9
 _NAMES = {"TOKENS": (TOKENS, "2**20"), "ROWS": (ROWS, "2**24"), "STEPS": (STEPS, "10**9")}
+
+
+class ConfigError(ValueError):
+  """A bad experiment config or command-line flag; the message names it
+  (`config.group.field`, `--flag`). Raised by the run config's parser (`config.ConfigError`,
+  the same class) and by what checks a setting before compiling, at any layer."""
 
 
 def within(interval: str, default: Any = dataclasses.MISSING, **kwargs) -> Any:

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ada_jax import bounds
+from ada_jax.bounds import ConfigError
 from ada_jax.checkpoint import CheckpointConfig
 from ada_jax.data.prompts import DataConfig
 from ada_jax.eval.benchmarks import EvalConfig
@@ -32,12 +33,6 @@ from ada_jax.rl.train import OptimConfig, TrainConfig
 from ada_jax.rl.warmstart import WarmStartConfig
 from ada_jax.rollout.sampler import prompts_per_chunk
 from ada_jax.rollout.spec import SamplerSpec
-
-
-class ConfigError(ValueError):
-  """A bad experiment config or command-line flag; the message names it
-  (`config.group.field`, `--flag`)."""
-
 
 # Fields a later version moved, old name -> new: Est's and DAPO's settings became their own
 # groups (`ada.est_decay` -> `ada.est.decay`), then Seq's (`ada.samples_per_round` ->

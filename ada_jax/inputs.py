@@ -118,7 +118,7 @@ def load_prompts(d: prompts.DataConfig, tokenizer: Tokenizer, *, seed: int) -> p
       )
     except (OSError, ValueError) as e:  # a bad file (named, with its line) or no network
       raise ConfigError(
-        f"config.data: {' '.join(str(e).split())}{offline_hint(e, 'config.data.manual_dir')}"
+        f"config.data: {' '.join(str(e).split())}{data.offline_hint(e, 'config.data.manual_dir')}"
       ) from None
     style = d.prompt_style
   try:
@@ -160,13 +160,3 @@ def _verl_examples(d: prompts.DataConfig) -> list[dict]:
         "or config.data.verl_set to the folder"
       )
     raise ConfigError(f"config.data.verl_set: {' '.join(str(e).split())}{hint}") from None
-
-
-def offline_hint(error: Exception, field: str) -> str:
-  """For a `ConnectionError` (data to download, no network): what to set `field` to."""
-  if not isinstance(error, ConnectionError):
-    return ""
-  return (
-    f"; set {field} to a folder with these JSONL files (a folder shared/data beside "
-    "the checkout is the configs' default when present)"
-  )

@@ -259,3 +259,13 @@ def load_examples(
   source = builder(spec, data_dir=data_dir, manual_dir=manual_dir).as_data_source(split)
   examples = [decode(source[i]) for i in range(len(source))]
   return examples
+
+
+def offline_hint(error: Exception, field: str) -> str:
+  """For a `ConnectionError` (data to download, no network): what to set `field` to."""
+  if not isinstance(error, ConnectionError):
+    return ""
+  return (
+    f"; set {field} to a folder with these JSONL files (a folder shared/data beside "
+    "the checkout is the configs' default when present)"
+  )

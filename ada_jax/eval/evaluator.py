@@ -37,8 +37,9 @@ from typing import Any
 import jax
 from absl import logging
 
-from ada_jax import distributed, inputs
-from ada_jax.config import ConfigError
+from ada_jax import distributed
+from ada_jax.bounds import ConfigError
+from ada_jax.data.sets import offline_hint
 from ada_jax.eval import benchmarks as benchmarks_lib
 from ada_jax.eval import sampling as eval_sampling
 from ada_jax.eval.benchmarks import EvalConfig
@@ -150,7 +151,7 @@ class Evaluator:
       try:
         benchmarks.append(benchmarks_lib.load_benchmark(name, config, tokenizer))
       except (OSError, ValueError) as e:
-        hint = inputs.offline_hint(e, f"{field}.manual_dir")
+        hint = offline_hint(e, f"{field}.manual_dir")
         raise ConfigError(f"{field}.benchmarks ({name}): {e}{hint}") from None
     return cls(config, model_config, tokenizer, tuple(benchmarks), samplers)
 
