@@ -21,6 +21,9 @@ class Platform:
       program's figures against the memory JAX's allocator takes.
     cost_analysis: the compiled executable's cost analysis counts every byte a program
       moves (XLA:TPU); XLA:GPU gives none, and XLA:CPU's counts no library call.
+    decode_traffic: where the plan's decode roofline takes a step's bytes from: 'cost
+      analysis' (the compiled loop's, XLA:TPU), 'optimized HLO' (summed op by op,
+      `plan.hlo_walk`: XLA:GPU), '' (none: XLA:CPU, whose library calls no walk sees).
     cache_in_place_under_cond: a buffer passed through a `lax.cond` stays in place
       (XLA:TPU, XLA:CPU); XLA:GPU copies it into the branch (`slots.in_place_under_cond`).
     decode_kernel: decode attention runs as the Pallas TPU kernel (`decode_kernel`)
@@ -34,6 +37,7 @@ class Platform:
   compiler: str
   refuses_oversize: bool = False
   cost_analysis: bool = False
+  decode_traffic: str = ""
   cache_in_place_under_cond: bool = True
   decode_kernel: bool = False
   compile_options: tuple[tuple[str, object], ...] = ()
@@ -49,6 +53,7 @@ PLATFORMS = {
       "XLA:TPU",
       refuses_oversize=True,
       cost_analysis=True,
+      decode_traffic="cost analysis",
       decode_kernel=True,
       topology="tpu",
       packages=("libtpu",),
@@ -56,6 +61,7 @@ PLATFORMS = {
     Platform(
       "gpu",
       "XLA:GPU",
+      decode_traffic="optimized HLO",
       cache_in_place_under_cond=False,
       # Triton gemm fusions need the autotuner, which needs a device ("Couldn't find output
       # tile sizes"): compile-only devices use cuBLAS.

@@ -8,7 +8,8 @@ Compiles every program the run holds in device memory with the target's own comp
 on the config's mesh over the target's devices (`verdict.plan`). Prints per phase the
 bytes per device against the memory a program may use (a TPU's HBM; a GPU's memory times
 JAX's allocator fraction, `--mem_fraction`), the largest temporary buffers, the largest
-slot counts that fit, and on TPU a compiler-derived decode roofline (not a measurement).
+slot counts that fit, and a compiler-derived decode roofline (not a measurement; on GPU
+with the decode step's kernel launches).
 Exit codes: 0 every phase fits, 1 one does not (named, with its buffers, or XLA's
 refusal), 2 a bad flag, config field or target name (one line, nothing compiled).
 """

@@ -11,6 +11,7 @@ import dataclasses
 import glob
 import math
 import os
+import pathlib
 import re
 import tempfile
 
@@ -40,7 +41,8 @@ class Program:
   `cost` is XLA's cost analysis (per device: 'flops', 'bytes accessed');
   `memory_spaces` the bytes the buffer assignment puts in each memory space ('default' is
   HBM; on TPU 'vmem' and, on v4, CMEM as 'hbm' hold prefetched blocks; empty where the
-  compiler writes no report).
+  compiler writes no report); `hlo` the optimized HLO's text when asked for
+  (`compile_program(keep_hlo=True)`), else ''.
   """
 
   argument: int
@@ -50,6 +52,7 @@ class Program:
   largest: list[dict]
   cost: dict[str, float]
   memory_spaces: dict[str, int] = dataclasses.field(default_factory=dict)
+  hlo: str = dataclasses.field(default="", repr=False)
 
   @property
   def peak(self) -> int:
@@ -153,9 +156,9 @@ def _compile(fn, *args, what: str, options=None):
     raise
 
 
-def compile_program(fn, *args, what: str, options=None) -> Program:
+def compile_program(fn, *args, what: str, options=None, keep_hlo: bool = False) -> Program:
   """`fn` (jitted) lowered on abstract `args` and compiled (with XLA `options`); its
-  memory and cost analysis.
+  memory and cost analysis, and with `keep_hlo` the optimized HLO's text (`optimized_hlo`).
 
   Raises:
     OutOfMemory: XLA refused the program for lack of HBM (message names `what`).
@@ -164,6 +167,7 @@ def compile_program(fn, *args, what: str, options=None) -> Program:
     compiled = _compile(fn, *args, what=what, options={**(options or {}), "xla_dump_to": dump})
     largest = largest_temps(dump)
     spaces = memory_spaces(dump)
+    hlo = optimized_hlo(dump) if keep_hlo else ""
   m = compiled.memory_analysis()
   cost = compiled.cost_analysis() or {}
   if isinstance(cost, list):  # older jax: one dict per program
@@ -176,7 +180,17 @@ def compile_program(fn, *args, what: str, options=None) -> Program:
     largest=largest,
     cost={k: float(v) for k, v in cost.items() if k in ("flops", "bytes accessed")},
     memory_spaces=spaces,
+    hlo=hlo,
   )
+
+
+def optimized_hlo(dump_dir: str) -> str:
+  """The text of the largest module XLA wrote after its optimizations into `dump_dir`
+  (`*after_optimizations.txt`; the program's own, not a helper's), or '' when none."""
+  paths = sorted(
+    pathlib.Path(dump_dir).glob("*after_optimizations.txt"), key=lambda p: p.stat().st_size
+  )
+  return paths[-1].read_text() if paths else ""
 
 
 def placed(tree, shardings):

@@ -28,7 +28,7 @@ from ada_jax.eval import sampling as eval_sampling
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.architecture import HUB_PRESETS
-from ada_jax.plan import compiler
+from ada_jax.plan import compiler, hlo_walk
 from ada_jax.plan.compiler import Program
 from ada_jax.plan.targets import gib
 from ada_jax.rl import train
@@ -249,35 +249,43 @@ HBM_ONLY = {
 
 @dataclasses.dataclass(frozen=True)
 class DecodeStep:
-  """The decode loop compiled with one and with two steps per trip (`decode_step_program`):
-  their difference is one step's HBM bytes per device (`bytes_accessed`)."""
+  """The decode loop compiled for the roofline (`decode_step_program`): with one and with
+  two steps per trip where the compiler has a cost analysis (their difference is one
+  step's HBM bytes per device, `bytes_accessed`), or with one step per trip whose
+  optimized HLO gives the step's bytes and kernels (`walk`, `hlo_walk.walk_loop`)."""
 
   one_step: Program
-  two_steps: Program
+  two_steps: Program | None = None
+  walk: hlo_walk.StepWalk | None = None
 
   @property
   def bytes_accessed(self) -> float:
+    if self.walk is not None:
+      return float(self.walk.bytes)
     return self.two_steps.cost["bytes accessed"] - self.one_step.cost["bytes accessed"]
 
   def figures(self) -> dict:
-    """JSON-ready: the step's bytes, both programs' figures, the memory spaces of two."""
-    return {
-      "bytes_accessed": self.bytes_accessed,
-      "one_step": self.one_step.as_dict(),
-      "two_steps": self.two_steps.as_dict(),
-      "memory_spaces": self.two_steps.memory_spaces,
-    }
+    """JSON-ready: the step's bytes, the programs' figures, the memory spaces of two
+    steps or the walk of one."""
+    out = {"bytes_accessed": self.bytes_accessed, "one_step": self.one_step.as_dict()}
+    if self.two_steps is not None:
+      out |= {"two_steps": self.two_steps.as_dict(), "memory_spaces": self.two_steps.memory_spaces}
+    if self.walk is not None:
+      out["walk"] = self.walk.as_json()
+    return out
 
 
 def decode_step_program(smp: sampler_lib.Sampler, params, state) -> DecodeStep:
-  """HBM bytes one step of `smp`'s decode loop reads and writes per device, from XLA's
-  cost analysis: the roofline's worst case, every slot live and reading its whole cache.
+  """HBM bytes one step of `smp`'s decode loop reads and writes per device: the roofline's
+  worst case, every slot live and reading its whole cache; where they come from is the
+  platform's `decode_traffic`.
 
-  A while loop's body is counted once, so the loop is compiled twice, with one and with
-  two steps per trip (`pool.draw_and_decode`, tokens fed back from the step's own logits:
-  nothing is shared between the two steps), and the difference is one step, without what
-  the compiler hoisted out of the loop or runs once around it. Compiled with the target's
-  prefetches into on-chip memory off (`HBM_ONLY`).
+  XLA:TPU's cost analysis counts a while loop's body once, so the loop is compiled twice,
+  with one and with two steps per trip (`pool.draw_and_decode`, tokens fed back from the
+  step's own logits: nothing is shared between the two steps), and the difference is one
+  step, without what the compiler hoisted out of the loop or runs once around it; compiled
+  with the prefetches into on-chip memory off (`HBM_ONLY`). XLA:GPU's optimized HLO of the
+  loop with one step per trip is walked op by op (`hlo_walk.walk_loop`: bytes and kernels).
 
   Args:
     smp: the sampler (its rule, stop ids, mesh, sizes).
@@ -303,8 +311,12 @@ def decode_step_program(smp: sampler_lib.Sampler, params, state) -> DecodeStep:
       return jax.lax.fori_loop(0, n, body, state)
 
     fn = jax.jit(run, donate_argnums=(1,))
-    return compiler.compile_program(
-      fn, params, state, key, trips, what="decode loop", options=HBM_ONLY
-    )
+    if walk:
+      return compiler.compile_program(fn, params, state, key, trips, what=what, keep_hlo=True)
+    return compiler.compile_program(fn, params, state, key, trips, what=what, options=HBM_ONLY)
 
+  what, walk = "decode loop", sharding_lib.platform(smp.mesh).decode_traffic == "optimized HLO"
+  if walk:
+    one = loop(1)
+    return DecodeStep(one, walk=hlo_walk.walk_loop(one.hlo))
   return DecodeStep(loop(1), loop(2))

@@ -1,7 +1,8 @@
 """The decode roofline, compiler-derived (not measured): one decode step's HBM bytes per
-device by XLA:TPU's cost analysis (`programs.decode_step_program`) against the weights and
-KV cache it must read, and the tokens/s per chip the target's HBM bandwidth allows at that
-traffic. `verdict.plan` reports it; `experiments/decode_roofline.py` sweeps it.
+device (`programs.decode_step_program`: XLA:TPU's cost analysis, or XLA:GPU's optimized HLO
+walked op by op, `hlo_walk`, with its kernel launches) against the weights and KV cache it
+must read, and the tokens/s per chip the target's HBM bandwidth allows at that traffic.
+`verdict.plan` reports it; `experiments/decode_roofline.py` sweeps it.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ class DecodeRoofline:
   """One decode step's HBM traffic per device against what it must read.
 
   Attributes:
-    decode_bytes_per_device: what XLA:TPU's cost analysis gives one step of the rollout
-      pool's decode loop at `slots` slots, every slot live and reading its whole cache
-      (`programs.decode_step_program`: on-chip prefetching off, every byte an HBM byte).
+    decode_bytes_per_device: one step of the rollout pool's decode loop at `slots` slots,
+      every slot live and reading its whole cache (`programs.decode_step_program`: XLA:TPU's
+      cost analysis with on-chip prefetching off, or XLA:GPU's HLO walked; every byte an
+      HBM byte).
     decode_weight_bytes: the rollout copy's weights on the device (of an untied input
       embedding only the rows looked up, not counted).
     decode_kv_bytes: the slot cache per device.
@@ -29,6 +31,9 @@ class DecodeRoofline:
       traffic, `slots` tokens a step.
     hbm_gbs: that bandwidth, GB/s.
     slots: the slots of the step.
+    kernels_per_step: kernel launches of one step (XLA:GPU's walk; None from a cost
+      analysis).
+    conditionals_per_step: conditionals of one step (likewise).
   """
 
   decode_bytes_per_device: float
@@ -38,6 +43,12 @@ class DecodeRoofline:
   decode_tokens_per_s_per_chip: float
   hbm_gbs: float
   slots: int
+  kernels_per_step: int | None = None
+  conditionals_per_step: int | None = None
+
+  def as_json(self) -> dict:
+    """The fields, those a cost analysis leaves None left out."""
+    return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
 def decode_roofline(
@@ -50,6 +61,7 @@ def decode_roofline(
     copy = {k: v for k, v in copy.items() if k != "embed"}
   weights = compiler.per_device_bytes(copy)
   seconds = step.bytes_accessed / (t.hbm_gbs * 1e9)
+  walk = step.walk
   return DecodeRoofline(
     decode_bytes_per_device=step.bytes_accessed,
     decode_weight_bytes=weights,
@@ -58,6 +70,8 @@ def decode_roofline(
     decode_tokens_per_s_per_chip=round(slots / seconds / t.devices, 1),
     hbm_gbs=t.hbm_gbs,
     slots=slots,
+    kernels_per_step=walk and walk.kernels,
+    conditionals_per_step=walk and walk.conditionals,
   )
 
 
@@ -75,7 +89,7 @@ class Roofline:
   def as_json(self) -> dict:
     out = {"what": self.what}
     if self.decode is not None:
-      out |= dataclasses.asdict(self.decode)
+      out |= self.decode.as_json()
     if self.train_flops_per_loop_body:
       out["train_flops_per_loop_body"] = self.train_flops_per_loop_body
     return out
@@ -84,14 +98,16 @@ class Roofline:
 def roofline(model_cfg, t: Target, mesh, pool, step, train) -> Roofline:
   """The run's `Roofline` on `t`: from the compiled rollout `pool`, its decode `step`
   (`programs.DecodeStep` or None) and the `train` program (`programs.TrainProgram` or
-  None); none where the compiler gives no cost analysis (XLA:GPU's executable has none,
-  and XLA:CPU's analysis counts no cuBLAS call: no figure beats a wrong one)."""
-  if not t.traits.cost_analysis:
+  None); the decode step's bytes as the platform derives them (`decode_traffic`: XLA:TPU's
+  cost analysis, XLA:GPU's optimized HLO walked), none on XLA:CPU, whose analysis counts no
+  library call (no figure beats a wrong one)."""
+  if not t.traits.decode_traffic:
     return Roofline(f"not derived: {t.compiler} gives no cost analysis of a compiled program")
   decode = None
   if step is not None and pool is not None and step.bytes_accessed:
     decode = decode_roofline(model_cfg, t, mesh, pool.sampler.slots, pool.slot_cache, step)
-  flops = train.program.cost.get("flops") if train is not None else None
-  return Roofline(
-    f"from {t.compiler}'s cost analysis of the compiled programs, not measured", decode, flops
-  )
+  flops = train.program.cost.get("flops") if train is not None and t.traits.cost_analysis else None
+  source = f"{t.compiler}'s {t.traits.decode_traffic} of the compiled programs"
+  if t.traits.decode_traffic != "cost analysis":
+    source += " (the decode step's bytes summed op by op, and its kernels)"
+  return Roofline(f"from {source}, not measured", decode, flops)

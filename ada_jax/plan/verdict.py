@@ -79,7 +79,7 @@ class SlotPhases:
 @dataclasses.dataclass(frozen=True)
 class SlotCount:
   """The largest slot count of a pool that fits every phase with the spare (0: none),
-  against the config's, its phases' peak bytes, and (rollout, on TPU) its roofline."""
+  against the config's, its phases' peak bytes, and (rollout, on TPU and GPU) its roofline."""
 
   config: int
   largest: int
@@ -91,7 +91,7 @@ class SlotCount:
     if self.largest:
       out["gib"] = targets.gib(self.bytes)
     if self.roofline is not None:
-      out["roofline"] = dataclasses.asdict(self.roofline)
+      out["roofline"] = self.roofline.as_json()
     return out
 
 
@@ -252,12 +252,13 @@ def largest_slots(
 
 def sized_slots(s: Setting, rollout, step, evaluation, beside: int, resident: int) -> dict:
   """The largest rollout and (with benchmarks) evaluation slot counts that fit, from the
-  pools compiled at the config's counts; with a cost analysis, the decode roofline at the
-  largest rollout count (`step`: the config's decode step, reused when that is the one)."""
+  pools compiled at the config's counts; where the compiler gives a step's bytes
+  (`decode_traffic`), the decode roofline at the largest rollout count (`step`: the
+  config's decode step, reused when that is the one)."""
   compile_at = lambda n: rollout_phases(s, n, beside, name=f"sample at {n} slots")
   out = {}
   out["rollout"], best = largest_slots(s, "rollout", rollout, compile_at)
-  if best is not None and s.target.traits.cost_analysis:
+  if best is not None and s.target.traits.decode_traffic:
     step_at = step if best is rollout and step else decode_step(s, best.pool)
     if step_at is not None:
       at = best.pool
@@ -324,7 +325,8 @@ def plan(
     mem_fraction: where the compiler compiles anything (a GPU), the fraction of the card's
       memory JAX's allocator takes (None: `targets.DEFAULT_MEM_FRACTION`, JAX's default).
     size_slots: also find the largest rollout and evaluation slot counts that fit (a few
-      more compiles of the pools) and, with a cost analysis, the decode roofline there.
+      more compiles of the pools) and, where the compiler gives a step's bytes, the decode
+      roofline there.
 
   Raises:
     ValueError: an unknown slice, a mesh or batch that does not divide over it, or an
@@ -349,7 +351,7 @@ def plan(
 
   train_ph, train_prog = train_phase(s)
   rollout = rollout_phases(s, cfg.sampler.chunk_rows, beside)
-  step = decode_step(s, rollout.pool) if t.traits.cost_analysis and rollout.pool else None
+  step = decode_step(s, rollout.pool) if t.traits.decode_traffic and rollout.pool else None
   evaluation = eval_phase(s, cfg.eval.sampler.chunk_rows, resident) if cfg.eval.benchmarks else None
   slots = sized_slots(s, rollout, step, evaluation, beside, resident) if size_slots else {}
   return Plan(
@@ -399,6 +401,7 @@ def report(p: Plan) -> str:
       f"roofline (compiler-derived): decode step HBM bytes / (weights + KV) = "
       f"{d.decode_bytes_ratio}, <= {d.decode_tokens_per_s_per_chip:.0f} tokens/s/chip "
       f"at {d.hbm_gbs:.0f} GB/s and {d.slots} slots"
+      + (f", {d.kernels_per_step} kernels per step" if d.kernels_per_step is not None else "")
     )
   for which, sized in p.slots.items():
     line = f"largest {which} slots that fit every phase with {SPARE_GIB} GiB spare: "

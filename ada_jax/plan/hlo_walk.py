@@ -1,0 +1,261 @@
+"""One decode step's HBM bytes and kernel launches as XLA:GPU compiled it, read from the
+optimized HLO (XLA:GPU gives no cost analysis of a compiled program; issue 51's probe read
+the same program by hand).
+
+`walk_loop` takes the text XLA writes as `*after_optimizations.txt` (`xla_dump_to`) for a
+program whose largest `while` is the decode loop (`programs.decode_step_program`: one
+decode step per trip) and sums, over one trip of its body, what each instruction that runs
+as a kernel reads and writes:
+
+- a fusion: its outputs and its inputs, where an input the fused computation reads only
+  through slices counts the slices (what it reads), and an output a dynamic-update-slice
+  writes into one of the fusion's own inputs counts the update (an in-place write; that
+  input is not read);
+- a library call (cuBLAS): its operands and outputs, not its workspace;
+- a copy twice its bytes (read and write); an unfused slice or update likewise; an
+  asynchronous op once, at its start;
+- a conditional: its largest branch (one runs per step), walked the same way; a nested
+  while: its body times its known trip count (once when unknown).
+
+Parameters, constants, tuples, `get-tuple-element` and bitcasts move nothing and launch
+nothing. Kernels count what launches per step: fusions, library calls, copies and the
+other unfused ops; a conditional counts apart (it syncs with the host on XLA:GPU unless
+a command buffer holds it). Compiler-derived, not measured: the L2 cache is in no figure
+(every byte counted is counted as an HBM byte).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+
+# Bytes per element of HLO's primitive types (sub-byte types rounded up per element).
+DTYPE_BYTES = {
+  "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+  "f8e4m3": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+  "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}  # fmt: skip
+_ARRAY = re.compile(
+  r"\b(" + "|".join(sorted(DTYPE_BYTES, key=len, reverse=True)) + r")\[([\d,]*)\]"
+)
+_HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\) -> .* \{$")
+_INSTRUCTION = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*)$")
+_NAME = re.compile(r"%([\w.\-]+)")
+# Ops that move no bytes and launch nothing.
+FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all"}
+# Ops inside a fusion that read a part of their operand.
+_READS_PART = {"slice", "dynamic-slice", "gather"}
+_LIBRARY = ("matmul", "gemm", "cublas", "cudnn")
+
+
+def type_bytes(text: str) -> int:
+  """Bytes of an HLO type written as text (`bf16[64,96]{1,0}`, a tuple of them: the sum)."""
+  return sum(
+    DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    for dtype, dims in _ARRAY.findall(text)
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+  """One HLO instruction: its name, result type (text), opcode, operand names and the
+  attributes after its operands (text)."""
+
+  name: str
+  type: str
+  opcode: str
+  operands: tuple[str, ...]
+  attrs: str
+  root: bool = False
+
+  def called(self, key: str) -> list[str]:
+    """The computations named by attribute `key` (`calls`, `body`, `branch_computations`)."""
+    m = re.search(rf"\b{key}=(\{{[^}}]*\}}|%?[\w.\-]+)", self.attrs)
+    return _NAME.findall(m.group(1)) or [m.group(1)] if m else []
+
+
+@dataclasses.dataclass(frozen=True)
+class Computation:
+  """An HLO computation: its instructions in order, by name."""
+
+  name: str
+  instructions: tuple[Instruction, ...]
+
+  @property
+  def by_name(self) -> dict[str, Instruction]:
+    return {i.name: i for i in self.instructions}
+
+  @property
+  def root(self) -> Instruction:
+    return next(i for i in self.instructions if i.root)
+
+
+def parse(text: str) -> tuple[dict[str, Computation], str]:
+  """(computations by name, the entry computation's name) of an HLO module's text.
+
+  Raises:
+    ValueError: no entry computation in `text`.
+  """
+  comps, entry, name, body = {}, None, None, []
+  for line in text.splitlines():
+    header = _HEADER.match(line)
+    if header:
+      name, body = header.group(2), []
+      entry = name if header.group(1) else entry
+      continue
+    if name is None:
+      continue
+    if line.startswith("}"):
+      comps[name], name = Computation(name, tuple(body)), None
+      continue
+    m = _INSTRUCTION.match(line)
+    if m:
+      root, inst, type_text, opcode, rest = m.groups()
+      depth, end = 1, len(rest)
+      for k, ch in enumerate(rest):  # the operand list ends at its closing parenthesis
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+          end = k
+          break
+      operands = tuple(_NAME.findall(re.sub(r"/\*.*?\*/", "", rest[:end])))
+      body.append(Instruction(inst, type_text, opcode, operands, rest[end + 1 :], bool(root)))
+  if entry is None:
+    raise ValueError("no ENTRY computation in the HLO text")
+  return comps, entry
+
+
+@dataclasses.dataclass(frozen=True)
+class StepWalk:
+  """What one trip of a loop body moves and launches (`walk_loop`).
+
+  Attributes:
+    bytes: bytes read and written per trip (every one counted as an HBM byte).
+    kernels: launches per trip: fusions, library calls, copies and other unfused ops
+      (a conditional's largest branch counted).
+    conditionals: conditionals per trip.
+    kinds: kernels by kind ('fusion', 'library' (cuBLAS, cuDNN), 'copy', 'custom' (another
+      custom call: a Pallas kernel), 'other' (an unfused op)).
+    largest: the instructions moving the most bytes, (name, opcode, bytes), largest first.
+  """
+
+  bytes: int
+  kernels: int
+  conditionals: int
+  kinds: dict[str, int]
+  largest: tuple[tuple[str, str, int], ...]
+
+  def as_json(self) -> dict:
+    return {**dataclasses.asdict(self), "largest": [list(x) for x in self.largest]}
+
+
+def _source(comp: Computation, name: str) -> Instruction:
+  """`name`'s instruction in `comp`, through bitcasts."""
+  inst = comp.by_name[name]
+  while inst.opcode == "bitcast":
+    inst = comp.by_name[inst.operands[0]]
+  return inst
+
+
+def _fusion_bytes(inst: Instruction, fused: Computation, types: dict[str, str]) -> int:
+  """What fusion `inst` (computation `fused`) reads and writes; `types`: its operands'."""
+  by_name = fused.by_name
+  users = collections.defaultdict(list)
+  for i in fused.instructions:
+    for o in i.operands:
+      users[o].append(i)
+  root = fused.root
+  outputs = [by_name[o] for o in root.operands] if root.opcode == "tuple" else [root]
+  written, in_place = 0, set()
+  for out in outputs:
+    if out.opcode == "dynamic-update-slice" and _source(fused, out.operands[0]).opcode == (
+      "parameter"
+    ):
+      in_place.add(_source(fused, out.operands[0]).name)
+      written += type_bytes(by_name[out.operands[1]].type)
+    else:
+      written += type_bytes(out.type)
+  read = 0
+  params = [i for i in fused.instructions if i.opcode == "parameter"]
+  for p in params:
+    chain, frontier, parts, whole = {p.name}, [p.name], 0, False
+    while frontier:  # the parameter's users, through bitcasts
+      for u in users[frontier.pop()]:
+        if u.opcode == "bitcast":
+          chain.add(u.name)
+          frontier.append(u.name)
+        elif u.opcode in _READS_PART and u.operands[0] in chain:
+          parts += type_bytes(u.type)
+        elif u in outputs and u.opcode == "dynamic-update-slice" and u.operands[0] in chain:
+          continue  # the buffer written in place: not read
+        else:
+          whole = True
+    read += type_bytes(p.type) if whole else parts
+  return read + written
+
+
+def _walk(comps: dict[str, Computation], comp: Computation):
+  """(bytes, kernels, conditionals, kinds Counter, [(name, opcode, bytes)]) of one run of
+  `comp`."""
+  types = {i.name: i.type for i in comp.instructions}
+  total, kernels, conds, kinds, items = 0, 0, 0, collections.Counter(), []
+  for inst in comp.instructions:
+    op = inst.opcode
+    if op in FREE:
+      continue
+    if op in ("while", "conditional"):
+      if op == "while":
+        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', inst.attrs)
+        runs = [(_walk(comps, comps[inst.called("body")[0]]), int(trips.group(1)) if trips else 1)]
+      else:
+        branches = inst.called("branch_computations") or (
+          inst.called("true_computation") + inst.called("false_computation")
+        )
+        walks = [_walk(comps, comps[b]) for b in branches]
+        runs = [(max(walks, key=lambda w: (w[0], w[1])), 1)]
+        conds += 1
+      for (b, k, c, kd, it), times in runs:
+        total, kernels, conds = total + b * times, kernels + k * times, conds + c * times
+        kinds.update({key: n * times for key, n in kd.items()})
+        items += [(name, o, n * times) for name, o, n in it]
+      continue
+    operands = sum(type_bytes(types.get(o, "")) for o in inst.operands)
+    if op == "fusion":
+      moved, kind = _fusion_bytes(inst, comps[inst.called("calls")[0]], types), "fusion"
+    elif op == "custom-call" and any(k in inst.attrs.lower() for k in _LIBRARY):
+      outputs = _ARRAY.findall(inst.type)
+      if len(outputs) > 1 and outputs[-1][0] in ("s8", "u8"):  # the library's workspace
+        outputs = outputs[:-1]
+      moved, kind = operands + type_bytes(" ".join(f"{d}[{s}]" for d, s in outputs)), "library"
+    elif op in ("copy", "copy-start"):
+      moved, kind = 2 * type_bytes(inst.type), "copy"
+    elif op in ("dynamic-update-slice",):
+      moved, kind = 2 * type_bytes(types.get(inst.operands[1], "")), "other"
+    elif op in ("slice", "dynamic-slice"):
+      moved, kind = 2 * type_bytes(inst.type), "other"
+    elif op.endswith("-done"):
+      continue  # its `-start` launched it
+    else:
+      moved, kind = operands + type_bytes(inst.type), "custom" if op == "custom-call" else "other"
+    total, kernels = total + moved, kernels + 1
+    kinds[kind] += 1
+    items.append((inst.name, op, moved))
+  return total, kernels, conds, kinds, items
+
+
+def walk_loop(text: str, top: int = 12) -> StepWalk:
+  """One trip of the largest `while` of the entry computation of HLO module `text` (by the
+  instructions its body holds): the decode loop of `programs.decode_step_program`.
+
+  Raises:
+    ValueError: `text` has no entry computation or its entry no while loop.
+  """
+  comps, entry = parse(text)
+  loops = [i for i in comps[entry].instructions if i.opcode == "while"]
+  if not loops:
+    raise ValueError(f"the entry computation {entry} has no while loop")
+  body = max((comps[i.called("body")[0]] for i in loops), key=lambda c: len(c.instructions))
+  moved, kernels, conds, kinds, items = _walk(comps, body)
+  largest = sorted(items, key=lambda x: -x[2])[:top]
+  return StepWalk(moved, kernels, conds, dict(sorted(kinds.items())), tuple(largest))

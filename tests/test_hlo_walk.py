@@ -1,0 +1,186 @@
+"""XLA:GPU's decode step read from its optimized HLO (`plan.hlo_walk`): the walk's rules on a
+hand-written module whose bytes are worked out below, on small programs XLA:GPU compiles
+ahead of time (an in-place update counts its update, a gemm its operands), and one decode
+step of a tiny model, whose kernels and bytes per layer are pinned: a weight relayout or a
+cache copy that comes back into the loop changes them (issue 51).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from ada_jax.plan import compiler, hlo_walk, programs, targets
+
+HAND = """
+HloModule m
+
+%fused_row (param_0.1: f32[16,8], param_1.1: s32[]) -> f32[1,8] {
+  %param_0.1 = f32[16,8]{1,0} parameter(0)
+  %param_1.1 = s32[] parameter(1)
+  %zero.1 = s32[] constant(0)
+  %b = f32[16,8]{1,0} bitcast(%param_0.1)
+  ROOT %ds = f32[1,8]{1,0} dynamic-slice(%b, %param_1.1, %zero.1), dynamic_slice_sizes={1,8}
+}
+
+%fused_update (param_0: f32[16,8], param_1: f32[1,8], param_2: s32[]) -> f32[16,8] {
+  %param_0 = f32[16,8]{1,0} parameter(0)
+  %param_1 = f32[1,8]{1,0} parameter(1)
+  %param_2 = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  ROOT %dus = f32[16,8]{1,0} dynamic-update-slice(%param_0, %param_1, %param_2, %zero)
+}
+
+%branch_a (pa: f32[1,8]) -> f32[1,8] {
+  %pa = f32[1,8]{1,0} parameter(0)
+  ROOT %na = f32[1,8]{1,0} negate(%pa)
+}
+
+%branch_b (pb: f32[1,8]) -> f32[1,8] {
+  %pb = f32[1,8]{1,0} parameter(0)
+  %e = f32[1,8]{1,0} exponential(%pb)
+  ROOT %n2 = f32[1,8]{1,0} negate(%e)
+}
+
+%body (state: (s32[], f32[16,8], f32[8,8])) -> (s32[], f32[16,8], f32[8,8]) {
+  %state = (s32[], f32[16,8]{1,0}, f32[8,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%state), index=0
+  %buf = f32[16,8]{1,0} get-tuple-element(%state), index=1
+  %w = f32[8,8]{1,0} get-tuple-element(%state), index=2
+  %row = f32[1,8]{1,0} fusion(%buf, %i), kind=kLoop, calls=%fused_row
+  %mm = (f32[1,8]{1,0}, s8[1024]{0}) custom-call(%row, %w), custom_call_target="__cublas$lt$matmul"
+  %out = f32[1,8]{1,0} get-tuple-element(%mm), index=0
+  %pick = s32[] constant(1)
+  %c = f32[1,8]{1,0} conditional(%pick, %out, %out), branch_computations={%branch_a, %branch_b}
+  %new = f32[16,8]{1,0} fusion(%buf, %c, %i), kind=kLoop, calls=%fused_update
+  %wc = f32[8,8]{1,0} copy(%w)
+  ROOT %t = (s32[], f32[16,8]{1,0}, f32[8,8]{1,0}) tuple(%i, %new, %wc)
+}
+
+%cond (s: (s32[], f32[16,8], f32[8,8])) -> pred[] {
+  %s = (s32[], f32[16,8]{1,0}, f32[8,8]{1,0}) parameter(0)
+  ROOT %p = pred[] constant(true)
+}
+
+ENTRY %main (a: (s32[], f32[16,8], f32[8,8])) -> (s32[], f32[16,8], f32[8,8]) {
+  %a = (s32[], f32[16,8]{1,0}, f32[8,8]{1,0}) parameter(0)
+  ROOT %loop = (s32[], f32[16,8]{1,0}, f32[8,8]{1,0}) while(%a), condition=%cond, body=%body
+}
+"""
+
+
+def test_type_bytes():
+  assert hlo_walk.type_bytes("bf16[64,96]{1,0}") == 64 * 96 * 2
+  assert hlo_walk.type_bytes("(f32[2,3]{1,0}, pred[5]{0}, s32[])") == 24 + 5 + 4
+  assert hlo_walk.type_bytes("token[]") == 0
+
+
+def test_the_walk_by_hand():
+  """Per trip of %body, f32 everywhere:
+  - %row reads one row through a bitcast and a dynamic slice (32 B), its index (4 B), and
+    writes the row (32 B): 68;
+  - the gemm reads the row (32) and %w (256) and writes [1, 8] (32), not its workspace: 320;
+  - the conditional's larger branch (exp then negate, 2 kernels): 2 x (32 + 32) = 128;
+  - %new writes its row into %buf in place: it reads the update (32) and index (4) and
+    writes the update (32), never reading or writing the whole buffer: 68;
+  - the copy of %w reads and writes it: 512.
+  """
+  walk = hlo_walk.walk_loop(HAND)
+  assert walk.bytes == 68 + 320 + 128 + 68 + 512
+  assert walk.kernels == 6 and walk.conditionals == 1
+  assert walk.kinds == {"copy": 1, "fusion": 2, "library": 1, "other": 2}
+  assert walk.largest[0] == ("wc", "copy", 512) and walk.largest[1] == ("mm", "custom-call", 320)
+
+
+def test_a_module_without_a_loop_is_refused():
+  with pytest.raises(ValueError, match="no while loop"):
+    hlo_walk.walk_loop(HAND.replace("while(%a), condition=%cond, body=%body", "copy(%a)"))
+  with pytest.raises(ValueError, match="no ENTRY"):
+    hlo_walk.walk_loop("HloModule m\n")
+
+
+pytest.importorskip("jax_plugins.xla_cuda12", reason="jax-cuda12-plugin (requirements-dev.txt)")
+
+
+@pytest.fixture(scope="module")
+def h200():
+  return targets.devices_for(targets.target("h200x1"))[0]
+
+
+def _compiled_loop(device, body, *args):
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
+
+  def run(n, *xs):
+    return jax.lax.fori_loop(0, n, lambda i, s: body(i, *s), tuple(xs))
+
+  trips = jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding)
+  fn = jax.jit(run, donate_argnums=tuple(range(1, len(args) + 1)))
+  return compiler.compile_program(fn, trips, *placed, what="loop", keep_hlo=True)
+
+
+def test_xla_gpu_in_place_update_counts_the_update(h200):
+  """A row written into a 64 MiB cache each trip, as the decode loop writes its keys: what
+  XLA:GPU moves is the row (and the gemm's operands), never the cache."""
+  cache = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
+  w = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+  x = jax.ShapeDtypeStruct((1, 4096), jnp.bfloat16)
+
+  def body(i, cache, w, x):
+    row = (x @ w).astype(jnp.float32)
+    return jax.lax.dynamic_update_slice(cache, row, (i, 0)), w, row.astype(jnp.bfloat16)
+
+  walk = hlo_walk.walk_loop(_compiled_loop(h200, body, cache, w, x).hlo)
+  weights = 4096 * 4096 * 2
+  assert walk.kinds.get("library") == 1  # cuBLAS reads the weights once
+  assert weights <= walk.bytes < weights + 4096 * 64, walk
+  assert max(n for _, _, n in walk.largest) < weights + 4096 * 16
+
+
+def _decode_walk(h200, layers: int) -> hlo_walk.StepWalk:
+  """One decode step of a bf16 tiny Llama with `layers` layers at 64 slots, for XLA:GPU."""
+  from ada_jax import config as config_lib
+  from ada_jax.cli import make_configs_importable
+
+  make_configs_importable()
+  from configs import tiny_arith_pos
+
+  c = tiny_arith_pos.get_config()
+  c.model.dtype = "bfloat16"
+  c.model.overrides.num_layers = layers
+  c.mesh.data = c.mesh.fsdp = c.mesh.tensor = 1
+  c.sampler.chunk_rows, c.sampler.prompts_per_chunk, c.rl.batch_prompts = 64, 0, 8
+  cfg = config_lib.parse(c)
+  mesh = programs.mesh_for(cfg, [h200])
+  model_cfg = programs.model_of(cfg)
+  params = programs.rollout_params(model_cfg, mesh)
+  smp = programs.rollout_sampler(cfg, model_cfg, mesh)
+  _, (_, state, *_) = programs.segment_args(smp, params)
+  step = programs.decode_step_program(smp, params, state)
+  assert step.two_steps is None and step.bytes_accessed == step.walk.bytes
+  return step.walk
+
+
+# What one more layer adds to a tiny bf16 decode step on XLA:GPU today (d = 96, 4 heads,
+# 64 slots, prompt bucket 16 + 12 new tokens): 4 cuBLAS gemms (qkv, o, gate_up, down) and 10
+# fusions (2 norms, rope, the key and value writes, scores, softmax, the weighted sum, the
+# MLP's product, and a relayout of the gate_up weights, `wrapped_transpose`, 294,912 B);
+# 2.02x the layer's weights (295,296 B) and cache (688,128 B). Issue 51, item 2, takes the
+# relayout and the cache concatenation out: these figures then fall, and move with it.
+LAYER_KERNELS = 14
+LAYER_BYTES = 1_988_744
+
+
+@pytest.mark.slow
+def test_a_decode_steps_kernels_and_bytes_per_layer_are_pinned(h200):
+  two, three = _decode_walk(h200, 2), _decode_walk(h200, 3)
+  per_layer = dataclasses.replace(
+    three,
+    bytes=three.bytes - two.bytes,
+    kernels=three.kernels - two.kernels,
+    conditionals=three.conditionals - two.conditionals,
+  )
+  assert three.kinds["library"] - two.kinds["library"] == 4
+  assert per_layer.conditionals == 0
+  assert (per_layer.kernels, per_layer.bytes) == (LAYER_KERNELS, LAYER_BYTES)
