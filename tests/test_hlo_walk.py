@@ -90,7 +90,42 @@ def test_the_walk_by_hand():
   assert walk.bytes == 68 + 320 + 128 + 68 + 512
   assert walk.kernels == 6 and walk.conditionals == 1
   assert walk.kinds == {"copy": 1, "fusion": 2, "library": 1, "other": 2}
-  assert walk.largest[0] == ("wc", "copy", 512) and walk.largest[1] == ("mm", "custom-call", 320)
+  assert walk.largest[0] == ("wc", "copy", 512) and walk.largest[1] == ("mm", "library", 320)
+
+
+ASYNC = """
+HloModule a
+
+%body (s: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {
+  %s = (s32[], f32[8,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %w = f32[8,8]{1,0} get-tuple-element(%s), index=1
+  %cs = (f32[8,8]{1,0}, f32[8,8]{1,0}, u32[]) copy-start(%w)
+  %cd = f32[8,8]{1,0} copy-done(%cs)
+  ROOT %t = (s32[], f32[8,8]{1,0}) tuple(%i, %cd)
+}
+
+%cond (c: (s32[], f32[8,8])) -> pred[] {
+  %c = (s32[], f32[8,8]{1,0}) parameter(0)
+  %j = s32[] get-tuple-element(%c), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%j, %n), direction=LT
+}
+
+ENTRY %main (a: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {
+  %a = (s32[], f32[8,8]{1,0}) parameter(0)
+  ROOT %loop = (s32[], f32[8,8]{1,0}) while(%a), condition=%cond, body=%body
+}
+"""
+
+
+def test_an_async_copy_counts_its_buffer_and_the_condition_runs_each_trip():
+  """A copy-start's type holds destination, source and a context: it moves 2 x 256 B, at
+  its start (its done launches nothing); the loop's condition is a kernel every trip
+  (the compare: two s32 in, one pred out)."""
+  walk = hlo_walk.walk_loop(ASYNC)
+  assert walk.bytes == 2 * 256 + (4 + 4 + 1)
+  assert walk.kinds == {"copy": 1, "other": 1} and walk.kernels == 2
 
 
 def test_a_module_without_a_loop_is_refused():

@@ -14,8 +14,9 @@ as a kernel reads and writes:
 - a library call (cuBLAS): its operands and outputs, not its workspace;
 - a copy twice its bytes (read and write); an unfused slice or update likewise; an
   asynchronous op once, at its start;
-- a conditional: its largest branch (one runs per step), walked the same way; a nested
-  while: its body times its known trip count (once when unknown).
+- a conditional: its largest branch (one runs per step), walked the same way; a while:
+  its body and its condition times its known trip count (once when unknown); the decode
+  loop's own condition is part of its trip.
 
 Parameters, constants, tuples, `get-tuple-element` and bitcasts move nothing and launch
 nothing. Kernels count what launches per step: fusions, library calls, copies and the
@@ -137,7 +138,7 @@ class StepWalk:
     conditionals: conditionals per trip.
     kinds: kernels by kind ('fusion', 'library' (cuBLAS, cuDNN), 'copy', 'custom' (another
       custom call: a Pallas kernel), 'other' (an unfused op)).
-    largest: the instructions moving the most bytes, (name, opcode, bytes), largest first.
+    largest: the instructions moving the most bytes, (name, kind, bytes), largest first.
   """
 
   bytes: int
@@ -167,13 +168,13 @@ def _fusion_bytes(inst: Instruction, fused: Computation, types: dict[str, str]) 
       users[o].append(i)
   root = fused.root
   outputs = [by_name[o] for o in root.operands] if root.opcode == "tuple" else [root]
-  written, in_place = 0, set()
+  outputs = [_source(fused, out.name) for out in outputs]
+  written = 0
   for out in outputs:
     if out.opcode == "dynamic-update-slice" and _source(fused, out.operands[0]).opcode == (
       "parameter"
     ):
-      in_place.add(_source(fused, out.operands[0]).name)
-      written += type_bytes(by_name[out.operands[1]].type)
+      written += type_bytes(by_name[out.operands[1]].type)  # in place: the update alone
     else:
       written += type_bytes(out.type)
   read = 0
@@ -207,7 +208,8 @@ def _walk(comps: dict[str, Computation], comp: Computation):
     if op in ("while", "conditional"):
       if op == "while":
         trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', inst.attrs)
-        runs = [(_walk(comps, comps[inst.called("body")[0]]), int(trips.group(1)) if trips else 1)]
+        times = int(trips.group(1)) if trips else 1
+        runs = [(_walk(comps, comps[inst.called(k)[0]]), times) for k in ("body", "condition")]
       else:
         branches = inst.called("branch_computations") or (
           inst.called("true_computation") + inst.called("false_computation")
@@ -228,8 +230,11 @@ def _walk(comps: dict[str, Computation], comp: Computation):
       if len(outputs) > 1 and outputs[-1][0] in ("s8", "u8"):  # the library's workspace
         outputs = outputs[:-1]
       moved, kind = operands + type_bytes(" ".join(f"{d}[{s}]" for d, s in outputs)), "library"
-    elif op in ("copy", "copy-start"):
-      moved, kind = 2 * type_bytes(inst.type), "copy"
+    elif op in ("copy", "copy-start"):  # a copy-start's type: (destination, source, context)
+      moved, kind = (
+        2 * type_bytes(" ".join(f"{d}[{s}]" for d, s in _ARRAY.findall(inst.type)[:1])),
+        "copy",
+      )
     elif op in ("dynamic-update-slice",):
       moved, kind = 2 * type_bytes(types.get(inst.operands[1], "")), "other"
     elif op in ("slice", "dynamic-slice"):
@@ -240,7 +245,7 @@ def _walk(comps: dict[str, Computation], comp: Computation):
       moved, kind = operands + type_bytes(inst.type), "custom" if op == "custom-call" else "other"
     total, kernels = total + moved, kernels + 1
     kinds[kind] += 1
-    items.append((inst.name, op, moved))
+    items.append((inst.name, kind, moved))
   return total, kernels, conds, kinds, items
 
 
@@ -255,7 +260,11 @@ def walk_loop(text: str, top: int = 12) -> StepWalk:
   loops = [i for i in comps[entry].instructions if i.opcode == "while"]
   if not loops:
     raise ValueError(f"the entry computation {entry} has no while loop")
-  body = max((comps[i.called("body")[0]] for i in loops), key=lambda c: len(c.instructions))
-  moved, kernels, conds, kinds, items = _walk(comps, body)
+  loop = max(loops, key=lambda i: len(comps[i.called("body")[0]].instructions))
+  moved, kernels, conds, kinds, items = _walk(comps, comps[loop.called("body")[0]])
+  c_moved, c_kernels, c_conds, c_kinds, c_items = _walk(comps, comps[loop.called("condition")[0]])
+  moved, kernels, conds = moved + c_moved, kernels + c_kernels, conds + c_conds
+  kinds.update(c_kinds)
+  items += c_items
   largest = sorted(items, key=lambda x: -x[2])[:top]
   return StepWalk(moved, kernels, conds, dict(sorted(kinds.items())), tuple(largest))

@@ -87,7 +87,9 @@ def rule_for(config: AdaConfig) -> Rule:
   rule = RULES.get(config.method)
   if rule is None:
     raise ValueError(
-      f"AdaConfig.method={config.method!r}: unknown method, expected one of {list(RULES)}"
+      f"AdaConfig.method={config.method!r}: unknown method, expected one of {list(RULES)} "
+      "(a rule in a module of its own joins the table when that module is imported, e.g. "
+      "by the config file)"
     )
 
   def bad(field: str, why: str):

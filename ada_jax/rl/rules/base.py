@@ -42,9 +42,12 @@ def refuse(cls: str, obj, field: str, why: str):
 @dataclasses.dataclass(frozen=True, init=False)
 class AdaConfig:
   """The sampling controller's settings: the method, the schedule, what every method shares
-  (group size, reward threshold, advantages) and the rules' settings groups. Each field is
-  validated on construction; whether the method exists and can run these settings is its
-  rule's to say (`rules.rule_for`, which the controller and `config.parse` call).
+  (group size, reward threshold, advantages) and the rules' settings groups. Construction
+  checks each field's kind and choices (n >= 2, a known schedule and baseline, each group
+  of its class); the intervals declared at the fields (`bounds.within`) are the config
+  parser's to check (`config.build`); whether the method exists and can run these
+  settings is its rule's to say (`rules.rule_for`, which the controller and `config.parse`
+  call).
 
   A group is passed and read by its name: `AdaConfig(method='pos', seq=SeqConfig(M=4))`,
   `config.seq.max_rounds`; a group not passed takes its class's defaults. Which groups
@@ -81,12 +84,12 @@ class AdaConfig:
 
   method: str = "pos"
   schedule: str = "rounds"
-  n: int = bounds.within("[1, 2**16]", 4)
+  n: int = bounds.within("[2, 2**16]", 4)
   positive_threshold: float = bounds.within("[-1, 1]", 0.5)
   baseline: str = "global"
   std_normalize: bool = False
   std_eps: float = bounds.within("(0, 1]", 1e-6)
-  inverse_p_weight: str | float = bounds.within("[0, 10]", "none")
+  inverse_p_weight: str | float = bounds.within("[0, 1]", "none")
   groups: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
 
   def __init__(self, *args: Any, groups: Mapping[str, Any] | None = None, **values: Any):
@@ -154,13 +157,14 @@ def declare_group(name: str, settings: type) -> None:
       by another class.
   """
   fields = {f.name for f in dataclasses.fields(AdaConfig)}
-  if not name.isidentifier() or name in fields:
+  if not isinstance(name, str) or not name.isidentifier() or name in fields:
     raise ValueError(f"settings group {name!r}: must be an identifier other than {sorted(fields)}")
   if not dataclasses.is_dataclass(settings):
     raise ValueError(f"settings group ada.{name}: {settings!r} is not a dataclass")
   old = GROUPS.get(name)
-  if old is not None and old.__qualname__ != settings.__qualname__:
-    raise ValueError(f"settings group ada.{name} is {old.__qualname__}'s already")
+  where = lambda cls: f"{cls.__module__}.{cls.__qualname__}"
+  if old is not None and where(old) != where(settings):
+    raise ValueError(f"settings group ada.{name} is {where(old)}'s already")
   GROUPS[name] = settings
 
 
