@@ -156,10 +156,11 @@ def save(manager: ocp.CheckpointManager, step: int, run: RunState, *, force: boo
     raise NonFiniteError(f"checkpoint {step} not saved: non-finite values in {', '.join(bad[:3])}")
   rng = run.rng
   typed = jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
+  record, leaves = _leaves(run.method_state)
   meta = {
     "user": run.host,
     "rng_impl": str(jax.random.key_impl(rng)) if typed else None,
-    "method_state": _leaves(run.method_state)[0],
+    "method_state": record,
     "has_ref": run.train.ref_params is not None,
     "checksums": {name: checksums_lib.of(tree) for name, tree in _summed(run.train).items()},
   }
@@ -171,10 +172,8 @@ def save(manager: ocp.CheckpointManager, step: int, run: RunState, *, force: boo
   }
   if run.train.ref_params is not None:
     items["ref_params"] = ocp.args.StandardSave(run.train.ref_params)
-  if _leaves(run.method_state)[1]:
-    padded = [
-      np.concatenate([x.ravel(), np.zeros(1, x.dtype)]) for x in _leaves(run.method_state)[1]
-    ]
+  if leaves:
+    padded = [np.concatenate([x.ravel(), np.zeros(1, x.dtype)]) for x in leaves]
     items["method_state"] = ocp.args.StandardSave(padded)
   threads = threading.active_count()
   try:

@@ -19,8 +19,6 @@ class Platform:
     refuses_oversize: XLA refuses a program larger than the device's memory ("Ran out of
       memory on HBM": XLA:TPU); otherwise it compiles anything and a plan holds the
       program's figures against the memory JAX's allocator takes.
-    cost_analysis: the compiled executable's cost analysis counts every byte a program
-      moves (XLA:TPU); XLA:GPU gives none, and XLA:CPU's counts no library call.
     decode_traffic: where the plan's decode roofline takes a step's bytes from: 'cost
       analysis' (the compiled loop's, XLA:TPU), 'optimized HLO' (summed op by op,
       `plan.hlo_walk`: XLA:GPU), '' (none: XLA:CPU, whose library calls no walk sees).
@@ -36,13 +34,19 @@ class Platform:
   name: str
   compiler: str
   refuses_oversize: bool = False
-  cost_analysis: bool = False
   decode_traffic: str = ""
   cache_in_place_under_cond: bool = True
   decode_kernel: bool = False
   compile_options: tuple[tuple[str, object], ...] = ()
   topology: str = ""
   packages: tuple[str, ...] = ()
+
+  @property
+  def cost_analysis(self) -> bool:
+    """The compiled executable's cost analysis counts every byte a program moves (XLA:TPU,
+    whose decode traffic comes from it); XLA:GPU gives none, and XLA:CPU's counts no
+    library call."""
+    return self.decode_traffic == "cost analysis"
 
 
 PLATFORMS = {
@@ -52,7 +56,6 @@ PLATFORMS = {
       "tpu",
       "XLA:TPU",
       refuses_oversize=True,
-      cost_analysis=True,
       decode_traffic="cost analysis",
       decode_kernel=True,
       topology="tpu",

@@ -112,6 +112,20 @@ class Sizes:
     """The decode budget Lr; every row runs to it."""
     return 4 * self.segment_steps
 
+  def sampler_spec(self, slots: int) -> SamplerSpec:
+    """The decode pool's sampler group at S slots: one prompt bucket, Q = S queued rows."""
+    return SamplerSpec(
+      max_new_tokens=self.new_tokens,
+      chunk_rows=slots,
+      prompt_buckets=(self.prompt_len,),
+      segment_steps=self.segment_steps,
+      queue_rows=slots,
+    )
+
+  def prompts_for(self, slots: int) -> int:
+    """Prompts the decode pool holds at S slots (`rows_per_prompt` rows each)."""
+    return max(1, slots // self.rows_per_prompt)
+
 
 FULL = Sizes(
   model="qwen2.5-math-1.5b",
@@ -167,32 +181,18 @@ class Check:
       gc.collect()
     return self._params[name]
 
-  def sampler_spec(self, slots: int) -> SamplerSpec:
-    """The decode pool's sampler group at S slots: one prompt bucket, Q = S queued rows."""
-    z = self.sizes
-    return SamplerSpec(
-      max_new_tokens=z.new_tokens,
-      chunk_rows=slots,
-      prompt_buckets=(z.prompt_len,),
-      segment_steps=z.segment_steps,
-      queue_rows=slots,
-    )
-
   def sampler(self, cfg, slots: int) -> sampler_lib.Sampler:
     """The decode sampler of `cfg` at S slots (one per shape, so parts share compiles)."""
     key = (cfg, slots)
     if key not in self._samplers:
       # A stop id outside the vocabulary is never drawn: every row runs to the budget.
       spec = dataclasses.replace(
-        self.sampler_spec(slots), prompts_per_chunk=self.prompts_for(slots)
+        self.sizes.sampler_spec(slots), prompts_per_chunk=self.sizes.prompts_for(slots)
       )
       self._samplers[key] = sampler_lib.Sampler.from_spec(
         cfg, spec, stop_ids=(cfg.vocab_size,), rows_per_prompt=1
       )
     return self._samplers[key]
-
-  def prompts_for(self, slots: int) -> int:
-    return max(1, slots // self.sizes.rows_per_prompt)
 
   def random_prompts(self, cfg, n: int) -> list[list[int]]:
     return self.rng.integers(1, cfg.vocab_size, (n, self.sizes.prompt_len)).tolist()
@@ -233,7 +233,7 @@ def decode_at(check: Check, cfg, params, slots: int, memory: bool) -> dict:
   z = check.sizes
   smp = check.sampler(cfg, slots)
   params = smp.rollout_params(params)  # what a run decodes from: the bf16 copy of the masters
-  n_prompts = check.prompts_for(slots)
+  n_prompts = check.sizes.prompts_for(slots)
   prompts, row_prompt = check.random_prompts(cfg, n_prompts), np.arange(slots) % n_prompts
   box = capture_segment(smp, z.prompt_len) if memory else {}
   before = device_memory()
@@ -262,7 +262,7 @@ def decode_at(check: Check, cfg, params, slots: int, memory: bool) -> dict:
   step_s, bw = seconds / steps, check.peaks["hbm_bytes_per_s"]
   row = {
     "slots": slots,
-    "sampler": {**dataclasses.asdict(check.sampler_spec(slots)), "stop_ids": smp.stop_ids},
+    "sampler": {**dataclasses.asdict(check.sizes.sampler_spec(slots)), "stop_ids": smp.stop_ids},
     "prompts": n_prompts,
     "all_rows_at_budget": len(lengths) == slots and set(lengths) == {z.new_tokens},
     "compile_and_fill_s": prefill_s + segments[0][0],
@@ -488,7 +488,7 @@ def part_agreement(check: Check) -> dict:
   cfg, params = check.model(z.model)
   slots = z.agreement_slots
   smp = check.sampler(cfg, slots)
-  prompts = check.random_prompts(cfg, check.prompts_for(slots))
+  prompts = check.random_prompts(cfg, check.sizes.prompts_for(slots))
   row_prompt = np.arange(slots) % len(prompts)
   out, _ = smp.generate(params, prompts, row_prompt, jax.random.key(7))
   seq = np.concatenate([np.asarray(prompts)[row_prompt], out["tokens"]], 1).astype(np.int32)
@@ -507,7 +507,7 @@ def part_agreement(check: Check) -> dict:
   return {
     "model": z.model,
     "rows": slots,
-    "sampler": {**dataclasses.asdict(check.sampler_spec(slots)), "stop_ids": smp.stop_ids},
+    "sampler": {**dataclasses.asdict(check.sizes.sampler_spec(slots)), "stop_ids": smp.stop_ids},
     "tokens_compared": int(gap.size),
     "temperature": temperature,
     "gap_mean": float(gap.mean()),

@@ -47,19 +47,6 @@ from ada_jax.models import sharding as sharding_lib  # noqa: E402
 from ada_jax.models import weights  # noqa: E402
 from ada_jax.plan import compiler, hlo_walk, programs, roofline, targets  # noqa: E402
 from ada_jax.rollout import sampler as sampler_lib  # noqa: E402
-from ada_jax.rollout.spec import SamplerSpec  # noqa: E402
-
-
-def spec(slots: int) -> SamplerSpec:
-  """The check's decode sampler group at `slots` slots (`accelerator_check.Check`)."""
-  return SamplerSpec(
-    max_new_tokens=FULL.new_tokens,
-    chunk_rows=slots,
-    prompt_buckets=(FULL.prompt_len,),
-    segment_steps=FULL.segment_steps,
-    queue_rows=slots,
-    prompts_per_chunk=max(1, slots // FULL.rows_per_prompt),
-  )
 
 
 def main():
@@ -71,8 +58,9 @@ def main():
   params = programs.rollout_params(cfg, mesh)
   start, rows = time.perf_counter(), []
   for slots in [int(s) for s in ARGS.slots.split(",") if s]:
+    spec = dataclasses.replace(FULL.sampler_spec(slots), prompts_per_chunk=FULL.prompts_for(slots))
     smp = sampler_lib.Sampler.from_spec(
-      cfg, spec(slots), stop_ids=(cfg.vocab_size,), rows_per_prompt=1, mesh=mesh
+      cfg, spec, stop_ids=(cfg.vocab_size,), rows_per_prompt=1, mesh=mesh
     )
     fns, args = programs.segment_args(smp, params)
     state = args[1]

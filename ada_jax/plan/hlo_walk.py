@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import re
 
@@ -53,10 +54,12 @@ _LIBRARY = ("matmul", "gemm", "cublas", "cudnn")
 
 def type_bytes(text: str) -> int:
   """Bytes of an HLO type written as text (`bf16[64,96]{1,0}`, a tuple of them: the sum)."""
-  return sum(
-    DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-    for dtype, dims in _ARRAY.findall(text)
-  )
+  return _bytes(_ARRAY.findall(text))
+
+
+def _bytes(arrays: list[tuple[str, str]]) -> int:
+  """Bytes of `_ARRAY.findall`'s (dtype, dims) pairs."""
+  return sum(DTYPE_BYTES[d] * math.prod(int(n) for n in dims.split(",") if n) for d, dims in arrays)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +87,7 @@ class Computation:
   name: str
   instructions: tuple[Instruction, ...]
 
-  @property
+  @functools.cached_property
   def by_name(self) -> dict[str, Instruction]:
     return {i.name: i for i in self.instructions}
 
@@ -196,31 +199,50 @@ def _fusion_bytes(inst: Instruction, fused: Computation, types: dict[str, str]) 
   return read + written
 
 
-def _walk(comps: dict[str, Computation], comp: Computation):
-  """(bytes, kernels, conditionals, kinds Counter, [(name, opcode, bytes)]) of one run of
-  `comp`."""
+@dataclasses.dataclass
+class _Tally:
+  """What a run of some computations moved and launched, summed as `_walk` goes."""
+
+  bytes: int = 0
+  kernels: int = 0
+  conditionals: int = 0
+  kinds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  items: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)
+
+  def add(self, other: _Tally, times: int = 1) -> None:
+    self.bytes += other.bytes * times
+    self.kernels += other.kernels * times
+    self.conditionals += other.conditionals * times
+    self.kinds.update({kind: n * times for kind, n in other.kinds.items()})
+    self.items += [(name, kind, n * times) for name, kind, n in other.items]
+
+
+def _trip(comps: dict[str, Computation], loop: Instruction) -> _Tally:
+  """One trip of while `loop`: its body and its condition."""
+  tally = _walk(comps, comps[loop.called("body")[0]])
+  tally.add(_walk(comps, comps[loop.called("condition")[0]]))
+  return tally
+
+
+def _walk(comps: dict[str, Computation], comp: Computation) -> _Tally:
+  """What one run of `comp` moves and launches."""
   types = {i.name: i.type for i in comp.instructions}
-  total, kernels, conds, kinds, items = 0, 0, 0, collections.Counter(), []
+  tally = _Tally()
   for inst in comp.instructions:
     op = inst.opcode
-    if op in FREE:
+    if op in FREE or op.endswith("-done"):  # a `-done`'s `-start` launched it
       continue
-    if op in ("while", "conditional"):
-      if op == "while":
-        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', inst.attrs)
-        times = int(trips.group(1)) if trips else 1
-        runs = [(_walk(comps, comps[inst.called(k)[0]]), times) for k in ("body", "condition")]
-      else:
-        branches = inst.called("branch_computations") or (
-          inst.called("true_computation") + inst.called("false_computation")
-        )
-        walks = [_walk(comps, comps[b]) for b in branches]
-        runs = [(max(walks, key=lambda w: (w[0], w[1])), 1)]
-        conds += 1
-      for (b, k, c, kd, it), times in runs:
-        total, kernels, conds = total + b * times, kernels + k * times, conds + c * times
-        kinds.update({key: n * times for key, n in kd.items()})
-        items += [(name, o, n * times) for name, o, n in it]
+    if op == "while":
+      trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', inst.attrs)
+      tally.add(_trip(comps, inst), int(trips.group(1)) if trips else 1)
+      continue
+    if op == "conditional":
+      branches = inst.called("branch_computations") or (
+        inst.called("true_computation") + inst.called("false_computation")
+      )
+      walks = [_walk(comps, comps[b]) for b in branches]
+      tally.add(max(walks, key=lambda w: (w.bytes, w.kernels)))
+      tally.conditionals += 1
       continue
     operands = sum(type_bytes(types.get(o, "")) for o in inst.operands)
     if op == "fusion":
@@ -229,24 +251,19 @@ def _walk(comps: dict[str, Computation], comp: Computation):
       outputs = _ARRAY.findall(inst.type)
       if len(outputs) > 1 and outputs[-1][0] in ("s8", "u8"):  # the library's workspace
         outputs = outputs[:-1]
-      moved, kind = operands + type_bytes(" ".join(f"{d}[{s}]" for d, s in outputs)), "library"
+      moved, kind = operands + _bytes(outputs), "library"
     elif op in ("copy", "copy-start"):  # a copy-start's type: (destination, source, context)
-      moved, kind = (
-        2 * type_bytes(" ".join(f"{d}[{s}]" for d, s in _ARRAY.findall(inst.type)[:1])),
-        "copy",
-      )
-    elif op in ("dynamic-update-slice",):
+      moved, kind = 2 * _bytes(_ARRAY.findall(inst.type)[:1]), "copy"
+    elif op == "dynamic-update-slice":
       moved, kind = 2 * type_bytes(types.get(inst.operands[1], "")), "other"
     elif op in ("slice", "dynamic-slice"):
       moved, kind = 2 * type_bytes(inst.type), "other"
-    elif op.endswith("-done"):
-      continue  # its `-start` launched it
     else:
       moved, kind = operands + type_bytes(inst.type), "custom" if op == "custom-call" else "other"
-    total, kernels = total + moved, kernels + 1
-    kinds[kind] += 1
-    items.append((inst.name, kind, moved))
-  return total, kernels, conds, kinds, items
+    tally.bytes, tally.kernels = tally.bytes + moved, tally.kernels + 1
+    tally.kinds[kind] += 1
+    tally.items.append((inst.name, kind, moved))
+  return tally
 
 
 def walk_loop(text: str, top: int = 12) -> StepWalk:
@@ -261,10 +278,6 @@ def walk_loop(text: str, top: int = 12) -> StepWalk:
   if not loops:
     raise ValueError(f"the entry computation {entry} has no while loop")
   loop = max(loops, key=lambda i: len(comps[i.called("body")[0]].instructions))
-  moved, kernels, conds, kinds, items = _walk(comps, comps[loop.called("body")[0]])
-  c_moved, c_kernels, c_conds, c_kinds, c_items = _walk(comps, comps[loop.called("condition")[0]])
-  moved, kernels, conds = moved + c_moved, kernels + c_kernels, conds + c_conds
-  kinds.update(c_kinds)
-  items += c_items
-  largest = sorted(items, key=lambda x: -x[2])[:top]
-  return StepWalk(moved, kernels, conds, dict(sorted(kinds.items())), tuple(largest))
+  t = _trip(comps, loop)
+  largest = tuple(sorted(t.items, key=lambda x: -x[2])[:top])
+  return StepWalk(t.bytes, t.kernels, t.conditionals, dict(sorted(t.kinds.items())), largest)

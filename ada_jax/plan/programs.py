@@ -311,11 +311,12 @@ def decode_step_program(smp: sampler_lib.Sampler, params, state) -> DecodeStep:
       return jax.lax.fori_loop(0, n, body, state)
 
     fn = jax.jit(run, donate_argnums=(1,))
-    if walk:
-      return compiler.compile_program(fn, params, state, key, trips, what=what, keep_hlo=True)
-    return compiler.compile_program(fn, params, state, key, trips, what=what, options=HBM_ONLY)
+    options = None if walk else HBM_ONLY
+    return compiler.compile_program(
+      fn, params, state, key, trips, what="decode loop", options=options, keep_hlo=walk
+    )
 
-  what, walk = "decode loop", sharding_lib.platform(smp.mesh).decode_traffic == "optimized HLO"
+  walk = sharding_lib.platform(smp.mesh).decode_traffic == "optimized HLO"
   if walk:
     one = loop(1)
     return DecodeStep(one, walk=hlo_walk.walk_loop(one.hlo))
