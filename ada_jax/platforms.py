@@ -24,8 +24,13 @@ class Platform:
       `plan.hlo_walk`: XLA:GPU), '' (none: XLA:CPU, whose library calls no walk sees).
     cache_in_place_under_cond: a buffer passed through a `lax.cond` stays in place
       (XLA:TPU, XLA:CPU); XLA:GPU copies it into the branch (`slots.in_place_under_cond`).
-    decode_kernel: decode attention runs as the Pallas TPU kernel (`decode_kernel`)
-      natively; elsewhere XLA's form (the kernel itself only in Pallas' interpreter).
+    decode_kernel: the Pallas kernel decode attention runs as natively (`slots.KERNELS`:
+      'tpu' the Mosaic TPU kernel `decode_kernel`, 'gpu' the Triton one
+      `decode_kernel_gpu`), '' for XLA's form (the kernels then only in Pallas'
+      interpreter).
+    gate_up_layout: the rollout copy's fused MLP weights (`layers.fuse_gate_up`): 'gdf'
+      `[2, D, F]` (XLA:TPU's tiles), 'dgf' `[D, 2, F]` (what a cuBLAS gemm reads as it
+      is; XLA:GPU re-lays `[2, D, F]` out in the decode loop, every layer and step).
     compile_options: XLA options every ahead-of-time compile for it takes, (name, value).
     topology: `jax.experimental.topologies`' platform name for compile-only devices, or ''.
     packages: what to install for its compile-only devices, the compiler's own first.
@@ -36,7 +41,8 @@ class Platform:
   refuses_oversize: bool = False
   decode_traffic: str = ""
   cache_in_place_under_cond: bool = True
-  decode_kernel: bool = False
+  decode_kernel: str = ""
+  gate_up_layout: str = "gdf"
   compile_options: tuple[tuple[str, object], ...] = ()
   topology: str = ""
   packages: tuple[str, ...] = ()
@@ -57,7 +63,7 @@ PLATFORMS = {
       "XLA:TPU",
       refuses_oversize=True,
       decode_traffic="cost analysis",
-      decode_kernel=True,
+      decode_kernel="tpu",
       topology="tpu",
       packages=("libtpu",),
     ),
@@ -66,6 +72,8 @@ PLATFORMS = {
       "XLA:GPU",
       decode_traffic="optimized HLO",
       cache_in_place_under_cond=False,
+      decode_kernel="gpu",
+      gate_up_layout="dgf",
       # Triton gemm fusions need the autotuner, which needs a device ("Couldn't find output
       # tile sizes"): compile-only devices use cuBLAS.
       compile_options=(("xla_gpu_enable_triton_gemm", False),),

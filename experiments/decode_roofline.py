@@ -53,13 +53,13 @@ SHIPPED_KERNEL = slots_lib.uses_kernel
 
 def params_layout(config, mesh):
   """The rollout copy on the parameters' own specs (split over 'fsdp' too)."""
-  specs = sharding_lib.param_specs(config, mesh, fused=True)
+  specs = sharding_lib.param_specs(config, mesh, fused=sharding_lib.platform(mesh).gate_up_layout)
   return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def measure(cfg, target, devices, slots, layout, kernel):
   sharding_lib.rollout_param_shardings = SHIPPED_LAYOUT if layout == "decode" else params_layout
-  slots_lib.uses_kernel = SHIPPED_KERNEL if kernel else (lambda mesh: False)
+  slots_lib.uses_kernel = SHIPPED_KERNEL if kernel else (lambda mesh: "")
   model_cfg = programs.model_of(cfg)
   mesh = programs.mesh_for(cfg, devices)
   smp = programs.rollout_sampler(cfg, model_cfg, mesh, slots)

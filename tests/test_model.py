@@ -222,23 +222,42 @@ def test_float32_masters_compute_exactly_as_their_compute_dtype_copy(preset):
   assert hidden.dtype == jnp.bfloat16
 
 
+@pytest.mark.parametrize("layout", ["gdf", "dgf"])
 @pytest.mark.parametrize("preset", TINY)
-def test_fused_tree_computes_what_the_separate_weights_compute(preset):
-  """`decoder.fuse` (the rollout copy's q, k, v and gate, up each one array) holds the
-  same weights: the same logits from either tree, every leaf accounted for, and its
-  logical axes and shapes describe it (what `sharding.rollout_param_shardings` reads)."""
+def test_fused_tree_computes_what_the_separate_weights_compute(preset, layout):
+  """`decoder.fuse` (the rollout copy's q, k, v and gate, up each one array, gate and up
+  in either platform's layout) holds the same weights: the same logits from either tree,
+  every leaf accounted for, and its logical axes and shapes describe it (what
+  `sharding.rollout_param_shardings` reads); a tree fused in one layout is not silently
+  taken for the other."""
   config = model_lib.preset(preset)
   params = model_lib.init_params(config, jax.random.key(4))
-  fused = model_lib.fuse(params)
-  assert model_lib.is_fused(fused) and not model_lib.is_fused(params)
-  assert model_lib.fuse(fused) is fused
+  fused = model_lib.fuse(params, layout)
+  assert model_lib.fused_layout(fused) == layout and model_lib.fused_layout(params) == ""
+  assert model_lib.fuse(fused, layout) is fused
+  other = {"gdf": "dgf", "dgf": "gdf"}[layout]
+  with pytest.raises(ValueError, match=f"fused with gate_up '{layout}', asked for '{other}'"):
+    model_lib.fuse(fused, other)
+  d, f = config.embed_dim, config.mlp_dim
+  gate_up = fused["layer_0"]["mlp"]["gate_up"]
+  assert gate_up.shape == {"gdf": (2, d, f), "dgf": (d, 2, f)}[layout]
+  np.testing.assert_array_equal(
+    np.take(np.asarray(gate_up), 1, axis=layout.index("g")), params["layer_0"]["mlp"]["up"]
+  )
   n = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
   assert n(fused) == n(params)
-  shapes = jax.tree.map(lambda x: x.shape, model_lib.param_shapes(config, fused=True))
+  shapes = jax.tree.map(lambda x: x.shape, model_lib.param_shapes(config, fused=layout))
   assert shapes == jax.tree.map(lambda x: x.shape, fused)
-  axes = model_lib.logical_axes(config, fused=True)
+  axes = model_lib.logical_axes(config, fused=layout)
   assert jax.tree.structure(axes, is_leaf=lambda x: isinstance(x, tuple)) == jax.tree.structure(
     fused
+  )
+  assert (
+    axes["layer_0"]["mlp"]["gate_up"]
+    == {
+      "gdf": (None, "embed", "mlp"),
+      "dgf": ("embed", None, "mlp"),
+    }[layout]
   )
   tokens = jax.random.randint(jax.random.key(5), (2, 7), 1, config.vocab_size)
   positions = jnp.broadcast_to(jnp.arange(7), (2, 7))
@@ -247,6 +266,12 @@ def test_fused_tree_computes_what_the_separate_weights_compute(preset):
     model_lib.logits(config, params, tokens, positions),
     atol=1e-5,
   )
+
+
+def test_an_unknown_gate_up_layout_is_refused():
+  params = model_lib.init_params(model_lib.preset(TINY[0]), jax.random.key(4))
+  with pytest.raises(ValueError, match="gate_up layout 'fdg' is not one of"):
+    model_lib.fuse(params, "fdg")
 
 
 @pytest.mark.parametrize("block", [1, 3, 4])

@@ -193,7 +193,7 @@ def test_another_cache_layout_draws_the_same_tokens(tiny, monkeypatch, mesh_shap
   _assert_same_draw(got, want, atol=1e-5)
   assert (stats.kv_read, stats.kv_useful) == (want_stats.kv_read, want_stats.kv_useful)
   if mesh is not None:
-    monkeypatch.setattr(slots_lib, "uses_kernel", lambda mesh: True)
+    monkeypatch.setattr(slots_lib, "uses_kernel", lambda mesh: "tpu")
     kernel, _ = draw()
     _assert_same_draw(kernel, want, atol=1e-4)
 

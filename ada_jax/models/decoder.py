@@ -43,9 +43,10 @@ Params = dict[str, Any]
 class Transformer(nnx.Module):
   """The decoder. Layers are attributes `layer_0 ... layer_{L-1}` so that parameter paths
   are plain strings (orbax and safetensors keys stay stable). `fused`: each layer's
-  projections in the layout their matmuls read (`fuse`), the samplers' rollout copy."""
+  projections in the layout their matmuls read (`fuse`), the samplers' rollout copy, with
+  the MLP's `gate_up` in that layout (`layers.GATE_UP_LAYOUTS`); '' for separate ones."""
 
-  def __init__(self, config: ModelConfig, rngs: nnx.Rngs, fused: bool = False):
+  def __init__(self, config: ModelConfig, rngs: nnx.Rngs, fused: str = ""):
     pd = config.weight_dtype
     self.embed = make_param(
       rngs,
@@ -139,19 +140,24 @@ def unembed(config: ModelConfig, table: jax.Array, x: jax.Array) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=32)
-def _graphdef(config: ModelConfig, fused: bool = False):
+def _graphdef(config: ModelConfig, fused: str = ""):
   abstract = nnx.eval_shape(lambda: Transformer(config, nnx.Rngs(0), fused))
   return nnx.split(abstract)[0]
 
 
-def is_fused(params: Params) -> bool:
-  """Whether `params` is a fused tree (`fuse`): the layers' q, k, v as one `qkv`."""
+def fused_layout(params: Params) -> str:
+  """The `gate_up` layout of a fused tree (`fuse`: the layers' q, k, v as one `qkv`),
+  read from its shape: 'dgf' where it is `[D, 2, F]` with D > 2, else 'gdf'; '' for a tree
+  of separate projections."""
   layer = params.get("layer_0", {})
-  return "qkv" in layer.get("attn", {})
+  if "qkv" not in layer.get("attn", {}):
+    return ""
+  shape = layer["mlp"]["gate_up"].shape
+  return "dgf" if shape[1] == 2 and shape[0] != 2 else "gdf"
 
 
 def _module(config: ModelConfig, params: Params) -> Transformer:
-  return nnx.merge(_graphdef(config, is_fused(params)), params)
+  return nnx.merge(_graphdef(config, fused_layout(params)), params)
 
 
 def init_params(config: ModelConfig, rng: jax.Array) -> Params:
@@ -168,37 +174,46 @@ def init_params(config: ModelConfig, rng: jax.Array) -> Params:
   return nnx.to_pure_dict(nnx.state(model))
 
 
-def fuse(params: Params) -> Params:
+def fuse(params: Params, layout: str = "gdf") -> Params:
   """The same weights with each layer's projections in the layout their matmuls read:
-  `attn.qkv` `[K, G + 2, H, D]` (`layers.fuse_qkv`) for q, k, v and `mlp.gate_up`
-  `[2, D, F]` (`layers.fuse_gate_up`) for gate, up; every other leaf as it is. Every
+  `attn.qkv` `[K, G + 2, H, D]` (`layers.fuse_qkv`) for q, k, v and `mlp.gate_up` in
+  `layout` (`layers.fuse_gate_up`: 'gdf' `[2, D, F]`, 'dgf' `[D, 2, F]`; with D = 2 the
+  two read alike and 'gdf' is made) for gate, up; every other leaf as it is. Every
   function here takes either tree. The samplers' rollout copy is fused once per RL step
-  (`Sampler.rollout_params`): from separate weights a decode loop stacks them itself,
-  and XLA hoists that stack out of the loop as a copy of them all. A fused tree is
-  returned as it is."""
-  if is_fused(params):
+  (`Sampler.rollout_params`, in its platform's `gate_up_layout`): from separate weights a
+  decode loop stacks them itself, and XLA hoists that stack out of the loop as a copy of
+  them all. A tree fused in `layout` is returned as it is.
+
+  Raises:
+    ValueError: an unknown layout, or a tree already fused in another one.
+  """
+  have = fused_layout(params)
+  if have:
+    if have != layout and params["layer_0"]["mlp"]["gate_up"].shape[:2] != (2, 2):
+      raise ValueError(f"params are fused with gate_up {have!r}, asked for {layout!r}")
     return params
 
   def layer(p):
     attn = {k: v for k, v in p["attn"].items() if k not in ("q", "k", "v")}
     mlp = {k: v for k, v in p["mlp"].items() if k not in ("gate", "up")}
     attn["qkv"] = layers_lib.fuse_qkv(p["attn"]["q"], p["attn"]["k"], p["attn"]["v"])
-    mlp["gate_up"] = layers_lib.fuse_gate_up(p["mlp"]["gate"], p["mlp"]["up"])
+    gate, up = p["mlp"]["gate"], p["mlp"]["up"]
+    mlp["gate_up"] = layers_lib.fuse_gate_up(gate, up, "gdf" if gate.shape[0] == 2 else layout)
     return {**p, "attn": attn, "mlp": mlp}
 
   return {k: layer(v) if k.startswith("layer_") else v for k, v in params.items()}
 
 
-def param_shapes(config: ModelConfig, fused: bool = False) -> Params:
-  """`jax.ShapeDtypeStruct` of every parameter (of the `fuse`d tree with `fused`), with no
-  allocation."""
+def param_shapes(config: ModelConfig, fused: str = "") -> Params:
+  """`jax.ShapeDtypeStruct` of every parameter (of the tree `fuse`d in layout `fused`, if
+  one is named), with no allocation."""
   shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
-  return jax.eval_shape(fuse, shapes) if fused else shapes
+  return jax.eval_shape(lambda p: fuse(p, fused), shapes) if fused else shapes
 
 
-def logical_axes(config: ModelConfig, fused: bool = False) -> Params:
-  """Logical axis names of every parameter (same tree as the params, or the `fuse`d tree
-  with `fused`; tuples of str or None).
+def logical_axes(config: ModelConfig, fused: str = "") -> Params:
+  """Logical axis names of every parameter (same tree as the params, or the tree `fuse`d
+  in layout `fused`; tuples of str or None).
 
   Names: 'vocab', 'embed', 'heads', 'kv_heads', 'head_dim', 'mlp'. `sharding.py` maps them
   to mesh axes with one rule table.

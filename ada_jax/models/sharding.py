@@ -177,8 +177,9 @@ def logical_to_spec(
   return P(*spec)
 
 
-def param_specs(config: ModelConfig, mesh: Mesh, fused: bool = False) -> Params:
-  """`PartitionSpec` of every parameter (the params tree, or the `decoder.fuse`d one)."""
+def param_specs(config: ModelConfig, mesh: Mesh, fused: str = "") -> Params:
+  """`PartitionSpec` of every parameter (the params tree, or the one `decoder.fuse`d in
+  layout `fused`)."""
   shapes = model_lib.param_shapes(config, fused)
   axes = model_lib.logical_axes(config, fused)
   rules = model_rules(config, mesh)
@@ -223,12 +224,13 @@ def rollout_param_shardings(config: ModelConfig, mesh: Mesh) -> Params:
     mesh: the mesh.
 
   Returns:
-    A `decoder.fuse`d params-shaped tree of `NamedSharding`s.
+    A params-shaped tree of `NamedSharding`s, `decoder.fuse`d in the mesh platform's
+    `gate_up_layout`.
   """
   no_fsdp = lambda s: P(*(None if axis == "fsdp" else axis for axis in s))
   return jax.tree.map(
     lambda s: NamedSharding(mesh, no_fsdp(s)),
-    param_specs(config, mesh, fused=True),
+    param_specs(config, mesh, fused=platform(mesh).gate_up_layout),
     is_leaf=lambda x: isinstance(x, P),
   )
 

@@ -79,7 +79,8 @@ def rollout_params(model_cfg: model_lib.ModelConfig, mesh) -> model_lib.Params:
   """The samplers' rollout copy of the parameters (`Sampler.rollout_params`: fused, in the
   compute dtype, on `sharding.rollout_param_shardings`) as sharded `ShapeDtypeStruct`s."""
   shapes = jax.tree.map(
-    lambda x: x.update(dtype=model_cfg.compute_dtype), model_lib.param_shapes(model_cfg, True)
+    lambda x: x.update(dtype=model_cfg.compute_dtype),
+    model_lib.param_shapes(model_cfg, sharding_lib.platform(mesh).gate_up_layout),
   )
   return compiler.placed(shapes, sharding_lib.rollout_param_shardings(model_cfg, mesh))
 

@@ -40,6 +40,11 @@ def column_block(columns: int) -> int:
   return next((b for b in _COLUMN_BLOCKS if columns % b == 0), columns)
 
 
+def applies(prompt_columns: int, ring_columns: int, head_dim: int) -> bool:
+  """Whether the kernel takes these shapes: always (a piece no block divides is one block)."""
+  return True
+
+
 def ring_schedule(column: jax.Array, window: jax.Array, ring: int) -> jax.Array:
   """`int32[2]`: the first ring block the window reads and how many blocks it reads.
 
@@ -50,6 +55,11 @@ def ring_schedule(column: jax.Array, window: jax.Array, ring: int) -> jax.Array:
   start = (column - window + 1) % ring
   count = jnp.minimum((start % block + window + block - 1) // block, ring // block)
   return jnp.stack([start // block, count]).astype(jnp.int32)
+
+
+def columns_read(column: jax.Array, window: jax.Array, ring: int) -> jax.Array:
+  """Ring columns the kernel reads per slot for this window (whole blocks)."""
+  return ring_schedule(column, window, ring)[1] * column_block(ring)
 
 
 def _kernel(

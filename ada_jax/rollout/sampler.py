@@ -362,10 +362,10 @@ class Sampler:
 
   def rollout_params(self, params: Params) -> Params:
     """The weights the pool decodes from: `params` fused (`decoder.fuse`: q, k, v and
-    gate, up each one array, as their matmuls read them), cast to the compute dtype
-    (`ModelConfig.dtype`) and laid out for decoding (`sharding.rollout_param_shardings`:
-    whole along 'fsdp', split over 'tensor'); `params` themselves when they already are
-    all three (a copy made before).
+    gate, up each one array, as their matmuls read them on the mesh's platform), cast to
+    the compute dtype (`ModelConfig.dtype`) and laid out for decoding
+    (`sharding.rollout_param_shardings`: whole along 'fsdp', split over 'tensor');
+    `params` themselves when they already are all three (a copy made before).
 
     The decode loop reads every weight at every step, so it must read this copy, never
     cast, stack or gather the float32 masters inside the loop. A caller makes the copy
@@ -382,10 +382,11 @@ class Sampler:
       `params` already was that copy.
     """
     dtype = self.config.compute_dtype
+    layout = sharding_lib.platform(self.mesh).gate_up_layout
     shardings = None
     if self.mesh is not None:
       shardings = sharding_lib.rollout_param_shardings(self.config, self.mesh)
-    if model_lib.is_fused(params):
+    if model_lib.fused_layout(params) == layout:
       leaves = jax.tree.leaves(params)
       laid_out = shardings is None or all(
         isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sh, x.ndim)
@@ -395,7 +396,7 @@ class Sampler:
         return params
     if self._cast is None:
       cast = lambda p: jax.tree.map(lambda x: x.astype(dtype), p)
-      self._cast = jax.jit(lambda p: model_lib.fuse(cast(p)), out_shardings=shardings)
+      self._cast = jax.jit(lambda p: model_lib.fuse(cast(p), layout), out_shardings=shardings)
     self.copies += 1
     return self._cast(params)
 

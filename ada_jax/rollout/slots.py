@@ -12,8 +12,8 @@ place (per-row write positions, a scatter, made it hold a second copy of the cac
 `[B, K, H, S]` key layout a transposed one). Keys carry their RoPE positions, so where a
 key sits does not change attention; a per-slot mask says which ring columns are the row's.
 Decode attention reads the prompt columns and the window of the ring that the longest
-live row has written: on TPU in one Pallas kernel (`decode_kernel`), elsewhere
-`layers.attend` over the pieces (one softmax).
+live row has written: in one Pallas kernel where the platform has one (`decode_kernel` on
+TPU, `decode_kernel_gpu` on GPU), elsewhere `layers.attend` over the pieces (one softmax).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from ada_jax.models import layers as layers_lib
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.decoder import ModelConfig
-from ada_jax.rollout import decode_kernel
+from ada_jax.rollout import decode_kernel, decode_kernel_gpu
 
 # ----------------------------------------------------------------------------- layout
 
@@ -303,10 +303,14 @@ def ring_windows(ring: int, block: int) -> tuple[int, ...]:
   return tuple(sorted({min(ring, block * i) for i in range(1, -(-ring // block) + 1)}))
 
 
-def uses_kernel(mesh: jax.sharding.Mesh | None) -> bool:
-  """Whether decode attention runs as the Pallas TPU kernel (`decode_kernel`): on TPU,
-  where XLA's formulation writes every layer's float32 scores to HBM and reads them back;
-  elsewhere `layers.attend` over the pieces."""
+# The Pallas decode-attention kernels by `platforms.Platform.decode_kernel` name.
+KERNELS = {"tpu": decode_kernel, "gpu": decode_kernel_gpu}
+
+
+def uses_kernel(mesh: jax.sharding.Mesh | None) -> str:
+  """The `KERNELS` name of the Pallas kernel decode attention runs as on the mesh's
+  platform (where XLA's formulation writes every layer's float32 scores to HBM and reads
+  them back), or '' for `layers.attend` over the pieces (XLA:CPU)."""
   return sharding_lib.platform(mesh).decode_kernel
 
 
@@ -323,8 +327,9 @@ def slot_attention(
   The new keys and values go to ring column `cache.column` of every slot; attention reads
   the prompt columns and a window of the ring that ends at that column and covers `window`
   columns (the longest live row's response so far), so the bytes read follow the longest
-  live row. On TPU the window is read block by block inside the Pallas kernel
-  (`decode_kernel`, whole blocks of its column block); elsewhere it is the smallest of
+  live row. In a Pallas kernel (`uses_kernel`: `decode_kernel` on TPU, `decode_kernel_gpu`
+  on GPU, where the kernel `applies` to the shapes, else XLA's form) the window is read block by
+  block inside the kernel, whole blocks of its column block; elsewhere it is the smallest of
   `ring_windows(Lr, block)` that covers `window`, a `lax.switch` over those lengths, and a
   window that wraps past column 0 is read as its two static ends (or the whole ring, when
   those would overlap).
@@ -344,15 +349,19 @@ def slot_attention(
   write = lambda old, new: jax.lax.dynamic_update_slice_in_dim(
     old, _relayout(new, MODEL_AXES, KV_AXES).astype(old.dtype), c, _axis("s")
   )
-  if uses_kernel(mesh):
+  kernel = uses_kernel(mesh)
+  head_dim = cache.k[0].shape[_axis("h")]
+  if kernel and not KERNELS[kernel].applies(cache.prompt_mask.shape[1], ring, head_dim):
+    kernel = ""
+  if kernel:
     window = jnp.clip(window, 1, ring)
-    read = decode_kernel.ring_schedule(c, window, ring)[1] * decode_kernel.column_block(ring)
+    read = KERNELS[kernel].columns_read(c, window, ring)
 
     def kernel_attention(layer):
       def write_and_read(q, k, v):
         ring_k, ring_v = write(cache.k[layer], k), write(cache.v[layer], v)
         prompt = (cache.prompt_k[layer], cache.prompt_v[layer], cache.prompt_mask)
-        out = _on_shards(config, mesh, q, prompt, (ring_k, ring_v, mask), c, window)
+        out = _on_shards(config, mesh, kernel, q, prompt, (ring_k, ring_v, mask), c, window)
         return out, (ring_k, ring_v)
 
       return write_and_read
@@ -399,12 +408,13 @@ def slot_attention(
   return attention, cache.prompt_mask.shape[1] + read
 
 
-def _on_shards(config, mesh, q, prompt, ring, column, window):
-  """`decode_kernel.decode_attention` on each device's slots and kv heads (a Pallas call
-  is not partitioned by XLA), or whole without a mesh; in Pallas' interpreter off TPU.
-  The kernel reads `MODEL_AXES` blocks: the caches' pieces are handed over in that order."""
-  interpret = not sharding_lib.platform(mesh).decode_kernel
-  run = lambda q, prompt, ring, c, w: decode_kernel.decode_attention(
+def _on_shards(config, mesh, kernel, q, prompt, ring, column, window):
+  """`KERNELS[kernel].decode_attention` on each device's slots and kv heads (a Pallas call
+  is not partitioned by XLA), or whole without a mesh; in Pallas' interpreter off the
+  platform it is written for. The kernel reads `MODEL_AXES` blocks: the caches' pieces are
+  handed over in that order."""
+  interpret = sharding_lib.platform(mesh).decode_kernel != kernel
+  run = lambda q, prompt, ring, c, w: KERNELS[kernel].decode_attention(
     q, prompt, ring, c, w, interpret=interpret
   )
   view = lambda k, v, m: (_relayout(k, KV_AXES, MODEL_AXES), _relayout(v, KV_AXES, MODEL_AXES), m)

@@ -1,0 +1,153 @@
+"""The Pallas GPU decode-attention kernel (`rollout.decode_kernel_gpu`, Triton lowering): in
+Pallas' interpreter on the CPU it computes the attention XLA's formulation computes (over
+shapes, masks and windows, wrapping or not), the pool draws the same tokens through it (one
+device and a mesh), and XLA:GPU compiles it ahead of time for an H200."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ada_jax.models import decoder as model_lib
+from ada_jax.models import layers, sharding
+from ada_jax.rollout import decode_kernel_gpu as kernel
+from ada_jax.rollout import sampler as sampler_lib
+from ada_jax.rollout import slots as slots_lib
+
+
+@st.composite
+def cases(draw):
+  s, k, g = draw(st.integers(1, 3)), draw(st.integers(1, 2)), draw(st.integers(1, 5))
+  h = draw(st.sampled_from([16, 32]))
+  lp, lr = draw(st.sampled_from([16, 48])), draw(st.sampled_from([16, 32, 96]))
+  column = draw(st.integers(0, lr - 1))
+  window = draw(st.integers(1, lr))
+  return s, k, g, h, lp, lr, column, window, draw(st.integers(0, 2**16))
+
+
+def _window_mask(column, window, ring):
+  inside = np.zeros(ring, bool)
+  inside[(column - np.arange(window)) % ring] = True
+  return inside
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_kernel_attends_like_xla_over_the_window(case):
+  """The kernel's output equals `layers.attend` over the prompt and the ring window's
+  columns (random masks, some rows with no prompt column at all), whether the window wraps
+  past column 0 or not; ring blocks the schedule does not read hold NaN, so a block read
+  that should not be would poison the output."""
+  s, k, g, h, lp, lr, column, window, seed = case
+  ks = jax.random.split(jax.random.key(seed), 8)
+  normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32)
+  q = normal(ks[0], (s, 1, k * g, h))
+  prompt = (normal(ks[1], (s, k, lp, h)), normal(ks[2], (s, k, lp, h)))
+  prompt_mask = (jax.random.uniform(ks[3], (s, lp)) < 0.6) & (jnp.arange(s) > 0)[:, None]
+  ring = (normal(ks[4], (s, k, lr, h)), normal(ks[5], (s, k, lr, h)))
+  inside = _window_mask(column, window, lr)
+  ring_mask = (jax.random.uniform(ks[6], (s, lr)) < 0.7) & inside[None]
+  ring_mask = ring_mask.at[:, column].set(True)  # this step's own column is always live
+  first, count = np.asarray(kernel.ring_schedule(jnp.int32(column), jnp.int32(window), lr))
+  block = kernel.column_block(lr)
+  read = np.zeros(lr, bool)
+  for b in (first + np.arange(count)) % (lr // block):
+    read[b * block : (b + 1) * block] = True
+  assert read[inside].all()
+  assert kernel.columns_read(jnp.int32(column), jnp.int32(window), lr) == read.sum()
+  poison = lambda x: jnp.where(jnp.asarray(read)[None, None, :, None], x, jnp.nan)
+  out = kernel.decode_attention(
+    q, (*prompt, prompt_mask), (*map(poison, ring), ring_mask),
+    jnp.int32(column), jnp.int32(window), interpret=True,
+  )  # fmt: skip
+  ref = layers.attend(q, [(*prompt, prompt_mask[:, None]), (*ring, ring_mask[:, None])])
+  np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_kernel_applies_to_multiples_of_16_only():
+  assert kernel.column_block(512) == 128 and kernel.column_block(96) == 32
+  assert kernel.applies(16, 2048, 128) and kernel.applies(48, 32, 16)
+  assert not kernel.applies(16, 12, 128) and not kernel.applies(24, 16, 128)
+  assert not kernel.applies(16, 16, 24) and not kernel.applies(16, 16, 8)
+  at = lambda column, window: np.asarray(
+    kernel.ring_schedule(jnp.int32(column), jnp.int32(window), 512)
+  ).tolist()
+  assert at(10, 5) == [0, 1]
+  assert at(200, 100) == [0, 2]  # columns 101..200 straddle blocks 0 and 1
+  assert at(20, 100) == [3, 2]  # columns 433..511 and 0..20: block 3, then block 0
+  assert at(5, 512) == [0, 4]
+  with pytest.raises(ValueError, match=r"prompt \(16\) and ring \(12\) columns must"):
+    z = jnp.zeros((1, 1, 12, 16))
+    kernel.decode_attention(
+      jnp.zeros((1, 1, 1, 16)), (jnp.zeros((1, 1, 16, 16)),) * 2 + (jnp.ones((1, 16), bool),),
+      (z, z, jnp.ones((1, 12), bool)), jnp.int32(0), jnp.int32(1), interpret=True,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  config = model_lib.preset("tiny-llama")
+  return config, model_lib.init_params(config, jax.random.key(0))
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)])
+def test_pool_draws_the_same_tokens_through_the_kernel(tiny, monkeypatch, mesh_shape):
+  """The pool's decode attention as the GPU kernel (what a GPU runs, here interpreted) or
+  as XLA's pieces: the same tokens and log-probs within float rounding, over refills and
+  ring windows that wrap; on a 2 x 2 x 2 mesh the kernel runs on each device's slots and
+  kv heads. A ring the kernel does not take (not a multiple of 16) keeps XLA's form."""
+  config, params = tiny
+  mesh = sharding.make_mesh(*mesh_shape) if mesh_shape else None
+  rows = np.random.default_rng(2).integers(0, 4, 16)
+  prompts = [[5, 6, 7, 8, 9], [11, 12], [13], [20, 21, 22, 23, 24, 25, 26]]
+  kw = dict(max_new_tokens=32, stop_ids=tuple(range(3, 512, 24)), prompt_buckets=(16,))
+  kw |= dict(chunk_rows=8, prompts_per_chunk=4, segment_steps=7, attention_block=4)
+  draw = lambda: sampler_lib.Sampler(config, mesh=mesh, **kw).generate(
+    params, prompts, rows, jax.random.key(5)
+  )
+  xla, _ = draw()
+  monkeypatch.setattr(slots_lib, "uses_kernel", lambda mesh: "gpu")
+  calls = []
+  monkeypatch.setattr(
+    kernel, "decode_attention", lambda *a, **k: calls.append(1) or DECODE(*a, **k)
+  )
+  through, _ = draw()
+  assert calls and len(set(xla["lengths"].tolist())) > 2 and xla["lengths"].max() > 16
+  np.testing.assert_array_equal(through["tokens"], xla["tokens"])
+  np.testing.assert_array_equal(through["lengths"], xla["lengths"])
+  np.testing.assert_allclose(through["logprobs"], xla["logprobs"], atol=1e-4)
+  calls.clear()
+  kw["max_new_tokens"] = 12
+  draw()
+  assert not calls
+
+
+DECODE = kernel.decode_attention
+
+
+pytest.importorskip("jax_plugins.xla_cuda12", reason="jax-cuda12-plugin (requirements-dev.txt)")
+
+
+def test_xla_gpu_compiles_the_kernel_ahead_of_time():
+  """For a compile-only H200: one Triton custom call, whose operands are the queries and
+  the cache pieces as they are (no concatenation, no float32 copy of a key)."""
+  from ada_jax.plan import compiler, targets
+
+  device = targets.devices_for(targets.target("h200x1"))[0]
+  put = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(
+    shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device)
+  )
+  s, k, g, h, lp, lr = 64, 2, 6, 128, 512, 256
+  kv = lambda n: (put((s, k, n, h)), put((s, k, n, h)), put((s, n), jnp.bool_))
+  fn = jax.jit(kernel.decode_attention)
+  program = compiler.compile_program(
+    fn, put((s, 1, k * g, h)), kv(lp), kv(lr), put((), jnp.int32), put((), jnp.int32),
+    what="decode attention", keep_hlo=True,
+  )  # fmt: skip
+  calls = [line for line in program.hlo.splitlines() if "custom_call_target" in line]
+  assert len(calls) == 1 and "triton" in calls[0], calls
+  lines = program.hlo.splitlines()
+  assert not [x for x in lines if "concatenate(" in x and "bf16" in x]
+  assert not [x for x in lines if "f32[64,2" in x]
