@@ -164,6 +164,8 @@ class Check:
 
   def __init__(self, args):
     self.args, self.sizes = args, TINY if args.tiny else FULL
+    if args.decode_slots:
+      self.sizes = dataclasses.replace(self.sizes, decode_slots=args.decode_slots)
     self.device = jax.devices()[0]
     self.peaks = peaks_of(self.device.device_kind, args.peak_hbm_bytes_per_s, args.peak_bf16_flops)
     self._params: dict[str, tuple] = {}
@@ -585,6 +587,11 @@ def parse_args(argv):
   p.add_argument("--tiny", action="store_true", help="tiny sizes: every part on a CPU in minutes")
   p.add_argument("--parts", default=",".join(PARTS), help=f"of {PARTS}")
   p.add_argument(
+    "--decode_slots",
+    default="",
+    help="S values of the decode part, comma-separated (default: 64,256,1024; --tiny 4,8,16)",
+  )
+  p.add_argument(
     "--decode_7b_slots",
     type=int,
     default=None,
@@ -606,6 +613,12 @@ def parse_args(argv):
   unknown = sorted(set(args.parts) - set(PARTS))
   if unknown:
     p.error(f"--parts: unknown {unknown}; choose from {PARTS}")
+  try:
+    args.decode_slots = tuple(int(x) for x in args.decode_slots.split(",") if x.strip())
+  except ValueError:
+    p.error(f"--decode_slots: comma-separated integers, got {args.decode_slots!r}")
+  if any(x <= 0 for x in args.decode_slots):
+    p.error(f"--decode_slots must be positive, got {args.decode_slots}")
   if args.decode_7b_slots is None:
     args.decode_7b_slots = 4 if args.tiny else 0
   if args.smollm2_dir is None and not args.tiny:
