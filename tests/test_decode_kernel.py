@@ -1,6 +1,7 @@
 """The Pallas TPU decode-attention kernel (`rollout.decode_kernel`), in Pallas' interpreter
 on the CPU: the attention XLA's formulation computes, for windows that wrap and windows
-that do not, and the same tokens through the whole slot pool (one device and a mesh)."""
+that do not; and both Pallas kernels (TPU and GPU) through the whole slot pool: the same
+tokens (one device and a mesh)."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,7 @@ import pytest
 
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import layers, sharding
-from ada_jax.rollout import decode_kernel
+from ada_jax.rollout import decode_kernel, decode_kernel_gpu
 from ada_jax.rollout import sampler as sampler_lib
 from ada_jax.rollout import slots as slots_lib
 
@@ -82,25 +83,52 @@ def tiny():
   return config, model_lib.init_params(config, jax.random.key(0))
 
 
+# Per kernel: the pool's sizes (the GPU kernel takes Lp and Lr in multiples of 16, the
+# TPU one any: a ring of 20 is one block).
+POOLS = {
+  "tpu": dict(max_new_tokens=20, prompt_buckets=(8,), chunk_rows=8, segment_steps=7, rows=16),
+  "gpu": dict(max_new_tokens=32, prompt_buckets=(16,), chunk_rows=4, segment_steps=16, rows=10),
+}
+
+
 @pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)])
-def test_pool_draws_the_same_tokens_through_the_kernel(tiny, monkeypatch, mesh_shape):
-  """The pool's decode attention as the kernel (what a TPU runs) or as XLA's pieces (what
-  a CPU or GPU runs): the same tokens and log-probs within float rounding, over refills
-  and ring windows of every length; on a 2 x 2 x 2 mesh the kernel runs on each device's
-  slots and kv heads."""
+@pytest.mark.parametrize("kernel", ["tpu", "gpu"])
+def test_pool_draws_the_same_tokens_through_the_kernel(tiny, monkeypatch, kernel, mesh_shape):
+  """The pool's decode attention as a Pallas kernel (what a TPU or a GPU runs, here
+  interpreted) or as XLA's pieces (what a CPU runs): the same tokens and log-probs within
+  float rounding, over refills and ring windows of every length, wrapping; on a 2 x 2 x 2
+  mesh the kernel runs on each device's slots and kv heads."""
   config, params = tiny
   mesh = sharding.make_mesh(*mesh_shape) if mesh_shape else None
-  rows = np.random.default_rng(2).integers(0, 4, 16)
+  pool = dict(POOLS[kernel])
+  rows = np.random.default_rng(2).integers(0, 4, pool.pop("rows"))
   prompts = [[5, 6, 7, 8, 9], [11, 12], [13], [20, 21, 22, 23, 24, 25, 26]]
-  kw = dict(max_new_tokens=20, stop_ids=tuple(range(3, 512, 16)), prompt_buckets=(8,))
-  kw |= dict(chunk_rows=8, prompts_per_chunk=4, segment_steps=7, attention_block=4)
+  kw = dict(stop_ids=tuple(range(3, 512, 16)), prompts_per_chunk=4, attention_block=4) | pool
   draw = lambda: sampler_lib.Sampler(config, mesh=mesh, **kw).generate(
     params, prompts, rows, jax.random.key(5)
   )
   xla, _ = draw()
-  monkeypatch.setattr(slots_lib, "uses_kernel", lambda mesh: "tpu")
-  kernel, _ = draw()
-  assert len(set(xla["lengths"].tolist())) > 2
-  np.testing.assert_array_equal(kernel["tokens"], xla["tokens"])
-  np.testing.assert_array_equal(kernel["lengths"], xla["lengths"])
-  np.testing.assert_allclose(kernel["logprobs"], xla["logprobs"], atol=1e-4)
+  monkeypatch.setattr(slots_lib, "uses_kernel", lambda mesh: kernel)
+  module, calls = slots_lib.KERNELS[kernel], []
+  run = module.decode_attention
+  monkeypatch.setattr(module, "decode_attention", lambda *a, **k: calls.append(1) or run(*a, **k))
+  through, _ = draw()
+  assert calls and len(set(xla["lengths"].tolist())) > 2
+  assert xla["lengths"].max() > kw["max_new_tokens"] // 2
+  np.testing.assert_array_equal(through["tokens"], xla["tokens"])
+  np.testing.assert_array_equal(through["lengths"], xla["lengths"])
+  np.testing.assert_allclose(through["logprobs"], xla["logprobs"], atol=1e-4)
+
+
+def test_a_ring_the_gpu_kernel_does_not_take_keeps_xlas_form(tiny, monkeypatch):
+  """A ring of 12 columns (not a multiple of 16): the GPU platform's pool attends in XLA's
+  form, the kernel is never called."""
+  config, params = tiny
+  monkeypatch.setattr(slots_lib, "uses_kernel", lambda mesh: "gpu")
+  calls = []
+  monkeypatch.setattr(decode_kernel_gpu, "decode_attention", lambda *a, **k: calls.append(1))
+  kw = dict(
+    max_new_tokens=12, stop_ids=(3,), prompt_buckets=(16,), chunk_rows=4, prompts_per_chunk=1
+  )
+  out, _ = sampler_lib.Sampler(config, **kw).generate(params, [[5, 6]], [0, 0], jax.random.key(1))
+  assert out["tokens"].shape == (2, 12) and not calls

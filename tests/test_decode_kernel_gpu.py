@@ -1,7 +1,7 @@
 """The Pallas GPU decode-attention kernel (`rollout.decode_kernel_gpu`, Triton lowering): in
 Pallas' interpreter on the CPU it computes the attention XLA's formulation computes (over
-shapes, masks and windows, wrapping or not), the pool draws the same tokens through it (one
-device and a mesh), and XLA:GPU compiles it ahead of time for an H200."""
+shapes, masks and windows, wrapping or not), and XLA:GPU compiles it ahead of time for an
+H200. The pool's tokens through it: tests/test_decode_kernel.py."""
 
 import jax
 import jax.numpy as jnp
@@ -10,11 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ada_jax.models import decoder as model_lib
-from ada_jax.models import layers, sharding
+from ada_jax.models import layers
 from ada_jax.rollout import decode_kernel_gpu as kernel
-from ada_jax.rollout import sampler as sampler_lib
-from ada_jax.rollout import slots as slots_lib
 
 
 @st.composite
@@ -84,47 +81,6 @@ def test_kernel_applies_to_multiples_of_16_only():
       jnp.zeros((1, 1, 1, 16)), (jnp.zeros((1, 1, 16, 16)),) * 2 + (jnp.ones((1, 16), bool),),
       (z, z, jnp.ones((1, 12), bool)), jnp.int32(0), jnp.int32(1), interpret=True,
     )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def tiny():
-  config = model_lib.preset("tiny-llama")
-  return config, model_lib.init_params(config, jax.random.key(0))
-
-
-@pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)])
-def test_pool_draws_the_same_tokens_through_the_kernel(tiny, monkeypatch, mesh_shape):
-  """The pool's decode attention as the GPU kernel (what a GPU runs, here interpreted) or
-  as XLA's pieces: the same tokens and log-probs within float rounding, over refills and
-  ring windows that wrap; on a 2 x 2 x 2 mesh the kernel runs on each device's slots and
-  kv heads. A ring the kernel does not take (not a multiple of 16) keeps XLA's form."""
-  config, params = tiny
-  mesh = sharding.make_mesh(*mesh_shape) if mesh_shape else None
-  rows = np.random.default_rng(2).integers(0, 4, 10)
-  prompts = [[5, 6, 7, 8, 9], [11, 12], [13], [20, 21, 22, 23, 24, 25, 26]]
-  kw = dict(max_new_tokens=32, stop_ids=tuple(range(3, 512, 24)), prompt_buckets=(16,))
-  kw |= dict(chunk_rows=4, prompts_per_chunk=4, segment_steps=16, attention_block=4)
-  draw = lambda: sampler_lib.Sampler(config, mesh=mesh, **kw).generate(
-    params, prompts, rows, jax.random.key(5)
-  )
-  xla, _ = draw()
-  monkeypatch.setattr(slots_lib, "uses_kernel", lambda mesh: "gpu")
-  calls = []
-  monkeypatch.setattr(
-    kernel, "decode_attention", lambda *a, **k: calls.append(1) or DECODE(*a, **k)
-  )
-  through, _ = draw()
-  assert calls and len(set(xla["lengths"].tolist())) > 2 and xla["lengths"].max() > 16
-  np.testing.assert_array_equal(through["tokens"], xla["tokens"])
-  np.testing.assert_array_equal(through["lengths"], xla["lengths"])
-  np.testing.assert_allclose(through["logprobs"], xla["logprobs"], atol=1e-4)
-  calls.clear()
-  kw["max_new_tokens"] = 12
-  draw()
-  assert not calls
-
-
-DECODE = kernel.decode_attention
 
 
 pytest.importorskip("jax_plugins.xla_cuda12", reason="jax-cuda12-plugin (requirements-dev.txt)")

@@ -45,21 +45,27 @@ def applies(prompt_columns: int, ring_columns: int, head_dim: int) -> bool:
   return True
 
 
-def ring_schedule(column: jax.Array, window: jax.Array, ring: int) -> jax.Array:
+def ring_schedule(
+  column: jax.Array, window: jax.Array, ring: int, block: int | None = None
+) -> jax.Array:
   """`int32[2]`: the first ring block the window reads and how many blocks it reads.
 
   The window is the `window` columns ending at `column`, wrapping past column 0; its
-  blocks are read in ring order from the one that holds its first column.
+  blocks (of `block` columns, by default this kernel's `column_block`) are read in ring
+  order from the one that holds its first column.
   """
-  block = column_block(ring)
+  block = block or column_block(ring)
   start = (column - window + 1) % ring
   count = jnp.minimum((start % block + window + block - 1) // block, ring // block)
   return jnp.stack([start // block, count]).astype(jnp.int32)
 
 
-def columns_read(column: jax.Array, window: jax.Array, ring: int) -> jax.Array:
+def columns_read(
+  column: jax.Array, window: jax.Array, ring: int, block: int | None = None
+) -> jax.Array:
   """Ring columns the kernel reads per slot for this window (whole blocks)."""
-  return ring_schedule(column, window, ring)[1] * column_block(ring)
+  block = block or column_block(ring)
+  return ring_schedule(column, window, ring, block)[1] * block
 
 
 def _kernel(

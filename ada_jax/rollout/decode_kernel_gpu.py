@@ -30,6 +30,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ada_jax.rollout import decode_kernel
+
 # As `layers._MASK_VALUE`: a slot with no column to attend averages its values uniformly
 # instead of producing NaNs.
 _MASK_VALUE = -1e30
@@ -49,21 +51,14 @@ def applies(prompt_columns: int, ring_columns: int, head_dim: int) -> bool:
 
 
 def ring_schedule(column: jax.Array, window: jax.Array, ring: int) -> jax.Array:
-  """`int32[2]`: the first ring block the window reads and how many blocks it reads.
-
-  The window is the `window` columns (in [1, Lr]) ending at ring column `column`,
-  wrapping past column 0; its blocks are read in ring order from the one holding its
-  first column.
-  """
-  block = column_block(ring)
-  start = (column - window + 1) % ring
-  count = jnp.minimum((start % block + window + block - 1) // block, ring // block)
-  return jnp.stack([start // block, count]).astype(jnp.int32)
+  """`int32[2]`: the first ring block the window reads and how many (`column_block`
+  columns each; as the TPU kernel's `decode_kernel.ring_schedule`)."""
+  return decode_kernel.ring_schedule(column, window, ring, column_block(ring))
 
 
 def columns_read(column: jax.Array, window: jax.Array, ring: int) -> jax.Array:
   """Ring columns the kernel reads per slot for this window (whole blocks)."""
-  return ring_schedule(column, window, ring)[1] * column_block(ring)
+  return decode_kernel.columns_read(column, window, ring, column_block(ring))
 
 
 def _kernel(
