@@ -83,11 +83,11 @@ def tiny():
   return config, model_lib.init_params(config, jax.random.key(0))
 
 
-# Per kernel: the pool's sizes (the GPU kernel takes Lp and Lr in multiples of 16, the
-# TPU one any: a ring of 20 is one block).
+# Per kernel: the pool's sizes (the GPU kernel takes Lp and Lr in multiples of 16: a ring
+# of 48 is 3 blocks of 16; the TPU one any: a ring of 20 is one block).
 POOLS = {
   "tpu": dict(max_new_tokens=20, prompt_buckets=(8,), chunk_rows=8, segment_steps=7, rows=16),
-  "gpu": dict(max_new_tokens=32, prompt_buckets=(16,), chunk_rows=4, segment_steps=16, rows=10),
+  "gpu": dict(max_new_tokens=48, prompt_buckets=(16,), chunk_rows=4, segment_steps=16, rows=10),
 }
 
 
@@ -114,7 +114,7 @@ def test_pool_draws_the_same_tokens_through_the_kernel(tiny, monkeypatch, kernel
   monkeypatch.setattr(module, "decode_attention", lambda *a, **k: calls.append(1) or run(*a, **k))
   through, _ = draw()
   assert calls and len(set(xla["lengths"].tolist())) > 2
-  assert xla["lengths"].max() > kw["max_new_tokens"] // 2
+  assert xla["lengths"].max() > 16  # a window over more than one block of either kernel
   np.testing.assert_array_equal(through["tokens"], xla["tokens"])
   np.testing.assert_array_equal(through["lengths"], xla["lengths"])
   np.testing.assert_allclose(through["logprobs"], xla["logprobs"], atol=1e-4)

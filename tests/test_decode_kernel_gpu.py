@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ada_jax.models import layers
@@ -32,6 +32,8 @@ def _window_mask(column, window, ring):
 
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
+@example((2, 2, 6, 32, 48, 96, 10, 60, 1))  # wraps past column 0: ring blocks 1, 2, 0 of 32
+@example((1, 1, 3, 16, 48, 48, 40, 45, 2))  # 45 of 48 columns, wrapping: blocks 2, 0, 1 of 16
 def test_kernel_attends_like_xla_over_the_window(case):
   """The kernel's output equals `layers.attend` over the prompt and the ring window's
   columns (random masks, some rows with no prompt column at all), whether the window wraps
@@ -83,12 +85,10 @@ def test_kernel_applies_to_multiples_of_16_only():
     )  # fmt: skip
 
 
-pytest.importorskip("jax_plugins.xla_cuda12", reason="jax-cuda12-plugin (requirements-dev.txt)")
-
-
 def test_xla_gpu_compiles_the_kernel_ahead_of_time():
   """For a compile-only H200: one Triton custom call, whose operands are the queries and
   the cache pieces as they are (no concatenation, no float32 copy of a key)."""
+  pytest.importorskip("jax_plugins.xla_cuda12", reason="jax-cuda12-plugin (requirements-dev.txt)")
   from ada_jax.plan import compiler, targets
 
   device = targets.devices_for(targets.target("h200x1"))[0]

@@ -147,7 +147,7 @@ def _graphdef(config: ModelConfig, fused: str = ""):
 
 def fused_layout(params: Params) -> str:
   """The `gate_up` layout of a fused tree (`fuse`: the layers' q, k, v as one `qkv`),
-  read from its shape: 'dgf' where it is `[D, 2, F]` with D > 2, else 'gdf'; '' for a tree
+  read from its shape: 'dgf' where it is `[D, 2, F]` with D != 2, else 'gdf'; '' for a tree
   of separate projections."""
   layer = params.get("layer_0", {})
   if "qkv" not in layer.get("attn", {}):

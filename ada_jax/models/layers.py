@@ -255,6 +255,8 @@ class MLP(nnx.Module):
 
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs, fused: str = ""):
     d, f, pd = config.embed_dim, config.mlp_dim, config.weight_dtype
+    if fused and fused not in GATE_UP_LAYOUTS:
+      raise ValueError(f"gate_up layout {fused!r} is not one of {GATE_UP_LAYOUTS}")
     fused = "gdf" if fused and d == 2 else fused  # the two layouts alike: `decoder.fuse`
     if fused:
       shape = {"g": 2, "d": d, "f": f}

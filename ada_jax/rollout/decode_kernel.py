@@ -54,7 +54,7 @@ def ring_schedule(
   blocks (of `block` columns, by default this kernel's `column_block`) are read in ring
   order from the one that holds its first column.
   """
-  block = block or column_block(ring)
+  block = column_block(ring) if block is None else block
   start = (column - window + 1) % ring
   count = jnp.minimum((start % block + window + block - 1) // block, ring // block)
   return jnp.stack([start // block, count]).astype(jnp.int32)
@@ -64,7 +64,7 @@ def columns_read(
   column: jax.Array, window: jax.Array, ring: int, block: int | None = None
 ) -> jax.Array:
   """Ring columns the kernel reads per slot for this window (whole blocks)."""
-  block = block or column_block(ring)
+  block = column_block(ring) if block is None else block
   return ring_schedule(column, window, ring, block)[1] * block
 
 

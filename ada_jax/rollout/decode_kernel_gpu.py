@@ -128,7 +128,7 @@ def decode_attention(
     `[S, 1, K * G, H]` in q's dtype.
 
   Raises:
-    ValueError: Lp or Lr not a multiple of 16, or H not a power of two (`applies`).
+    ValueError: Lp or Lr not a multiple of 16, or H not a power of two >= 16 (`applies`).
   """
   pk, pv, pm = prompt
   rk, rv, rm = ring

@@ -64,10 +64,7 @@ class SlotState:
 
   Attributes:
     cache: the slots' `SlotCache` (Lp prompt and Lr ring columns per slot).
-    hidden: `[S, D]` (compute dtype) each slot's final-normed hidden state at its last
-      token; its next-token logits are `decoder.unembed` of it, taken where the token is
-      drawn (`draw_and_decode`), so no `[S, V]` array is carried through the loop or a
-      refill's conditional (which XLA:GPU copies).
+    logits: `float32[S, V]` next-token logits of each slot.
     live: `bool[S]` the slot holds an unfinished row.
     position: `int32[S]` output position of the slot's row.
     row_id: `int32[S]` id of the slot's row (RNG).
@@ -84,7 +81,7 @@ class SlotState:
   """
 
   cache: slots_lib.SlotCache
-  hidden: jax.Array
+  logits: jax.Array
   live: jax.Array
   position: jax.Array
   row_id: jax.Array
@@ -193,7 +190,7 @@ def init_pool(
   zeros = lambda shape, dtype=jnp.int32: jnp.zeros(shape, dtype)
   return SlotState(
     cache=cache,
-    hidden=zeros((slots, config.embed_dim), config.compute_dtype),
+    logits=zeros((slots, config.vocab_size), jnp.float32),
     live=zeros((slots,), bool),
     position=zeros((slots,)),
     row_id=zeros((slots,)),
@@ -210,16 +207,19 @@ def init_pool(
   )
 
 
-def _start_rows(config, s: SlotState, prompts: PromptCache, queue: Queue, take, qi):
+def _start_rows(config, params, s: SlotState, prompts: PromptCache, queue: Queue, take, qi):
   """The pool's bookkeeping for slots `take` (bool[S]) starting queue rows `qi` (int32[S]):
-  prompt's last hidden state, ids, counters and output rows reset. Reads no slot cache
-  (`s.cache` may be None) and no weight."""
+  their first logits (from the prompt's last hidden state), ids, counters and output rows
+  reset. Reads no slot cache (`s.cache` may be None)."""
   entry = queue.prompt[qi]
   put = lambda old, new: jnp.where(take.reshape(-1, *[1] * (new.ndim - 1)), new, old)
+  logits = model_lib.unembed(
+    config, output_table(config, params), prompts.hidden[entry].astype(config.compute_dtype)
+  )
   position = jnp.where(take, queue.position[qi], s.position)
   out_rows = jnp.where(take, position, s.tokens.shape[0])  # out of range: dropped
   return s.replace(
-    hidden=put(s.hidden, prompts.hidden[entry].astype(config.compute_dtype)),
+    logits=put(s.logits, logits),
     live=s.live | take,
     position=position,
     row_id=jnp.where(take, queue.row_id[qi], s.row_id),
@@ -241,7 +241,7 @@ def _refill(config, params, s: SlotState, prompts: PromptCache, queue: Queue, ta
   conditional (a copy loop of no trip when no slot refills) and only the bookkeeping, which
   holds no cache, runs under it.
   """
-  start = lambda s: _start_rows(config, s, prompts, queue, take, qi)
+  start = lambda s: _start_rows(config, params, s, prompts, queue, take, qi)
   admit = lambda c: slots_lib.admit_prompts(config, c, prompts, queue.prompt[qi], take, mesh)
   if slots_lib.in_place_under_cond(mesh):
     both = lambda s: start(s.replace(cache=admit(s.cache)))
@@ -269,7 +269,7 @@ def decode_step(
   mesh: jax.sharding.Mesh | None = None,
 ) -> SlotState:
   """One decode step of the pool (pure): the slots' new tokens go through the model, their
-  keys and values into the slot cache's ring column, their last hidden states into `hidden`.
+  keys and values into the slot cache's ring column, their next-token logits into `logits`.
 
   Args:
     s: the pool after this step's draw (`length` counts the new token).
@@ -283,8 +283,8 @@ def decode_step(
   mask = jax.lax.dynamic_update_slice(c.mask, still[:, None], (0, c.column))
   window = jnp.max(jnp.where(still, s.length, 1))  # ring columns of the longest live row
   attention, read = slots_lib.slot_attention(c, mask, window, attention_block, config, mesh)
-  hidden, kvs = model_lib.forward(
-    config, params, token[:, None], (s.prompt_len + s.length - 1)[:, None], attention, head=False
+  logits, kvs = model_lib.forward(
+    config, params, token[:, None], (s.prompt_len + s.length - 1)[:, None], attention
   )
   cache = c.replace(
     k=tuple(k for k, _ in kvs),
@@ -295,7 +295,7 @@ def decode_step(
   real = s.prompt_len + s.length  # the row's real tokens, the new one included
   return s.replace(
     cache=slots_lib.constrain(config, cache, mesh),
-    hidden=hidden[:, 0],
+    logits=logits[:, 0],
     kv_read=s.kv_read + (n_slots * read).astype(jnp.float32),
     kv_useful=s.kv_useful + jnp.where(still, real, 0).sum().astype(jnp.float32),
   )
@@ -324,8 +324,7 @@ def draw_and_decode(
   """
   budget, n_out = s.tokens.shape[1], s.tokens.shape[0]
   u = row_uniforms(key, s.row_id, s.length)
-  logits = model_lib.unembed(config, output_table(config, params), s.hidden)
-  token, logprob = rule.draw(logits, u, mesh)
+  token, logprob = rule.draw(s.logits, u, mesh)
   live = s.live
   token = jnp.where(live, token, 0)
   rows = jnp.where(live, s.position, n_out)  # finished slots write nowhere
@@ -421,7 +420,7 @@ def run_segment(
   )
   if mesh is not None:  # every process reads the outputs and the slots' bookkeeping
     rep = sharding_lib.replicated(mesh)
-    host_read = [f.name for f in dataclasses.fields(state) if f.name not in ("cache", "hidden")]
+    host_read = [f.name for f in dataclasses.fields(state) if f.name not in ("cache", "logits")]
     state = state.replace(**{f: _constrain(getattr(state, f), rep) for f in host_read})
     head = _constrain(head, rep)
   return state, head

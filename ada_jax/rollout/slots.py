@@ -308,9 +308,10 @@ KERNELS = {"tpu": decode_kernel, "gpu": decode_kernel_gpu}
 
 
 def uses_kernel(mesh: jax.sharding.Mesh | None) -> str:
-  """The `KERNELS` name of the Pallas kernel decode attention runs as on the mesh's
-  platform (where XLA's formulation writes every layer's float32 scores to HBM and reads
-  them back), or '' for `layers.attend` over the pieces (XLA:CPU)."""
+  """The `KERNELS` name of the mesh platform's Pallas decode-attention kernel (where XLA's
+  formulation writes every layer's float32 scores to HBM and reads them back), or '' for
+  `layers.attend` over the pieces (XLA:CPU). `slot_attention` uses it where the kernel
+  `applies` to the cache's shapes, else XLA's form."""
   return sharding_lib.platform(mesh).decode_kernel
 
 
