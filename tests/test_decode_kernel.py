@@ -122,8 +122,12 @@ def test_pool_draws_the_same_tokens_through_the_kernel(tiny, monkeypatch, kernel
 
 def test_a_ring_the_gpu_kernel_does_not_take_keeps_xlas_form(tiny, monkeypatch):
   """A ring of 12 columns (not a multiple of 16): the GPU platform's pool attends in XLA's
-  form, the kernel is never called."""
+  form, the kernel is never called, and the log says so."""
+  from absl import logging
+
   config, params = tiny
+  said = []
+  monkeypatch.setattr(logging, "warning", lambda msg, *args: said.append(msg % args))
   monkeypatch.setattr(slots_lib, "uses_kernel", lambda mesh: "gpu")
   calls = []
   monkeypatch.setattr(decode_kernel_gpu, "decode_attention", lambda *a, **k: calls.append(1))
@@ -132,3 +136,4 @@ def test_a_ring_the_gpu_kernel_does_not_take_keeps_xlas_form(tiny, monkeypatch):
   )
   out, _ = sampler_lib.Sampler(config, **kw).generate(params, [[5, 6]], [0, 0], jax.random.key(1))
   assert out["tokens"].shape == (2, 12) and not calls
+  assert any("gpu kernel does not take 16 prompt / 12 ring columns" in m for m in said), said

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from absl import logging
 from flax import struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -353,6 +354,12 @@ def slot_attention(
   kernel = uses_kernel(mesh)
   head_dim = cache.k[0].shape[_axis("h")]
   if kernel and not KERNELS[kernel].applies(cache.prompt_mask.shape[1], ring, head_dim):
+    # Once per compile: a bucket or budget off the kernel's grid costs every layer a switch.
+    logging.warning(
+      "decode attention: the %s kernel does not take %d prompt / %d ring columns at head dim"
+      " %d; XLA's form instead (`%s.applies`)",
+      kernel, cache.prompt_mask.shape[1], ring, head_dim, KERNELS[kernel].__name__,
+    )  # fmt: skip
     kernel = ""
   if kernel:
     window = jnp.clip(window, 1, ring)
