@@ -8,7 +8,7 @@ Two programs per slot count: the plan's decode step (`programs.decode_step_progr
 trip of its loop: a decode step with the pool's bookkeeping, its refill and its attention
 window under conditionals, each counted at its largest branch: an upper bound).
 
-  python experiments/gpu_decode_step.py                 # about 5 min
+  python experiments/gpu_decode_step.py                 # about 1 min (wall_s 51.7 at 64b3d19)
   python experiments/gpu_decode_step.py --slots=64 --target=h100x1
 
 Compiler-derived, not measured: every byte counted is counted as an HBM byte (no L2), and
