@@ -287,3 +287,17 @@ def test_blocked_causal_attention_equals_the_whole(block):
   valid = jnp.arange(9)[None] >= jnp.array([[0], [4], [8]])
   got, want = causal_attend(q, k, v, valid, block), causal_attend(q, k, v, valid, 9)
   np.testing.assert_allclose(got[valid], want[valid], atol=1e-6)
+
+
+def test_a_width_of_two_is_fused_gdf_whatever_the_layout_asked():
+  """With D = 2, `[D, 2, F]` has `[2, D, F]`'s shape, so a tree's layout could not be read
+  back: 'dgf' is made 'gdf' (`layers.gate_up_layout`), and the fused tree is taken as it is
+  when fused again in either layout (a GPU sampler does not copy it again)."""
+  import dataclasses
+
+  config = dataclasses.replace(model_lib.preset(TINY[0]), embed_dim=2)
+  fused = model_lib.fuse(model_lib.init_params(config, jax.random.key(1)), "dgf")
+  assert model_lib.fused_layout(fused) == "gdf"
+  assert model_lib.fuse(fused, "dgf") is fused and model_lib.fuse(fused, "gdf") is fused
+  shapes = jax.tree.map(lambda x: x.shape, model_lib.param_shapes(config, fused="dgf"))
+  assert shapes == jax.tree.map(lambda x: x.shape, fused)

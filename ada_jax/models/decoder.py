@@ -147,8 +147,8 @@ def _graphdef(config: ModelConfig, fused: str = ""):
 
 def fused_layout(params: Params) -> str:
   """The `gate_up` layout of a fused tree (`fuse`: the layers' q, k, v as one `qkv`),
-  read from its shape: 'dgf' where it is `[D, 2, F]` with D != 2, else 'gdf'; '' for a tree
-  of separate projections."""
+  read from its shape: 'dgf' where it is `[D, 2, F]` with D != 2, else 'gdf' (a stack of
+  D = 2 is made 'gdf', `layers.gate_up_layout`); '' for a tree of separate projections."""
   layer = params.get("layer_0", {})
   if "qkv" not in layer.get("attn", {}):
     return ""
@@ -189,7 +189,8 @@ def fuse(params: Params, layout: str = "gdf") -> Params:
   """
   have = fused_layout(params)
   if have:
-    if have != layout and params["layer_0"]["mlp"]["gate_up"].shape[:2] != (2, 2):
+    width = params["layer_0"]["mlp"]["gate_up"].shape[have.index("d")]
+    if have != layers_lib.gate_up_layout(layout, width):
       raise ValueError(f"params are fused with gate_up {have!r}, asked for {layout!r}")
     return params
 
@@ -197,8 +198,7 @@ def fuse(params: Params, layout: str = "gdf") -> Params:
     attn = {k: v for k, v in p["attn"].items() if k not in ("q", "k", "v")}
     mlp = {k: v for k, v in p["mlp"].items() if k not in ("gate", "up")}
     attn["qkv"] = layers_lib.fuse_qkv(p["attn"]["q"], p["attn"]["k"], p["attn"]["v"])
-    gate, up = p["mlp"]["gate"], p["mlp"]["up"]
-    mlp["gate_up"] = layers_lib.fuse_gate_up(gate, up, "gdf" if gate.shape[0] == 2 else layout)
+    mlp["gate_up"] = layers_lib.fuse_gate_up(p["mlp"]["gate"], p["mlp"]["up"], layout)
     return {**p, "attn": attn, "mlp": mlp}
 
   return {k: layer(v) if k.startswith("layer_") else v for k, v in params.items()}

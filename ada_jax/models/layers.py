@@ -19,8 +19,9 @@ from flax import nnx
 from ada_jax.models.architecture import ModelConfig
 
 # A large finite negative instead of -inf: a fully masked query row (a left-padding
-# position) then gets a uniform softmax instead of NaNs that would poison gradients.
-_MASK_VALUE = -1e30
+# position) then gets a uniform softmax instead of NaNs that would poison gradients. The
+# decode-attention kernels mask with it too, so that they equal `attend` on such rows.
+MASK_VALUE = -1e30
 
 
 # ----------------------------------------------------------------------------- RoPE
@@ -164,6 +165,19 @@ def fuse_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
   return qkv.transpose(1, 2, 3, 0)
 
 
+def gate_up_layout(layout: str, embed_dim: int) -> str:
+  """The layout a stack of width D = `embed_dim` is made in: `layout`, but 'gdf' where
+  D = 2 ('dgf' `[D, 2, F]` then has `[2, D, F]`'s shape, and a tree's layout is read from
+  its shape, `decoder.fused_layout`).
+
+  Raises:
+    ValueError: a layout not in `GATE_UP_LAYOUTS`.
+  """
+  if layout not in GATE_UP_LAYOUTS:
+    raise ValueError(f"gate_up layout {layout!r} is not one of {GATE_UP_LAYOUTS}")
+  return "gdf" if embed_dim == 2 else layout
+
+
 def fuse_gate_up(gate: jax.Array, up: jax.Array, layout: str = "gdf") -> jax.Array:
   """The MLP's gate and up projections (`[D, F]` each) stacked on a new axis, in `layout`,
   the einsum letters of the stack (g: gate or up, d: embed, f: mlp): 'gdf' `[2, D, F]`,
@@ -171,13 +185,12 @@ def fuse_gate_up(gate: jax.Array, up: jax.Array, layout: str = "gdf") -> jax.Arr
   the operand a cuBLAS gemm reads as it is (from `[2, D, F]` XLA:GPU re-lays the weights
   out inside the decode loop, every layer and step). Stacked, not concatenated along F,
   which keeps F's tensor-parallel shards aligned. The platform chooses
-  (`platforms.Platform.gate_up_layout`).
+  (`platforms.Platform.gate_up_layout`); D = 2 is always 'gdf' (`gate_up_layout`).
 
   Raises:
     ValueError: an unknown layout.
   """
-  if layout not in GATE_UP_LAYOUTS:
-    raise ValueError(f"gate_up layout {layout!r} is not one of {GATE_UP_LAYOUTS}")
+  layout = gate_up_layout(layout, gate.shape[0])
   return jnp.stack([gate, up], axis=layout.index("g"))
 
 
@@ -208,7 +221,7 @@ def attend(q: jax.Array, pieces, kv_axes: str = "bksh") -> jax.Array:
     s = jnp.einsum(
       f"btkgh,{kv_axes}->bkgts", q.astype(k.dtype), k, preferred_element_type=jnp.float32
     )
-    scores.append(jnp.where(mask[:, None, None], s / math.sqrt(h), _MASK_VALUE))
+    scores.append(jnp.where(mask[:, None, None], s / math.sqrt(h), MASK_VALUE))
   probs = jax.nn.softmax(jnp.concatenate(scores, -1), axis=-1)
   outs, start = [], 0
   for k, v, _ in pieces:
@@ -255,9 +268,7 @@ class MLP(nnx.Module):
 
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs, fused: str = ""):
     d, f, pd = config.embed_dim, config.mlp_dim, config.weight_dtype
-    if fused and fused not in GATE_UP_LAYOUTS:
-      raise ValueError(f"gate_up layout {fused!r} is not one of {GATE_UP_LAYOUTS}")
-    fused = "gdf" if fused and d == 2 else fused  # the two layouts alike: `decoder.fuse`
+    fused = gate_up_layout(fused, d) if fused else ""
     if fused:
       shape = {"g": 2, "d": d, "f": f}
       axes = {"g": None, "d": "embed", "f": "mlp"}

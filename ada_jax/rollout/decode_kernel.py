@@ -26,9 +26,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-# As `layers._MASK_VALUE`: a slot with no column to attend averages its values uniformly
-# instead of producing NaNs.
-_MASK_VALUE = -1e30
+from ada_jax.models.layers import MASK_VALUE
+
 # Cache columns per block (the largest that divides the piece, else the whole piece): a
 # key block of 8 slots x 512 columns x 128 dims in bf16 is 1 MiB of VMEM.
 _COLUMN_BLOCKS = (512, 256, 128)
@@ -90,14 +89,14 @@ def _kernel(
 
   @pl.when(j == 0)
   def _():
-    row_max[...] = jnp.full(row_max.shape, _MASK_VALUE, jnp.float32)
+    row_max[...] = jnp.full(row_max.shape, MASK_VALUE, jnp.float32)
     row_sum[...] = jnp.zeros(row_sum.shape, jnp.float32)
     acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
   def update(k_ref, v_ref, mask_ref):
     q = q_ref[:, 0]  # [Sb, G, H]
     s = jnp.einsum("sgh,slh->sgl", q, k_ref[:, 0], preferred_element_type=jnp.float32) * scale
-    s = jnp.where(mask_ref[...][:, None, :], s, _MASK_VALUE)
+    s = jnp.where(mask_ref[...][:, None, :], s, MASK_VALUE)
     m_new = jnp.maximum(row_max[...], s.max(-1, keepdims=True))
     p = jnp.exp(s - m_new)
     alpha = jnp.exp(row_max[...] - m_new)

@@ -30,11 +30,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ada_jax.models.layers import MASK_VALUE
 from ada_jax.rollout import decode_kernel
 
-# As `layers._MASK_VALUE`: a slot with no column to attend averages its values uniformly
-# instead of producing NaNs.
-_MASK_VALUE = -1e30
 _COLUMN_BLOCKS = (128, 64, 32, 16)
 
 
@@ -75,7 +73,7 @@ def _kernel(
       cols = pl.ds(i * block, block)
       keep = m_ref[cols] != 0
       s = pl.dot(q, k_ref[cols, :], trans_b=True) * scale  # [rows, block] float32
-      s = jnp.where(keep[None, :], s, _MASK_VALUE)
+      s = jnp.where(keep[None, :], s, MASK_VALUE)
       new_max = jnp.maximum(row_max, s.max(axis=1))
       p = jnp.exp(s - new_max[:, None])
       alpha = jnp.exp(row_max - new_max)
@@ -87,7 +85,7 @@ def _kernel(
 
   carry = (
     jnp.zeros((rows, h), jnp.float32),
-    jnp.full((rows,), _MASK_VALUE, jnp.float32),
+    jnp.full((rows,), MASK_VALUE, jnp.float32),
     jnp.zeros((rows,), jnp.float32),
   )
   lp, lr = pk_ref.shape[0], rk_ref.shape[0]

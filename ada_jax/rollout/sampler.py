@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ada_jax.models import decoder as model_lib
+from ada_jax.models import layers as layers_lib
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.rollout import pool as pool_lib
@@ -382,7 +383,9 @@ class Sampler:
       `params` already was that copy.
     """
     dtype = self.config.compute_dtype
-    layout = sharding_lib.platform(self.mesh).gate_up_layout
+    layout = layers_lib.gate_up_layout(
+      sharding_lib.platform(self.mesh).gate_up_layout, self.config.embed_dim
+    )
     shardings = None
     if self.mesh is not None:
       shardings = sharding_lib.rollout_param_shardings(self.config, self.mesh)
