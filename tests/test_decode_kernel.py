@@ -83,22 +83,28 @@ def tiny():
   return config, model_lib.init_params(config, jax.random.key(0))
 
 
-# Per kernel: the pool's sizes (the GPU kernel takes Lp and Lr in multiples of 16: a ring
-# of 48 is 3 blocks of 16; the TPU one any: a ring of 20 is one block).
+# Per kernel: the model and the pool's sizes. The GPU kernel takes Lp and Lr in multiples
+# of 16 (a ring of 48 is 3 blocks of 16) and head dims of at least 32 (a Qwen 2: its qkv
+# bias goes into the projections the kernel rotates); the TPU one any (a ring of 20 is
+# one block).
 POOLS = {
   "tpu": dict(max_new_tokens=20, prompt_buckets=(8,), chunk_rows=8, segment_steps=7, rows=16),
   "gpu": dict(max_new_tokens=48, prompt_buckets=(16,), chunk_rows=4, segment_steps=16, rows=10),
 }
+MODELS = {"tpu": ("tiny-llama", {}), "gpu": ("tiny-qwen2", {"head_dim": 32})}
 
 
 @pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)])
 @pytest.mark.parametrize("kernel", ["tpu", "gpu"])
-def test_pool_draws_the_same_tokens_through_the_kernel(tiny, monkeypatch, kernel, mesh_shape):
+def test_pool_draws_the_same_tokens_through_the_kernel(monkeypatch, kernel, mesh_shape):
   """The pool's decode attention as a Pallas kernel (what a TPU or a GPU runs, here
-  interpreted) or as XLA's pieces (what a CPU runs): the same tokens and log-probs within
-  float rounding, over refills and ring windows of every length, wrapping; on a 2 x 2 x 2
-  mesh the kernel runs on each device's slots and kv heads."""
-  config, params = tiny
+  interpreted; the GPU one rotating and writing the new key itself) or as XLA's pieces
+  (what a CPU runs): the same tokens and log-probs within float rounding, over refills and
+  ring windows of every length, wrapping; on a 2 x 2 x 2 mesh the kernel runs on each
+  device's slots and kv heads."""
+  name, overrides = MODELS[kernel]
+  config = model_lib.preset(name, **overrides)
+  params = model_lib.init_params(config, jax.random.key(0))
   mesh = sharding.make_mesh(*mesh_shape) if mesh_shape else None
   pool = dict(POOLS[kernel])
   rows = np.random.default_rng(2).integers(0, 4, pool.pop("rows"))
@@ -110,8 +116,9 @@ def test_pool_draws_the_same_tokens_through_the_kernel(tiny, monkeypatch, kernel
   xla, _ = draw()
   monkeypatch.setattr(slots_lib, "uses_kernel", lambda mesh: kernel)
   module, calls = slots_lib.KERNELS[kernel], []
-  run = module.decode_attention
-  monkeypatch.setattr(module, "decode_attention", lambda *a, **k: calls.append(1) or run(*a, **k))
+  entry = "decode_step" if module.WRITES_RING else "decode_attention"
+  run = getattr(module, entry)
+  monkeypatch.setattr(module, entry, lambda *a, **k: calls.append(1) or run(*a, **k))
   through, _ = draw()
   assert calls and len(set(xla["lengths"].tolist())) > 2
   assert xla["lengths"].max() > 16  # a window over more than one block of either kernel
@@ -130,7 +137,7 @@ def test_a_ring_the_gpu_kernel_does_not_take_keeps_xlas_form(tiny, monkeypatch):
   monkeypatch.setattr(logging, "warning", lambda msg, *args: said.append(msg % args))
   monkeypatch.setattr(slots_lib, "uses_kernel", lambda mesh: "gpu")
   calls = []
-  monkeypatch.setattr(decode_kernel_gpu, "decode_attention", lambda *a, **k: calls.append(1))
+  monkeypatch.setattr(decode_kernel_gpu, "decode_step", lambda *a, **k: calls.append(1))
   kw = dict(
     max_new_tokens=12, stop_ids=(3,), prompt_buckets=(16,), chunk_rows=4, prompts_per_chunk=1
   )

@@ -8,7 +8,7 @@ from flax import struct
 
 from ada_jax import testing
 from ada_jax.models import decoder as model_lib
-from ada_jax.models.layers import attend, causal_attend
+from ada_jax.models.layers import attend, causal_attend, split_heads
 
 TINY = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
 
@@ -31,8 +31,14 @@ def _prefill(config, params, tokens, positions, mask, cache_len):
   """(`float32[B, V]` logits at the last prompt position, a `cache_len`-column `_Cache`
   holding the prompts at columns `[0, T)`): one forward with causal attention."""
   t = tokens.shape[1]
-  causal = lambda layer: lambda q, k, v: (causal_attend(q, k, v, jnp.asarray(mask), t), (k, v))
-  out, kvs = model_lib.forward(config, params, tokens, positions, causal, last_only=True)
+
+  def causal(*projections):
+    q, k, v = split_heads(*projections)
+    return causal_attend(q, k, v, jnp.asarray(mask), t), (k, v)
+
+  out, kvs = model_lib.forward(
+    config, params, tokens, positions, lambda layer: causal, last_only=True
+  )
   pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, cache_len - t), (0, 0)))
   cache = _Cache(
     k=tuple(pad(k) for k, _ in kvs),
@@ -55,7 +61,8 @@ def _decode(config, params, tokens, positions, cache, attention_mask=None):
   causal = jnp.arange(cache.length) <= cache.index + jnp.arange(t)[:, None]  # [T, S]
 
   def attention(layer):
-    def write_and_read(q, k, v):
+    def write_and_read(*projections):
+      q, k, v = split_heads(*projections)
       put = lambda old, new: jax.lax.dynamic_update_slice(
         old, new.astype(old.dtype), (0, 0, cache.index, 0)
       )

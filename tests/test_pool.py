@@ -300,9 +300,12 @@ def test_prefill_in_steps_and_query_blocks_fills_the_cache_of_one_forward(
     lambda c, t, m, e: pool_lib.prefill_prompts(config, params, c, t, m, e, mesh)
   )(cache, tokens, mask, entries)
   positions = model_lib.positions_from_mask(jnp.asarray(mask))
-  whole = lambda layer: (
-    lambda q, k, v: (layers.causal_attend(q, k, v, jnp.asarray(mask), 8), (k, v))
-  )
+
+  def causal(*projections):
+    q, k, v = layers.split_heads(*projections)
+    return layers.causal_attend(q, k, v, jnp.asarray(mask), 8), (k, v)
+
+  whole = lambda layer: causal
   want_hidden, kvs = model_lib.forward(
     config, params, tokens, positions, whole, last_only=True, head=False
   )

@@ -174,9 +174,13 @@ def init_params(config: ModelConfig, rng: jax.Array) -> Params:
   return nnx.to_pure_dict(nnx.state(model))
 
 
+_BIASES = ("q_bias", "k_bias", "v_bias")
+
+
 def fuse(params: Params, layout: str = "gdf") -> Params:
   """The same weights with each layer's projections in the layout their matmuls read:
-  `attn.qkv` `[K, G + 2, H, D]` (`layers.fuse_qkv`) for q, k, v and `mlp.gate_up` in
+  `attn.qkv` `[K, G + 2, H, D]` (`layers.fuse_qkv`) for q, k, v (their biases, if any,
+  `attn.qkv_bias` `[K, G + 2, H]`, `layers.fuse_qkv_bias`) and `mlp.gate_up` in
   `layout` (`layers.fuse_gate_up`: 'gdf' `[2, D, F]`, 'dgf' `[D, 2, F]`; with D = 2 the
   two read alike and 'gdf' is made) for gate, up; every other leaf as it is. Every
   function here takes either tree. The samplers' rollout copy is fused once per RL step
@@ -195,9 +199,11 @@ def fuse(params: Params, layout: str = "gdf") -> Params:
     return params
 
   def layer(p):
-    attn = {k: v for k, v in p["attn"].items() if k not in ("q", "k", "v")}
+    attn = {k: v for k, v in p["attn"].items() if k not in ("q", "k", "v") + _BIASES}
     mlp = {k: v for k, v in p["mlp"].items() if k not in ("gate", "up")}
     attn["qkv"] = layers_lib.fuse_qkv(p["attn"]["q"], p["attn"]["k"], p["attn"]["v"])
+    if "q_bias" in p["attn"]:
+      attn["qkv_bias"] = layers_lib.fuse_qkv_bias(*(p["attn"][b] for b in _BIASES))
     mlp["gate_up"] = layers_lib.fuse_gate_up(p["mlp"]["gate"], p["mlp"]["up"], layout)
     return {**p, "attn": attn, "mlp": mlp}
 
@@ -312,7 +318,8 @@ def forward(
 
   Args:
     tokens, positions: `int32[B, T]`.
-    attention: `attention(layer)(q, k, v) -> (out, (keys, values))`, as `layers.Attention`.
+    attention: `attention(layer)(qkv, positions, inv_freq) -> (out, (keys, values))`, as
+      `layers.Attention` calls it.
     last_only: only the last position's output (a prefill's).
     head: False returns the final-normed hidden states (compute dtype) instead of logits.
 

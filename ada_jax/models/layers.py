@@ -91,7 +91,9 @@ class Attention(nnx.Module):
   """Grouped-query self-attention with optional q/k/v bias and per-head q/k RMSNorm.
 
   `fused`: the q, k and v projections held as one `qkv` `[K, G + 2, H, D]` (each kv head's
-  G query heads, then its key and value), the layout its matmul reads (`fuse_qkv`)."""
+  G query heads, then its key and value), the layout its matmul reads (`fuse_qkv`), and
+  their biases as one `qkv_bias` `[K, G + 2, H]` (`fuse_qkv_bias`: stacked inside a decode
+  loop, XLA:GPU re-stacked and broadcast them every layer of every step)."""
 
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs, fused: bool = False):
     c = config
@@ -105,7 +107,9 @@ class Attention(nnx.Module):
       self.k = make_param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd, std)
       self.v = make_param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd, std)
     self.o = make_param(rngs, (n, h, d), ("heads", "head_dim", "embed"), pd, 1.0 / math.sqrt(n * h))
-    if c.qkv_bias:
+    if c.qkv_bias and fused:
+      self.qkv_bias = make_param(rngs, (k, n // k + 2, h), ("kv_heads", None, "head_dim"), pd)
+    elif c.qkv_bias:
       self.q_bias = make_param(rngs, (n, h), ("heads", "head_dim"), pd)
       self.k_bias = make_param(rngs, (k, h), ("kv_heads", "head_dim"), pd)
       self.v_bias = make_param(rngs, (k, h), ("kv_heads", "head_dim"), pd)
@@ -120,34 +124,54 @@ class Attention(nnx.Module):
     in its own order).
 
     Without `attention`, the T tokens attend causally to each other where `kv_valid`
-    (`bool[B, T]`) holds. `attention(q, k, v) -> (out, (keys, values))` replaces that
-    with a KV cache's own write and read: q `[B, T, N, H]` (after RoPE), the new k and v
-    `[B, K, T, H]` (k after RoPE), out `[B, T, N, H]`; the cache owns its layout.
+    (`bool[B, T]`) holds. `attention(qkv, positions, inv_freq) -> (out, (keys, values))`
+    replaces that with a KV cache's own write and read: qkv `[B, T, K, G + 2, H]` the
+    projections before RoPE (`split_heads` gives the rotated q, k and v; a decode kernel
+    may rotate them itself, reading the one buffer), out `[B, T, N, H]`; the cache owns
+    its layout.
     """
     c = self.config
     dt = c.compute_dtype
     # One matmul for q, k and v (fewer, larger ops: faster at decode sizes on CPU).
     b, t, _ = x.shape
-    nk, g, h = c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim
+    g = c.num_heads // c.num_kv_heads
     weights = self.qkv.value if self.fused else fuse_qkv(self.q.value, self.k.value, self.v.value)
     qkv = jnp.einsum("btd,kghd->btkgh", x, weights.astype(dt))
-    q = qkv[:, :, :, :g].reshape(b, t, nk * g, h)
-    k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]
     if c.qkv_bias:
-      q = q + self.q_bias.value.astype(dt)
-      k = k + self.k_bias.value.astype(dt)
-      v = v + self.v_bias.value.astype(dt)
+      bias = (
+        self.qkv_bias.value
+        if self.fused
+        else fuse_qkv_bias(self.q_bias.value, self.k_bias.value, self.v_bias.value)
+      )
+      flat = lambda x: x.reshape(b, t, -1)
+      qkv = (flat(qkv) + bias.reshape(-1).astype(dt)).reshape(qkv.shape)
     if c.qk_norm:
-      q, k = self.q_norm(q), self.k_norm(k)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq).transpose(0, 2, 1, 3)  # [B, K, T, H]
-    v = v.transpose(0, 2, 1, 3)  # [B, K, T, H]
+      q, k = self.q_norm(qkv[:, :, :, :g]), self.k_norm(qkv[:, :, :, g : g + 1])
+      qkv = jnp.concatenate([q, k, qkv[:, :, :, g + 1 :]], axis=3)
     if attention is None:
+      q, k, v = split_heads(qkv, positions, inv_freq)
       out, kv = causal_attend(q, k, v, kv_valid, block=t), (k, v)
     else:
-      out, kv = attention(q, k, v)
+      out, kv = attention(qkv, positions, inv_freq)
     y = jnp.einsum("btnh,nhd->btd", out, self.o.value.astype(dt))
     return y, kv
+
+
+def split_heads(qkv: jax.Array, positions: jax.Array, inv_freq: jax.Array):
+  """The queries, keys and values of `Attention`'s projections, q and k rotated (RoPE).
+
+  Args:
+    qkv: `[B, T, K, G + 2, H]`, each kv head's G query heads, then its key and value.
+    positions: `int32[B, T]`.
+    inv_freq: `float32[H // 2]` (`rope_frequencies`).
+
+  Returns:
+    (q `[B, T, N, H]`, k `[B, K, T, H]`, v `[B, K, T, H]`) in qkv's dtype.
+  """
+  b, t, nk, g2, h = qkv.shape
+  q = apply_rope(qkv[:, :, :, : g2 - 2].reshape(b, t, nk * (g2 - 2), h), positions, inv_freq)
+  k = apply_rope(qkv[:, :, :, g2 - 2], positions, inv_freq).transpose(0, 2, 1, 3)
+  return q, k, qkv[:, :, :, g2 - 1].transpose(0, 2, 1, 3)
 
 
 GATE_UP_LAYOUTS = ("gdf", "dgf")
@@ -163,6 +187,13 @@ def fuse_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
   d, nk, h = k.shape
   qkv = jnp.concatenate([q.reshape(d, nk, -1, h), k[:, :, None], v[:, :, None]], axis=2)
   return qkv.transpose(1, 2, 3, 0)
+
+
+def fuse_qkv_bias(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  """`[K, G + 2, H]`: the q (`[N, H]`), k and v (`[K, H]`) biases stacked as `fuse_qkv`
+  stacks the projections."""
+  nk, h = k.shape
+  return jnp.concatenate([q.reshape(nk, -1, h), k[:, None], v[:, None]], axis=1)
 
 
 def gate_up_layout(layout: str, embed_dim: int) -> str:

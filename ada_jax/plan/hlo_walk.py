@@ -11,7 +11,9 @@ as a kernel reads and writes:
   through slices counts the slices (what it reads), and an output a dynamic-update-slice
   writes into one of the fusion's own inputs counts the update (an in-place write; that
   input is not read);
-- a library call (cuBLAS): its operands and outputs, not its workspace;
+- a library call (cuBLAS): its operands and outputs, not its workspace; another custom
+  call (a Pallas kernel) its operands and the outputs not aliased to one of them (an
+  aliased output is updated in place: what the kernel writes of it is not in the HLO);
 - a copy twice its bytes (read and write); an unfused slice or update likewise; an
   asynchronous op once, at its start;
 - a conditional: its largest branch (one runs per step), walked the same way; a while:
@@ -258,12 +260,24 @@ def _walk(comps: dict[str, Computation], comp: Computation) -> _Tally:
       moved, kind = 2 * type_bytes(types.get(inst.operands[1], "")), "other"
     elif op in ("slice", "dynamic-slice"):
       moved, kind = 2 * type_bytes(inst.type), "other"
+    elif op == "custom-call":
+      moved, kind = operands + _bytes(_unaliased_outputs(inst)), "custom"
     else:
-      moved, kind = operands + type_bytes(inst.type), "custom" if op == "custom-call" else "other"
+      moved, kind = operands + type_bytes(inst.type), "other"
     tally.bytes, tally.kernels = tally.bytes + moved, tally.kernels + 1
     tally.kinds[kind] += 1
     tally.items.append((inst.name, kind, moved))
   return tally
+
+
+def _unaliased_outputs(inst: Instruction) -> list[tuple[str, str]]:
+  """A custom call's outputs but those aliased to an operand (updated in place: the Pallas
+  GPU decode kernel's ring, of which it writes one column; what a kernel writes of such
+  an output is not in the HLO, its operand's read is counted)."""
+  outputs = _ARRAY.findall(inst.type)
+  aliasing = re.search(r"output_to_operand_aliasing=\{(.*?)\}\)\}", inst.attrs)
+  aliased = {int(i) for i in re.findall(r"\{(\d+)\}:", aliasing.group(1))} if aliasing else set()
+  return [x for i, x in enumerate(outputs) if i not in aliased]
 
 
 def walk_loop(text: str, top: int = 12) -> StepWalk:

@@ -31,6 +31,8 @@ from ada_jax.models.layers import MASK_VALUE
 # Cache columns per block (the largest that divides the piece, else the whole piece): a
 # key block of 8 slots x 512 columns x 128 dims in bf16 is 1 MiB of VMEM.
 _COLUMN_BLOCKS = (512, 256, 128)
+# The kernel reads the ring as `slots` wrote it (`decode_attention`), unlike the GPU one.
+WRITES_RING = False
 SLOT_BLOCK = 8
 
 

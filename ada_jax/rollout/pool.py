@@ -155,10 +155,11 @@ def prefill_prompts(
     if mesh is not None:
       rows = sharding_lib.batch_sharding(mesh)
       tokens, mask, positions = (_constrain(x, rows) for x in (tokens, mask, positions))
-    causal = lambda q, k, v: (
-      layers_lib.causal_attend(q, k, v, mask, PREFILL_QUERY_BLOCK),
-      (k, v),
-    )
+
+    def causal(*projections):
+      q, k, v = layers_lib.split_heads(*projections)
+      return layers_lib.causal_attend(q, k, v, mask, PREFILL_QUERY_BLOCK), (k, v)
+
     hidden, kvs = model_lib.forward(
       config, params, tokens, positions, lambda layer: causal, last_only=True, head=False
     )

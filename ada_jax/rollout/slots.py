@@ -366,11 +366,15 @@ def slot_attention(
     read = KERNELS[kernel].columns_read(c, window, ring)
 
     def kernel_attention(layer):
-      def write_and_read(q, k, v):
-        ring_k, ring_v = write(cache.k[layer], k), write(cache.v[layer], v)
+      def write_and_read(qkv, positions, inv_freq):
         prompt = (cache.prompt_k[layer], cache.prompt_v[layer], cache.prompt_mask)
-        out = _on_shards(config, mesh, kernel, q, prompt, (ring_k, ring_v, mask), c, window)
-        return out, (ring_k, ring_v)
+        ring = (cache.k[layer], cache.v[layer], mask)
+        if KERNELS[kernel].WRITES_RING:
+          projections = (qkv[:, 0], positions[:, 0], inv_freq)
+          return _on_shards(config, mesh, kernel, projections, prompt, ring, c, window)
+        q, k, v = layers_lib.split_heads(qkv, positions, inv_freq)
+        ring = (write(ring[0], k), write(ring[1], v), mask)
+        return _on_shards(config, mesh, kernel, q, prompt, ring, c, window), ring[:2]
 
       return write_and_read
 
@@ -383,7 +387,8 @@ def slot_attention(
   rows = lambda m: m[:, None, :]  # [S, 1 query, columns]
 
   def attention(layer):
-    def write_and_read(q, k, v):
+    def write_and_read(*projections):
+      q, k, v = layers_lib.split_heads(*projections)
       ring_k, ring_v = write(cache.k[layer], k), write(cache.v[layer], v)
       prompt = (cache.prompt_k[layer], cache.prompt_v[layer], rows(cache.prompt_mask))
       attend = lambda pieces: layers_lib.attend(q, pieces, KV_AXES)
@@ -416,28 +421,50 @@ def slot_attention(
   return attention, cache.prompt_mask.shape[1] + read
 
 
-def _on_shards(config, mesh, kernel, q, prompt, ring, column, window):
-  """`KERNELS[kernel].decode_attention` on each device's slots and kv heads (a Pallas call
-  is not partitioned by XLA), or whole without a mesh; in Pallas' interpreter off the
-  platform it is written for. The kernel reads `MODEL_AXES` blocks: the caches' pieces are
-  handed over in that order."""
+def _on_shards(config, mesh, kernel, queries, prompt, ring, column, window):
+  """`KERNELS[kernel]` on each device's slots and kv heads (a Pallas call is not
+  partitioned by XLA), or whole without a mesh; in Pallas' interpreter off the platform it
+  is written for. The kernel reads `MODEL_AXES` blocks: the caches' pieces are handed over
+  in that order.
+
+  `queries`: the roped q `[S, 1, N, H]` for a kernel that reads the written ring
+  (`decode_attention`; returns the attention), or (qkv `[S, K, G + 2, H]`, positions
+  `int32[S]`, inv_freq) for one that rotates and writes it (`WRITES_RING`: `decode_step`;
+  returns (the attention, (the ring's keys, values) in `KV_AXES` order)).
+  """
+  module = KERNELS[kernel]
   interpret = sharding_lib.platform(mesh).decode_kernel != kernel
-  run = lambda q, prompt, ring, c, w: KERNELS[kernel].decode_attention(
-    q, prompt, ring, c, w, interpret=interpret
-  )
   view = lambda k, v, m: (_relayout(k, KV_AXES, MODEL_AXES), _relayout(v, KV_AXES, MODEL_AXES), m)
   prompt, ring = view(*prompt), view(*ring)
+  if module.WRITES_RING:
+    run = lambda queries, prompt, ring, c, w: module.decode_step(
+      *queries, prompt, ring, c, w, interpret=interpret
+    )
+  else:
+    run = lambda queries, prompt, ring, c, w: module.decode_attention(
+      queries, prompt, ring, c, w, interpret=interpret
+    )
   if mesh is None:
-    return run(q, prompt, ring, column, window)
-  spec = kv_shardings(config, mesh, *prompt[2].shape)[0].spec
-  spec = dict(zip(KV_AXES, tuple(spec) + (None,) * 4, strict=False))
-  rows, heads = spec["b"], spec["k"]
-  kv = P(*(spec[a] for a in MODEL_AXES))
-  m = P(rows, None)
-  return jax.shard_map(
-    run,
-    mesh=mesh,
-    in_specs=(P(rows, None, heads, None), (kv, kv, m), (kv, kv, m), P(), P()),
-    out_specs=P(rows, None, heads, None),
-    check_vma=False,
-  )(q, prompt, ring, column, window)
+    out = run(queries, prompt, ring, column, window)
+  else:
+    spec = kv_shardings(config, mesh, *prompt[2].shape)[0].spec
+    spec = dict(zip(KV_AXES, tuple(spec) + (None,) * 4, strict=False))
+    rows, heads = spec["b"], spec["k"]
+    kv = P(*(spec[a] for a in MODEL_AXES))
+    m = P(rows, None)
+    attention = P(rows, None, heads, None)
+    if module.WRITES_RING:
+      query_spec, out_spec = (P(rows, heads, None, None), P(rows), P()), (attention, kv, kv)
+    else:
+      query_spec, out_spec = attention, attention
+    out = jax.shard_map(
+      run,
+      mesh=mesh,
+      in_specs=(query_spec, (kv, kv, m), (kv, kv, m), P(), P()),
+      out_specs=out_spec,
+      check_vma=False,
+    )(queries, prompt, ring, column, window)
+  if not module.WRITES_RING:
+    return out
+  attention, k, v = out
+  return attention, (_relayout(k, MODEL_AXES, KV_AXES), _relayout(v, MODEL_AXES, KV_AXES))
