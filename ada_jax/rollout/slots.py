@@ -374,7 +374,7 @@ def slot_attention(
           return _on_shards(config, mesh, kernel, projections, prompt, ring, c, window)
         q, k, v = layers_lib.split_heads(qkv, positions, inv_freq)
         ring = (write(ring[0], k), write(ring[1], v), mask)
-        return _on_shards(config, mesh, kernel, q, prompt, ring, c, window), ring[:2]
+        return _on_shards(config, mesh, kernel, (q,), prompt, ring, c, window), ring[:2]
 
       return write_and_read
 
@@ -427,23 +427,18 @@ def _on_shards(config, mesh, kernel, queries, prompt, ring, column, window):
   is written for. The kernel reads `MODEL_AXES` blocks: the caches' pieces are handed over
   in that order.
 
-  `queries`: the roped q `[S, 1, N, H]` for a kernel that reads the written ring
+  `queries`: (the roped q `[S, 1, N, H]`,) for a kernel that reads the written ring
   (`decode_attention`; returns the attention), or (qkv `[S, K, G + 2, H]`, positions
   `int32[S]`, inv_freq) for one that rotates and writes it (`WRITES_RING`: `decode_step`;
   returns (the attention, (the ring's keys, values) in `KV_AXES` order)).
   """
   module = KERNELS[kernel]
+  writes = module.WRITES_RING
+  entry = module.decode_step if writes else module.decode_attention
   interpret = sharding_lib.platform(mesh).decode_kernel != kernel
+  run = lambda queries, prompt, ring, c, w: entry(*queries, prompt, ring, c, w, interpret=interpret)
   view = lambda k, v, m: (_relayout(k, KV_AXES, MODEL_AXES), _relayout(v, KV_AXES, MODEL_AXES), m)
   prompt, ring = view(*prompt), view(*ring)
-  if module.WRITES_RING:
-    run = lambda queries, prompt, ring, c, w: module.decode_step(
-      *queries, prompt, ring, c, w, interpret=interpret
-    )
-  else:
-    run = lambda queries, prompt, ring, c, w: module.decode_attention(
-      queries, prompt, ring, c, w, interpret=interpret
-    )
   if mesh is None:
     out = run(queries, prompt, ring, column, window)
   else:
@@ -453,18 +448,15 @@ def _on_shards(config, mesh, kernel, queries, prompt, ring, column, window):
     kv = P(*(spec[a] for a in MODEL_AXES))
     m = P(rows, None)
     attention = P(rows, None, heads, None)
-    if module.WRITES_RING:
-      query_spec, out_spec = (P(rows, heads, None, None), P(rows), P()), (attention, kv, kv)
-    else:
-      query_spec, out_spec = attention, attention
+    query_spec = (P(rows, heads, None, None), P(rows), P()) if writes else (attention,)
     out = jax.shard_map(
       run,
       mesh=mesh,
       in_specs=(query_spec, (kv, kv, m), (kv, kv, m), P(), P()),
-      out_specs=out_spec,
+      out_specs=(attention, kv, kv) if writes else attention,
       check_vma=False,
     )(queries, prompt, ring, column, window)
-  if not module.WRITES_RING:
+  if not writes:
     return out
   attention, k, v = out
   return attention, (_relayout(k, MODEL_AXES, KV_AXES), _relayout(v, MODEL_AXES, KV_AXES))
