@@ -265,6 +265,54 @@ def attend(q: jax.Array, pieces, kv_axes: str = "bksh") -> jax.Array:
   return out.astype(pieces[0][1].dtype).reshape(b, t, n, h)
 
 
+def attend_partial(q: jax.Array, pieces, kv_axes: str = "bksh"):
+  """`attend`'s softmax over some of a query's keys, kept open for `merge_partials`.
+
+  Shared-prompt decode attends to a prompt's columns once for all the rows that share it
+  (the rows as the query axis) and to each row's own response columns apart: two parts
+  of one softmax, merged exactly from each part's max and sum (the online softmax's
+  combination), which equals one softmax over all the columns.
+
+  Args:
+    q, pieces, kv_axes: as `attend`.
+
+  Returns:
+    (the value sum weighted by exp(score - max) `float32[B, T, N, H]`, the max score
+    `float32[B, T, N]`, the sum of exp(score - max) `float32[B, T, N]`), masked columns
+    scoring `MASK_VALUE` as in `attend`.
+  """
+  b, t, n, h = q.shape
+  kh, columns = kv_axes.index("k"), kv_axes.index("s")
+  q = q.reshape(b, t, pieces[0][0].shape[kh], -1, h)
+  scores = []
+  for k, _, mask in pieces:
+    s = jnp.einsum(
+      f"btkgh,{kv_axes}->bkgts", q.astype(k.dtype), k, preferred_element_type=jnp.float32
+    )
+    scores.append(jnp.where(mask[:, None, None], s / math.sqrt(h), MASK_VALUE))
+  scores = jnp.concatenate(scores, -1)
+  top = scores.max(-1, keepdims=True)
+  weights = jnp.exp(scores - top)
+  acc, start = 0.0, 0
+  for k, v, _ in pieces:
+    w = weights[..., start : start + k.shape[columns]]
+    acc = acc + jnp.einsum(f"bkgts,{kv_axes}->btkgh", w, v, preferred_element_type=jnp.float32)
+    start += k.shape[columns]
+  heads = lambda x: jnp.moveaxis(x[..., 0], 3, 1).reshape(b, t, n)  # [B, K, G, T] -> [B, T, N]
+  return acc.reshape(b, t, n, h), heads(top), heads(weights.sum(-1, keepdims=True))
+
+
+def merge_partials(parts, dtype) -> jax.Array:
+  """One softmax's output from `attend_partial`'s parts over disjoint columns of the
+  same queries: each part's sum rescaled to the common max, `[B, T, N, H]` in `dtype`."""
+  top = parts[0][1]
+  for _, m, _ in parts[1:]:
+    top = jnp.maximum(top, m)
+  acc = sum(a * jnp.exp(m - top)[..., None] for a, m, _ in parts)
+  total = sum(mass * jnp.exp(m - top) for _, m, mass in parts)
+  return (acc / total[..., None]).astype(dtype)
+
+
 def causal_attend(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array, block: int):
   """Causal self-attention of T tokens where `valid` holds, `block` queries at a time.
 
