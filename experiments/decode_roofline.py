@@ -64,10 +64,10 @@ def measure(cfg, target, devices, slots, layout, kernel):
   mesh = programs.mesh_for(cfg, devices)
   smp = programs.rollout_sampler(cfg, model_cfg, mesh, slots)
   params = programs.rollout_params(model_cfg, mesh)
-  _, (_, state, *_) = programs.segment_args(smp, params)
+  _, (_, state, prompts, *_) = programs.segment_args(smp, params)
   step = programs.decode_step_program(smp, params, state)
   cache = state.cache
-  kv = compiler.per_device_bytes((cache.prompt_k, cache.prompt_v, cache.k, cache.v))
+  kv = compiler.per_device_bytes((prompts.k, prompts.v, cache.k, cache.v))
   figures = roofline.decode_roofline(model_cfg, target, mesh, smp.slots, kv, step)
   return dataclasses.asdict(figures)
 

@@ -68,7 +68,7 @@ def main():
     segment = compiler.compile_program(fns.run, *args, what="segment", keep_hlo=True)
     seg = hlo_walk.walk_loop(segment.hlo)
     cache = state.cache
-    kv = compiler.per_device_bytes((cache.prompt_k, cache.prompt_v, cache.k, cache.v))
+    kv = compiler.per_device_bytes((args[2].k, args[2].v, cache.k, cache.v))
     figures = roofline.decode_roofline(cfg, target, mesh, slots, kv, step)
     rows.append({**figures.as_json(), "walk": step.walk.as_json(), "segment_walk": seg.as_json()})
     print(

@@ -435,7 +435,7 @@ def test_evaluation_samplers_are_on_the_run_mesh(tmp_path, monkeypatch):
       continue
     assert smp.mesh is not None and smp.mesh.devices.size == 8
     cache = smp.programs(max(smp.prompt_buckets)).init().cache
-    for leaf in (cache.k[0], cache.prompt_v[-1], cache.mask):
+    for leaf in (cache.k[0], cache.v[-1], cache.mask):
       assert len(leaf.sharding.device_set) == 8 and not leaf.sharding.is_fully_replicated
       shard = leaf.sharding.shard_shape(leaf.shape)
       assert shard[0] == leaf.shape[0] // 8  # slots split over the 8 data-parallel devices

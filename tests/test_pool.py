@@ -159,16 +159,15 @@ def test_kv_shardings_fit_a_real_cache(tiny):
   kv, mask = slots_lib.kv_shardings(config, mesh, 8, 16)
   assert kv.spec == P(("data", "fsdp"), "tensor", None, None)
   assert mask.spec == P(("data", "fsdp"), None)
-  cache = slots_lib.init_slot_cache(config, 8, 16, 4, mesh)
-  assert {s.data.shape for s in cache.prompt_k[1].addressable_shards} == {(2, 1, 16, 16)}
+  cache = slots_lib.init_slot_cache(config, 8, 4, mesh)
+  assert {s.data.shape for s in cache.k[1].addressable_shards} == {(2, 1, 4, 16)}
   assert slots_lib.kv_shardings(config, mesh, 6, 16)[0].spec[0] is None
 
 
 @pytest.mark.parametrize("mesh_shape, order", [(None, "sbhk"), ((2, 2, 2), "khbs")])
 def test_another_cache_layout_draws_the_same_tokens(tiny, monkeypatch, mesh_shape, order):
   """The caches' axis order is `slots.KV_AXES` alone: set to another order, every cache
-  array is laid out in it (sharded by it on a mesh, the prompt cache's rows too, so that a
-  refill's `prompt_entry` runs per shard) and the pool draws the same tokens, with the same
+  array is laid out in it (sharded by it on a mesh, the prompt cache's rows too) and the pool draws the same tokens, with the same
   log-probs, through refills, ring wrap-around and windowed reads; on the mesh also
   through the Pallas kernel (interpreted off TPU), which reads its own order."""
   config, params = tiny
@@ -182,10 +181,8 @@ def test_another_cache_layout_draws_the_same_tokens(tiny, monkeypatch, mesh_shap
   )
   want, want_stats = draw()
   monkeypatch.setattr(slots_lib, "KV_AXES", order)
-  sizes = dict(b=4, k=config.num_kv_heads, s=8, h=config.head_dim)
-  assert slots_lib.init_slot_cache(config, 4, 8, 12).prompt_k[0].shape == tuple(
-    sizes[a] for a in order
-  )
+  sizes = dict(b=4, k=config.num_kv_heads, s=12, h=config.head_dim)
+  assert slots_lib.init_slot_cache(config, 4, 12).k[0].shape == tuple(sizes[a] for a in order)
   if mesh is not None:  # 4 prompt entries over data x fsdp: the entries' axis is sharded
     assert slots_lib.kv_shardings(config, mesh, 4, 8)[0].spec[order.index("b")] is not None
   got, stats = draw()

@@ -54,7 +54,8 @@ def test_attention_read_once_per_entry_equals_each_rows_own_copy(case):
   rk, rv = normal(ks[4], (s, kh, lr, h)), normal(ks[5], (s, kh, lr, h))
   rm = jax.random.uniform(ks[6], (s, 1, lr)) < 0.6
   members, rank = shared_prompt.group_by_entry(jnp.asarray(entry), jnp.asarray(live), p, r)
-  out = shared_prompt.attend(q, (pk, pv, pm), jnp.asarray(entry), rank, members, [(rk, rv, rm)])
+  own = layers.attend_partial(q, [(rk, rv, rm)])
+  out = shared_prompt.attend(q, (pk, pv, pm), jnp.asarray(entry), rank, members, own)
   copies = (pk[entry], pv[entry], pm[entry][:, None])
   ref = layers.attend(q, [copies, (rk, rv, rm)])
   np.testing.assert_allclose(np.asarray(out)[live], np.asarray(ref)[live], atol=2e-5, rtol=2e-5)

@@ -150,13 +150,19 @@ def eval_sampler(
   return eval_sampling.make_sampler(model_cfg, ids, ev, mesh=mesh)
 
 
+def prompt_cache(smp: sampler_lib.Sampler, *, what: str = "pool"):
+  """`smp`'s abstract prompt cache at its largest prompt bucket."""
+  fns = smp.programs(max(smp.prompt_buckets))
+  return compiler.abstract_outputs(fns.empty_prompts, what=f"{what} prompt cache")
+
+
 def segment_args(smp: sampler_lib.Sampler, params, *, what: str = "pool"):
   """`smp`'s jitted pool functions at its largest prompt bucket and the abstract arguments
   of one segment: (programs, (params, state, prompt cache, queue, key)). Raises
   OutOfMemory when even the empty pool does not fit."""
   fns = smp.programs(max(smp.prompt_buckets))
   state = compiler.abstract_outputs(fns.init, what=f"{what} slot cache")
-  prompts = compiler.abstract_outputs(fns.empty_prompts, what=f"{what} prompt cache")
+  prompts = prompt_cache(smp, what=what)
   q, s = smp.queue_rows, smp.slots
   i32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   queue = pool_lib.Queue(
@@ -226,8 +232,7 @@ def pool_programs(smp: sampler_lib.Sampler, params, *, what: str) -> SlotFigures
     sampler=smp,
     segment=segment,
     prefill=prefill,
-    slot_cache=per_device((state.cache.prompt_k, state.cache.prompt_v))
-    + per_device((state.cache.k, state.cache.v)),
+    slot_cache=per_device((state.cache.k, state.cache.v)),
     pool_state=per_device(state),
     prompt_cache=per_device(prompts),
     state=state,
@@ -298,14 +303,15 @@ def decode_step_program(smp: sampler_lib.Sampler, params, state) -> DecodeStep:
   """
   key = jax.eval_shape(lambda: jax.random.key(0))
   trips = jax.ShapeDtypeStruct((), jnp.int32)
+  prompts = prompt_cache(smp)
 
   def loop(steps):
-    def run(params, state, key, n):
+    def run(params, state, prompts, key, n):
       def body(_, s):
         for _ in range(steps):
           s = pool_lib.draw_and_decode(
-            smp.config, params, s, key, rule=smp.rule, stop_ids=smp.stop_ids,
-            attention_block=smp.max_new_tokens, mesh=smp.mesh,
+            smp.config, params, s, prompts, key, rule=smp.rule, stop_ids=smp.stop_ids,
+            attention_block=smp.max_new_tokens, entry_rows=smp.entry_rows, mesh=smp.mesh,
           )  # fmt: skip
         return s
 
@@ -314,8 +320,9 @@ def decode_step_program(smp: sampler_lib.Sampler, params, state) -> DecodeStep:
     fn = jax.jit(run, donate_argnums=(1,))
     options = None if walk else HBM_ONLY
     return compiler.compile_program(
-      fn, params, state, key, trips, what="decode loop", options=options, keep_hlo=walk
-    )
+      fn, params, state, prompts, key, trips, what="decode loop", options=options,
+      keep_hlo=walk,
+    )  # fmt: skip
 
   walk = sharding_lib.platform(smp.mesh).decode_traffic == "optimized HLO"
   if walk:

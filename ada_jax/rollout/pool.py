@@ -30,6 +30,7 @@ from ada_jax.models import decoder as model_lib
 from ada_jax.models import layers as layers_lib
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.decoder import ModelConfig, Params
+from ada_jax.rollout import shared_prompt
 from ada_jax.rollout import slots as slots_lib
 from ada_jax.rollout.rule import SamplingRule
 from ada_jax.rollout.slots import PromptCache
@@ -63,7 +64,8 @@ class SlotState:
   """The pool between segments (S slots, O output positions, budget Lr).
 
   Attributes:
-    cache: the slots' `SlotCache` (Lp prompt and Lr ring columns per slot).
+    cache: the slots' `SlotCache` (Lr ring columns per slot).
+    entry: `int32[S]` the prompt-cache entry of the slot's row (its prompt is read there).
     logits: `float32[S, V]` next-token logits of each slot.
     live: `bool[S]` the slot holds an unfinished row.
     position: `int32[S]` output position of the slot's row.
@@ -81,6 +83,7 @@ class SlotState:
   """
 
   cache: slots_lib.SlotCache
+  entry: jax.Array
   logits: jax.Array
   live: jax.Array
   position: jax.Array
@@ -181,16 +184,16 @@ def init_pool(
   *,
   slots: int,
   outputs: int,
-  prompt_len: int,
   max_new_tokens: int,
   mesh: jax.sharding.Mesh | None = None,
 ) -> SlotState:
   """An empty pool: S = `slots` free slots, `outputs` output positions, a `SlotCache` of
-  `prompt_len` prompt and `max_new_tokens` ring columns per slot."""
-  cache = slots_lib.init_slot_cache(config, slots, prompt_len, max_new_tokens, mesh)
+  `max_new_tokens` ring columns per slot."""
+  cache = slots_lib.init_slot_cache(config, slots, max_new_tokens, mesh)
   zeros = lambda shape, dtype=jnp.int32: jnp.zeros(shape, dtype)
   return SlotState(
     cache=cache,
+    entry=zeros((slots,)),
     logits=zeros((slots, config.vocab_size), jnp.float32),
     live=zeros((slots,), bool),
     position=zeros((slots,)),
@@ -220,6 +223,7 @@ def _start_rows(config, params, s: SlotState, prompts: PromptCache, queue: Queue
   position = jnp.where(take, queue.position[qi], s.position)
   out_rows = jnp.where(take, position, s.tokens.shape[0])  # out of range: dropped
   return s.replace(
+    entry=jnp.where(take, entry, s.entry),
     logits=put(s.logits, logits),
     live=s.live | take,
     position=position,
@@ -234,20 +238,11 @@ def _start_rows(config, params, s: SlotState, prompts: PromptCache, queue: Queue
 
 
 def _refill(config, params, s: SlotState, prompts: PromptCache, queue: Queue, take, qi, mesh):
-  """Slots `take` (bool[S]) start queue rows `qi` (int32[S]), when any does.
-
-  XLA:TPU updates a cache passed through a conditional in place; XLA:GPU copies all of it
-  into the branch (`slots.in_place_under_cond`: the prompt columns of a 7B's 768 slots on
-  8 x H100, 5.25 GiB of temporaries). On GPU the prompt columns are written outside the
-  conditional (a copy loop of no trip when no slot refills) and only the bookkeeping, which
-  holds no cache, runs under it.
-  """
-  start = lambda s: _start_rows(config, params, s, prompts, queue, take, qi)
-  admit = lambda c: slots_lib.admit_prompts(config, c, prompts, queue.prompt[qi], take, mesh)
-  if slots_lib.in_place_under_cond(mesh):
-    both = lambda s: start(s.replace(cache=admit(s.cache)))
-    return jax.lax.cond(jnp.any(take), both, lambda s: s, s)
-  cache = admit(s.cache)
+  """Slots `take` (bool[S]) start queue rows `qi` (int32[S]), when any does: their ring
+  masked (outside the conditional: XLA:GPU copies a cache passed through one,
+  `slots.in_place_under_cond`) and their bookkeeping reset (`_start_rows`)."""
+  start = lambda r: _start_rows(config, params, r, prompts, queue, take, qi)
+  cache = slots_lib.admit(s.cache, take)
   rest = jax.lax.cond(jnp.any(take), start, lambda r: r, s.replace(cache=None))
   return rest.replace(cache=cache)
 
@@ -263,10 +258,12 @@ def decode_step(
   config: ModelConfig,
   params: Params,
   s: SlotState,
+  prompts: PromptCache,
   token: jax.Array,
   still: jax.Array,
   *,
   attention_block: int,
+  entry_rows: int,
   mesh: jax.sharding.Mesh | None = None,
 ) -> SlotState:
   """One decode step of the pool (pure): the slots' new tokens go through the model, their
@@ -274,16 +271,22 @@ def decode_step(
 
   Args:
     s: the pool after this step's draw (`length` counts the new token).
+    prompts: the prompt cache the slots' rows point into (`s.entry`).
     token: `int32[S]` the token each slot drew.
     still: `bool[S]` slots whose row goes on (its token is decoded; others are masked).
     attention_block: ring window granularity (`slots.ring_windows`).
+    entry_rows: the most live rows a prompt-cache entry has (`shared_prompt.group_by_entry`).
     mesh: when given, the cache keeps `slots.slot_cache_shardings`.
   """
   n_slots = still.shape[0]
   c = s.cache
   mask = jax.lax.dynamic_update_slice(c.mask, still[:, None], (0, c.column))
   window = jnp.max(jnp.where(still, s.length, 1))  # ring columns of the longest live row
-  attention, read = slots_lib.slot_attention(c, mask, window, attention_block, config, mesh)
+  groups = shared_prompt.group_by_entry(s.entry, still, prompts.mask.shape[0], entry_rows)
+  groups = (s.entry, *groups[::-1])
+  attention, read = slots_lib.slot_attention(
+    c, prompts, groups, mask, window, attention_block, config, mesh
+  )
   logits, kvs = model_lib.forward(
     config, params, token[:, None], (s.prompt_len + s.length - 1)[:, None], attention
   )
@@ -306,11 +309,13 @@ def draw_and_decode(
   config: ModelConfig,
   params: Params,
   s: SlotState,
+  prompts: PromptCache,
   key: jax.Array,
   *,
   rule: SamplingRule,
   stop_ids: tuple[int, ...],
   attention_block: int,
+  entry_rows: int,
   mesh: jax.sharding.Mesh | None = None,
 ) -> SlotState:
   """One step of the decode loop after its refill (pure): every live slot draws a token
@@ -320,8 +325,9 @@ def draw_and_decode(
 
   Args:
     s: the pool after this step's refill.
+    prompts: the prompt cache its rows point into.
     key: the rollout key.
-    rule, stop_ids, attention_block, mesh: as `run_segment`.
+    rule, stop_ids, attention_block, entry_rows, mesh: as `run_segment`.
   """
   budget, n_out = s.tokens.shape[1], s.tokens.shape[0]
   u = row_uniforms(key, s.row_id, s.length)
@@ -343,8 +349,9 @@ def draw_and_decode(
     tokens_generated=s.tokens_generated + live.sum(),
   )
   decode = lambda s: decode_step(
-    config, params, s, token, still, attention_block=attention_block, mesh=mesh
-  )
+    config, params, s, prompts, token, still, attention_block=attention_block,
+    entry_rows=entry_rows, mesh=mesh,
+  )  # fmt: skip
   went_on = jnp.any(still)
   if slots_lib.in_place_under_cond(mesh):
     return jax.lax.cond(went_on, decode, lambda s: s, s)
@@ -369,6 +376,7 @@ def run_segment(
   stop_ids: tuple[int, ...],
   segment_steps: int,
   attention_block: int,
+  entry_rows: int,
   mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[SlotState, jax.Array]:
   """Decodes the pool for one segment (pure; jit with everything after `key` static).
@@ -389,6 +397,8 @@ def run_segment(
     segment_steps: at most this many steps.
     attention_block: decode attention reads the response ring in windows of whole blocks
       of this many columns (`ring_windows`).
+    entry_rows: the most rows of one prompt-cache entry live at once (the host driver's
+      admission keeps to it): decode attention groups each entry's rows for its prompt.
     mesh: when given, the slot cache is sharded by `slots.slot_cache_shardings` and the
       outputs replicated (every process reads every row).
 
@@ -410,8 +420,8 @@ def run_segment(
     s = _refill(config, params, s, prompts, queue, take, qi, mesh)
     head = head + take.sum(dtype=jnp.int32)
     s = draw_and_decode(
-      config, params, s, key, rule=rule, stop_ids=stop_ids, attention_block=attention_block,
-      mesh=mesh,
+      config, params, s, prompts, key, rule=rule, stop_ids=stop_ids,
+      attention_block=attention_block, entry_rows=entry_rows, mesh=mesh,
     )  # fmt: skip
     return i + 1, head, s
 

@@ -79,7 +79,7 @@ class SlotDriver:
     self.free_positions = list(range(e.slots + e.queue_rows))
     self.queued: collections.deque[_Row] = collections.deque()
     self.started: dict[int, _Row] = {}  # output position -> row holding a slot
-    self.refs = collections.Counter()  # entry -> queued rows
+    self.refs = collections.Counter()  # entry -> rows queued or live (they read its prompt)
     self.released: set[int] = set()
     self.cancel_mask = np.zeros((e.slots,), bool)
     self.segments = 0
@@ -159,7 +159,8 @@ class SlotDriver:
     return [r.position for r in rows]
 
   def release(self, entry: int) -> None:
-    """The caller adds no more rows of `entry`: it is freed once no queued row needs it."""
+    """The caller adds no more rows of `entry`: it is freed once no queued or live row
+    needs it (a live row reads its prompt there every decode step)."""
     self.released.add(entry)
     self._free_unused()
 
@@ -189,6 +190,7 @@ class SlotDriver:
     drawn = 0
     for r in live:
       del self.started[r.position]
+      self.refs[r.entry] -= 1
       if finished[r.position]:  # Finished in the last segment, not collected: kept out.
         self.free_positions.append(r.position)
         continue
@@ -204,10 +206,11 @@ class SlotDriver:
     row_prompt: Sequence[int],
     pending: collections.deque,
     entry_of: dict[int, int],
-  ) -> None:
+  ) -> bool:
     """Moves rows from the front of `pending` (row ids, in order) into the queue while
-    there is room and a prompt-cache entry for their prompt, prefilling the new prompts
-    in one call.
+    there is room, a prompt-cache entry for their prompt and room in that entry (at most
+    `entry_rows` rows queued or live per entry: decode attention groups an entry's rows
+    for its prompt), prefilling the new prompts in one call.
 
     Args:
       prompts: token ids of every prompt a row may point at.
@@ -215,6 +218,10 @@ class SlotDriver:
       pending: row ids waiting to be queued; those queued are popped.
       entry_of: prompt index -> its entry, for prompts prefilled and not yet freed
         (updated here; `release_idle` drops the freed ones).
+
+    Returns:
+      whether rows wait for an entry, or for room in one, held by live rows: the segment
+      then decodes until rows end rather than return once the queue drains.
     """
     front = [int(row_prompt[r]) for r in list(pending)[: self.room]]
     missing = {p for p in front if p not in entry_of}
@@ -225,14 +232,20 @@ class SlotDriver:
         # row will free one: free them too, or the first row never gets an entry, no row is
         # queued again and every segment returns at once (a livelock).
         self.release_idle(entry_of)
-    take, new = [], []
-    free = len(self.free_entries)
+    take, new, blocked = [], [], False
+    free, rows = len(self.free_entries), collections.Counter()
     while pending and len(take) < self.room:
       p = int(row_prompt[pending[0]])
       if p not in entry_of and p not in new:
         if len(new) == free:
+          blocked = True
           break
         new.append(p)
+      held = self.refs[entry_of[p]] if p in entry_of else 0
+      if held + rows[p] >= self.programs.entry_rows:
+        blocked = True
+        break
+      rows[p] += 1
       take.append(pending.popleft())
     if new:
       entries, _ = self.prefill([prompts[p] for p in new])
@@ -248,12 +261,12 @@ class SlotDriver:
       run_rows.append(row)
     if run_rows:
       self.add_rows(run_entry, run_rows)
+    return blocked
 
   def release_idle(self, entry_of: dict[int, int], keep: set[int] = frozenset()) -> None:
-    """Frees the entries of `entry_of` that no queued row needs (their rows have all
-    started: a slot copies its prompt's columns when it starts), except those of the
-    prompts in `keep`, and drops them from it; a prompt that gets rows later is prefilled
-    again."""
+    """Frees the entries of `entry_of` that no queued or live row needs (their rows have
+    all ended), except those of the prompts in `keep`, and drops them from it; a prompt
+    that gets rows later is prefilled again."""
     for p, entry in list(entry_of.items()):
       if self.refs[entry] <= 0 and p not in keep:
         self.release(entry)
@@ -280,9 +293,7 @@ class SlotDriver:
     self.segments += 1
     for _ in range(int(head)):
       r = self.queued.popleft()
-      self.refs[r.entry] -= 1
       self.started[r.position] = r
-    self._free_unused()
 
   def collect(self) -> list[tuple[int, np.ndarray, np.ndarray, int]]:
     """Rows finished since the last call, as (row id, tokens `int32[Lr]`, logprobs
@@ -297,8 +308,11 @@ class SlotDriver:
     lengths = np.asarray(self.state.lengths)
     out = []
     for p in done:
-      out.append((self.started.pop(p).row_id, tokens[p], logprobs[p], int(lengths[p])))
+      row = self.started.pop(p)
+      self.refs[row.entry] -= 1
+      out.append((row.row_id, tokens[p], logprobs[p], int(lengths[p])))
       self.free_positions.append(p)
+    self._free_unused()
     return out
 
   def _free_unused(self) -> None:
@@ -353,8 +367,8 @@ class SlotDriver:
     """One admit / run / collect step: queues rows from `pending` (`admit`), decodes one
     segment (returning early once the queue drains while `pending` has more) and returns
     the rows that finished (`collect`)."""
-    self.admit(prompts, row_prompt, pending, entry_of)
-    self.run(more=bool(pending))
+    blocked = self.admit(prompts, row_prompt, pending, entry_of)
+    self.run(more=bool(pending) and not blocked)
     return self.collect()
 
   def drain(

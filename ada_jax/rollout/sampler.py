@@ -78,6 +78,8 @@ class SlotPrograms:
     slots: S, rows decoding at once.
     queue_rows: Q, rows queued per segment.
     prompt_entries: P, prompts the prompt cache holds.
+    entry_rows: R, rows of one entry queued or live at once at most (the driver's
+      admission keeps to it; decode attention groups them for their prompt).
     prompts_per_chunk: prompts per prefill launch.
     max_new_tokens: Lr, the response budget (tokens).
     pad_id: the padding token.
@@ -93,6 +95,7 @@ class SlotPrograms:
   slots: int
   queue_rows: int
   prompt_entries: int
+  entry_rows: int
   prompts_per_chunk: int
   max_new_tokens: int
   pad_id: int
@@ -242,6 +245,8 @@ class Sampler:
     self.stop_ids = tuple(int(t) for t in stop_ids)
     self.slots = self.chunk_rows = chunk_rows
     self.queue_rows = queue_rows or 4 * chunk_rows
+    # WIP (issue 52): the bound the host's admission is to keep; every slot for now.
+    self.entry_rows = self.slots
     self.prompt_entries = max(
       prompts_per_chunk, -(-prompts_per_chunk * self.queue_rows // chunk_rows)
     )
@@ -308,7 +313,6 @@ class Sampler:
           cfg,
           slots=self.slots,
           outputs=self.slots + self.queue_rows,
-          prompt_len=prompt_len,
           max_new_tokens=self.max_new_tokens,
           mesh=mesh,
         ),
@@ -338,6 +342,7 @@ class Sampler:
           stop_ids=self.stop_ids,
           segment_steps=self.segment_steps,
           attention_block=self._block(),
+          entry_rows=self.entry_rows,
           mesh=mesh,
         ),
         "run_segment",
@@ -353,6 +358,7 @@ class Sampler:
       slots=self.slots,
       queue_rows=self.queue_rows,
       prompt_entries=self.prompt_entries,
+      entry_rows=self.entry_rows,
       prompts_per_chunk=self.prompts_per_chunk,
       max_new_tokens=self.max_new_tokens,
       pad_id=self.pad_id,

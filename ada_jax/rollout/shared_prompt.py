@@ -43,17 +43,16 @@ def group_by_entry(entry: jax.Array, live: jax.Array, entries: int, rows: int):
   return members, rank
 
 
-def attend(q, prompt, entry, rank, members, ring, kv_axes: str = "bksh") -> jax.Array:
+def attend(q, prompt, entry, rank, members, own, kv_axes: str = "bksh") -> jax.Array:
   """One decode step's attention of every slot over its entry's prompt columns, read once
-  per entry, and its own response pieces.
+  per entry, and its own response columns.
 
   Args:
     q: `[S, 1, N, H]` queries (after RoPE).
     prompt: one layer of the prompt cache: (keys `[P, K, Lp, H]`, values, mask `bool[P,
       Lp]`), keys and values in `kv_axes` order.
     entry, rank, members: the slots' entries and `group_by_entry` of them.
-    ring: the slots' own pieces, (keys, values, mask `bool[S, 1, columns]`) each, as
-      `layers.attend` takes them.
+    own: the slots' softmax over their own columns, open (`layers.attend_partial`).
     kv_axes: the caches' axis order (`slots.KV_AXES`).
 
   Returns:
@@ -64,5 +63,4 @@ def attend(q, prompt, entry, rank, members, ring, kv_axes: str = "bksh") -> jax.
   grouped = q[jnp.minimum(members, s - 1), 0]  # [P, R, N, H]: the entry's rows as queries
   shared = layers_lib.attend_partial(grouped, [(pk, pv, pm[:, None, :])], kv_axes)
   mine = tuple(x[entry, jnp.minimum(rank, rows - 1)][:, None] for x in shared)
-  own = layers_lib.attend_partial(q, ring, kv_axes)
   return layers_lib.merge_partials([mine, own], pv.dtype)

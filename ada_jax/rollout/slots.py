@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from ada_jax.models import layers as layers_lib
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.decoder import ModelConfig
-from ada_jax.rollout import decode_kernel, decode_kernel_gpu
+from ada_jax.rollout import decode_kernel, decode_kernel_gpu, shared_prompt
 
 # ----------------------------------------------------------------------------- layout
 
@@ -86,7 +86,9 @@ def kv_shardings(
 
 @struct.dataclass
 class SlotCache:
-  """The pool's KV cache: each slot's prompt columns and its ring of response columns.
+  """The pool's own KV cache: each slot's ring of response columns. A slot's prompt is read
+  from its row's prompt-cache entry, once per decode step for all the rows that share it
+  (`shared_prompt`, issue 52).
 
   Response token j of a row that started when the ring stood at column c0 sits at ring
   column (c0 + j) mod Lr; a row writes at most Lr - 1 of them (its last token is never
@@ -94,18 +96,12 @@ class SlotCache:
   step (`column`), live or not: a dead slot's column is masked out.
 
   Attributes:
-    prompt_k, prompt_v: per layer `dtype[S, K, Lp, H]` (in `KV_AXES` order), the slot's
-      prompt (keys after RoPE).
-    prompt_mask: `bool[S, Lp]`, True at the slot's real prompt tokens.
     k, v: per layer `dtype[S, K, Lr, H]` (in `KV_AXES` order), the response ring (keys
       after RoPE).
     mask: `bool[S, Lr]`, True at ring columns that hold the slot's row's response tokens.
     column: `int32[]`, the ring column the next decode step writes.
   """
 
-  prompt_k: tuple[jax.Array, ...]
-  prompt_v: tuple[jax.Array, ...]
-  prompt_mask: jax.Array
   k: tuple[jax.Array, ...]
   v: tuple[jax.Array, ...]
   mask: jax.Array
@@ -113,47 +109,31 @@ class SlotCache:
 
 
 def slot_cache_shardings(
-  config: ModelConfig, mesh: jax.sharding.Mesh, slots: int, prompt_len: int, max_new_tokens: int
+  config: ModelConfig, mesh: jax.sharding.Mesh, slots: int, max_new_tokens: int
 ) -> SlotCache:
   """Shardings of a `SlotCache`: slots over ('data', 'fsdp'), kv heads over 'tensor'
   (`kv_shardings`), the ring column replicated."""
-  (pkv, pmask), (kv, mask) = (
-    kv_shardings(config, mesh, slots, n) for n in (prompt_len, max_new_tokens)
-  )
+  kv, mask = kv_shardings(config, mesh, slots, max_new_tokens)
   layers = config.num_layers
   return SlotCache(
-    prompt_k=(pkv,) * layers,
-    prompt_v=(pkv,) * layers,
-    prompt_mask=pmask,
-    k=(kv,) * layers,
-    v=(kv,) * layers,
-    mask=mask,
-    column=sharding_lib.replicated(mesh),
+    k=(kv,) * layers, v=(kv,) * layers, mask=mask, column=sharding_lib.replicated(mesh)
   )
 
 
 def init_slot_cache(
-  config: ModelConfig,
-  slots: int,
-  prompt_len: int,
-  max_new_tokens: int,
-  mesh: jax.sharding.Mesh | None = None,
+  config: ModelConfig, slots: int, max_new_tokens: int, mesh: jax.sharding.Mesh | None = None
 ) -> SlotCache:
-  """An empty cache of `slots` slots, `prompt_len` prompt and `max_new_tokens` ring
-  columns each, the ring at column 0 (sharded by `slot_cache_shardings` with a mesh)."""
-  prompt_k, prompt_v, prompt_mask = _empty(config, slots, prompt_len)
+  """An empty cache of `slots` slots of `max_new_tokens` ring columns each, the ring at
+  column 0 (sharded by `slot_cache_shardings` with a mesh)."""
   k, v, mask = _empty(config, slots, max_new_tokens)
-  cache = SlotCache(prompt_k, prompt_v, prompt_mask, k, v, mask, jnp.zeros((), jnp.int32))
-  return constrain(config, cache, mesh)
+  return constrain(config, SlotCache(k, v, mask, jnp.zeros((), jnp.int32)), mesh)
 
 
 def constrain(config: ModelConfig, cache: SlotCache, mesh) -> SlotCache:
   """`cache` constrained to `slot_cache_shardings` inside jit (unchanged without a mesh)."""
   if mesh is None:
     return cache
-  sh = slot_cache_shardings(
-    config, mesh, cache.mask.shape[0], cache.prompt_mask.shape[1], cache.mask.shape[1]
-  )
+  sh = slot_cache_shardings(config, mesh, *cache.mask.shape)
   return jax.tree.map(jax.lax.with_sharding_constraint, cache, sh)
 
 
@@ -222,67 +202,10 @@ def store_prompts(
   return constrain_prompts(config, updated, mesh)
 
 
-def prompt_entry(config: ModelConfig, layer: jax.Array, index: jax.Array, mesh=None):
-  """Entry `index` of one layer of the prompt cache (one row, the rest as the layer),
-  without moving the rest of the cache between devices.
-
-  The entries are sharded over the data axes (`constrain_prompts`). A dynamic slice of
-  the sharded axis makes XLA's partitioner all-gather the whole layer for every refilled
-  slot (XLA:GPU then held every layer's gathered copy at once: 0.57x the slot cache in
-  temporaries); here each device slices its own shard at the clipped local index, the
-  shards' slices are all-gathered (one entry per device) and the owner's is kept, an
-  exact copy.
-  """
-  one = lambda x, i: jax.lax.dynamic_slice_in_dim(x, i, 1, _axis("b"))
-  if mesh is None:
-    return one(layer, index)
-  entries, columns = layer.shape[_axis("b")], layer.shape[_axis("s")]
-  spec = tuple(kv_shardings(config, mesh, entries, columns)[0].spec)
-  spec += (None,) * (layer.ndim - len(spec))
-  axes = spec[_axis("b")]
-  if axes is None:  # entries replicated: every device holds the entry
-    return one(layer, index)
-  axes = (axes,) if isinstance(axes, str) else tuple(axes)
-
-  def local(shard, i):
-    n = shard.shape[_axis("b")]
-    mine = one(shard, jnp.clip(i - jax.lax.axis_index(axes) * n, 0, n - 1))
-    every = jax.lax.all_gather(mine, axes, axis=_axis("b"), tiled=True)  # one entry per device
-    return one(every, i // n)
-
-  return jax.shard_map(
-    local,
-    mesh=mesh,
-    in_specs=(P(*spec), P()),
-    out_specs=P(*(None if a == _axis("b") else x for a, x in enumerate(spec))),
-    check_vma=False,  # all_gather's result is the same on every device of `axes`
-  )(layer, index)
-
-
-def admit_prompts(config, cache: SlotCache, prompts: PromptCache, entry, take, mesh) -> SlotCache:
-  """The slot cache with slots `take` (bool[S]) holding prompt-cache entries `entry`
-  (int32[S]): their prompt keys, values and mask copied in, their ring masked. With no
-  slot to fill the copy loop runs no trip."""
-  # One prompt's columns per refilled slot: the bytes copied follow the refills, not S.
-  slots = jnp.nonzero(take, size=take.shape[0], fill_value=0)[0]
-
-  def copy(i, kv):
-    slot = slots[i]
-    one = lambda cache, prompt: jax.lax.dynamic_update_slice_in_dim(
-      cache, prompt_entry(config, prompt, entry[slot], mesh).astype(cache.dtype), slot, _axis("b")
-    )
-    return tuple(
-      tuple(map(one, caches, prompt_kv))
-      for caches, prompt_kv in zip(kv, (prompts.k, prompts.v), strict=True)
-    )
-
-  k, v = jax.lax.fori_loop(0, take.sum(), copy, (cache.prompt_k, cache.prompt_v))
-  return cache.replace(
-    prompt_k=k,
-    prompt_v=v,
-    prompt_mask=jnp.where(take[:, None], prompts.mask[entry], cache.prompt_mask),
-    mask=cache.mask & ~take[:, None],
-  )
+def admit(cache: SlotCache, take: jax.Array) -> SlotCache:
+  """The slot cache with slots `take` (`bool[S]`) starting new rows: their ring masked (the
+  prompt stays in the prompt cache)."""
+  return cache.replace(mask=cache.mask & ~take[:, None])
 
 
 def in_place_under_cond(mesh: jax.sharding.Mesh | None) -> bool:
@@ -318,6 +241,8 @@ def uses_kernel(mesh: jax.sharding.Mesh | None) -> str:
 
 def slot_attention(
   cache: SlotCache,
+  prompts: PromptCache,
+  groups: tuple[jax.Array, jax.Array, jax.Array],
   mask: jax.Array,
   window: jax.Array,
   block: int,
@@ -327,17 +252,23 @@ def slot_attention(
   """Each layer's write and read of one decode step (`decoder.forward(attention=...)`).
 
   The new keys and values go to ring column `cache.column` of every slot; attention reads
-  the prompt columns and a window of the ring that ends at that column and covers `window`
-  columns (the longest live row's response so far), so the bytes read follow the longest
-  live row. In a Pallas kernel (`uses_kernel`: `decode_kernel` on TPU, `decode_kernel_gpu`
-  on GPU, where the kernel `applies` to the shapes, else XLA's form) the window is read block by
-  block inside the kernel, whole blocks of its column block; elsewhere it is the smallest of
-  `ring_windows(Lr, block)` that covers `window`, a `lax.switch` over those lengths, and a
-  window that wraps past column 0 is read as its two static ends (or the whole ring, when
-  those would overlap).
+  the slot's prompt from its prompt-cache entry and a window of the ring that ends at that
+  column and covers `window` columns (the longest live row's response so far), so the
+  bytes read follow the longest live row. In XLA's form the prompt is read once per entry
+  for all its live rows (`shared_prompt.attend`) and the window is the smallest of
+  `ring_windows(Lr, block)` that covers it, a `lax.switch` over those lengths, a window
+  that wraps past column 0 read as its two static ends (or the whole ring, when those
+  would overlap). In a Pallas kernel (`uses_kernel`: `decode_kernel` on TPU,
+  `decode_kernel_gpu` on GPU, where the kernel `applies` to the shapes) the window is read
+  block by block inside the kernel, whole blocks of its column block; the kernels read
+  each slot's prompt from a copy gathered per step (issue 52: their two-level forms are to
+  come).
 
   Args:
     cache: the slot cache before this step's write.
+    prompts: the prompt cache the slots' rows point into.
+    groups: (`entry` `int32[S]`, and its `shared_prompt.group_by_entry`: `rank`,
+      `members`).
     mask: `bool[S, Lr]` the ring mask after this step's write.
     window: `int32[]` ring columns the longest live row has written, this step's included.
     block: the XLA path's window granularity (`sampler.attention_block`).
@@ -348,17 +279,19 @@ def slot_attention(
     (`attention(layer)` for `decoder.forward`, cache columns each slot reads `int32[]`).
   """
   c, ring = cache.column, cache.mask.shape[1]
+  prompt_len = prompts.mask.shape[1]
+  entry, rank, members = groups
   write = lambda old, new: jax.lax.dynamic_update_slice_in_dim(
     old, _relayout(new, MODEL_AXES, KV_AXES).astype(old.dtype), c, _axis("s")
   )
   kernel = uses_kernel(mesh)
   head_dim = cache.k[0].shape[_axis("h")]
-  if kernel and not KERNELS[kernel].applies(cache.prompt_mask.shape[1], ring, head_dim):
+  if kernel and not KERNELS[kernel].applies(prompt_len, ring, head_dim):
     # Once per compile: a bucket or budget off the kernel's grid costs every layer a switch.
     logging.warning(
       "decode attention: the %s kernel does not take %d prompt / %d ring columns at head dim"
       " %d; XLA's form instead (`%s.applies`)",
-      kernel, cache.prompt_mask.shape[1], ring, head_dim, KERNELS[kernel].__name__,
+      kernel, prompt_len, ring, head_dim, KERNELS[kernel].__name__,
     )  # fmt: skip
     kernel = ""
   if kernel:
@@ -367,7 +300,8 @@ def slot_attention(
 
     def kernel_attention(layer):
       def write_and_read(qkv, positions, inv_freq):
-        prompt = (cache.prompt_k[layer], cache.prompt_v[layer], cache.prompt_mask)
+        of_slot = lambda x: jnp.take(x, entry, axis=_axis("b"))
+        prompt = (of_slot(prompts.k[layer]), of_slot(prompts.v[layer]), prompts.mask[entry])
         ring = (cache.k[layer], cache.v[layer], mask)
         if KERNELS[kernel].WRITES_RING:
           projections = (qkv[:, 0], positions[:, 0], inv_freq)
@@ -378,7 +312,7 @@ def slot_attention(
 
       return write_and_read
 
-    return kernel_attention, cache.prompt_mask.shape[1] + read
+    return kernel_attention, prompt_len + read
   lengths = ring_windows(ring, block)
   index = jnp.searchsorted(jnp.asarray(lengths), jnp.clip(window, 1, ring))
   n_read = jnp.asarray(lengths)[index]
@@ -390,9 +324,8 @@ def slot_attention(
     def write_and_read(*projections):
       q, k, v = layers_lib.split_heads(*projections)
       ring_k, ring_v = write(cache.k[layer], k), write(cache.v[layer], v)
-      prompt = (cache.prompt_k[layer], cache.prompt_v[layer], rows(cache.prompt_mask))
-      attend = lambda pieces: layers_lib.attend(q, pieces, KV_AXES)
-      whole = lambda: attend([prompt, (ring_k, ring_v, rows(mask))])
+      own = lambda pieces: layers_lib.attend_partial(q, pieces, KV_AXES)
+      whole = lambda: own([(ring_k, ring_v, rows(mask))])
 
       def window_of(n):
         if n == ring:
@@ -400,25 +333,26 @@ def slot_attention(
 
         def straight():
           cut = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, c - n + 1, n, axis)
-          piece = (cut(ring_k, _axis("s")), cut(ring_v, _axis("s")), rows(cut(mask, 1)))
-          return attend([prompt, piece])
+          return own([(cut(ring_k, _axis("s")), cut(ring_v, _axis("s")), rows(cut(mask, 1)))])
 
         def two_ends():
           part = lambda a, b: tuple(
             jax.lax.slice_in_dim(x, a, b, axis=axis)
             for x, axis in ((ring_k, _axis("s")), (ring_v, _axis("s")), (mask, 1))
           )
-          ends = [(k, v, rows(m)) for k, v, m in (part(0, n), part(ring - n, ring))]
-          return attend([prompt, *ends])
+          return own([(k, v, rows(m)) for k, v, m in (part(0, n), part(ring - n, ring))])
 
         return lambda: jax.lax.cond(c >= n - 1, straight, whole if 2 * n > ring else two_ends)
 
-      out = jax.lax.switch(index, [window_of(n) for n in lengths])
+      prompt = (prompts.k[layer], prompts.v[layer], prompts.mask)
+      out = shared_prompt.attend(q, prompt, entry, rank, members, own=jax.lax.switch(
+        index, [window_of(n) for n in lengths]
+      ), kv_axes=KV_AXES)  # fmt: skip
       return out, (ring_k, ring_v)
 
     return write_and_read
 
-  return attention, cache.prompt_mask.shape[1] + read
+  return attention, prompt_len + read
 
 
 def _on_shards(config, mesh, kernel, queries, prompt, ring, column, window):
