@@ -167,8 +167,9 @@ def test_kv_shardings_fit_a_real_cache(tiny):
 @pytest.mark.parametrize("mesh_shape, order", [(None, "sbhk"), ((2, 2, 2), "khbs")])
 def test_another_cache_layout_draws_the_same_tokens(tiny, monkeypatch, mesh_shape, order):
   """The caches' axis order is `slots.KV_AXES` alone: set to another order, every cache
-  array is laid out in it (sharded by it on a mesh, the prompt cache's rows too) and the pool draws the same tokens, with the same
-  log-probs, through refills, ring wrap-around and windowed reads; on the mesh also
+  array is laid out in it (sharded by it on a mesh, the prompt cache's rows too) and the
+  pool draws the same tokens, with the same log-probs, through refills, ring wrap-around
+  and windowed reads; on the mesh also
   through the Pallas kernel (interpreted off TPU), which reads its own order."""
   config, params = tiny
   mesh = sharding.make_mesh(*mesh_shape) if mesh_shape else None
