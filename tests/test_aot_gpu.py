@@ -78,7 +78,8 @@ def test_eight_gpu_train_step_all_reduces_the_gradients(monkeypatch):
 def test_pool_cache_stays_in_place_under_xla_gpu(monkeypatch):
   """The slot cache is updated in place by XLA:GPU too: before the pool ran its idle decode
   steps outside a `lax.cond` (`slots.in_place_under_cond`) and copied one prompt-cache entry
-  per refill (`slots.prompt_entry`), the segment's temporaries were 1.05x the cache. Under
+  per refill out of the sharded prompt cache, the segment's temporaries were 1.05x the
+  cache (the slots now hold only their rings). Under
   FSDP the decode loop moves no weight between GPUs: the rollout copy is whole along 'fsdp'
   (`sharding.rollout_param_shardings`; from the masters' layout XLA:GPU all-gathered the
   output table inside the loop), and no `[rows, V]` logits (drawn per vocabulary slice)."""
@@ -91,7 +92,7 @@ def test_pool_cache_stays_in_place_under_xla_gpu(monkeypatch):
   texts = _keep_texts(monkeypatch)
   out = programs.pool_programs(smp, programs.rollout_params(config, mesh), what="pool")
   kv, segment = out.slot_cache, out.segment
-  assert kv == 2 * 4 * (64 // 4) * (8 // 2) * (128 + 2048) * 128 * 2  # bf16 K, V per device
+  assert kv == 2 * 4 * (64 // 4) * (8 // 2) * 2048 * 128 * 2  # bf16 K, V rings per device
   assert segment.temp <= 0.25 * kv, segment.largest
   assert segment.alias >= kv  # the donated cache is the output's
   (run,) = [t for t in texts if "jit(run_segment)" in t]
