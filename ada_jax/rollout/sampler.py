@@ -245,9 +245,8 @@ class Sampler:
     self.stop_ids = tuple(int(t) for t in stop_ids)
     self.slots = self.chunk_rows = chunk_rows
     self.queue_rows = queue_rows or 4 * chunk_rows
-    # Rows of one prompt live at once, as a chunk holds them (C rows over its prompts); the
-    # driver holds more back (a row's tokens do not depend on when it runs). WIP, issue 52.
-    self.entry_rows = -(-chunk_rows // prompts_per_chunk)
+    # WIP (issue 52): the bound the host's admission is to keep; every slot for now.
+    self.entry_rows = self.slots
     self.prompt_entries = max(
       prompts_per_chunk, -(-prompts_per_chunk * self.queue_rows // chunk_rows)
     )
