@@ -225,6 +225,20 @@ def fuse_gate_up(gate: jax.Array, up: jax.Array, layout: str = "gdf") -> jax.Arr
   return jnp.stack([gate, up], axis=layout.index("g"))
 
 
+def _scores(q: jax.Array, pieces, kv_axes: str) -> jax.Array:
+  """`float32[B, K, G, T, sum S_i]`: each piece's scaled scores in the piece's own dtype
+  with float32 accumulation, `MASK_VALUE` where its mask is False, concatenated."""
+  b, t, _, h = q.shape
+  q = q.reshape(b, t, pieces[0][0].shape[kv_axes.index("k")], -1, h)
+  scores = []
+  for k, _, mask in pieces:
+    s = jnp.einsum(
+      f"btkgh,{kv_axes}->bkgts", q.astype(k.dtype), k, preferred_element_type=jnp.float32
+    )
+    scores.append(jnp.where(mask[:, None, None], s / math.sqrt(h), MASK_VALUE))
+  return jnp.concatenate(scores, -1)
+
+
 def attend(q: jax.Array, pieces, kv_axes: str = "bksh") -> jax.Array:
   """Attention of queries over keys held in several pieces, with one softmax over all.
 
@@ -245,15 +259,8 @@ def attend(q: jax.Array, pieces, kv_axes: str = "bksh") -> jax.Array:
     `[B, T, N, H]` in v's dtype.
   """
   b, t, n, h = q.shape
-  kh, columns = kv_axes.index("k"), kv_axes.index("s")
-  q = q.reshape(b, t, pieces[0][0].shape[kh], -1, h)
-  scores = []
-  for k, _, mask in pieces:
-    s = jnp.einsum(
-      f"btkgh,{kv_axes}->bkgts", q.astype(k.dtype), k, preferred_element_type=jnp.float32
-    )
-    scores.append(jnp.where(mask[:, None, None], s / math.sqrt(h), MASK_VALUE))
-  probs = jax.nn.softmax(jnp.concatenate(scores, -1), axis=-1)
+  columns = kv_axes.index("s")
+  probs = jax.nn.softmax(_scores(q, pieces, kv_axes), axis=-1)
   outs, start = [], 0
   for k, v, _ in pieces:
     # In v's dtype (XLA:CPU has no bf16 x bf16 -> f32 kernel for this dot); the pieces'
@@ -282,15 +289,8 @@ def attend_partial(q: jax.Array, pieces, kv_axes: str = "bksh"):
     scoring `MASK_VALUE` as in `attend`.
   """
   b, t, n, h = q.shape
-  kh, columns = kv_axes.index("k"), kv_axes.index("s")
-  q = q.reshape(b, t, pieces[0][0].shape[kh], -1, h)
-  scores = []
-  for k, _, mask in pieces:
-    s = jnp.einsum(
-      f"btkgh,{kv_axes}->bkgts", q.astype(k.dtype), k, preferred_element_type=jnp.float32
-    )
-    scores.append(jnp.where(mask[:, None, None], s / math.sqrt(h), MASK_VALUE))
-  scores = jnp.concatenate(scores, -1)
+  columns = kv_axes.index("s")
+  scores = _scores(q, pieces, kv_axes)
   top = scores.max(-1, keepdims=True)
   weights = jnp.exp(scores - top)
   acc, start = 0.0, 0
