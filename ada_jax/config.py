@@ -148,6 +148,13 @@ class RunConfig:
     return self.rule.min_rows(self.ada)
 
   @property
+  def max_rows_per_prompt(self) -> int:
+    """The most rows of one prompt decoding at once (`Rule.max_rows`: n for grpo and dapo,
+    M for pos and balance, est.n_max or twice est's mean quota for est): the rollout pool's
+    rows per prompt-cache entry, read together for their prompt (issue 52)."""
+    return self.rule.max_rows(self.ada)
+
+  @property
   def mini_batch_rows(self) -> int:
     """Rows of one mini-batch: `train.mini_batch_prompts` × `ada.n` (verl's
     ppo_mini_batch_size × rollout.n), or the whole training batch when that is 0."""

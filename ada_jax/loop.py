@@ -200,6 +200,7 @@ def _set_up(cfg: config_lib.RunConfig, workdir: str) -> _SetUp:
       cfg.sampler,
       stop_ids=tokenizer.eos_ids,
       rows_per_prompt=cfg.min_rows_per_prompt,
+      max_rows_per_prompt=cfg.max_rows_per_prompt,
       pad_id=tokenizer.pad_id,
       mesh=mesh,
     )

@@ -192,7 +192,7 @@ class Check:
         self.sizes.sampler_spec(slots), prompts_per_chunk=self.sizes.prompts_for(slots)
       )
       self._samplers[key] = sampler_lib.Sampler.from_spec(
-        cfg, spec, stop_ids=(cfg.vocab_size,), rows_per_prompt=1
+        cfg, spec, stop_ids=(cfg.vocab_size,), rows_per_prompt=self.sizes.rows_per_prompt
       )
     return self._samplers[key]
 

@@ -60,7 +60,7 @@ def main():
   for slots in [int(s) for s in ARGS.slots.split(",") if s]:
     spec = dataclasses.replace(FULL.sampler_spec(slots), prompts_per_chunk=FULL.prompts_for(slots))
     smp = sampler_lib.Sampler.from_spec(
-      cfg, spec, stop_ids=(cfg.vocab_size,), rows_per_prompt=1, mesh=mesh
+      cfg, spec, stop_ids=(cfg.vocab_size,), rows_per_prompt=FULL.rows_per_prompt, mesh=mesh
     )
     fns, args = programs.segment_args(smp, params)
     state = args[1]

@@ -15,6 +15,11 @@ from ada_jax.rollout import sampler as sampler_lib
 from ada_jax.rollout import slots as slots_lib
 
 S, K, G, H, LP, LR = 8, 2, 3, 128, 256, 1024
+# The slots' prompt-cache entries (of 5; entries 1 and 4 have no live row, slot 6 is free):
+# entry 2's three rows share its prompt, read once.
+ENTRY = np.array([0, 2, 3, 2, 0, 2, 1, 3], np.int32)
+LIVE = np.array([1, 1, 1, 1, 1, 1, 0, 1], bool)
+P, R = 5, 3
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +28,8 @@ def cache():
   normal = lambda k, shape: jax.random.normal(k, shape, jnp.float32)
   return dict(
     q=normal(ks[0], (S, 1, K * G, H)),
-    prompt=(normal(ks[1], (S, K, LP, H)), normal(ks[2], (S, K, LP, H))),
-    prompt_mask=jax.random.uniform(ks[3], (S, LP)) < 0.6,
+    prompt=(normal(ks[1], (P, K, LP, H)), normal(ks[2], (P, K, LP, H))),
+    prompt_mask=(jax.random.uniform(ks[3], (P, LP)) < 0.6).at[:, -1].set(True),
     ring=(normal(ks[4], (S, K, LR, H)), normal(ks[5], (S, K, LR, H))),
     ring_mask=jax.random.uniform(ks[6], (S, LR)) < 0.6,
   )
@@ -40,9 +45,11 @@ def _window_mask(column, window):
   "column, window", [(0, 1), (5, 3), (600, 256), (100, 100), (3, 700), (1000, 1024), (511, 512)]
 )
 def test_kernel_attends_like_xla_over_the_window(cache, column, window):
-  """The kernel's output equals `layers.attend` over the prompt and the ring window's
-  columns, whether the window wraps past column 0 or not; ring blocks outside the window
-  hold NaN (masked), so a block read that should not be would poison the output."""
+  """The kernel's output equals `layers.attend` over each live slot's own copy of its
+  entry's prompt and the ring window's columns, whether the window wraps past column 0 or
+  not (three rows share one entry's prompt, two entries have no live row); ring blocks
+  outside the window hold NaN (masked), so a block read that should not be would poison
+  the output."""
   c = cache
   inside = _window_mask(column, window)
   ring_mask = c["ring_mask"] & inside[None]
@@ -54,13 +61,14 @@ def test_kernel_attends_like_xla_over_the_window(cache, column, window):
   assert read[inside].all()
   poison = lambda x: jnp.where(jnp.asarray(read)[None, None, :, None], x, jnp.nan)
   out = decode_kernel.decode_attention(
-    c["q"], (*c["prompt"], c["prompt_mask"]), (*map(poison, c["ring"]), ring_mask),
-    jnp.int32(column), jnp.int32(window), interpret=True,
+    c["q"], (*c["prompt"], c["prompt_mask"]), (jnp.asarray(ENTRY), jnp.asarray(LIVE)),
+    (*map(poison, c["ring"]), ring_mask), jnp.int32(column), jnp.int32(window),
+    entry_rows=R, interpret=True,
   )  # fmt: skip
-  ref = layers.attend(
-    c["q"], [(*c["prompt"], c["prompt_mask"][:, None]), (*c["ring"], ring_mask[:, None])]
-  )
-  np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
+  copies = (*(x[ENTRY] for x in c["prompt"]), c["prompt_mask"][ENTRY][:, None])
+  ref = layers.attend(c["q"], [copies, (*c["ring"], ring_mask[:, None])])
+  np.testing.assert_allclose(out[LIVE], ref[LIVE], atol=2e-5, rtol=2e-5)
+  assert np.isfinite(np.asarray(out)).all()
 
 
 def test_kernel_schedule_reads_only_the_windows_blocks():

@@ -50,8 +50,10 @@ def test_kernel_ropes_writes_and_attends_like_xla_over_the_window(case):
   inv_freq = layers.rope_frequencies(
     model_lib.preset("tiny-llama").replace(head_dim=h, rope_theta=10000.0)
   )
-  prompt = (normal(ks[1], (s, k, lp, h)), normal(ks[2], (s, k, lp, h)))
-  prompt_mask = (jax.random.uniform(ks[3], (s, lp)) < 0.6) & (jnp.arange(s) > 0)[:, None]
+  # The prompt cache has s + 1 entries; the slots' rows point into them (some share one).
+  entry = jax.random.randint(ks[8], (s,), 0, s + 1)
+  prompt = (normal(ks[1], (s + 1, k, lp, h)), normal(ks[2], (s + 1, k, lp, h)))
+  prompt_mask = (jax.random.uniform(ks[3], (s + 1, lp)) < 0.6) & (jnp.arange(s + 1) > 0)[:, None]
   ring = (normal(ks[4], (s, k, lr, h)), normal(ks[5], (s, k, lr, h)))
   inside = _window_mask(column, window, lr)
   ring_mask = (jax.random.uniform(ks[6], (s, lr)) < 0.7) & inside[None]
@@ -70,10 +72,11 @@ def test_kernel_ropes_writes_and_attends_like_xla_over_the_window(case):
   poison = lambda x: jnp.where(jnp.asarray(read)[None, None, :, None], x, jnp.nan)
   stale = lambda x: poison(x.at[:, :, column].set(1e9))
   out, ring_k, ring_v = kernel.decode_step(
-    qkv, positions, inv_freq, (*prompt, prompt_mask), (*map(stale, ring), ring_mask),
-    jnp.int32(column), jnp.int32(window), interpret=True,
+    qkv, positions, inv_freq, (*prompt, prompt_mask), (entry, jnp.ones((s,), bool)),
+    (*map(stale, ring), ring_mask), jnp.int32(column), jnp.int32(window), interpret=True,
   )  # fmt: skip
-  ref = layers.attend(q, [(*prompt, prompt_mask[:, None]), (*written, ring_mask[:, None])])
+  copies = (prompt[0][entry], prompt[1][entry], prompt_mask[entry][:, None])
+  ref = layers.attend(q, [copies, (*written, ring_mask[:, None])])
   np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
   for got, want in zip((ring_k, ring_v), written, strict=True):
     np.testing.assert_allclose(got[:, :, column], want[:, :, column], atol=1e-6, rtol=1e-6)
@@ -98,6 +101,7 @@ def test_kernel_applies_to_multiples_of_16_only():
     kernel.decode_step(
       jnp.zeros((1, 1, 3, 32)), jnp.zeros((1,), jnp.int32), jnp.ones((16,)),
       (jnp.zeros((1, 1, 16, 32)),) * 2 + (jnp.ones((1, 16), bool),),
+      (jnp.zeros((1,), jnp.int32), jnp.ones((1,), bool)),
       (z, z, jnp.ones((1, 12), bool)), jnp.int32(0), jnp.int32(1), interpret=True,
     )  # fmt: skip
 
@@ -114,11 +118,13 @@ def test_xla_gpu_compiles_the_kernel_ahead_of_time():
     shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device)
   )
   s, k, g, h, lp, lr = 64, 2, 6, 128, 512, 256
-  kv = lambda n: (put((s, k, n, h)), put((s, k, n, h)), put((s, n), jnp.bool_))
-  fn = jax.jit(kernel.decode_step, donate_argnums=(4,))
+  kv = lambda n, rows=s: (put((rows, k, n, h)),) * 2 + (put((rows, n), jnp.bool_),)
+  fn = jax.jit(kernel.decode_step, donate_argnums=(5,))
+  rows = (put((s,), jnp.int32), put((s,), jnp.bool_))
   program = compiler.compile_program(
-    fn, put((s, k, g + 2, h)), put((s,), jnp.int32), put((h // 2,), jnp.float32), kv(lp),
-    kv(lr), put((), jnp.int32), put((), jnp.int32), what="decode attention", keep_hlo=True,
+    fn, put((s, k, g + 2, h)), put((s,), jnp.int32), put((h // 2,), jnp.float32),
+    kv(lp, s // 4), rows, kv(lr), put((), jnp.int32),
+    put((), jnp.int32), what="decode attention", keep_hlo=True,
   )  # fmt: skip
   calls = [line for line in program.hlo.splitlines() if "custom_call_target" in line]
   assert len(calls) == 1 and "triton" in calls[0], calls

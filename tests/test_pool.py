@@ -1,6 +1,7 @@
 """The slot pool: refills, the budget, long queues, cancellation, mixed prompt lengths, and
 tokens that do not depend on the schedule (pool size, refill, queue length)."""
 
+import collections
 import pathlib
 
 import hypothesis
@@ -127,6 +128,32 @@ def test_running_idle_decode_steps_draws_the_same_tokens(tiny, monkeypatch, mesh
   assert len(set(skipped["lengths"].tolist())) > 2  # rows end at different steps
   _assert_same_draw(always, skipped, atol=1e-6)
   assert (always_stats.kv_read, always_stats.kv_useful) == (stats.kv_read, stats.kv_useful)
+
+
+def test_rows_decode_in_their_prompts_row_shard(tiny):
+  """On a 2 x 2 x 2 mesh the slots and the prompt-cache entries are both split over the 4
+  row shards (data x fsdp): every live row sits in a slot of its entry's shard, at every
+  segment, and draws what it draws on one device (entries spread over the shards)."""
+  config, params = tiny
+  mesh = sharding.make_mesh(2, 2, 2)
+  rows = np.random.default_rng(3).integers(0, 4, 40)
+  kw = dict(max_new_tokens=6, stop_ids=STOPS, prompt_buckets=(8,), segment_steps=2)
+  kw |= dict(chunk_rows=8, prompts_per_chunk=4, queue_rows=8, entry_rows=4)
+  kw |= dict(rule=sampler_lib.SamplingRule(temperature=1.0))
+  one, _ = sampler_lib.Sampler(config, **kw).generate(params, PROMPTS, rows, jax.random.key(5))
+  smp = sampler_lib.Sampler(config, mesh=mesh, **kw)
+  assert smp.programs(8).row_shards == 4
+  driver = smp.pool(params, jax.random.key(5), 8)
+  pending, entry_of, finished, shards_used = collections.deque(range(len(rows))), {}, [], set()
+  while pending or driver.busy:
+    finished += driver.advance(PROMPTS, rows, pending, entry_of)
+    live, entry = np.asarray(driver.state.live), np.asarray(driver.state.entry)
+    slot_shard = np.arange(8) // 2
+    np.testing.assert_array_equal((entry // (smp.prompt_entries // 4))[live], slot_shard[live])
+    shards_used |= set(slot_shard[live].tolist())
+  assert shards_used == {0, 1, 2, 3}
+  got = sampler_lib.response_arrays(finished, len(rows), 6)
+  _assert_same_draw(got, one, atol=1e-5)
 
 
 @pytest.mark.timeout(300, method="thread")  # a livelock fails instead of hanging

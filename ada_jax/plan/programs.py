@@ -131,9 +131,13 @@ def rollout_sampler(
   """The run's rollout sampler, built as `loop.train_run` builds it; at `slots` slots
   when given (`SamplerSpec.with_slots`)."""
   spec = cfg.sampler if slots is None else cfg.sampler.with_slots(slots)
-  rows = cfg.min_rows_per_prompt
   return sampler_lib.Sampler.from_spec(
-    model_cfg, spec, stop_ids=(0,), rows_per_prompt=rows, mesh=mesh
+    model_cfg,
+    spec,
+    stop_ids=(0,),
+    rows_per_prompt=cfg.min_rows_per_prompt,
+    max_rows_per_prompt=cfg.max_rows_per_prompt,
+    mesh=mesh,
   )
 
 

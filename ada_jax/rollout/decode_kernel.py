@@ -5,15 +5,17 @@ scores to HBM and reads them back for the softmax and the value sum: for grouped
 attention with G query heads per kv head that is 4 G bytes per cache column against the
 512 bytes of a column's bf16 keys and values (H = 128), 10-25 % of a decode step's HBM
 traffic at the paper's sizes (XLA:TPU's cost analysis; docs/tpu.md section 7). Here each
-block of keys and values is copied into VMEM once and the scores never leave it: an
-online softmax over the slot's prompt columns, then over the blocks of its response ring
-that the longest live row has written, read in ring order from the block holding the
-window's first column (a window that wraps past column 0 is just a rotation). Blocks
-outside the window are never copied: their grid steps repeat the last block's index,
-which Pallas does not copy again.
+block of keys and values is copied into VMEM once and the scores never leave it, in two
+calls (the two-level form of shared-prompt decode, issue 52): an online softmax of each
+prompt-cache entry's live rows over its prompt, read once for all of them
+(`prompt_attention`: the entry of each grid step a scalar prefetched), then, per slot,
+that softmax continued over the blocks of the slot's response ring that the longest live
+row has written, read in ring order from the block holding the window's first column (a
+window that wraps past column 0 is just a rotation). Blocks no step needs are never
+copied: their grid steps repeat the last block's index, which Pallas does not copy again.
 
-Shape letters as in `models.decoder`: S slots, K kv heads, G query heads per kv head, H
-head dim, Lp prompt columns, Lr ring columns.
+Shape letters as in `models.decoder`: S slots, P prompt-cache entries, R rows per entry,
+K kv heads, G query heads per kv head, H head dim, Lp prompt columns, Lr ring columns.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ada_jax.models.layers import MASK_VALUE
+from ada_jax.rollout import shared_prompt
 
 # Cache columns per block (the largest that divides the piece, else the whole piece): a
 # key block of 8 slots x 512 columns x 128 dims in bf16 is 1 MiB of VMEM.
@@ -69,25 +72,26 @@ def columns_read(
   return ring_schedule(column, window, ring, block)[1] * block
 
 
-def _kernel(
-  schedule,
-  q_ref,
-  pk_ref,
-  pv_ref,
-  pm_ref,
-  rk_ref,
-  rv_ref,
-  rm_ref,
-  o_ref,
-  row_max,
-  row_sum,
-  acc,
-  *,
-  prompt_blocks,
-  scale,
+def _online_update(q, k, v, mask, row_max, row_sum, acc, scale):
+  """One block of the online softmax: queries `[B, G, H]` against keys and values `[B, L,
+  H]` (mask `bool[B, L]`) into the running max, sum and value sum (VMEM refs)."""
+  s = jnp.einsum("bgh,blh->bgl", q, k, preferred_element_type=jnp.float32) * scale
+  s = jnp.where(mask[:, None, :], s, MASK_VALUE)
+  m_new = jnp.maximum(row_max[...], s.max(-1, keepdims=True))
+  p = jnp.exp(s - m_new)
+  alpha = jnp.exp(row_max[...] - m_new)
+  row_sum[...] = alpha * row_sum[...] + p.sum(-1, keepdims=True)
+  pv = jnp.einsum("bgl,blh->bgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  acc[...] = alpha * acc[...] + pv
+  row_max[...] = m_new
+
+
+def _prompt_kernel(
+  schedule, q_ref, k_ref, v_ref, m_ref, o_ref, lse_ref, row_max, row_sum, acc, *, scale
 ):
-  """One (slot block, kv head) over grid steps j: prompt blocks, then ring blocks."""
-  j = pl.program_id(2)
+  """One (entry, kv head) over grid steps j, its prompt's blocks: the R rows' G heads as
+  R·G query rows. A dead entry computes nothing and writes lse = MASK_VALUE, out = 0."""
+  e, j = pl.program_id(0), pl.program_id(2)
 
   @pl.when(j == 0)
   def _():
@@ -95,50 +99,144 @@ def _kernel(
     row_sum[...] = jnp.zeros(row_sum.shape, jnp.float32)
     acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
-  def update(k_ref, v_ref, mask_ref):
-    q = q_ref[:, 0]  # [Sb, G, H]
-    s = jnp.einsum("sgh,slh->sgl", q, k_ref[:, 0], preferred_element_type=jnp.float32) * scale
-    s = jnp.where(mask_ref[...][:, None, :], s, MASK_VALUE)
-    m_new = jnp.maximum(row_max[...], s.max(-1, keepdims=True))
-    p = jnp.exp(s - m_new)
-    alpha = jnp.exp(row_max[...] - m_new)
-    row_sum[...] = alpha * row_sum[...] + p.sum(-1, keepdims=True)
-    v = v_ref[:, 0]
-    pv = jnp.einsum("sgl,slh->sgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    acc[...] = alpha * acc[...] + pv
-    row_max[...] = m_new
-
-  @pl.when(j < prompt_blocks)
+  @pl.when(schedule[0, e] > 0)
   def _():
-    update(pk_ref, pv_ref, pm_ref)
+    _online_update(q_ref[0], k_ref[0], v_ref[0], m_ref[...], row_max, row_sum, acc, scale)
 
-  @pl.when((j >= prompt_blocks) & (j - prompt_blocks < schedule[1]))
+  @pl.when(j == pl.num_programs(2) - 1)
   def _():
-    update(rk_ref, rv_ref, rm_ref)
+    total = row_sum[...]
+    some = total > 0
+    o_ref[0] = jnp.where(some, acc[...] / jnp.where(some, total, 1.0), 0.0).astype(o_ref.dtype)
+    lse_ref[0] = jnp.where(some, row_max[...] + jnp.log(jnp.where(some, total, 1.0)), MASK_VALUE)
+
+
+def _ring_kernel(
+  schedule, q_ref, po_ref, plse_ref, k_ref, v_ref, m_ref, o_ref, row_max, row_sum, acc, *, scale
+):
+  """One (slot block, kv head) over grid steps j, the ring window's blocks, from the
+  softmax over the slot's prompt (normalised output and log-sum-exp: max lse, sum 1)."""
+  j = pl.program_id(2)
+
+  @pl.when(j == 0)
+  def _():
+    row_max[...] = plse_ref[:, 0]
+    row_sum[...] = jnp.ones(row_sum.shape, jnp.float32)
+    acc[...] = po_ref[:, 0].astype(jnp.float32)
+
+  @pl.when(j < schedule[1])
+  def _():
+    _online_update(q_ref[:, 0], k_ref[:, 0], v_ref[:, 0], m_ref[...], row_max, row_sum, acc, scale)
 
   @pl.when(j == pl.num_programs(2) - 1)
   def _():
     o_ref[:, 0] = (acc[...] / row_sum[...]).astype(o_ref.dtype)
 
 
+def _scratch(rows: int, g: int, h: int):
+  return [
+    pltpu.VMEM((rows, g, 1), jnp.float32),
+    pltpu.VMEM((rows, g, 1), jnp.float32),
+    pltpu.VMEM((rows, g, h), jnp.float32),
+  ]
+
+
+def _nbytes(*xs) -> int:
+  return sum(x.size * x.dtype.itemsize for x in xs)
+
+
+def prompt_attention(q, prompt, rows, *, entry_rows: int, interpret: bool = False):
+  """The softmax of every slot's query over its prompt, read once per prompt-cache entry
+  for all the entry's live rows (issue 52): grid (entry, kv head, prompt block), the R
+  rows' G query heads one block of R·G query rows. A dead entry's steps repeat the block
+  index of the last live entry before it, which Pallas does not copy again, so the bytes
+  read are the live entries' prompts.
+
+  Args:
+    q: `[S, 1, K * G, H]` queries (after RoPE).
+    prompt: (keys `[P, K, Lp, H]`, values, mask `bool[P, Lp]`), the prompt cache's entries.
+    rows: (`entry` `int32[S]` each slot's entry, `live` `bool[S]` slots whose row goes on).
+    entry_rows: R, the most live rows an entry has (`shared_prompt.group_by_entry`).
+    interpret: run in Pallas' interpreter.
+
+  Returns:
+    (`[S, K, G, H]` each slot's attention over its prompt in q's dtype, `float32[S, K, G,
+    1]` its log-sum-exp, MASK_VALUE for a slot whose entry has no live row).
+  """
+  pk, pv, pm = prompt
+  entry, live = rows
+  members, rank = shared_prompt.group_by_entry(entry, live, pk.shape[0], entry_rows)
+  s, _, n, h = q.shape
+  entries, kh, lp = pk.shape[0], pk.shape[1], pk.shape[2]
+  g, r = n // kh, members.shape[1]
+  grouped = q[jnp.minimum(members, s - 1), 0].reshape(entries, r, kh, g, h)
+  grouped = grouped.transpose(0, 2, 1, 3, 4).reshape(entries, kh, r * g, h)
+  live = (members < s).any(1)  # entries with a live row
+  # The entry whose blocks a step reads: its own when live, else the last live one's.
+  last = jax.lax.cummax(jnp.where(live, jnp.arange(entries), -1))
+  source = jnp.maximum(last, 0)
+  schedule = jnp.stack([live.astype(jnp.int32), source]).astype(jnp.int32)
+  bp = column_block(lp)
+  jp = lp // bp
+  at = lambda e, k, j, sch: (
+    sch[1, e],
+    jnp.where(sch[0, e] > 0, k, kh - 1),
+    jnp.where(sch[0, e] > 0, j, jp - 1),
+  )
+  kv = pl.BlockSpec((1, 1, bp, h), lambda e, k, j, sch: (*at(e, k, j, sch), 0))
+  mask = pl.BlockSpec((1, bp), lambda e, k, j, sch: (at(e, k, j, sch)[0], at(e, k, j, sch)[2]))
+  rows = pl.BlockSpec((1, 1, r * g, h), lambda e, k, j, sch: (e, k, 0, 0))
+  lse = pl.BlockSpec((1, 1, r * g, 1), lambda e, k, j, sch: (e, k, 0, 0))
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+    num_scalar_prefetch=1,
+    grid=(entries, kh, jp),
+    in_specs=[rows, kv, kv, mask],
+    out_specs=[rows, lse],
+    scratch_shapes=_scratch(1, r * g, h),
+  )
+  # Declared as XLA would count it: every operand whole.
+  cost = pl.CostEstimate(
+    flops=4 * entries * r * n * lp * h,
+    transcendentals=entries * r * n * lp,
+    bytes_accessed=_nbytes(pk, pv, pm) + 2 * _nbytes(grouped),
+  )
+  out, lse_out = pl.pallas_call(
+    functools.partial(_prompt_kernel, scale=1.0 / math.sqrt(h)),
+    grid_spec=grid_spec,
+    out_shape=[
+      jax.ShapeDtypeStruct(grouped.shape, q.dtype),
+      jax.ShapeDtypeStruct((entries, kh, r * g, 1), jnp.float32),
+    ],
+    compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+    cost_estimate=cost,
+    interpret=interpret,
+  )(schedule, grouped, pk, pv, pm)
+  slot_rows = lambda x: x.reshape(entries, kh, r, g, -1)[entry, :, jnp.minimum(rank, r - 1)]
+  return slot_rows(out), slot_rows(lse_out)
+
+
 def decode_attention(
   q: jax.Array,
   prompt: tuple[jax.Array, jax.Array, jax.Array],
+  rows: tuple[jax.Array, jax.Array],
   ring: tuple[jax.Array, jax.Array, jax.Array],
   column: jax.Array,
   window: jax.Array,
   *,
+  entry_rows: int,
   interpret: bool = False,
 ) -> jax.Array:
   """One decode step's attention of every slot over its prompt and its ring window.
 
-  Equal, up to rounding, to `layers.attend(q, [prompt piece, ring window piece])` as
-  `slots.slot_attention` reads them. Runs on one device's shard (`slots` maps it over the
-  mesh with `shard_map`).
+  Equal, up to rounding, to `layers.attend(q, [the slot's prompt, ring window piece])` as
+  `slots.slot_attention` reads them. Two calls: `prompt_attention` (each prompt read once
+  for its live rows), then the ring's blocks continue that softmax from its output and
+  log-sum-exp. Runs on one device's shard (`slots` maps it over the mesh with
+  `shard_map`: the shard's slots and the entries they read).
 
   Args:
     q: `[S, 1, K * G, H]` queries (after RoPE), query heads grouped under their kv head.
-    prompt: (keys `[S, K, Lp, H]`, values `[S, K, Lp, H]`, mask `bool[S, Lp]`).
+    prompt, rows, entry_rows: as `prompt_attention`.
     ring: (keys `[S, K, Lr, H]`, values `[S, K, Lr, H]`, mask `bool[S, Lr]`), this
       step's column already written.
     column: `int32[]` the ring column this step wrote (the window's last column).
@@ -148,56 +246,43 @@ def decode_attention(
   Returns:
     `[S, 1, K * G, H]` in q's dtype.
   """
-  pk, pv, pm = prompt
   rk, rv, rm = ring
   s, _, n, h = q.shape
-  kh, lp, lr = pk.shape[1], pk.shape[2], rk.shape[2]
-  q = q.reshape(s, kh, n // kh, h)
-  bp, br = column_block(lp), column_block(lr)
-  jp, jr = lp // bp, lr // br
+  kh, lr = rk.shape[1], rk.shape[2]
+  g = n // kh
+  prompt_out, prompt_lse = prompt_attention(
+    q, prompt, rows, entry_rows=entry_rows, interpret=interpret
+  )
+  q = q.reshape(s, kh, g, h)
+  br = column_block(lr)
+  jr = lr // br
   schedule = ring_schedule(column, window, lr)
-  prompt_block = lambda j: jnp.minimum(j, jp - 1)
-  ring_block = lambda j, sch: (sch[0] + jnp.clip(j - jp, 0, sch[1] - 1)) % jr
+  ring_block = lambda j, sch: (sch[0] + jnp.minimum(j, sch[1] - 1)) % jr
   sb = SLOT_BLOCK if s % SLOT_BLOCK == 0 else s
-  kv = lambda cols, at: pl.BlockSpec((sb, 1, cols, h), lambda i, k, j, sch: (i, k, at(j, sch), 0))
-  mask = lambda cols, at: pl.BlockSpec((sb, cols), lambda i, k, j, sch: (i, at(j, sch)))
-  at_prompt = lambda j, sch: prompt_block(j)
-  heads = pl.BlockSpec((sb, 1, n // kh, h), lambda i, k, j, sch: (i, k, 0, 0))
+  kv = pl.BlockSpec((sb, 1, br, h), lambda i, k, j, sch: (i, k, ring_block(j, sch), 0))
+  mask = pl.BlockSpec((sb, br), lambda i, k, j, sch: (i, ring_block(j, sch)))
+  heads = pl.BlockSpec((sb, 1, g, h), lambda i, k, j, sch: (i, k, 0, 0))
+  lse = pl.BlockSpec((sb, 1, g, 1), lambda i, k, j, sch: (i, k, 0, 0))
   grid_spec = pltpu.PrefetchScalarGridSpec(
     num_scalar_prefetch=1,
-    grid=(s // sb, kh, jp + jr),
-    in_specs=[
-      heads,
-      kv(bp, at_prompt),
-      kv(bp, at_prompt),
-      mask(bp, at_prompt),
-      kv(br, ring_block),
-      kv(br, ring_block),
-      mask(br, ring_block),
-    ],
+    grid=(s // sb, kh, jr),
+    in_specs=[heads, heads, lse, kv, kv, mask],
     out_specs=heads,
-    scratch_shapes=[
-      pltpu.VMEM((sb, n // kh, 1), jnp.float32),
-      pltpu.VMEM((sb, n // kh, 1), jnp.float32),
-      pltpu.VMEM((sb, n // kh, h), jnp.float32),
-    ],
+    scratch_shapes=_scratch(sb, g, h),
   )
-  columns = lp + lr
-  # XLA counts a custom call by the cost it declares. Declared: every operand whole, the
-  # worst case (a window of the whole ring) and what XLA's own per-operand accounting of
-  # this call lists; a shorter window reads fewer ring blocks.
-  nbytes = lambda *xs: sum(x.size * x.dtype.itemsize for x in xs)
+  # Declared: every operand whole, the worst case (a window of the whole ring) and what
+  # XLA's own per-operand accounting of this call lists; a shorter window reads fewer.
   cost = pl.CostEstimate(
-    flops=4 * s * n * columns * h,
-    transcendentals=s * n * columns,
-    bytes_accessed=nbytes(pk, pv, pm, rk, rv, rm) + 2 * nbytes(q),
+    flops=4 * s * n * lr * h,
+    transcendentals=s * n * lr,
+    bytes_accessed=_nbytes(rk, rv, rm, prompt_out, prompt_lse) + 2 * _nbytes(q),
   )
   out = pl.pallas_call(
-    functools.partial(_kernel, prompt_blocks=jp, scale=1.0 / math.sqrt(h)),
+    functools.partial(_ring_kernel, scale=1.0 / math.sqrt(h)),
     grid_spec=grid_spec,
     out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
     compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
     cost_estimate=cost,
     interpret=interpret,
-  )(schedule, q, pk, pv, pm, rk, rv, rm)
+  )(schedule, q, prompt_out, prompt_lse, rk, rv, rm)
   return out.reshape(s, 1, n, h)

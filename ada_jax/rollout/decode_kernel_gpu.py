@@ -72,8 +72,8 @@ def columns_read(column: jax.Array, window: jax.Array, ring: int) -> jax.Array:
 
 
 def _kernel(
-  scalars_ref, position_ref, freq_ref, qkv_ref, pk_ref, pv_ref, pm_ref, rk_ref, rv_ref, rm_ref,
-  o_ref, ok_ref, ov_ref, *, rows, scale,
+  scalars_ref, position_ref, entry_ref, freq_ref, qkv_ref, pk_ref, pv_ref, pm_ref, rk_ref, rv_ref,
+  rm_ref, o_ref, ok_ref, ov_ref, *, rows, scale,
 ):  # fmt: skip
   """One (slot, kv head): RoPE, the new column's write, then one softmax over the new
   token, the prompt's blocks and the ring window's."""
@@ -97,17 +97,20 @@ def _kernel(
   here = pl.ds(column, 1)
   ok_ref[here, lo], ok_ref[here, hi], ov_ref[here, :] = k1, k2, v
 
-  def update(k_ref, v_ref, m_ref, block, skip):
+  def update(k_ref, v_ref, m_ref, block, skip, at=()):
+    # `at`: the leading indices of a prompt-cache entry's block, in the same indexer as the
+    # columns (Triton's lowering takes one indexer per load).
     def step(i, carry):
       acc, row_max, row_sum = carry
       cols = pl.ds(i * block, block)
-      keep = (m_ref[cols] != 0) & (i * block + jnp.arange(block) != skip)
-      s = pl.dot(q1, k_ref[cols, lo], trans_b=True) + pl.dot(q2, k_ref[cols, hi], trans_b=True)
+      keep = (m_ref[(*at[:1], cols)] != 0) & (i * block + jnp.arange(block) != skip)
+      k = lambda part: k_ref[(*at, cols, part)]
+      s = pl.dot(q1, k(lo), trans_b=True) + pl.dot(q2, k(hi), trans_b=True)
       s = jnp.where(keep[None, :], s * scale, MASK_VALUE)  # [rows, block] float32
       new_max = jnp.maximum(row_max, s.max(axis=1))
       p = jnp.exp(s - new_max[:, None])
       alpha = jnp.exp(row_max - new_max)
-      v = v_ref[cols, :]
+      v = v_ref[(*at, cols, slice(None))]
       acc = alpha[:, None] * acc + pl.dot(p.astype(v.dtype), v)
       return acc, new_max, alpha * row_sum + p.sum(axis=1)
 
@@ -118,9 +121,10 @@ def _kernel(
   mine = (f32(q1) * f32(k1)).sum(axis=1) + (f32(q2) * f32(k2)).sum(axis=1)
   mine = jnp.where(rm_ref[column] != 0, mine * scale, MASK_VALUE)
   carry = (jnp.broadcast_to(f32(v), (rows, h)), mine, jnp.ones((rows,), jnp.float32))
-  lp, lr = pk_ref.shape[0], rk_ref.shape[0]
+  lp, lr = pk_ref.shape[2], rk_ref.shape[0]
   bp, br = column_block(lp), column_block(lr)
-  carry = jax.lax.fori_loop(0, lp // bp, update(pk_ref, pv_ref, pm_ref, bp, -1), carry)
+  at = (entry_ref[0], pl.program_id(1))  # the slot's entry, the program's kv head
+  carry = jax.lax.fori_loop(0, lp // bp, update(pk_ref, pv_ref, pm_ref, bp, -1, at), carry)
   ring_step = update(rk_ref, rv_ref, rm_ref, br, column)
   carry = jax.lax.fori_loop(0, count, lambda i, c: ring_step((first + i) % (lr // br), c), carry)
   acc, _, row_sum = carry
@@ -132,10 +136,12 @@ def decode_step(
   positions: jax.Array,
   inv_freq: jax.Array,
   prompt: tuple[jax.Array, jax.Array, jax.Array],
+  rows: tuple[jax.Array, jax.Array],
   ring: tuple[jax.Array, jax.Array, jax.Array],
   column: jax.Array,
   window: jax.Array,
   *,
+  entry_rows: int = 0,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """One decode step's attention of every slot: RoPE, the write of the new key and value
@@ -150,7 +156,10 @@ def decode_step(
     qkv: `[S, K, G + 2, H]` the layer's projections before RoPE (`layers.Attention`).
     positions: `int32[S]` the new token's position in each slot's row.
     inv_freq: `float32[H // 2]` (`layers.rope_frequencies`).
-    prompt: (keys `[S, K, Lp, H]`, values `[S, K, Lp, H]`, mask `bool[S, Lp]`).
+    prompt: (keys `[P, K, Lp, H]`, values `[P, K, Lp, H]`, mask `bool[P, Lp]`), the
+      prompt-cache entries, read whole by each program at its slot's entry.
+    rows: (`entry` `int32[S]` each slot's entry, `live` `bool[S]`: unused, as
+      `entry_rows`: the TPU kernel's grouping is not this one's).
     ring: (keys `[S, K, Lr, H]`, values `[S, K, Lr, H]` before this step's write, mask
       `bool[S, Lr]` after it: True at `column` for a live slot).
     column: `int32[]` the ring column this step writes (the window's last column).
@@ -164,6 +173,7 @@ def decode_step(
     ValueError: Lp or Lr not a multiple of 16, or H not a power of two >= 32 (`applies`).
   """
   pk, pv, pm = prompt
+  entry = rows[0].astype(jnp.int32)
   rk, rv, rm = ring
   s, kh, g2, h = qkv.shape
   lp, lr = pk.shape[2], rk.shape[2]
@@ -177,6 +187,7 @@ def decode_step(
   pm, rm = pm.astype(jnp.int8), rm.astype(jnp.int8)
   kv = lambda cols: pl.BlockSpec((None, None, cols, h), lambda i, k: (i, k, 0, 0))
   mask = lambda cols: pl.BlockSpec((None, cols), lambda i, k: (i, 0))
+  entries = lambda x: pl.BlockSpec(x.shape, lambda i, k: (0,) * x.ndim)
   whole = lambda n: pl.BlockSpec((n,), lambda i, k: (0,))
   heads = lambda n: pl.BlockSpec((None, None, n, h), lambda i, k: (i, k, 0, 0))
   rows = max(16, 1 << (g - 1).bit_length())
@@ -189,11 +200,12 @@ def decode_step(
     in_specs=[
       whole(3),
       pl.BlockSpec((1,), lambda i, k: (i,)),
+      pl.BlockSpec((1,), lambda i, k: (i,)),
       whole(h // 2),
       heads(g2),
-      kv(lp),
-      kv(lp),
-      mask(lp),
+      entries(pk),
+      entries(pv),
+      entries(pm),
       kv(lr),
       kv(lr),
       mask(lr),
@@ -204,7 +216,7 @@ def decode_step(
       jax.ShapeDtypeStruct(rk.shape, rk.dtype),
       jax.ShapeDtypeStruct(rv.shape, rv.dtype),
     ],
-    input_output_aliases={7: 1, 8: 2},
+    input_output_aliases={8: 1, 9: 2},
     compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
     cost_estimate=pl.CostEstimate(
       flops=4 * s * kh * g * (lp + lr) * h,
@@ -212,5 +224,5 @@ def decode_step(
       bytes_accessed=nbytes(pk, pv, pm, rk, rv, rm) + nbytes(qkv) + nbytes(out_shape),
     ),
     interpret=interpret,
-  )(scalars, positions.astype(jnp.int32), inv_freq, qkv, pk, pv, pm, rk, rv, rm)
+  )(scalars, positions.astype(jnp.int32), entry, inv_freq, qkv, pk, pv, pm, rk, rv, rm)
   return out.reshape(s, 1, kh * g, h), rk, rv

@@ -30,7 +30,6 @@ from ada_jax.models import decoder as model_lib
 from ada_jax.models import layers as layers_lib
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.decoder import ModelConfig, Params
-from ada_jax.rollout import shared_prompt
 from ada_jax.rollout import slots as slots_lib
 from ada_jax.rollout.rule import SamplingRule
 from ada_jax.rollout.slots import PromptCache
@@ -282,10 +281,8 @@ def decode_step(
   c = s.cache
   mask = jax.lax.dynamic_update_slice(c.mask, still[:, None], (0, c.column))
   window = jnp.max(jnp.where(still, s.length, 1))  # ring columns of the longest live row
-  groups = shared_prompt.group_by_entry(s.entry, still, prompts.mask.shape[0], entry_rows)
-  groups = (s.entry, *groups[::-1])
   attention, read = slots_lib.slot_attention(
-    c, prompts, groups, mask, window, attention_block, config, mesh
+    c, prompts, (s.entry, still, entry_rows), mask, window, attention_block, config, mesh
   )
   logits, kvs = model_lib.forward(
     config, params, token[:, None], (s.prompt_len + s.length - 1)[:, None], attention
@@ -381,8 +378,9 @@ def run_segment(
 ) -> tuple[SlotState, jax.Array]:
   """Decodes the pool for one segment (pure; jit with everything after `key` static).
 
-  Each step: free slots take the next queued rows (in queue order), then
-  `draw_and_decode`: every live slot draws one token, rows that drew a stop token or
+  Each step: free slots take the next queued rows (in queue order among the rows of
+  their row shard: a row decodes on the devices that hold its prompt's entry,
+  `slots.row_shards`), then `draw_and_decode`: every live slot draws one token, rows that drew a stop token or
   reached the budget Lr finish, and one decode step runs for the slots still live,
   attending over the cache blocks up to the longest of them.
 
@@ -403,22 +401,27 @@ def run_segment(
       outputs replicated (every process reads every row).
 
   Returns:
-    (the pool after the segment, `int32[]` queue rows started, i.e. consumed).
+    (the pool after the segment, `bool[Q]` the queue rows started, i.e. consumed).
   """
+
+  n_slots, n_queue = state.live.shape[0], queue.prompt.shape[0]
+  d = slots_lib.row_shards(config, mesh, n_slots, prompts.mask.shape[0])
+  shard, rank, count = _queue_by_shard(queue, prompts.mask.shape[0] // d, d)
+  order = jnp.zeros((d, n_queue), jnp.int32).at[shard, rank].set(jnp.arange(n_queue), mode="drop")
 
   def cond(carry):
     i, head, s = carry
-    pending = head < queue.count
+    pending = jnp.any(head < count)
     return (i < segment_steps) & (jnp.any(s.live) | pending) & ~(~pending & queue.more)
 
   def body(carry):
     i, head, s = carry
-    free = ~s.live
-    rank = jnp.cumsum(free) - 1
-    take = free & (head + rank < queue.count)
-    qi = jnp.clip(head + rank, 0, queue.prompt.shape[0] - 1)
-    s = _refill(config, params, s, prompts, queue, take, qi, mesh)
-    head = head + take.sum(dtype=jnp.int32)
+    free = (~s.live).reshape(d, n_slots // d)
+    nxt = head[:, None] + jnp.cumsum(free, 1) - 1
+    take = free & (nxt < count[:, None])
+    qi = order[jnp.arange(d)[:, None], jnp.clip(nxt, 0, n_queue - 1)]
+    s = _refill(config, params, s, prompts, queue, take.reshape(-1), qi.reshape(-1), mesh)
+    head = head + take.sum(1, dtype=jnp.int32)
     s = draw_and_decode(
       config, params, s, prompts, key, rule=rule, stop_ids=stop_ids,
       attention_block=attention_block, entry_rows=entry_rows, mesh=mesh,
@@ -427,11 +430,22 @@ def run_segment(
 
   state = state.replace(live=state.live & ~queue.cancel)
   _, head, state = jax.lax.while_loop(
-    cond, body, (jnp.zeros((), jnp.int32), 0 * queue.count, state)
+    cond, body, (jnp.zeros((), jnp.int32), jnp.zeros((d,), jnp.int32), state)
   )
+  started = (shard < d) & (rank < head[jnp.minimum(shard, d - 1)])
   if mesh is not None:  # every process reads the outputs and the slots' bookkeeping
     rep = sharding_lib.replicated(mesh)
     host_read = [f.name for f in dataclasses.fields(state) if f.name not in ("cache", "logits")]
     state = state.replace(**{f: _constrain(getattr(state, f), rep) for f in host_read})
-    head = _constrain(head, rep)
-  return state, head
+    started = _constrain(started, rep)
+  return state, started
+
+
+def _queue_by_shard(queue: Queue, entries_per_shard: int, shards: int):
+  """Each queued row's row shard (its entry's: `slots.row_shards`; `shards` for padding),
+  its place in queue order among its shard's rows, and `int32[D]` rows per shard."""
+  real = jnp.arange(queue.prompt.shape[0]) < queue.count
+  shard = jnp.where(real, queue.prompt // entries_per_shard, shards)
+  ones = (shard[:, None] == jnp.arange(shards)).astype(jnp.int32)  # [Q, D]
+  rank = jnp.take_along_axis(jnp.cumsum(ones, 0) - 1, jnp.minimum(shard, shards - 1)[:, None], 1)
+  return shard, rank[:, 0], ones.sum(0)

@@ -109,7 +109,7 @@ class SlotDriver:
       raise ValueError(f"{len(prompts)} prompts for {len(self.free_entries)} free prompt entries")
     if any(len(p) == 0 for p in prompts):
       raise ValueError("an empty prompt cannot be prefilled")
-    entries = [self.free_entries.pop(0) for _ in prompts]
+    entries = [self._free_entry() for _ in prompts]
     # Launches of a fixed `prompts_per_chunk` prompts (one compiled shape); the last one
     # padded with 1-token prompts whose entries are dropped.
     n, hidden = e.prompts_per_chunk, []
@@ -124,6 +124,24 @@ class SlotDriver:
       hidden.append(np.asarray(h)[: len(chunk)])
     d = self.programs.embed_dim
     return entries, np.concatenate(hidden) if hidden else np.zeros((0, d), np.float32)
+
+  def _free_entry(self) -> int:
+    """Takes a free entry in the row shard (`SlotPrograms.row_shards`) whose entries hold
+    the fewest queued or live rows: a row decodes in its entry's shard, so the shards'
+    slots fill evenly. The first free entry on one device."""
+    e = self.programs
+    per_shard = e.prompt_entries // e.row_shards
+    if e.row_shards == 1:
+      return self.free_entries.pop(0)
+    load = np.zeros((e.row_shards,), np.int64)
+    free = set(self.free_entries)
+    for entry in range(e.prompt_entries):
+      if entry not in free:  # + 1: an entry just taken has its rows still to come
+        load[entry // per_shard] += max(self.refs[entry], 0) + 1
+    shard = min({x // per_shard for x in free}, key=lambda d: (load[d], d))
+    entry = next(x for x in self.free_entries if x // per_shard == shard)
+    self.free_entries.remove(entry)
+    return entry
 
   def prefill_all(self, prompts: Sequence[Sequence[int]], entry_of: dict[int, int]) -> np.ndarray:
     """Prefills every prompt (index i of `prompts` -> `entry_of[i]`), as many at a time as
@@ -288,12 +306,16 @@ class SlotDriver:
       more=np.bool_(more or len(self.queued) > q),
       cancel=self.cancel_mask,
     )
-    self.state, head = e.run(self.params, self.state, self.prompts, e.put(queue), self.key)
+    self.state, started = e.run(self.params, self.state, self.prompts, e.put(queue), self.key)
     self.cancel_mask = np.zeros_like(self.cancel_mask)
     self.segments += 1
-    for _ in range(int(head)):
-      r = self.queued.popleft()
-      self.started[r.position] = r
+    started, waiting = np.asarray(started), collections.deque()
+    for i, r in enumerate(self.queued):
+      if i < q and started[i]:
+        self.started[r.position] = r
+      else:
+        waiting.append(r)
+    self.queued = waiting
 
   def collect(self) -> list[tuple[int, np.ndarray, np.ndarray, int]]:
     """Rows finished since the last call, as (row id, tokens `int32[Lr]`, logprobs

@@ -80,6 +80,8 @@ class SlotPrograms:
     prompt_entries: P, prompts the prompt cache holds.
     entry_rows: R, rows of one entry queued or live at once at most (the driver's
       admission keeps to it; decode attention groups them for their prompt).
+    row_shards: D, the blocks of slots and of entries on the same devices
+      (`slots.row_shards`): a row decodes in its entry's block.
     prompts_per_chunk: prompts per prefill launch.
     max_new_tokens: Lr, the response budget (tokens).
     pad_id: the padding token.
@@ -96,6 +98,7 @@ class SlotPrograms:
   queue_rows: int
   prompt_entries: int
   entry_rows: int
+  row_shards: int
   prompts_per_chunk: int
   max_new_tokens: int
   pad_id: int
@@ -192,6 +195,10 @@ class Sampler:
     queue_rows: Q, rows queued per device call; 0 = 4 S.
     attention_block: decode attention reads the response columns in blocks of this size,
       up to the longest live row; 0 = a sixteenth of the budget (at least 16).
+    entry_rows: R, the most rows of one prompt decoding at once: decode attention reads a
+      prompt's keys and values once per step for its R rows, and a prompt's rows beyond R
+      wait for one of them to end (the caller's most rows per prompt in flight:
+      `RunConfig.max_rows_per_prompt`, the evaluation's k); 0 = S.
 
   Raises:
     ValueError: a bad size (naming it), `rule.top_k` above the vocabulary, or the largest
@@ -218,6 +225,7 @@ class Sampler:
     segment_steps: int = 0,
     queue_rows: int = 0,
     attention_block: int = 0,
+    entry_rows: int = 0,
   ):
     if max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -232,6 +240,7 @@ class Sampler:
       ("segment_steps", segment_steps),
       ("queue_rows", queue_rows),
       ("attention_block", attention_block),
+      ("entry_rows", entry_rows),
     ):
       if value < 0:
         raise ValueError(f"{name} must be >= 0 (0 = derived), got {value}")
@@ -245,8 +254,7 @@ class Sampler:
     self.stop_ids = tuple(int(t) for t in stop_ids)
     self.slots = self.chunk_rows = chunk_rows
     self.queue_rows = queue_rows or 4 * chunk_rows
-    # WIP (issue 52): the bound the host's admission is to keep; every slot for now.
-    self.entry_rows = self.slots
+    self.entry_rows = min(entry_rows or chunk_rows, chunk_rows)
     self.prompt_entries = max(
       prompts_per_chunk, -(-prompts_per_chunk * self.queue_rows // chunk_rows)
     )
@@ -266,14 +274,16 @@ class Sampler:
     *,
     stop_ids: Sequence[int],
     rows_per_prompt: int,
+    max_rows_per_prompt: int = 0,
     pad_id: int = 0,
     mesh: jax.sharding.Mesh | None = None,
     rule: SamplingRule | None = None,
   ) -> Sampler:
     """The sampler of a sampler group (`config.sampler`, `config.eval.sampler`): its rule
     (or `rule`, e.g. greedy), budget, slots, buckets and pool sizes; its prompts per
-    chunk from `prompts_per_chunk(spec, rows_per_prompt, mesh)`. Raises ValueError as
-    `Sampler`."""
+    chunk from `prompts_per_chunk(spec, rows_per_prompt, mesh)` (the fewest rows a prompt
+    is issued at once); its `entry_rows` from `max_rows_per_prompt` (the most in flight;
+    0: `rows_per_prompt`). Raises ValueError as `Sampler`."""
     return cls(
       config,
       rule=rule or spec.rule,
@@ -287,6 +297,7 @@ class Sampler:
       segment_steps=spec.segment_steps,
       queue_rows=spec.queue_rows,
       attention_block=spec.attention_block,
+      entry_rows=max_rows_per_prompt or rows_per_prompt,
     )
 
   def _block(self) -> int:
@@ -359,6 +370,7 @@ class Sampler:
       queue_rows=self.queue_rows,
       prompt_entries=self.prompt_entries,
       entry_rows=self.entry_rows,
+      row_shards=slots_lib.row_shards(cfg, mesh, self.slots, self.prompt_entries),
       prompts_per_chunk=self.prompts_per_chunk,
       max_new_tokens=self.max_new_tokens,
       pad_id=self.pad_id,

@@ -18,6 +18,9 @@ TPU, `decode_kernel_gpu` on GPU), elsewhere `layers.attend` over the pieces (one
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 from absl import logging
@@ -82,6 +85,23 @@ def kv_shardings(
   )
   kv = spec(tuple(_LOGICAL[a] for a in KV_AXES), kv_shape(config, rows, columns))
   return kv, spec(("batch", "length"), (rows, columns))
+
+
+def row_shards(
+  config: ModelConfig, mesh: jax.sharding.Mesh | None, slots: int, entries: int
+) -> int:
+  """D, the shards the mesh's row axes split both the slots and the prompt-cache entries
+  into (`kv_shardings`): slot block i (S / D slots) holds the rows of entry block i (P / D
+  entries), so decode attention reads a prompt on the devices that hold it. 1 without a
+  mesh, or when either is replicated (the prompt cache then is whole on every device)."""
+  if mesh is None:
+    return 1
+  ways = lambda rows: kv_shardings(config, mesh, rows, 1)[1].spec[0]
+  axes = ways(slots)
+  if axes is None or axes != ways(entries):
+    return 1
+  axes = (axes,) if isinstance(axes, str) else axes
+  return math.prod(mesh.shape[a] for a in axes)
 
 
 @struct.dataclass
@@ -242,7 +262,7 @@ def uses_kernel(mesh: jax.sharding.Mesh | None) -> str:
 def slot_attention(
   cache: SlotCache,
   prompts: PromptCache,
-  groups: tuple[jax.Array, jax.Array, jax.Array],
+  rows: tuple[jax.Array, jax.Array, int],
   mask: jax.Array,
   window: jax.Array,
   block: int,
@@ -252,23 +272,22 @@ def slot_attention(
   """Each layer's write and read of one decode step (`decoder.forward(attention=...)`).
 
   The new keys and values go to ring column `cache.column` of every slot; attention reads
-  the slot's prompt from its prompt-cache entry and a window of the ring that ends at that
-  column and covers `window` columns (the longest live row's response so far), so the
-  bytes read follow the longest live row. In XLA's form the prompt is read once per entry
-  for all its live rows (`shared_prompt.attend`) and the window is the smallest of
-  `ring_windows(Lr, block)` that covers it, a `lax.switch` over those lengths, a window
-  that wraps past column 0 read as its two static ends (or the whole ring, when those
-  would overlap). In a Pallas kernel (`uses_kernel`: `decode_kernel` on TPU,
+  the slot's prompt from its prompt-cache entry, once per entry for all its live rows
+  (issue 52), and a window of the ring that ends at that column and covers `window`
+  columns (the longest live row's response so far), so the bytes read follow the longest
+  live row. In XLA's form the prompt part is `shared_prompt.attend` and the window is the
+  smallest of `ring_windows(Lr, block)` that covers it, a `lax.switch` over those lengths,
+  a window that wraps past column 0 read as its two static ends (or the whole ring, when
+  those would overlap). In a Pallas kernel (`uses_kernel`: `decode_kernel` on TPU,
   `decode_kernel_gpu` on GPU, where the kernel `applies` to the shapes) the window is read
-  block by block inside the kernel, whole blocks of its column block; the kernels read
-  each slot's prompt from a copy gathered per step (issue 52: their two-level forms are to
-  come).
+  block by block inside the kernel, whole blocks of its column block, on each device's
+  slots and the entries they read (`row_shards`).
 
   Args:
     cache: the slot cache before this step's write.
     prompts: the prompt cache the slots' rows point into.
-    groups: (`entry` `int32[S]`, and its `shared_prompt.group_by_entry`: `rank`,
-      `members`).
+    rows: (`entry` `int32[S]` each slot's entry, `live` `bool[S]` slots whose row goes on,
+      R the most live rows an entry has: `shared_prompt.group_by_entry`).
     mask: `bool[S, Lr]` the ring mask after this step's write.
     window: `int32[]` ring columns the longest live row has written, this step's included.
     block: the XLA path's window granularity (`sampler.attention_block`).
@@ -276,11 +295,12 @@ def slot_attention(
       the kernel runs on each device's shard.
 
   Returns:
-    (`attention(layer)` for `decoder.forward`, cache columns each slot reads `int32[]`).
+    (`attention(layer)` for `decoder.forward`, prompt and ring columns each slot reads
+    `int32[]`).
   """
   c, ring = cache.column, cache.mask.shape[1]
   prompt_len = prompts.mask.shape[1]
-  entry, rank, members = groups
+  entry, live, entry_rows = rows
   write = lambda old, new: jax.lax.dynamic_update_slice_in_dim(
     old, _relayout(new, MODEL_AXES, KV_AXES).astype(old.dtype), c, _axis("s")
   )
@@ -297,22 +317,23 @@ def slot_attention(
   if kernel:
     window = jnp.clip(window, 1, ring)
     read = KERNELS[kernel].columns_read(c, window, ring)
+    on_shards = functools.partial(_on_shards, config, mesh, kernel, entry_rows=entry_rows)
 
     def kernel_attention(layer):
       def write_and_read(qkv, positions, inv_freq):
-        of_slot = lambda x: jnp.take(x, entry, axis=_axis("b"))
-        prompt = (of_slot(prompts.k[layer]), of_slot(prompts.v[layer]), prompts.mask[entry])
+        prompt = (prompts.k[layer], prompts.v[layer], prompts.mask)
         ring = (cache.k[layer], cache.v[layer], mask)
         if KERNELS[kernel].WRITES_RING:
           projections = (qkv[:, 0], positions[:, 0], inv_freq)
-          return _on_shards(config, mesh, kernel, projections, prompt, ring, c, window)
+          return on_shards(projections, prompt, (entry, live), ring, c, window)
         q, k, v = layers_lib.split_heads(qkv, positions, inv_freq)
         ring = (write(ring[0], k), write(ring[1], v), mask)
-        return _on_shards(config, mesh, kernel, (q,), prompt, ring, c, window), ring[:2]
+        return on_shards((q,), prompt, (entry, live), ring, c, window), ring[:2]
 
       return write_and_read
 
     return kernel_attention, prompt_len + read
+  groups = shared_prompt.group_by_entry(entry, live, prompts.mask.shape[0], entry_rows)
   lengths = ring_windows(ring, block)
   index = jnp.searchsorted(jnp.asarray(lengths), jnp.clip(window, 1, ring))
   n_read = jnp.asarray(lengths)[index]
@@ -345,7 +366,7 @@ def slot_attention(
         return lambda: jax.lax.cond(c >= n - 1, straight, whole if 2 * n > ring else two_ends)
 
       prompt = (prompts.k[layer], prompts.v[layer], prompts.mask)
-      out = shared_prompt.attend(q, prompt, entry, rank, members, own=jax.lax.switch(
+      out = shared_prompt.attend(q, prompt, entry, *groups[::-1], own=jax.lax.switch(
         index, [window_of(n) for n in lengths]
       ), kv_axes=KV_AXES)  # fmt: skip
       return out, (ring_k, ring_v)
@@ -355,42 +376,66 @@ def slot_attention(
   return attention, prompt_len + read
 
 
-def _on_shards(config, mesh, kernel, queries, prompt, ring, column, window):
-  """`KERNELS[kernel]` on each device's slots and kv heads (a Pallas call is not
-  partitioned by XLA), or whole without a mesh; in Pallas' interpreter off the platform it
-  is written for. The kernel reads `MODEL_AXES` blocks: the caches' pieces are handed over
-  in that order.
+def _on_shards(config, mesh, kernel, queries, prompt, rows, ring, column, window, *, entry_rows):
+  """`KERNELS[kernel]` on each device's slots and kv heads and the prompt-cache entries
+  those slots read (a Pallas call is not partitioned by XLA; `row_shards`), or whole
+  without a mesh; in Pallas' interpreter off the platform it is written for. The kernel
+  reads `MODEL_AXES` blocks: the caches' pieces are handed over in that order.
 
   `queries`: (the roped q `[S, 1, N, H]`,) for a kernel that reads the written ring
   (`decode_attention`; returns the attention), or (qkv `[S, K, G + 2, H]`, positions
   `int32[S]`, inv_freq) for one that rotates and writes it (`WRITES_RING`: `decode_step`;
-  returns (the attention, (the ring's keys, values) in `KV_AXES` order)).
+  returns (the attention, (the ring's keys, values) in `KV_AXES` order)). `rows`: the
+  slots' entries and live flags (`int32[S]`, `bool[S]`).
   """
   module = KERNELS[kernel]
   writes = module.WRITES_RING
-  entry = module.decode_step if writes else module.decode_attention
+  entry_point = module.decode_step if writes else module.decode_attention
   interpret = sharding_lib.platform(mesh).decode_kernel != kernel
-  run = lambda queries, prompt, ring, c, w: entry(*queries, prompt, ring, c, w, interpret=interpret)
+
+  def run(queries, prompt, rows, ring, c, w):
+    entry, live = rows
+    local = (entry % prompt[2].shape[0], live)  # a row's entry is in its slots' shard
+    return entry_point(
+      *queries, prompt, local, ring, c, w, entry_rows=entry_rows, interpret=interpret
+    )
+
   view = lambda k, v, m: (_relayout(k, KV_AXES, MODEL_AXES), _relayout(v, KV_AXES, MODEL_AXES), m)
   prompt, ring = view(*prompt), view(*ring)
   if mesh is None:
-    out = run(queries, prompt, ring, column, window)
+    out = run(queries, prompt, rows, ring, column, window)
   else:
-    spec = kv_shardings(config, mesh, *prompt[2].shape)[0].spec
-    spec = dict(zip(KV_AXES, tuple(spec) + (None,) * 4, strict=False))
-    rows, heads = spec["b"], spec["k"]
-    kv = P(*(spec[a] for a in MODEL_AXES))
-    m = P(rows, None)
-    attention = P(rows, None, heads, None)
-    query_spec = (P(rows, heads, None, None), P(rows), P()) if writes else (attention,)
+    slot_spec = _spec(config, mesh, *ring[2].shape)
+    rows_axes, heads = slot_spec["b"], slot_spec["k"]
+    entries = prompt[2].shape[0]
+    prompt_spec = _spec(config, mesh, entries, prompt[2].shape[1])
+    if row_shards(config, mesh, ring[2].shape[0], entries) == 1:
+      prompt_spec["b"] = None  # every device reads any entry
+    kv = lambda spec: P(*(spec[a] for a in MODEL_AXES))
+    m = lambda spec: P(spec["b"], None)
+    attention = P(rows_axes, None, heads, None)
+    query_spec = (P(rows_axes, heads, None, None), P(rows_axes), P()) if writes else (attention,)
     out = jax.shard_map(
       run,
       mesh=mesh,
-      in_specs=(query_spec, (kv, kv, m), (kv, kv, m), P(), P()),
-      out_specs=(attention, kv, kv) if writes else attention,
+      in_specs=(
+        query_spec,
+        (kv(prompt_spec), kv(prompt_spec), m(prompt_spec)),
+        (P(rows_axes), P(rows_axes)),
+        (kv(slot_spec), kv(slot_spec), m(slot_spec)),
+        P(),
+        P(),
+      ),
+      out_specs=(attention, kv(slot_spec), kv(slot_spec)) if writes else attention,
       check_vma=False,
-    )(queries, prompt, ring, column, window)
+    )(queries, prompt, rows, ring, column, window)
   if not writes:
     return out
   attention, k, v = out
   return attention, (_relayout(k, MODEL_AXES, KV_AXES), _relayout(v, MODEL_AXES, KV_AXES))
+
+
+def _spec(config, mesh, rows: int, columns: int) -> dict:
+  """The mesh axes of each `KV_AXES` letter of a cache of `rows` rows (`kv_shardings`)."""
+  spec = kv_shardings(config, mesh, rows, columns)[0].spec
+  return dict(zip(KV_AXES, tuple(spec) + (None,) * 4, strict=False))

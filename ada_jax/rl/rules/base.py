@@ -246,6 +246,12 @@ class Rule(Generic[S]):
     """The fewest rows issued to a prompt at once (sizes the sampler's prompt chunks)."""
     return config.n
 
+  def max_rows(self, config) -> int:
+    """The most rows of one prompt the controller has in flight at once: the rollout
+    pool's bound R on a prompt-cache entry's live rows (decode attention reads a prompt
+    once for its R rows, issue 52); a prompt's rows beyond it wait for one of them to end."""
+    return self.min_rows(config)
+
   def init_state(self, config) -> Any:
     """The cross-step state before the first step (None: the rule keeps none)."""
     return None

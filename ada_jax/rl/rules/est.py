@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -50,6 +51,12 @@ class Est(Rule[EstConfig]):
 
   def min_rows(self, config):
     return config.est.n_min
+
+  def max_rows(self, config):
+    # Quotas are uncapped under the released split; twice the mean quota decodes a hard
+    # prompt's rows two waves at a time and keeps decode attention's groups small.
+    est = config.est
+    return est.n_max or max(est.n_min, 2 * math.ceil(est.budget_per_prompt))
 
   def needs_features(self, config):
     return config.est.estimator != "ema"
