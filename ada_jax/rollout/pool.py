@@ -380,9 +380,9 @@ def run_segment(
 
   Each step: free slots take the next queued rows (in queue order among the rows of
   their row shard: a row decodes on the devices that hold its prompt's entry,
-  `slots.row_shards`), then `draw_and_decode`: every live slot draws one token, rows that drew a stop token or
-  reached the budget Lr finish, and one decode step runs for the slots still live,
-  attending over the cache blocks up to the longest of them.
+  `slots.row_shards`), then `draw_and_decode`: every live slot draws one token, rows
+  that drew a stop token or reached the budget Lr finish, and one decode step runs for
+  the slots still live, attending over the cache blocks up to the longest of them.
 
   Args:
     config, params: the model.
