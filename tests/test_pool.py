@@ -130,11 +130,13 @@ def test_running_idle_decode_steps_draws_the_same_tokens(tiny, monkeypatch, mesh
   assert (always_stats.kv_read, always_stats.kv_useful) == (stats.kv_read, stats.kv_useful)
 
 
-def test_rows_decode_in_their_prompts_row_shard(tiny):
-  """On a 2 x 2 x 2 mesh the slots and the prompt-cache entries are both split over the 4
+def test_rows_decode_in_their_prompts_row_shard(tiny, monkeypatch):
+  """Where decode attention is a kernel on each device's shard (the TPU one, interpreted),
+  on a 2 x 2 x 2 mesh the slots and the prompt-cache entries are both split over the 4
   row shards (data x fsdp): every live row sits in a slot of its entry's shard, at every
   segment, and draws what it draws on one device (entries spread over the shards)."""
   config, params = tiny
+  monkeypatch.setattr(slots_lib, "uses_kernel", lambda mesh: "tpu" if mesh else "")
   mesh = sharding.make_mesh(2, 2, 2)
   rows = np.random.default_rng(3).integers(0, 4, 40)
   kw = dict(max_new_tokens=6, stop_ids=STOPS, prompt_buckets=(8,), segment_steps=2)

@@ -91,10 +91,13 @@ def row_shards(
   config: ModelConfig, mesh: jax.sharding.Mesh | None, slots: int, entries: int
 ) -> int:
   """D, the shards the mesh's row axes split both the slots and the prompt-cache entries
-  into (`kv_shardings`): slot block i (S / D slots) holds the rows of entry block i (P / D
-  entries), so decode attention reads a prompt on the devices that hold it. 1 without a
-  mesh, or when either is replicated (the prompt cache then is whole on every device)."""
-  if mesh is None:
+  into (`kv_shardings`) where decode attention is a Pallas kernel (`uses_kernel`), which
+  runs on each device's shard: slot block i (S / D slots) holds the rows of entry block i
+  (P / D entries), so the kernel reads a prompt on the devices that hold it. 1 without a
+  mesh, in XLA's form (XLA partitions its reads of another device's entries itself, and
+  any slot takes any row), or when either cache is replicated (the prompt cache then is
+  whole on every device)."""
+  if mesh is None or not uses_kernel(mesh):
     return 1
   ways = lambda rows: kv_shardings(config, mesh, rows, 1)[1].spec[0]
   axes = ways(slots)

@@ -246,10 +246,10 @@ class Rule(Generic[S]):
     """The fewest rows issued to a prompt at once (sizes the sampler's prompt chunks)."""
     return config.n
 
-  def max_rows(self, config) -> int:
-    """The most rows of one prompt the controller has in flight at once: the rollout
-    pool's bound R on a prompt-cache entry's live rows (decode attention reads a prompt
-    once for its R rows, issue 52); a prompt's rows beyond it wait for one of them to end."""
+  def max_rows(self, config, num_prompts: int) -> int:
+    """The most rows of one of a step's `num_prompts` prompts the controller has in flight
+    at once: the rollout pool's bound R on a prompt-cache entry's live rows (decode
+    attention reads a prompt once for its R rows, issue 52; rows beyond it would wait)."""
     return self.min_rows(config)
 
   def init_state(self, config) -> Any:

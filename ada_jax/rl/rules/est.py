@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
@@ -52,11 +51,10 @@ class Est(Rule[EstConfig]):
   def min_rows(self, config):
     return config.est.n_min
 
-  def max_rows(self, config):
-    # Quotas are uncapped under the released split; twice the mean quota decodes a hard
-    # prompt's rows two waves at a time and keeps decode attention's groups small.
-    est = config.est
-    return est.n_max or max(est.n_min, 2 * math.ceil(est.budget_per_prompt))
+  def max_rows(self, config, num_prompts):
+    # A quota is at most n_max, or the budget less every other prompt's n_min.
+    budget = self.train_rows(config, num_prompts)
+    return config.est.n_max or budget - (num_prompts - 1) * config.est.n_min
 
   def needs_features(self, config):
     return config.est.estimator != "ema"
