@@ -66,8 +66,8 @@ def measure(cfg, target, devices, slots, layout, kernel):
   params = programs.rollout_params(model_cfg, mesh)
   _, (_, state, prompts, *_) = programs.segment_args(smp, params)
   step = programs.decode_step_program(smp, params, state)
-  cache = state.cache
-  kv = compiler.per_device_bytes((prompts.k, prompts.v, cache.k, cache.v))
+  per_device = compiler.per_device_bytes
+  kv = programs.live_kv(smp, per_device((state.cache.k, state.cache.v)), per_device(prompts))
   figures = roofline.decode_roofline(model_cfg, target, mesh, smp.slots, kv, step)
   return dataclasses.asdict(figures)
 

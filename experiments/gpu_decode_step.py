@@ -68,14 +68,16 @@ def main():
     segment = compiler.compile_program(fns.run, *args, what="segment", keep_hlo=True)
     seg = hlo_walk.walk_loop(segment.hlo)
     cache = state.cache
-    kv = compiler.per_device_bytes((args[2].k, args[2].v, cache.k, cache.v))
+    per_device = compiler.per_device_bytes
+    kv = programs.live_kv(smp, per_device((cache.k, cache.v)), per_device(args[2]))
     figures = roofline.decode_roofline(cfg, target, mesh, slots, kv, step)
     rows.append({**figures.as_json(), "walk": step.walk.as_json(), "segment_walk": seg.as_json()})
     print(
       f"[{time.perf_counter() - start:4.0f} s] {ARGS.target} S={slots:<5} "
       f"bytes/step {figures.decode_bytes_per_device / 1e9:6.2f} GB "
-      f"(weights {figures.decode_weight_bytes / 1e9:.2f} + KV {kv / 1e9:.2f}) "
-      f"ratio {figures.decode_bytes_ratio:.3f}, {step.walk.kernels} kernels "
+      f"(weights {figures.decode_weight_bytes / 1e9:.2f} + unique KV {kv[0] / 1e9:.2f}; "
+      f"per row {kv[1] / 1e9:.2f}) ratio {figures.decode_bytes_ratio:.3f} "
+      f"(per row {figures.decode_bytes_ratio_per_row:.3f}), {step.walk.kernels} kernels "
       f"{step.walk.kinds}; segment trip {seg.bytes / 1e9:.2f} GB, {seg.kernels} kernels, "
       f"{seg.conditionals} conditionals",
       flush=True,

@@ -69,7 +69,7 @@ def test_pool_cache_stays_in_place_under_xla_tpu(v5e_devices):
   params = programs.abstract_params(config, mesh)
   out = programs.pool_programs(smp, params, what="pool")
   kv = out.slot_cache
-  assert kv == 2 * 4 * (64 // 8) * 8 * (128 + 1024) * 128 * 2  # bf16 K and V per device
+  assert kv == 2 * 4 * (64 // 8) * 8 * 1024 * 128 * 2  # bf16 ring K and V per device
   segment = out.segment
   # No second copy of the cache (a scatter's or a transposed layout's): temporaries are a
   # small fraction of it, and the donated cache aliases its output.
@@ -208,5 +208,4 @@ def test_decode_loop_runs_the_kernel_and_gathers_no_weight_under_fsdp(v5e_device
   for m in re.finditer(r"= (\w+)\[([\d,]*)\][^=]*? all-gather(?:-start)?\(", text):
     dims = [int(d) for d in m.group(2).split(",") if d]
     gathered.append(dtype_bytes.get(m.group(1), 4) * int(np.prod(dims)))
-  # What is gathered is a refill's prompt-cache entry (one per device, `slots.prompt_entry`).
   assert all(b < weight // 4 for b in gathered), sorted(gathered)[-3:]

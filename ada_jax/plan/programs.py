@@ -195,6 +195,11 @@ class SlotFigures:
   prompt_cache: int
   state: Any
 
+  @property
+  def kv_read(self) -> tuple[int, int]:
+    """`live_kv(...)` of this pool: (unique live KV bytes, per-row KV bytes) per device."""
+    return live_kv(self.sampler, self.slot_cache, self.prompt_cache)
+
   def segment_figures(self) -> dict:
     """JSON-ready: the segment's figures, its slots and caches (GiB)."""
     return self.segment.as_dict() | {
@@ -212,6 +217,17 @@ class SlotFigures:
       "prompts": smp.prompts_per_chunk,
       "prompt_cache_filled_gib": gib(filled),
     }
+
+
+def live_kv(smp: sampler_lib.Sampler, slot_cache: int, prompt_cache: int) -> tuple[int, int]:
+  """The KV bytes per device a decode step must read with every slot live, R rows per
+  prompt (`Sampler.entry_rows`): (unique: every ring once and each live entry's prompt
+  once, S / R of the P entries; per row: every slot's ring and its own copy of its prompt,
+  what a pool of per-slot prompt columns read). `slot_cache`, `prompt_cache`: bytes per
+  device of the rings and of the whole prompt cache."""
+  s, r, p = smp.slots, smp.entry_rows, smp.prompt_entries
+  live = min(p, -(-s // r))
+  return slot_cache + prompt_cache * live // p, slot_cache + prompt_cache * s // p
 
 
 def pool_programs(smp: sampler_lib.Sampler, params, *, what: str) -> SlotFigures:

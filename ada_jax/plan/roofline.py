@@ -25,8 +25,12 @@ class DecodeRoofline:
       HBM byte).
     decode_weight_bytes: the rollout copy's weights on the device (of an untied input
       embedding only the rows looked up, not counted).
-    decode_kv_bytes: the slot cache per device.
+    decode_kv_bytes: the unique live KV per device: every slot's ring and each live
+      prompt once (`programs.live_kv`, R rows per prompt).
     decode_bytes_ratio: the first over the sum of the other two.
+    decode_kv_bytes_per_row: every slot's ring and its own copy of its prompt (what a
+      pool that read the prompt per row had to read).
+    decode_bytes_ratio_per_row: the step's bytes over weights + that.
     decode_tokens_per_s_per_chip: what the chip's peak HBM bandwidth allows at that
       traffic, `slots` tokens a step.
     hbm_gbs: that bandwidth, GB/s.
@@ -40,6 +44,8 @@ class DecodeRoofline:
   decode_weight_bytes: int
   decode_kv_bytes: int
   decode_bytes_ratio: float
+  decode_kv_bytes_per_row: int
+  decode_bytes_ratio_per_row: float
   decode_tokens_per_s_per_chip: float
   hbm_gbs: float
   slots: int
@@ -52,10 +58,10 @@ class DecodeRoofline:
 
 
 def decode_roofline(
-  model_cfg: model_lib.ModelConfig, t: Target, mesh, slots: int, kv_bytes: int, step
+  model_cfg: model_lib.ModelConfig, t: Target, mesh, slots: int, kv_bytes: tuple[int, int], step
 ) -> DecodeRoofline:
   """The roofline on target `t` of a decode `step` (`programs.DecodeStep`) at `slots`
-  slots whose slot cache holds `kv_bytes` per device."""
+  slots whose caches hold `kv_bytes` per device (`programs.live_kv`: unique, per row)."""
   copy = programs.rollout_params(model_cfg, mesh)  # the weights the decode step reads
   if not model_cfg.tie_embeddings:
     copy = {k: v for k, v in copy.items() if k != "embed"}
@@ -65,8 +71,10 @@ def decode_roofline(
   return DecodeRoofline(
     decode_bytes_per_device=step.bytes_accessed,
     decode_weight_bytes=weights,
-    decode_kv_bytes=kv_bytes,
-    decode_bytes_ratio=round(step.bytes_accessed / (weights + kv_bytes), 4),
+    decode_kv_bytes=kv_bytes[0],
+    decode_bytes_ratio=round(step.bytes_accessed / (weights + kv_bytes[0]), 4),
+    decode_kv_bytes_per_row=kv_bytes[1],
+    decode_bytes_ratio_per_row=round(step.bytes_accessed / (weights + kv_bytes[1]), 4),
     decode_tokens_per_s_per_chip=round(slots / seconds / t.devices, 1),
     hbm_gbs=t.hbm_gbs,
     slots=slots,
@@ -105,7 +113,7 @@ def roofline(model_cfg, t: Target, mesh, pool, step, train) -> Roofline:
     return Roofline(f"not derived: {t.compiler} gives no cost analysis of a compiled program")
   decode = None
   if step is not None and pool is not None and step.bytes_accessed:
-    decode = decode_roofline(model_cfg, t, mesh, pool.sampler.slots, pool.slot_cache, step)
+    decode = decode_roofline(model_cfg, t, mesh, pool.sampler.slots, pool.kv_read, step)
   flops = train.program.cost.get("flops") if train is not None and t.traits.cost_analysis else None
   source = f"{t.compiler}'s {t.traits.decode_traffic} of the compiled programs"
   if t.traits.decode_traffic != "cost analysis":

@@ -263,7 +263,7 @@ def sized_slots(s: Setting, rollout, step, evaluation, beside: int, resident: in
     if step_at is not None:
       at = best.pool
       decode = roofline.decode_roofline(
-        s.model_cfg, s.target, s.mesh, at.sampler.slots, at.slot_cache, step_at
+        s.model_cfg, s.target, s.mesh, at.sampler.slots, at.kv_read, step_at
       )
       out["rollout"] = dataclasses.replace(out["rollout"], roofline=decode)
   if evaluation:
@@ -398,8 +398,9 @@ def report(p: Plan) -> str:
         lines.append(f"  {buf['bytes'] / 2**30:8.3f} GiB  {buf['shape']}  {buf['op'][:80]}")
   if (d := p.roofline.decode) is not None:
     lines.append(
-      f"roofline (compiler-derived): decode step HBM bytes / (weights + KV) = "
-      f"{d.decode_bytes_ratio}, <= {d.decode_tokens_per_s_per_chip:.0f} tokens/s/chip "
+      f"roofline (compiler-derived): decode step HBM bytes / (weights + unique live KV) = "
+      f"{d.decode_bytes_ratio} (per-row KV: {d.decode_bytes_ratio_per_row}), "
+      f"<= {d.decode_tokens_per_s_per_chip:.0f} tokens/s/chip "
       f"at {d.hbm_gbs:.0f} GB/s and {d.slots} slots"
       + (f", {d.kernels_per_step} kernels per step" if d.kernels_per_step is not None else "")
     )
@@ -410,7 +411,7 @@ def report(p: Plan) -> str:
       line += f", {targets.gib(sized.bytes):.2f} GiB/device"
     if (f := sized.roofline) is not None:
       line += (
-        f"; decode bytes / (weights + KV) = {f.decode_bytes_ratio}, "
+        f"; decode bytes / (weights + unique live KV) = {f.decode_bytes_ratio}, "
         f"<= {f.decode_tokens_per_s_per_chip:.0f} tokens/s/chip"
       )
     lines.append(line)

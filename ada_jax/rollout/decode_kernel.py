@@ -101,7 +101,7 @@ def _prompt_kernel(
 
   @pl.when(schedule[0, e] > 0)
   def _():
-    _online_update(q_ref[0], k_ref[0], v_ref[0], m_ref[...], row_max, row_sum, acc, scale)
+    _online_update(q_ref[0], k_ref[0], v_ref[0], m_ref[0], row_max, row_sum, acc, scale)
 
   @pl.when(j == pl.num_programs(2) - 1)
   def _():
@@ -184,7 +184,13 @@ def prompt_attention(q, prompt, rows, *, entry_rows: int, interpret: bool = Fals
     jnp.where(sch[0, e] > 0, j, jp - 1),
   )
   kv = pl.BlockSpec((1, 1, bp, h), lambda e, k, j, sch: (*at(e, k, j, sch), 0))
-  mask = pl.BlockSpec((1, bp), lambda e, k, j, sch: (at(e, k, j, sch)[0], at(e, k, j, sch)[2]))
+
+  # The mask as [P, 1, Lp]: Mosaic tiles a block's last two dimensions.
+  def mask_at(e, k, j, sch):
+    source, _, block = at(e, k, j, sch)
+    return source, 0, block
+
+  mask = pl.BlockSpec((1, 1, bp), mask_at)
   rows = pl.BlockSpec((1, 1, r * g, h), lambda e, k, j, sch: (e, k, 0, 0))
   lse = pl.BlockSpec((1, 1, r * g, 1), lambda e, k, j, sch: (e, k, 0, 0))
   grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -194,11 +200,14 @@ def prompt_attention(q, prompt, rows, *, entry_rows: int, interpret: bool = Fals
     out_specs=[rows, lse],
     scratch_shapes=_scratch(1, r * g, h),
   )
-  # Declared as XLA would count it: every operand whole.
+  # Declared for the roofline's step (`plan.programs.live_kv`: every slot live, R rows per
+  # live entry, so S / R entries read; XLA cannot see which entries a step reads), the
+  # queries and the outputs whole.
+  live_entries = min(entries, -(-s // r))
   cost = pl.CostEstimate(
-    flops=4 * entries * r * n * lp * h,
-    transcendentals=entries * r * n * lp,
-    bytes_accessed=_nbytes(pk, pv, pm) + 2 * _nbytes(grouped),
+    flops=4 * live_entries * r * n * lp * h,
+    transcendentals=live_entries * r * n * lp,
+    bytes_accessed=_nbytes(pk, pv, pm) * live_entries // entries + 2 * _nbytes(grouped),
   )
   out, lse_out = pl.pallas_call(
     functools.partial(_prompt_kernel, scale=1.0 / math.sqrt(h)),
@@ -210,7 +219,7 @@ def prompt_attention(q, prompt, rows, *, entry_rows: int, interpret: bool = Fals
     compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
     cost_estimate=cost,
     interpret=interpret,
-  )(schedule, grouped, pk, pv, pm)
+  )(schedule, grouped, pk, pv, pm[:, None, :])
   slot_rows = lambda x: x.reshape(entries, kh, r, g, -1)[entry, :, jnp.minimum(rank, r - 1)]
   return slot_rows(out), slot_rows(lse_out)
 

@@ -221,7 +221,9 @@ def decode_step(
     cost_estimate=pl.CostEstimate(
       flops=4 * s * kh * g * (lp + lr) * h,
       transcendentals=s * kh * g * (lp + lr),
-      bytes_accessed=nbytes(pk, pv, pm, rk, rv, rm) + nbytes(qkv) + nbytes(out_shape),
+      # Each program reads its slot's entry: S prompts' bytes (an entry's rows may share
+      # them in L2; HBM counted as if not).
+      bytes_accessed=nbytes(pk, pv, pm) * s // pk.shape[0] + nbytes(rk, rv, rm, qkv, out_shape),
     ),
     interpret=interpret,
   )(scalars, positions.astype(jnp.int32), entry, inv_freq, qkv, pk, pv, pm, rk, rv, rm)
