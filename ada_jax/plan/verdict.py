@@ -303,6 +303,11 @@ def notes(s: Setting, resident: int, offloaded: bool, mem_fraction: float) -> tu
     "whole along 'fsdp' (split over 'tensor'), made once per RL step and evaluation (in "
     "the sample, prefill and eval phases' arguments) and freed before the train step"
   )
+  out.append(
+    f"shared-prompt decode: at most {s.cfg.max_rows_per_prompt} rows of one prompt decode at "
+    f"once ({s.cfg.ada.method}'s most rows per prompt in flight, `Rule.max_rows`); their "
+    "prompt is read once per step for all of them, and a slot holds only its response ring"
+  )
   if not t.traits.refuses_oversize:
     out.append(
       f"{t.compiler} never refuses a program for its size: each phase is held against "

@@ -9,9 +9,10 @@ per layer, `slots.slot_attention`). Here one kernel per layer reads the layer's 
 projections as the qkv gemm wrote them, rotates q and the new key (RoPE), writes the new
 key and value into the ring column in place (the ring arrays are aliased to its outputs),
 and reads each slot's keys and values once in bf16, keeping the scores in registers (an
-online softmax over the new token, the prompt columns, then the blocks of the ring window
-in ring order), the window's length as data: no conditional, no concatenation, no score
-in HBM, and no separate RoPE or cache-write kernels (issue 51, items 2 and 3). A decode
+online softmax over the new token, the prompt columns of the slot's prompt-cache entry,
+then the blocks of the ring window in ring order), the window's length as data: no
+conditional, no concatenation, no score in HBM, and no separate RoPE or cache-write
+kernels (issue 51, items 2 and 3). A decode
 step is launch-bound on GPU (an H100's steps took 1.1-1.2x an H200's, whose bandwidth is
 1.4x), so kernels per layer are what it pays for.
 

@@ -2,11 +2,12 @@
 
 S slots decode at once. A queue of pending rows (each: its prompt's entry in a prompt
 cache, its output position, its row id) feeds them: when a row ends (stop token or the
-token budget), the next pending row takes its slot at the next step, its prompt's keys and
-values copied from the prompt cache, which `prefill_prompts` fills once per distinct prompt
-(rows of one prompt share that prefill). Decode attention reads only the cache blocks up
-to the longest live row (`slots.slot_attention`), and a row's tokens depend only on
-(rollout key, row id, token index), never on its slot, the pool size or the device count.
+token budget), the next pending row takes its slot at the next step. `prefill_prompts`
+fills the prompt cache once per distinct prompt, and a row reads its prompt there: decode
+attention reads each entry once per step for all its live rows (`slots.slot_attention`,
+`shared_prompt`), and the response columns only up to the longest live row; a row's
+tokens depend only on (rollout key, row id, token index), never on its slot, the pool
+size or the device count.
 
 Every shape is static (S, queue length Q, prompt-cache entries P, prompt bucket Lp,
 budget Lr): the queue contents, its fill level, cancellations and the RNG are traced

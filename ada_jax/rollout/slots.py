@@ -1,19 +1,22 @@
 """The rollout pool's two KV caches, owned here whole: the prompt cache (`PromptCache`, one
 entry per prefilled prompt) and the slots' cache (`SlotCache`), their axis order
-(`KV_AXES`), shapes, shardings, the store of prefilled prompts, the copy of a prompt's
-entry into a slot, the one write per decode step and the bounded read. No other module
+(`KV_AXES`), shapes, shardings, the store of prefilled prompts, the row shards that keep
+a row beside its prompt (`row_shards`), the one write per decode step and the bounded
+read. No other module
 indexes a cache array: the model hands keys and values over in its own order and the
 Pallas kernel reads its own (both `MODEL_AXES`), and this module converts.
 
-Each slot holds its row's prompt columns, left-padded to the bucket Lp and copied from the
-prompt cache when the row starts, and a ring of Lr response columns that every slot writes
-at one shared column per decode step: a `dynamic_update_slice`, which XLA:TPU performs in
-place (per-row write positions, a scatter, made it hold a second copy of the cache, and a
+A slot holds only its row's response: a ring of Lr columns that every slot writes at one
+shared column per decode step, a `dynamic_update_slice`, which XLA:TPU performs in place
+(per-row write positions, a scatter, made it hold a second copy of the cache, and a
 `[B, K, H, S]` key layout a transposed one). Keys carry their RoPE positions, so where a
 key sits does not change attention; a per-slot mask says which ring columns are the row's.
-Decode attention reads the prompt columns and the window of the ring that the longest
-live row has written: in one Pallas kernel where the platform has one (`decode_kernel` on
-TPU, `decode_kernel_gpu` on GPU), elsewhere `layers.attend` over the pieces (one softmax).
+The row's prompt stays in its prompt-cache entry (`SlotState.entry`). Decode attention
+reads each entry's prompt once for all its live rows and the window of the ring that the
+longest live row has written: in Pallas kernels where the platform has them
+(`decode_kernel` on TPU, `decode_kernel_gpu` on GPU), on each device's row shard
+(`row_shards`), elsewhere `shared_prompt.attend` and `layers.attend_partial` over the
+pieces (one softmax, merged exactly).
 """
 
 from __future__ import annotations
