@@ -198,7 +198,8 @@ class Sampler:
     entry_rows: R, the most rows of one prompt decoding at once: decode attention reads a
       prompt's keys and values once per step for its R rows, and a prompt's rows beyond R
       wait for one of them to end (the caller's most rows per prompt in flight:
-      `RunConfig.max_rows_per_prompt`, the evaluation's k); 0 = S.
+      `RunConfig.max_rows_per_prompt`, the evaluation's k); 0 = the rows per prompt of a
+      chunk, ceil(S / prompts_per_chunk).
 
   Raises:
     ValueError: a bad size (naming it), `rule.top_k` above the vocabulary, or the largest
@@ -254,7 +255,7 @@ class Sampler:
     self.stop_ids = tuple(int(t) for t in stop_ids)
     self.slots = self.chunk_rows = chunk_rows
     self.queue_rows = queue_rows or 4 * chunk_rows
-    self.entry_rows = min(entry_rows or chunk_rows, chunk_rows)
+    self.entry_rows = min(entry_rows or -(-chunk_rows // prompts_per_chunk), chunk_rows)
     self.prompt_entries = max(
       prompts_per_chunk, -(-prompts_per_chunk * self.queue_rows // chunk_rows)
     )
