@@ -31,6 +31,11 @@ class Platform:
     gate_up_layout: the rollout copy's fused MLP weights (`layers.fuse_gate_up`): 'gdf'
       `[2, D, F]` (XLA:TPU's tiles), 'dgf' `[D, 2, F]` (what a cuBLAS gemm reads as it
       is; XLA:GPU re-lays `[2, D, F]` out in the decode loop, every layer and step).
+    shared_prompt: how XLA's form of decode attention reads a prompt its live rows share
+      (`slots.slot_attention`): 'grouped', once per prompt-cache entry for all its rows
+      (`shared_prompt.attend`: the bytes of a memory-bound step), or 'per row', each
+      slot's query over a gathered copy (`shared_prompt.per_row_piece`: S queries' score
+      work, not P·R, where the step is bound by its arithmetic: XLA:CPU).
     compile_options: XLA options every ahead-of-time compile for it takes, (name, value).
     topology: `jax.experimental.topologies`' platform name for compile-only devices, or ''.
     packages: what to install for its compile-only devices, the compiler's own first.
@@ -43,6 +48,7 @@ class Platform:
   cache_in_place_under_cond: bool = True
   decode_kernel: str = ""
   gate_up_layout: str = "gdf"
+  shared_prompt: str = "grouped"
   compile_options: tuple[tuple[str, object], ...] = ()
   topology: str = ""
   packages: tuple[str, ...] = ()
@@ -80,7 +86,7 @@ PLATFORMS = {
       topology="cuda",
       packages=("jax-cuda12-plugin", "nvidia-cuda-nvcc-cu12"),
     ),
-    Platform("cpu", "XLA:CPU"),
+    Platform("cpu", "XLA:CPU", shared_prompt="per row"),
   )
 }
 

@@ -2,13 +2,18 @@
 slots by prompt-cache entry, and the attention, read once per entry, equal to one softmax
 over each row's own copy of its prompt and its response columns (issue 52)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ada_jax.models import layers
+from ada_jax.models import decoder as model_lib
+from ada_jax.models import layers, sharding
+from ada_jax.rollout import sampler as sampler_lib
 from ada_jax.rollout import shared_prompt
 
 
@@ -60,3 +65,35 @@ def test_attention_read_once_per_entry_equals_each_rows_own_copy(case):
   ref = layers.attend(q, [copies, (rk, rv, rm)])
   np.testing.assert_allclose(np.asarray(out)[live], np.asarray(ref)[live], atol=2e-5, rtol=2e-5)
   assert np.isfinite(np.asarray(out)).all()
+  piece = shared_prompt.per_row_piece((pk, pv, pm), jnp.asarray(entry))
+  per_row = layers.attend(q, [piece, (rk, rv, rm)])
+  np.testing.assert_allclose(np.asarray(per_row)[live], np.asarray(ref)[live], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)])
+def test_pool_draws_the_same_tokens_grouped_and_per_row(monkeypatch, mesh_shape):
+  """XLA's two forms of the shared prompt read (`platforms.Platform.shared_prompt`): each
+  entry once for its rows as the query axis (GPU's, where no kernel applies) or each row
+  over a gathered copy (CPU's): the same tokens through the pool, with refills; on a
+  2 x 2 x 2 mesh too."""
+  config = model_lib.preset("tiny-llama")
+  params = model_lib.init_params(config, jax.random.key(0))
+  mesh = sharding.make_mesh(*mesh_shape) if mesh_shape else None
+  rows = np.random.default_rng(4).integers(0, 4, 24)
+  prompts = [[5, 6, 7, 8, 9], [11, 12], [13], [20, 21, 22, 23, 24, 25, 26]]
+  kw = dict(max_new_tokens=10, stop_ids=tuple(range(3, 512, 16)), prompt_buckets=(8,))
+  kw |= dict(chunk_rows=8, prompts_per_chunk=4, segment_steps=4, entry_rows=3)
+  kw |= dict(rule=sampler_lib.SamplingRule(temperature=1.0))
+  draw = lambda: sampler_lib.Sampler(config, mesh=mesh, **kw).generate(
+    params, prompts, rows, jax.random.key(6)
+  )[0]
+  cpu = sharding.platform(mesh)
+  forms = {}
+  for form in ("per row", "grouped"):
+    traits = dataclasses.replace(cpu, shared_prompt=form)
+    monkeypatch.setattr(sharding, "platform", lambda mesh, traits=traits: traits)
+    forms[form] = draw()
+  assert len(set(forms["grouped"]["lengths"].tolist())) > 2
+  np.testing.assert_array_equal(forms["grouped"]["tokens"], forms["per row"]["tokens"])
+  np.testing.assert_array_equal(forms["grouped"]["lengths"], forms["per row"]["lengths"])
+  np.testing.assert_allclose(forms["grouped"]["logprobs"], forms["per row"]["logprobs"], atol=1e-5)

@@ -186,7 +186,8 @@ class Sampler:
     stop_ids: tokens that end a response (e.g. Llama 3 Instruct's <|eot_id|>, <|end_of_text|>).
     chunk_rows: S, slots decoding at once.
     prompts_per_chunk: prompts prefilled per S rows; the prompt cache holds
-      `prompts_per_chunk × queue_rows / chunk_rows` of them (P, at least this).
+      `prompts_per_chunk × (queue_rows + 2 chunk_rows) / chunk_rows` of them (P): the
+      prompts of the queued rows and of the live ones.
     prompt_buckets: allowed padded prompt lengths (tokens); one compile per bucket used.
     pad_id: token id used for left padding.
     mesh: optional mesh; slots are sharded over ('data', 'fsdp'), so S must divide evenly.
@@ -256,9 +257,12 @@ class Sampler:
     self.slots = self.chunk_rows = chunk_rows
     self.queue_rows = queue_rows or 4 * chunk_rows
     self.entry_rows = min(entry_rows or -(-chunk_rows // prompts_per_chunk), chunk_rows)
-    self.prompt_entries = max(
-      prompts_per_chunk, -(-prompts_per_chunk * self.queue_rows // chunk_rows)
-    )
+    # An entry lives until its last row ends (the rows read it every step): the queued
+    # rows' prompts and the live rows', whose rows of a prompt end one by one (twice a
+    # chunk's prompts: a lognormal schedule then decodes the steps it did with the prompt
+    # copied into the slot at refill, experiments/bench_rollout.py).
+    rows = self.queue_rows + 2 * chunk_rows
+    self.prompt_entries = -(-prompts_per_chunk * rows // chunk_rows)
     self.prompts_per_chunk = prompts_per_chunk
     self.segment_steps = segment_steps or max_new_tokens
     self.attention_block = attention_block

@@ -64,3 +64,14 @@ def attend(q, prompt, entry, rank, members, own, kv_axes: str = "bksh") -> jax.A
   shared = layers_lib.attend_partial(grouped, [(pk, pv, pm[:, None, :])], kv_axes)
   mine = tuple(x[entry, jnp.minimum(rank, rows - 1)][:, None] for x in shared)
   return layers_lib.merge_partials([mine, own], pv.dtype)
+
+
+def per_row_piece(prompt, entry, kv_axes: str = "bksh"):
+  """Each slot's gathered copy of its entry's prompt, an `layers.attend` piece (keys,
+  values `[S, ...]` in `kv_axes` order, mask `bool[S, 1, Lp]`): the per-row form of the
+  same attention, S queries' score work rather than the grouped form's P·R, at the cost
+  of the copy; for a compiler whose decode step is bound by its arithmetic, not by the
+  bytes it reads (XLA:CPU, `platforms.Platform.shared_prompt`)."""
+  pk, pv, pm = prompt
+  rows = lambda x: jnp.take(x, entry, axis=kv_axes.index("b"), mode="clip")
+  return rows(pk), rows(pv), pm[entry][:, None, :]

@@ -339,7 +339,9 @@ def slot_attention(
       return write_and_read
 
     return kernel_attention, prompt_len + read
-  groups = shared_prompt.group_by_entry(entry, live, prompts.mask.shape[0], entry_rows)
+  per_row = sharding_lib.platform(mesh).shared_prompt == "per row"
+  if not per_row:
+    groups = shared_prompt.group_by_entry(entry, live, prompts.mask.shape[0], entry_rows)
   lengths = ring_windows(ring, block)
   index = jnp.searchsorted(jnp.asarray(lengths), jnp.clip(window, 1, ring))
   n_read = jnp.asarray(lengths)[index]
@@ -351,7 +353,8 @@ def slot_attention(
     def write_and_read(*projections):
       q, k, v = layers_lib.split_heads(*projections)
       ring_k, ring_v = write(cache.k[layer], k), write(cache.v[layer], v)
-      own = lambda pieces: layers_lib.attend_partial(q, pieces, KV_AXES)
+      prompt = (prompts.k[layer], prompts.v[layer], prompts.mask)
+      own = lambda pieces: layers_lib.attend_partial(q, pieces, KV_AXES)  # the ring's part
       whole = lambda: own([(ring_k, ring_v, rows(mask))])
 
       def window_of(n):
@@ -371,10 +374,13 @@ def slot_attention(
 
         return lambda: jax.lax.cond(c >= n - 1, straight, whole if 2 * n > ring else two_ends)
 
-      prompt = (prompts.k[layer], prompts.v[layer], prompts.mask)
-      out = shared_prompt.attend(q, prompt, entry, *groups[::-1], own=jax.lax.switch(
-        index, [window_of(n) for n in lengths]
-      ), kv_axes=KV_AXES)  # fmt: skip
+      ring_part = jax.lax.switch(index, [window_of(n) for n in lengths])
+      if per_row:  # the prompt's part outside the switch: its copy is not passed into it
+        copy = shared_prompt.per_row_piece(prompt, entry, KV_AXES)
+        prompt_part = layers_lib.attend_partial(q, [copy], KV_AXES)
+        out = layers_lib.merge_partials([prompt_part, ring_part], prompt[1].dtype)
+      else:
+        out = shared_prompt.attend(q, prompt, entry, *groups[::-1], ring_part, KV_AXES)
       return out, (ring_k, ring_v)
 
     return write_and_read
