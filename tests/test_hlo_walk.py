@@ -219,16 +219,17 @@ def _decode_walk(h200, layers: int) -> hlo_walk.StepWalk:
 # What one more layer adds to a tiny bf16 decode step on XLA:GPU today (d = 96, 4 heads of
 # 32, 64 slots, prompt bucket 16 + ring 16): 4 cuBLAS gemms (qkv, o, gate_up, down), the
 # decode kernel (`rollout.decode_kernel_gpu`: RoPE, the ring's write in place and the
-# attention; its operands the layer's projections and whole cache: 1,116,492 B) and 3
-# fusions (2 norms, the MLP's product); 1,919,692 B, 1.40x the layer's weights (319,872 B)
-# and cache (1,048,576 B), the rest the activations the gemms read and write at this tiny
-# width. With RoPE and the two cache writes as fusions beside an attention-only kernel it
+# attention; its operands the layer's projections, the rings and the prompt cache, read at
+# each slot's entry since issue 52) and 3 fusions (2 norms, the MLP's product); 1,788,620 B.
+# With each slot's own prompt columns it took 1,919,692 B, 1.40x the layer's weights
+# (319,872 B) and cache (1,048,576 B), the rest the activations the gemms read and write at
+# this tiny width. With RoPE and the two cache writes as fusions beside an attention-only kernel it
 # took 11 kernels and 2,050,448 B; XLA's form of the attention (scores, softmax and
 # weighted sum as fusions, the prompt keys and the ring concatenated first) 13 kernels and
 # 2,462,088 B; with the rollout copy's gate_up in `[2, D, F]` XLA:GPU also re-laid those
 # weights out in every layer (one more kernel).
 LAYER_KERNELS = 8
-LAYER_BYTES = 1_919_692
+LAYER_BYTES = 1_788_620
 
 
 @pytest.mark.slow
