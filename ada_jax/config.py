@@ -150,8 +150,8 @@ class RunConfig:
   @property
   def max_rows_per_prompt(self) -> int:
     """The most rows of one prompt decoding at once (`Rule.max_rows`: n for grpo and dapo,
-    M for pos and balance, est's largest quota): the rollout pool's rows per prompt-cache
-    entry, read together for their prompt (issue 52)."""
+    M for pos and balance, est.n_max or twice est's mean quota): the rollout pool's rows
+    per prompt-cache entry, read together for their prompt (issue 52)."""
     return self.rule.max_rows(self.ada, self.rl.batch_prompts)
 
   @property

@@ -239,18 +239,35 @@ def test_queue_longer_than_many_refills(tiny, pools, rows, seed):
   assert stats.chunks >= len(rows) / 2  # at least one device call per 2 queued rows
 
 
+def test_rows_past_an_entrys_bound_are_refused(tiny):
+  """An entry's live and queued rows are at most R (`entry_rows`): decode attention groups
+  no more, so `add_rows` refuses what would pass it, naming the bound."""
+  config, params = tiny
+  smp = sampler_lib.Sampler(
+    config, max_new_tokens=4, stop_ids=[-1], chunk_rows=2, prompts_per_chunk=1,
+    prompt_buckets=(8,), entry_rows=2,
+  )  # fmt: skip
+  pool = smp.pool(params, jax.random.key(0), 8)
+  (a,), _ = pool.prefill([PROMPTS[0]])
+  pool.add_rows(a, [0])
+  with pytest.raises(ValueError, match=r"entry_rows"):
+    pool.add_rows(a, [1, 2])
+  pool.add_rows(a, [1])
+
+
 def test_cancelled_prompt_frees_its_slots_at_once(tiny, no_implicit_transfers):
   config, params = tiny
   smp = sampler_lib.Sampler(
     config, max_new_tokens=12, stop_ids=[-1], chunk_rows=2, prompts_per_chunk=2,
-    prompt_buckets=(8,), segment_steps=3,
+    prompt_buckets=(8,), segment_steps=3, entry_rows=2,
   )  # fmt: skip
   key = jax.random.key(5)
   with no_implicit_transfers():
     pool = smp.pool(params, key, 8)
-    (a, b), hidden = pool.prefill([PROMPTS[0], PROMPTS[1]])
-    assert hidden.shape == (2, config.embed_dim) and hidden.dtype == np.float32
-    pool.add_rows(a, [0, 1, 2])
+    (a, b, c), hidden = pool.prefill([PROMPTS[0], PROMPTS[1], PROMPTS[2]])
+    assert hidden.shape == (3, config.embed_dim) and hidden.dtype == np.float32
+    pool.add_rows(a, [0, 1])
+    pool.add_rows(c, [2])
     pool.add_rows(b, [3, 4])
     pool.run()  # 3 steps: rows 0 and 1 hold both slots, mid-decode
     assert pool.collect() == [] and len(pool.started) == 2

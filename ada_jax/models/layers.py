@@ -242,8 +242,8 @@ def _scores(q: jax.Array, pieces, kv_axes: str) -> jax.Array:
 def attend(q: jax.Array, pieces, kv_axes: str = "bksh") -> jax.Array:
   """Attention of queries over keys held in several pieces, with one softmax over all.
 
-  A cache can keep its keys in parts (a slot's prompt columns and its response ring, or a
-  window of the ring that wraps around its end); scores of each part are computed in the
+  A cache can keep its keys in parts (a row's prompt and its response ring, or a window of
+  the ring that wraps around its end); scores of each part are computed in the
   part's own dtype with float32 accumulation (no float32 copy of any key or value), then
   normalised together, so the result equals attention over the concatenated keys.
 

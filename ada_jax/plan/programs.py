@@ -175,6 +175,7 @@ def segment_args(smp: sampler_lib.Sampler, params, *, what: str = "pool"):
     row_id=i32((q,)),
     count=i32(()),
     more=jax.ShapeDtypeStruct((), bool),
+    wait=jax.ShapeDtypeStruct((), bool),
     cancel=jax.ShapeDtypeStruct((s,), bool),
   )
   key = jax.eval_shape(lambda: jax.random.key(0))

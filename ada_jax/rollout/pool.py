@@ -47,6 +47,9 @@ class Queue:
       row_id), token index)`.
     count: `int32[]` rows queued; entries `>= count` are padding.
     more: `bool[]` the host holds further rows: return as soon as the queue is drained.
+    wait: `bool[]` those rows wait for a live row to end (room in their prompt-cache entry,
+      or a free entry; `SlotDriver.admit`): with `more`, return once the queue is drained
+      and a row has ended in this segment.
     cancel: `bool[S]` live slots whose rows are dropped before the first step (their
       slots are refilled at once).
   """
@@ -56,6 +59,7 @@ class Queue:
   row_id: jax.Array
   count: jax.Array
   more: jax.Array
+  wait: jax.Array
   cancel: jax.Array
 
 
@@ -411,28 +415,29 @@ def run_segment(
   order = jnp.zeros((d, n_queue), jnp.int32).at[shard, rank].set(jnp.arange(n_queue), mode="drop")
 
   def cond(carry):
-    i, head, s = carry
+    i, head, ended, s = carry
     pending = jnp.any(head < count)
-    return (i < segment_steps) & (jnp.any(s.live) | pending) & ~(~pending & queue.more)
+    early = ~pending & queue.more & (ended | ~queue.wait)
+    return (i < segment_steps) & (jnp.any(s.live) | pending) & ~early
 
   def body(carry):
-    i, head, s = carry
+    i, head, ended, s = carry
     free = (~s.live).reshape(d, n_slots // d)
     nxt = head[:, None] + jnp.cumsum(free, 1) - 1
     take = free & (nxt < count[:, None])
     qi = order[jnp.arange(d)[:, None], jnp.clip(nxt, 0, n_queue - 1)]
     s = _refill(config, params, s, prompts, queue, take.reshape(-1), qi.reshape(-1), mesh)
     head = head + take.sum(1, dtype=jnp.int32)
+    live = s.live
     s = draw_and_decode(
       config, params, s, prompts, key, rule=rule, stop_ids=stop_ids,
       attention_block=attention_block, entry_rows=entry_rows, mesh=mesh,
     )  # fmt: skip
-    return i + 1, head, s
+    return i + 1, head, ended | jnp.any(live & ~s.live), s
 
   state = state.replace(live=state.live & ~queue.cancel)
-  _, head, state = jax.lax.while_loop(
-    cond, body, (jnp.zeros((), jnp.int32), jnp.zeros((d,), jnp.int32), state)
-  )
+  start = (jnp.zeros((), jnp.int32), jnp.zeros((d,), jnp.int32), jnp.zeros((), bool), state)
+  _, head, _, state = jax.lax.while_loop(cond, body, start)
   started = (shard < d) & (rank < head[jnp.minimum(shard, d - 1)])
   if mesh is not None:  # every process reads the outputs and the slots' bookkeeping
     rep = sharding_lib.replicated(mesh)

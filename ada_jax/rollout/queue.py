@@ -168,6 +168,13 @@ class SlotDriver:
       raise ValueError(f"prompt entry {entry} holds no prefilled prompt")
     if len(row_ids) > self.room:
       raise ValueError(f"{len(row_ids)} rows exceed the pool's room ({self.room})")
+    if self.refs[entry] + len(row_ids) > self.programs.entry_rows:
+      # Decode attention groups at most R rows of an entry: a row past it would be read
+      # with another row's prompt part.
+      raise ValueError(
+        f"{len(row_ids)} rows on entry {entry}, which holds {self.refs[entry]} queued or live,"
+        f" exceed the {self.programs.entry_rows} rows an entry may have (entry_rows)"
+      )
     rows = [
       _Row(int(r), entry, self.free_positions.pop(0), int(r) - self.draw_base) for r in row_ids
     ]
@@ -239,7 +246,8 @@ class SlotDriver:
 
     Returns:
       whether rows wait for an entry, or for room in one, held by live rows: the segment
-      then decodes until rows end rather than return once the queue drains.
+      then returns once one of those has ended (`Queue.wait`), not as soon as the queue
+      drains (it would return before a step).
     """
     front = [int(row_prompt[r]) for r in list(pending)[: self.room]]
     missing = {p for p in front if p not in entry_of}
@@ -291,9 +299,11 @@ class SlotDriver:
     for p in [p for p, e in entry_of.items() if e in self.free_entries]:
       del entry_of[p]
 
-  def run(self, more: bool = False) -> None:
+  def run(self, more: bool = False, wait: bool = False) -> None:
     """One segment: at most `segment_steps` decode steps; returns early when every row is
-    done or, with `more` (the caller has further rows to add), once the queue is drained."""
+    done or, with `more` (the caller has further rows to add), once the queue is drained
+    (with `wait`, those rows wait for a live row to end: once the queue is drained and a
+    row has ended)."""
     e = self.programs
     q = e.queue_rows
     sent = list(self.queued)[:q]
@@ -304,6 +314,7 @@ class SlotDriver:
       row_id=arr(lambda r: r.draw_id),
       count=np.int32(len(sent)),
       more=np.bool_(more or len(self.queued) > q),
+      wait=np.bool_(wait and len(self.queued) <= q),
       cancel=self.cancel_mask,
     )
     self.state, started = e.run(self.params, self.state, self.prompts, e.put(queue), self.key)
@@ -387,10 +398,11 @@ class SlotDriver:
     entry_of: dict[int, int],
   ) -> list[tuple[int, np.ndarray, np.ndarray, int]]:
     """One admit / run / collect step: queues rows from `pending` (`admit`), decodes one
-    segment (returning early once the queue drains while `pending` has more) and returns
-    the rows that finished (`collect`)."""
+    segment (returning early once the queue drains while `pending` has more, and, when
+    those wait for a live row to end, once one has) and returns the rows that finished
+    (`collect`)."""
     blocked = self.admit(prompts, row_prompt, pending, entry_of)
-    self.run(more=bool(pending) and not blocked)
+    self.run(more=bool(pending), wait=blocked)
     return self.collect()
 
   def drain(

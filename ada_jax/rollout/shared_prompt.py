@@ -47,6 +47,10 @@ def attend(q, prompt, entry, rank, members, own, kv_axes: str = "bksh") -> jax.A
   """One decode step's attention of every slot over its entry's prompt columns, read once
   per entry, and its own response columns.
 
+  XLA cannot skip an entry with no live row: this reads all P entries and scores P·R
+  query rows (about (Q + 2 S)·R / rows per prompt), so where R is small it can read more
+  than the rows' own copies would (`per_row_piece`); the kernels skip dead entries.
+
   Args:
     q: `[S, 1, N, H]` queries (after RoPE).
     prompt: one layer of the prompt cache: (keys `[P, K, Lp, H]`, values, mask `bool[P,

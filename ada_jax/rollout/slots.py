@@ -240,10 +240,10 @@ def in_place_under_cond(mesh: jax.sharding.Mesh | None) -> bool:
 
   The compilers differ on a cache that passes through a conditional: XLA:TPU writes it in
   place inside the branch, XLA:GPU copies all of it into the branch (1.05x the slot cache
-  in temporaries for the skipped step; the prompt columns, a third of a 7B's cache, for
-  the refill). On GPU the decode step always runs (the idle step's write is masked and
-  overwritten by the next row) and the refill's cache copy runs outside the conditional
-  (no trip when no slot refills), so the tokens are the same (tests/test_pool.py).
+  in temporaries for the skipped step). On GPU the decode step always runs (the idle
+  step's write is masked and overwritten by the next row), and on every platform a
+  refill's write to the cache (its rings' mask, `admit`) runs outside the conditional, so
+  the tokens are the same (tests/test_pool.py).
   """
   return sharding_lib.platform(mesh).cache_in_place_under_cond
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -52,9 +53,11 @@ class Est(Rule[EstConfig]):
     return config.est.n_min
 
   def max_rows(self, config, num_prompts):
-    # A quota is at most n_max, or the budget less every other prompt's n_min.
-    budget = self.train_rows(config, num_prompts)
-    return config.est.n_max or budget - (num_prompts - 1) * config.est.n_min
+    # n_max caps a quota; uncapped (the released split), a hard prompt's quota can near the
+    # whole budget, and decode attention would score that many query rows per prompt:
+    # twice the mean quota decodes it in waves of that many.
+    est = config.est
+    return est.n_max or max(est.n_min, 2 * math.ceil(est.budget_per_prompt))
 
   def needs_features(self, config):
     return config.est.estimator != "ema"
