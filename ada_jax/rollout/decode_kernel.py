@@ -171,11 +171,10 @@ def prompt_attention(q, prompt, rows, *, entry_rows: int, interpret: bool = Fals
   g, r = n // kh, members.shape[1]
   grouped = q[jnp.minimum(members, s - 1), 0].reshape(entries, r, kh, g, h)
   grouped = grouped.transpose(0, 2, 1, 3, 4).reshape(entries, kh, r * g, h)
-  live = (members < s).any(1)  # entries with a live row
-  # The entry whose blocks a step reads: its own when live, else the last live one's.
-  last = jax.lax.cummax(jnp.where(live, jnp.arange(entries), -1))
-  source = jnp.maximum(last, 0)
-  schedule = jnp.stack([live.astype(jnp.int32), source]).astype(jnp.int32)
+  has_rows = (members < s).any(1)
+  # The entry whose blocks a step reads: its own when it has rows, else the last such one's.
+  last = jax.lax.cummax(jnp.where(has_rows, jnp.arange(entries), -1))
+  schedule = jnp.stack([has_rows.astype(jnp.int32), jnp.maximum(last, 0)]).astype(jnp.int32)
   bp = column_block(lp)
   jp = lp // bp
   at = lambda e, k, j, sch: (
@@ -187,17 +186,17 @@ def prompt_attention(q, prompt, rows, *, entry_rows: int, interpret: bool = Fals
 
   # The mask as [P, 1, Lp]: Mosaic tiles a block's last two dimensions.
   def mask_at(e, k, j, sch):
-    source, _, block = at(e, k, j, sch)
-    return source, 0, block
+    read, _, block = at(e, k, j, sch)
+    return read, 0, block
 
   mask = pl.BlockSpec((1, 1, bp), mask_at)
-  rows = pl.BlockSpec((1, 1, r * g, h), lambda e, k, j, sch: (e, k, 0, 0))
+  queries = pl.BlockSpec((1, 1, r * g, h), lambda e, k, j, sch: (e, k, 0, 0))
   lse = pl.BlockSpec((1, 1, r * g, 1), lambda e, k, j, sch: (e, k, 0, 0))
   grid_spec = pltpu.PrefetchScalarGridSpec(
     num_scalar_prefetch=1,
     grid=(entries, kh, jp),
-    in_specs=[rows, kv, kv, mask],
-    out_specs=[rows, lse],
+    in_specs=[queries, kv, kv, mask],
+    out_specs=[queries, lse],
     scratch_shapes=_scratch(1, r * g, h),
   )
   # Declared for the roofline's step (`plan.programs.live_kv`: every slot live, R rows per
