@@ -187,6 +187,7 @@ TRAIN_METRICS = (
   "approx_kl",
   "learning_rate",
   "old_logprob_gap",  # sampler–trainer mismatch before the first update
+  "positions",  # token positions the packed mini-batches computed (padding included)
 )
 
 

@@ -125,9 +125,9 @@ def rl_batch(
   return train.TrainBatch(
     tokens=tokens,
     positions=positions.astype(np.int32),
-    attention_mask=attention,
+    segments=attention.astype(np.int32),
     loss_mask=response,
-    advantages=rng.standard_normal(rows).astype(np.float32),
+    advantages=np.where(attention, rng.standard_normal(rows)[:, None], 0.0).astype(np.float32),
     old_logprobs=np.where(response, old, 0.0).astype(np.float32),
   )
 

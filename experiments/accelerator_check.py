@@ -370,9 +370,9 @@ def part_train(check: Check) -> dict:
   batch = train.TrainBatch(
     tokens=tokens,
     positions=np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)).copy(),
-    attention_mask=np.ones((rows, length), bool),
+    segments=np.ones((rows, length), np.int32),
     loss_mask=response,
-    advantages=check.rng.standard_normal(rows).astype(np.float32),
+    advantages=np.repeat(check.rng.standard_normal((rows, 1)), length, 1).astype(np.float32),
     # Near the random model's own log-probs (uniform over V), so ratios sit near 1.
     old_logprobs=np.where(response, -math.log(cfg.vocab_size), 0.0).astype(np.float32),
   )

@@ -261,6 +261,14 @@ def tiny_run_config(method: str, schedule: str, seed: int):
   return c
 
 
+def _row_advantages(batch) -> np.ndarray:
+  """Each row's advantage (0 for a row of padding): the value at its first real token."""
+  real = np.asarray(batch.segments) > 0
+  first = real.argmax(1)
+  adv = np.asarray(batch.advantages)[np.arange(len(first)), first]
+  return np.where(real.any(1), adv, 0.0)
+
+
 def _row_hash(tokens: np.ndarray, length: int) -> str:
   return hashlib.sha1(np.asarray(tokens[:length], np.int32).tobytes()).hexdigest()[:16]
 
@@ -289,7 +297,7 @@ def record_tiny(seeds: dict[int, tuple[str, ...]] = TINY_SEEDS, schedules=SCHEDU
               _row_hash(responses["tokens"][i], int(responses["lengths"][i])) for i in h
             ],
             "response_lengths": responses["lengths"][h].tolist(),
-            "batch_advantages": np.asarray(batch.advantages).tolist(),
+            "batch_advantages": _row_advantages(batch).tolist(),
             "batch_loss_tokens": int(np.asarray(batch.loss_mask).sum()),
           }
         )

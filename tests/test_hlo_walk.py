@@ -190,6 +190,38 @@ def test_xla_gpu_in_place_update_counts_the_update(h200):
   assert max(n for _, _, n in walk.largest) < weights + 4096 * 16
 
 
+def _scan_of_matmuls(device, trips: int) -> compiler.Program:
+  """`trips` chained [64, 256] x [256, 256] matmuls in a scan, compiled for `device`."""
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  w = jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=sharding)
+  x = jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=sharding)
+
+  def run(w, x):
+    return jax.lax.scan(lambda c, _: (jnp.tanh(c @ w), None), x, None, length=trips)[0]
+
+  return compiler.compile_program(jax.jit(run), w, x, what="scan", keep_hlo=True)
+
+
+@pytest.mark.parametrize("target", ["h200x1", "v5e-8"])
+def test_matmul_flops_count_every_trip_of_a_loop(target):
+  """The walk counts a scan's matmuls once per trip on both compilers: XLA:GPU states the
+  trip count, XLA:TPU leaves a counted loop (counter, step, bound) to read, and its cost
+  analysis counts the body once whatever the trips."""
+  device = targets.devices_for(targets.target(target))[0]
+  one = 2 * 64 * 256 * 256
+  for trips in (1, 3, 16):
+    program = _scan_of_matmuls(device, trips)
+    assert hlo_walk.matmul_flops(program.hlo) == trips * one
+  if target == "v5e-8":
+    assert program.cost["flops"] < 2 * one  # why the walk exists
+
+
+def test_a_loop_of_unknown_trips_is_refused():
+  """HAND's loop runs until its condition says (no counter): its FLOPs are unknown."""
+  with pytest.raises(ValueError, match="while loop: its trip count is neither known nor"):
+    hlo_walk.matmul_flops(HAND)
+
+
 def _decode_walk(h200, layers: int) -> hlo_walk.StepWalk:
   """One decode step of a bf16 tiny Llama with `layers` layers at 64 slots, for XLA:GPU."""
   from ada_jax import config as config_lib

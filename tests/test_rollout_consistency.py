@@ -46,9 +46,11 @@ def _rollout_batch(config, params, rule, *, rows=(0, 0, 1, 2, 3, 3, 1, 2), new_t
   return train.TrainBatch(
     tokens=np.concatenate([tokens, out["tokens"]], 1),
     positions=np.maximum(np.cumsum(attention, 1) - 1, 0).astype(np.int32),
-    attention_mask=attention,
+    segments=attention.astype(np.int32),
     loss_mask=response,
-    advantages=np.linspace(-1, 1, len(rows)).astype(np.float32),
+    advantages=np.repeat(np.linspace(-1, 1, len(rows))[:, None], attention.shape[1], 1).astype(
+      np.float32
+    ),
     old_logprobs=np.concatenate([np.zeros(mask.shape, np.float32), out["logprobs"]], 1),
   )
 
@@ -71,7 +73,7 @@ def test_trainer_recomputes_the_sampler_logprobs_at_temperature(tiny):
     params,
     batch.tokens,
     batch.positions,
-    batch.attention_mask,
+    batch.segments,
     temperature=rule.logprob_temperature,
   )
   m = batch.loss_mask
@@ -79,9 +81,7 @@ def test_trainer_recomputes_the_sampler_logprobs_at_temperature(tiny):
   assert m.sum() > 50 and gap.max() <= 1e-5, gap.max()
   assert float(_first_update_metrics(config, params, batch, 0.5)["clip_frac"]) == 0.0
   # The test has teeth: recomputing at T = 1 (the old behaviour) clips many tokens.
-  at_one, _ = losses.token_logprobs(
-    config, params, batch.tokens, batch.positions, batch.attention_mask
-  )
+  at_one, _ = losses.token_logprobs(config, params, batch.tokens, batch.positions, batch.segments)
   _, clipped, _ = losses.per_token_pg_loss(
     at_one, batch.old_logprobs, batch.advantages, losses.LossConfig()
   )
@@ -90,7 +90,7 @@ def test_trainer_recomputes_the_sampler_logprobs_at_temperature(tiny):
   # The entropy is that of softmax(z / T) (float64 reference).
   z = (
     np.asarray(
-      model_lib.logits(config, params, batch.tokens, batch.positions, batch.attention_mask),
+      model_lib.logits(config, params, batch.tokens, batch.positions, batch.segments),
       np.float64,
     )[:, :-1]
     / 0.5
@@ -113,7 +113,7 @@ def test_recorded_logprob_is_the_tempered_full_distribution(tiny, temperature, t
     params,
     batch.tokens,
     batch.positions,
-    batch.attention_mask,
+    batch.segments,
     temperature=rule.logprob_temperature,
   )
   m = batch.loss_mask

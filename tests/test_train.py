@@ -91,11 +91,9 @@ def test_token_mean_is_global_across_devices():
   batch = _batch(lengths, seed=3)
   loss, _, sums = _grads_fn(config, _mesh(2, 2, 2))(batch)
   # The unsharded reference, written out: sum of per-token surrogate / all valid tokens.
-  logp, _ = losses.token_logprobs(
-    CONFIG, PARAMS, batch.tokens, batch.positions, batch.attention_mask
-  )
+  logp, _ = losses.token_logprobs(CONFIG, PARAMS, batch.tokens, batch.positions, batch.segments)
   ratio = np.exp(np.clip(np.asarray(logp, np.float64) - batch.old_logprobs, -20, 20))
-  adv = batch.advantages[:, None].astype(np.float64)
+  adv = batch.advantages.astype(np.float64)
   per_token = np.maximum(-adv * ratio, -adv * np.clip(ratio, 0.8, 1.28))
   per_token = np.where(adv < 0, np.minimum(per_token, -adv * 10), per_token)
   per_token = np.where(batch.loss_mask, per_token, 0.0)
@@ -121,7 +119,10 @@ def test_micro_batches_and_remat_do_not_change_the_gradient():
   assert float(whole[2]["tokens"]) == float(micro[2]["tokens"]) == 43
 
 
-def test_update_policy_runs_k_updates_without_recompiling(no_implicit_transfers):
+def test_update_policy_compiles_once_per_packed_row_count(no_implicit_transfers):
+  """k updates per RL step; the train step compiles once per packed mini-batch row count
+  (`packing.row_counts`: here 4 or 8) and never again: RL step 2 packs into counts that
+  steps 0 and 1 compiled, and compiles nothing."""
   config = train.TrainConfig(
     optim=train.OptimConfig(learning_rate=1e-4, warmup_steps=2),
     num_minibatches=2,
@@ -130,15 +131,19 @@ def test_update_policy_runs_k_updates_without_recompiling(no_implicit_transfers)
   mesh = _mesh(2, 2, 2)
   state = train.init_train_state(CONFIG, config, PARAMS, mesh)
   step_fn = train.make_train_step(CONFIG, config, mesh)
-  # New response lengths and advantages every RL step (built before counting compiles).
-  batches = [_batch(np.random.default_rng(s).integers(1, 11, 16), seed=s) for s in range(3)]
+  # New response lengths and advantages every RL step (built before counting compiles):
+  # long ones (8 packed rows a mini-batch), short ones (4), then one mini-batch of each.
+  lengths = [[10] * 16, [1] * 16, [10] * 8 + [2] * 8]
+  batches = [_batch(r, seed=s) for s, r in enumerate(lengths)]
+  packed = [[m.rows for m in update.minibatches(b, 2, mesh, unit=4)] for b in batches]
+  assert packed == [[8, 8], [4, 4], [8, 4]]
   compiles = []
   listener = lambda event, duration, **kw: compiles.append(event)
   jax.monitoring.register_event_duration_secs_listener(listener)
   try:
     history = []
     for rl_step, batch in enumerate(batches):
-      if rl_step == 1:
+      if rl_step == 2:
         compiles.clear()
       with no_implicit_transfers():
         state, metrics = update.update_policy(step_fn, state, batch, config=config, mesh=mesh)
@@ -146,30 +151,37 @@ def test_update_policy_runs_k_updates_without_recompiling(no_implicit_transfers)
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
   backend = [e for e in compiles if e == "/jax/core/compile/backend_compile_duration"]
-  assert backend == [], f"steady-state steps compiled {len(backend)} times"
-  assert step_fn._cache_size() == 1
+  assert backend == [], f"a step of compiled row counts compiled {len(backend)} times"
+  assert step_fn._cache_size() == 2
   assert int(state.step) == 6  # k=2 updates per RL step
   # Warm-up counted in RL steps: lr/2 during RL step 0, full lr from RL step 1.
   assert [m["learning_rate"] for m in history] == pytest.approx([5e-5, 1e-4, 1e-4])
   assert all(np.isfinite(m["loss"]) and m["tokens"] > 0 for m in history)
+  assert [m["positions"] for m in history] == [16 * 16, 8 * 16, 12 * 16]
 
 
 def test_minibatches_are_consecutive_cuts_of_this_process_rows(monkeypatch):
-  """Mini-batch j is rows [j·b, (j+1)·b) of the whole batch; with several processes each
-  keeps, of every mini-batch, the rows its devices hold (here: process 1 of 2 holds the
-  second half of each), so the k local pieces line up with the k global mini-batches."""
+  """Mini-batch j packs rows [j·b, (j+1)·b) of the whole batch; with several processes
+  each keeps, of every packed mini-batch, the rows its devices hold (here: process 1 of 2
+  holds the second half of each), so the k local pieces line up with the k global
+  mini-batches."""
   mesh = _mesh(2, 2, 2)
-  batch = {"x": np.arange(32), "y": np.arange(32) * 10}
-  whole = update.minibatches(batch, 4, mesh)
-  assert [m["x"].tolist() for m in whole] == [list(range(8 * j, 8 * j + 8)) for j in range(4)]
+  batch = _batch([10] * 32, seed=1)
+  whole = update.minibatches(batch, 4, mesh, unit=4)
+  for j, mini in enumerate(whole):  # the sequences of rows 8j .. 8j + 7, and only those
+    rows = jax.tree.map(lambda x, j=j: x[8 * j : 8 * j + 8], batch)
+    np.testing.assert_array_equal(
+      np.sort(mini.old_logprobs[mini.loss_mask]), np.sort(rows.old_logprobs[rows.loss_mask])
+    )
   np.testing.assert_array_equal(sharding.local_rows(8, mesh), np.arange(8))  # one process
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   monkeypatch.setattr(sharding, "local_rows", lambda rows, mesh: np.arange(rows // 2, rows))
-  halves = update.minibatches(batch, 4, mesh)
-  assert [m["x"].tolist() for m in halves] == [list(range(8 * j + 4, 8 * j + 8)) for j in range(4)]
-  assert all((m["y"] == m["x"] * 10).all() for m in halves)
+  halves = update.minibatches(batch, 4, mesh, unit=4)
+  for mine, all_rows in zip(halves, whole, strict=True):
+    assert mine.rows == all_rows.rows // 2
+    np.testing.assert_array_equal(mine.tokens, all_rows.tokens[all_rows.rows // 2 :])
   with pytest.raises(ValueError, match="not divisible into 3 mini-batches"):
-    update.minibatches(batch, 3, mesh)
+    update.minibatches(batch, 3, mesh, unit=4)
 
 
 def test_bad_layout_fails_before_compiling():
@@ -263,7 +275,7 @@ def test_old_logprob_gap_is_the_first_mini_batchs_mismatch_before_any_update():
   first = slice(0, 8)
   mask = batch.loss_mask[first]
   logp, _ = losses.token_logprobs(
-    CONFIG, PARAMS, batch.tokens[first], batch.positions[first], batch.attention_mask[first]
+    CONFIG, PARAMS, batch.tokens[first], batch.positions[first], batch.segments[first]
   )
   by_hand = np.abs(np.asarray(logp) - batch.old_logprobs[first])[mask].mean()
   assert metrics["old_logprob_gap"] == pytest.approx(by_hand, rel=1e-5)
@@ -289,9 +301,7 @@ def test_logprob_step_matches_the_unsharded_log_probs():
   mesh = _mesh(2, 2, 2)
   params = sharding.place_params(PARAMS, sharding.param_shardings(model_cfg, mesh))
   got = update.make_logprob_step(model_cfg, config, mesh)(params, sharding.place_batch(batch, mesh))
-  want, _ = losses.token_logprobs(
-    model_cfg, PARAMS, batch.tokens, batch.positions, batch.attention_mask
-  )
+  want, _ = losses.token_logprobs(model_cfg, PARAMS, batch.tokens, batch.positions, batch.segments)
   want = np.where(batch.loss_mask, np.asarray(want), 0.0)
   np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
 
@@ -390,3 +400,19 @@ def test_to_memory_moves_the_state_to_host_and_back_unchanged():
     np.testing.assert_array_equal(np.asarray(a), b)
   shard = lambda t: [x.sharding.spec for x in jax.tree.leaves(t)]
   assert shard(back) == shard(away)
+
+
+@pytest.mark.parametrize(
+  "shape", [(1, 1, 1), (2, 1, 2), (2, 2, 2), (1, 2, 4), (4, 1, 2), (1, 1, 8)]
+)
+def test_a_donated_step_leaves_the_callers_params_alive(shape):
+  """`init_train_state` copies: a step that donates the state deletes none of the caller's
+  arrays on any mesh (on 2 x 1 x 2, `device_put(may_alias=False)` alone handed back the
+  caller's buffer for a replicated leaf)."""
+  mesh = _mesh(*shape)
+  config = train.TrainConfig(num_minibatches=1)
+  state = train.init_train_state(CONFIG, config, PARAMS, mesh, ref_params=PARAMS)
+  step = train.make_train_step(CONFIG, config, mesh, with_ref=True)
+  step(state, sharding.place_batch(_batch([3] * 8), mesh))
+  assert not any(x.is_deleted() for x in jax.tree.leaves(PARAMS))
+  np.testing.assert_array_equal(np.asarray(PARAMS["final_norm"]["scale"]), 1.0)

@@ -72,7 +72,7 @@ class Transformer(nnx.Module):
     self,
     tokens,
     positions,
-    kv_valid=None,
+    segments=None,
     *,
     remat: bool = False,
     last_only: bool = False,
@@ -83,17 +83,17 @@ class Transformer(nnx.Module):
     `layers.Attention` returned). With `head=False` the first output is the final-normed
     hidden state `[B, T, D]` (compute dtype) instead of the logits. `attention(layer)` gives that
     layer's cache write and read (`layers.Attention`); None attends causally over the T
-    tokens where `kv_valid` holds."""
+    tokens within their `segments` (`layers.causal_attend`)."""
     c = self.config
     x = jnp.take(self.embed.value, tokens, axis=0).astype(c.compute_dtype)
     inv_freq = rope_frequencies(c)
     kvs = []
     if remat and attention is None:
-      x = self._scan_blocks(x, positions, inv_freq, kv_valid)
+      x = self._scan_blocks(x, positions, inv_freq, segments)
     else:
       for i in range(c.num_layers):
         layer_attention = None if attention is None else attention(i)
-        x, kv = getattr(self, f"layer_{i}")(x, positions, inv_freq, kv_valid, layer_attention)
+        x, kv = getattr(self, f"layer_{i}")(x, positions, inv_freq, segments, layer_attention)
         kvs.append(kv)
     if last_only:  # prefill for sampling: skip the [B, T, V] logits of the prompt
       x = x[:, -1:]
@@ -102,7 +102,7 @@ class Transformer(nnx.Module):
       return x, kvs
     return unembed(c, self.output_embedding(), x), kvs
 
-  def _scan_blocks(self, x, positions, inv_freq, kv_valid):
+  def _scan_blocks(self, x, positions, inv_freq, segments):
     """The blocks as one `lax.scan` over their stacked parameters, each rematerialised.
 
     Why a scan: with the blocks unrolled, XLA is free to schedule every block's recomputed
@@ -118,7 +118,7 @@ class Transformer(nnx.Module):
 
     @jax.checkpoint
     def body(x, layer_state):
-      y, _ = nnx.merge(graphdef, layer_state)(x, positions, inv_freq, kv_valid)
+      y, _ = nnx.merge(graphdef, layer_state)(x, positions, inv_freq, segments)
       return y, None
 
     return jax.lax.scan(body, x, stacked)[0]
@@ -279,7 +279,7 @@ def hidden_states(
   params: Params,
   tokens: jax.Array,
   positions: jax.Array,
-  attention_mask: jax.Array | None = None,
+  segments: jax.Array | None = None,
   *,
   remat: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
@@ -290,16 +290,18 @@ def hidden_states(
   that the `[B, T, V]` array never exists whole.
 
   Args:
-    as `logits`.
+    as `logits`; `segments` as its `attention_mask`, or `int32[B, T]` ids of sequences
+    packed in a row (0 at padding; `layers.causal_attend`), positions counting from 0 in
+    each.
 
   Returns:
     (final-normed hidden states `[B, T, D]` in the compute dtype, the output projection
     `[V, D]`, i.e. the input embedding when tied).
   """
-  if attention_mask is None:
-    attention_mask = jnp.ones(tokens.shape, bool)
+  if segments is None:
+    segments = jnp.ones(tokens.shape, bool)
   module = _module(config, params)
-  hidden, _ = module(tokens, positions, attention_mask, remat=remat, head=False)
+  hidden, _ = module(tokens, positions, segments, remat=remat, head=False)
   return hidden, module.output_embedding()
 
 

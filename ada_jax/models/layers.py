@@ -118,17 +118,17 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(h, c.rms_norm_eps, "head_dim", pd)
     self.config, self.fused = config, fused
 
-  def __call__(self, x, positions, inv_freq, kv_valid, attention=None):
+  def __call__(self, x, positions, inv_freq, segments, attention=None):
     """x: `[B, T, D]`. Returns (out `[B, T, D]`, (keys, values)): the T tokens' own
     `[B, K, T, H]` without `attention`, else what `attention` returned (the cache's arrays,
     in its own order).
 
-    Without `attention`, the T tokens attend causally to each other where `kv_valid`
-    (`bool[B, T]`) holds. `attention(qkv, positions, inv_freq) -> (out, (keys, values))`
-    replaces that with a KV cache's own write and read: qkv `[B, T, K, G + 2, H]` the
-    projections before RoPE (`split_heads` gives the rotated q, k and v; a decode kernel
-    may rotate them itself, reading the one buffer), out `[B, T, N, H]`; the cache owns
-    its layout.
+    Without `attention`, the T tokens attend causally to each other within their
+    `segments` (`causal_attend`: a padding mask or packed sequences' ids).
+    `attention(qkv, positions, inv_freq) -> (out, (keys, values))` replaces that with a
+    KV cache's own write and read: qkv `[B, T, K, G + 2, H]` the projections before RoPE
+    (`split_heads` gives the rotated q, k and v; a decode kernel may rotate them itself,
+    reading the one buffer), out `[B, T, N, H]`; the cache owns its layout.
     """
     c = self.config
     dt = c.compute_dtype
@@ -150,7 +150,7 @@ class Attention(nnx.Module):
       qkv = jnp.concatenate([q, k, qkv[:, :, :, g + 1 :]], axis=3)
     if attention is None:
       q, k, v = split_heads(qkv, positions, inv_freq)
-      out, kv = causal_attend(q, k, v, kv_valid, block=t), (k, v)
+      out, kv = causal_attend(q, k, v, segments, block=t), (k, v)
     else:
       out, kv = attention(qkv, positions, inv_freq)
     y = jnp.einsum("btnh,nhd->btd", out, self.o.value.astype(dt))
@@ -313,8 +313,15 @@ def merge_partials(parts, dtype) -> jax.Array:
   return (acc / total[..., None]).astype(dtype)
 
 
-def causal_attend(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array, block: int):
-  """Causal self-attention of T tokens where `valid` holds, `block` queries at a time.
+def causal_attend(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array, block: int):
+  """Causal self-attention of T tokens within their segments, `block` queries at a time.
+
+  A row holds one sequence (`segments` a padding mask: True at real tokens) or several
+  packed one after another (`segments` their ids 1, 2, ..., 0 at padding, as the train
+  step's packed batch holds them, `rl.packing`): a query attends to the keys at or before
+  it in its own segment, so a packed row computes each sequence's attention exactly as
+  that sequence alone. A padding query sees no key (its output, masked everywhere
+  downstream, is a mean over other keys).
 
   Each block of queries attends to the keys up to its last position (`attend`, one
   softmax per query over exactly the keys it may see), so the float32 scores that exist
@@ -325,18 +332,21 @@ def causal_attend(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array, bl
   Args:
     q: `[B, T, N, H]` queries (after RoPE).
     k, v: `[B, K, T, H]` keys (after RoPE) and values.
-    valid: `bool[B, T]`, True at real (non-padding) tokens.
+    segments: `bool[B, T]` (True at real tokens) or `int32[B, T]` segment ids (0 at
+      padding).
     block: queries per block.
 
   Returns:
     `[B, T, N, H]` in v's dtype.
   """
   t = q.shape[1]
+  segments = segments.astype(jnp.int32)
   causal = jnp.arange(t) <= jnp.arange(t)[:, None]  # [T, S=T]
   outs = []
   for start in range(0, t, block):
     end = min(start + block, t)
-    mask = valid[:, None, :end] & causal[start:end, :end]
+    keys = segments[:, None, :end]
+    mask = (segments[:, start:end, None] == keys) & (keys > 0) & causal[start:end, :end]
     outs.append(attend(q[:, start:end], [(k[:, :, :end], v[:, :, :end], mask)]))
   return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
@@ -384,7 +394,7 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(config.embed_dim, config.rms_norm_eps, "embed", config.weight_dtype)
     self.mlp = MLP(config, rngs, fused)
 
-  def __call__(self, x, positions, inv_freq, kv_valid, attention=None):
-    y, kv = self.attn(self.attn_norm(x), positions, inv_freq, kv_valid, attention)
+  def __call__(self, x, positions, inv_freq, segments, attention=None):
+    y, kv = self.attn(self.attn_norm(x), positions, inv_freq, segments, attention)
     x = x + y
     return x + self.mlp(self.mlp_norm(x)), kv

@@ -75,6 +75,7 @@ class Instruction:
   operands: tuple[str, ...]
   attrs: str
   root: bool = False
+  args: str = ""  # the text between its parentheses (a constant's literal)
 
   def called(self, key: str) -> list[str]:
     """The computations named by attribute `key` (`calls`, `body`, `branch_computations`)."""
@@ -126,7 +127,9 @@ def parse(text: str) -> tuple[dict[str, Computation], str]:
           end = k
           break
       operands = tuple(_NAME.findall(re.sub(r"/\*.*?\*/", "", rest[:end])))
-      body.append(Instruction(inst, type_text, opcode, operands, rest[end + 1 :], bool(root)))
+      body.append(
+        Instruction(inst, type_text, opcode, operands, rest[end + 1 :], bool(root), rest[:end])
+      )
   if entry is None:
     raise ValueError("no ENTRY computation in the HLO text")
   return comps, entry
@@ -295,3 +298,118 @@ def walk_loop(text: str, top: int = 12) -> StepWalk:
   t = _trip(comps, loop)
   largest = tuple(sorted(t.items, key=lambda x: -x[2])[:top])
   return StepWalk(t.bytes, t.kernels, t.conditionals, dict(sorted(t.kinds.items())), largest)
+
+
+def _dims(type_text: str) -> list[int]:
+  """The first array's dimensions in an HLO type's text."""
+  arrays = _ARRAY.findall(type_text)
+  return [int(n) for n in arrays[0][1].split(",") if n] if arrays else []
+
+
+def _matmul_flops(inst: Instruction, types: dict[str, str]) -> int:
+  """2 · output elements · contracted size of a dot, a convolution or a library GEMM."""
+  out = math.prod(_dims(inst.type))
+  lhs, rhs = (_dims(types.get(o, "")) for o in (inst.operands + ("", ""))[:2])
+  if inst.opcode == "dot":
+    m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", inst.attrs)
+    contracted = [int(d) for d in m.group(1).split(",") if d] if m else []
+    return 2 * out * math.prod(lhs[d] for d in contracted)
+  if inst.opcode == "convolution":
+    kernel = re.search(r"dim_labels=\w+_(\w+)->\w+", inst.attrs).group(1)
+    return 2 * out * math.prod(n for n, a in zip(rhs, kernel, strict=True) if a != "o")
+  m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', inst.attrs)  # cuBLAS
+  if m is None:
+    raise ValueError(f"{inst.name}: a library GEMM without its dot dimensions")
+  return 2 * out * math.prod(lhs[int(d)] for d in re.findall(r"\d+", m.group(1)))
+
+
+def _constant(comp: Computation, name: str) -> int | None:
+  """The integer a scalar operand holds, through copies and converts; None if not one."""
+  inst = comp.by_name.get(name)
+  while inst is not None and inst.opcode in ("copy", "convert", "bitcast") and inst.operands:
+    inst = comp.by_name.get(inst.operands[0])
+  if inst is None or inst.opcode != "constant" or not re.fullmatch(r"-?\d+", inst.args.strip()):
+    return None
+  return int(inst.args)
+
+
+def trip_count(comps: dict[str, Computation], parent: Computation, loop: Instruction) -> int:
+  """A while's trips: XLA:GPU's `known_trip_count`, else read from the loop as XLA:TPU
+  leaves a scan: a counter (tuple element i) starting at a constant, stepped by a
+  constant, compared with a constant by the condition.
+
+  Raises:
+    ValueError: neither gives the count (a loop whose trips depend on data).
+  """
+  known = re.search(r'"known_trip_count":\{"n":"(\d+)"', loop.attrs)
+  if known:
+    return int(known.group(1))
+  cond, body = comps[loop.called("condition")[0]], comps[loop.called("body")[0]]
+  root = cond.root
+  index = lambda c, n: (
+    int(re.search(r"index=(\d+)", c.by_name[n].attrs).group(1))
+    if n in c.by_name and c.by_name[n].opcode == "get-tuple-element"
+    else None
+  )
+  if root.opcode == "compare" and len(root.operands) == 2:
+    (a, b), direction = root.operands, re.search(r"direction=(\w+)", root.attrs).group(1)
+    if index(cond, a) is None:
+      a, b = b, a
+      direction = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE"}.get(direction, direction)
+    i, bound = index(cond, a), _constant(cond, b)
+    init_tuple = parent.by_name.get(loop.operands[0])
+    step_inst = body.root.operands[i] if i is not None and body.root.opcode == "tuple" else ""
+    step_inst = body.by_name.get(step_inst)
+    if None not in (i, bound, init_tuple, step_inst) and step_inst.opcode == "add":
+      start = _constant(parent, init_tuple.operands[i])
+      x, y = step_inst.operands
+      step = _constant(body, y) if index(body, x) == i else _constant(body, x)
+      if start is not None and step:
+        span = {"LT": bound - start, "LE": bound - start + 1, "NE": bound - start}.get(direction)
+        span = {"GT": start - bound, "GE": start - bound + 1}.get(direction, span)
+        if span is not None:
+          return max(0, -(-span // abs(step)))
+  raise ValueError(f"while {loop.name}: its trip count is neither known nor a counted loop's")
+
+
+def matmul_flops(text: str) -> int:
+  """The matrix multiplications' FLOPs of one run of HLO module `text` (optimized HLO, as
+  `walk_loop` reads it): every dot and convolution, fused or not, and every library GEMM
+  (cuBLAS), as 2 · output elements · contracted size; a while's body times its known trip
+  count, a conditional's largest branch.
+
+  Why not XLA's cost analysis: XLA:TPU's counts a while's body once whatever its trip
+  count (a scan of 16 matmuls reported as one), and the train step is loops: micro-
+  batches, the rematerialised layers, the log-prob blocks. Elementwise FLOPs are not
+  counted (a few per cent of a transformer step).
+
+  Raises:
+    ValueError: `text` has no entry computation, or a while's trips are unknown
+      (`trip_count`).
+  """
+  comps, entry = parse(text)
+
+  @functools.cache
+  def run(name: str) -> int:
+    comp = comps[name]
+    types = {i.name: i.type for i in comp.instructions}
+    total = 0
+    for inst in comp.instructions:
+      op = inst.opcode
+      if op == "while":
+        trips = trip_count(comps, comp, inst)
+        total += trips * (run(inst.called("body")[0]) + run(inst.called("condition")[0]))
+      elif op == "conditional":
+        branches = inst.called("branch_computations") or (
+          inst.called("true_computation") + inst.called("false_computation")
+        )
+        total += max(run(b) for b in branches)
+      elif op in ("fusion", "call", "async-start"):
+        total += sum(run(c) for c in inst.called("calls") + inst.called("to_apply"))
+      elif op in ("dot", "convolution") or (
+        op == "custom-call" and any(k in inst.attrs.lower() for k in ("gemm", "matmul"))
+      ):
+        total += _matmul_flops(inst, types)
+    return total
+
+  return run(entry)

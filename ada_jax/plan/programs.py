@@ -102,26 +102,31 @@ class TrainProgram:
     }
 
 
-def train_program(cfg: config_lib.RunConfig, model_cfg, mesh) -> TrainProgram:
-  """The train step on one mini-batch, compiled. Raises `compiler.OutOfMemory` when the
-  compiler refuses it, ValueError when the batch does not divide over the mesh."""
+def train_program(
+  cfg: config_lib.RunConfig, model_cfg, mesh, rows: int | None = None, keep_hlo: bool = False
+) -> TrainProgram:
+  """The train step on one mini-batch, compiled: of the mini-batch's own rows (the most a
+  packed mini-batch takes: every sequence its own row, `packing.row_counts`) or `rows`
+  packed ones; with `keep_hlo` its optimized HLO kept (`hlo_walk.matmul_flops`). Raises
+  `compiler.OutOfMemory` when the compiler refuses it, ValueError when the batch does not
+  divide over the mesh."""
   with_ref = cfg.loss.kl_coeff > 0
   train.check_batch_layout(cfg.train_rows, cfg.train, mesh)
   state = train.abstract_state(model_cfg, cfg.train, mesh, with_ref=with_ref)
-  rows = cfg.mini_batch_rows
+  rows = rows or cfg.mini_batch_rows
   length = max(cfg.sampler.prompt_buckets) + cfg.sampler.max_new_tokens
   rows_sharding = sharding_lib.batch_sharding(mesh)
   sds = lambda dtype: jax.ShapeDtypeStruct((rows, length), dtype, sharding=rows_sharding)
   batch = train.TrainBatch(
     tokens=sds(jnp.int32),
     positions=sds(jnp.int32),
-    attention_mask=sds(bool),
+    segments=sds(jnp.int32),
     loss_mask=sds(bool),
-    advantages=jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=rows_sharding),
+    advantages=sds(jnp.float32),
     old_logprobs=sds(jnp.float32),
   )
   step = train.make_train_step(model_cfg, cfg.train, mesh, with_ref=with_ref)
-  program = compiler.compile_program(step, state, batch, what="train step")
+  program = compiler.compile_program(step, state, batch, what="train step", keep_hlo=keep_hlo)
   return TrainProgram(program, rows, length)
 
 

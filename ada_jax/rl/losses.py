@@ -79,32 +79,46 @@ class LossConfig:
 class Aggregation(NamedTuple):
   """A loss aggregation mode, split so that micro-batches and devices can share a total.
 
+  A sequence is a row's tokens with one segment id (`segments`: a row holds one sequence,
+  or several packed ones, `rl.packing`), so a packed batch aggregates exactly as the
+  padded one.
+
   Attributes:
-    total: (values f32[B, T], mask bool[B, T]) -> f32[] numerator, additive over rows.
-    count: mask bool[B, T] -> f32[] normaliser, additive over rows; computed once over the
-      whole mini-batch and passed to `policy_loss`.
+    total: (values f32[B, T], mask bool[B, T], segments int32[B, T]) -> f32[] numerator,
+      additive over rows.
+    count: (mask bool[B, T], segments int32[B, T]) -> f32[] normaliser, additive over
+      rows; computed once over the whole mini-batch and passed to `policy_loss`.
   """
 
-  total: Callable[[jax.Array, jax.Array], jax.Array]
-  count: Callable[[jax.Array], jax.Array]
+  total: Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+  count: Callable[[jax.Array, jax.Array], jax.Array]
 
 
-def _token_sum(values, mask):
+def _per_sequence(x: jax.Array, segments: jax.Array) -> jax.Array:
+  """`[B, T]` -> `[B, T + 1]`: x summed over each segment id of each row."""
+  t = x.shape[1]
+  segsum = lambda xi, si: jax.ops.segment_sum(xi, si, num_segments=t + 1)
+  return jax.vmap(segsum)(x, segments.astype(jnp.int32))
+
+
+def _token_sum(values, mask, segments=None):
   return jnp.sum(jnp.where(mask, values, 0.0))
 
 
-def _seq_token_mean_sum(values, mask):
-  per_row = jnp.sum(jnp.where(mask, values, 0.0), -1)
-  return jnp.sum(per_row / jnp.maximum(jnp.sum(mask, -1), 1))
+def _seq_token_mean_sum(values, mask, segments):
+  per_seq = _per_sequence(jnp.where(mask, values, 0.0), segments)
+  counts = _per_sequence(mask.astype(jnp.float32), segments)
+  return jnp.sum(per_seq / jnp.maximum(counts, 1.0))
 
 
-def _tokens(mask):
+def _tokens(mask, segments=None):
   return jnp.sum(mask, dtype=jnp.float32)
 
 
-def _sequences(mask):
-  # Rows without a single response token (batch padding) are not sequences of the batch.
-  return jnp.sum(jnp.any(mask, -1), dtype=jnp.float32)
+def _sequences(mask, segments):
+  # Sequences without a single response token (batch padding) are not of the batch.
+  counts = _per_sequence(mask.astype(jnp.float32), segments)
+  return jnp.sum(counts > 0, dtype=jnp.float32)
 
 
 AGGREGATIONS: dict[str, Aggregation] = {
@@ -114,7 +128,9 @@ AGGREGATIONS: dict[str, Aggregation] = {
 }
 
 
-def loss_normalizer(loss_mask: jax.Array, aggregation: str) -> jax.Array:
+def loss_normalizer(
+  loss_mask: jax.Array, aggregation: str, segments: jax.Array | None = None
+) -> jax.Array:
   """The denominator of `aggregation` over a whole mini-batch: `f32[]`, at least 1.
 
   Under jit on a sharded `loss_mask` the sum is global (over all devices), which is what
@@ -123,8 +139,11 @@ def loss_normalizer(loss_mask: jax.Array, aggregation: str) -> jax.Array:
   Args:
     loss_mask: `bool[B, T]`, True at response tokens of the whole mini-batch.
     aggregation: a key of `AGGREGATIONS`.
+    segments: `int32[B, T]` sequence ids, as `token_logprobs` takes them; None: one
+      sequence a row.
   """
-  return jnp.maximum(AGGREGATIONS[aggregation].count(loss_mask), 1.0)
+  segments = loss_mask if segments is None else segments
+  return jnp.maximum(AGGREGATIONS[aggregation].count(loss_mask, segments), 1.0)
 
 
 def token_logprobs(
@@ -132,7 +151,7 @@ def token_logprobs(
   params: Params,
   tokens: jax.Array,
   positions: jax.Array,
-  attention_mask: jax.Array,
+  segments: jax.Array,
   *,
   temperature: float = 1.0,
   remat: bool = False,
@@ -157,9 +176,11 @@ def token_logprobs(
   Args:
     config: the architecture (static under jit).
     params: the policy parameters.
-    tokens: `int32[B, T]` prompt + response, left-padded.
-    positions: `int32[B, T]` RoPE positions.
-    attention_mask: `bool[B, T]`, True at real tokens.
+    tokens: `int32[B, T]` prompt + response, left-padded, or several such sequences
+      packed in a row (`rl.packing`).
+    positions: `int32[B, T]` RoPE positions (from 0 in each packed sequence).
+    segments: `bool[B, T]`, True at real tokens, or `int32[B, T]` the packed sequences'
+      ids (0 at padding): a token sees only its own sequence.
     temperature: T > 0 dividing the logits (static); the sampling rule's
       `logprob_temperature`.
     remat: rematerialise each block in the backward pass.
@@ -178,9 +199,7 @@ def token_logprobs(
     raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}")
   if block_size < 1:
     raise ValueError(f"token_logprobs: block_size must be >= 1, got {block_size}")
-  hidden, table = model_lib.hidden_states(
-    config, params, tokens, positions, attention_mask, remat=remat
-  )
+  hidden, table = model_lib.hidden_states(config, params, tokens, positions, segments, remat=remat)
   picked, entropy = _blockwise_logprobs(
     config, hidden[:, :-1], table, tokens[:, 1:], temperature, block_size
   )
@@ -222,7 +241,8 @@ def per_token_pg_loss(
 
   Args:
     logprobs, old_logprobs: `float32[B, T]` under the current and the sampling policy.
-    advantages: `float32[B]`, one per sequence (broadcast over its tokens).
+    advantages: `float32[B]`, one per row (broadcast over its tokens), or `float32[B, T]`
+      per token (each packed sequence's own over its tokens).
     config: clip ranges.
 
   Returns:
@@ -230,7 +250,8 @@ def per_token_pg_loss(
     clip fraction, verl's `pg_clipfrac`), dual_clipped `bool[B, T]` where the dual clip
     was active (verl's `pg_clipfrac_lower`)).
   """
-  adv = advantages.astype(jnp.float32)[:, None]
+  adv = jnp.asarray(advantages, jnp.float32)
+  adv = adv[:, None] if adv.ndim == 1 else adv
   bound = config.log_ratio_clamp
   log_ratio = jnp.clip(logprobs - old_logprobs, -bound, bound)
   ratio = jnp.exp(log_ratio)
@@ -264,21 +285,24 @@ def policy_loss(
   *,
   config: LossConfig,
   normalizer: jax.Array | float,
+  segments: jax.Array | None = None,
   entropy: jax.Array | None = None,
   ref_logprobs: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """This (micro-)batch's share of the mini-batch loss, and metric sums.
 
   The loss of a mini-batch is the sum of `policy_loss` over its micro-batches when each
-  is given the same `normalizer = loss_normalizer(mini_batch_mask, config.aggregation)`.
+  is given the same `normalizer = loss_normalizer(mini_batch_mask, config.aggregation,
+  mini_batch_segments)`.
 
   Args:
     logprobs: `float32[B, T]` from `token_logprobs` under the current params.
     old_logprobs: `float32[B, T]` from the sampler (same alignment).
-    advantages: `float32[B]` sequence advantages.
+    advantages: `float32[B]` sequence advantages, or `float32[B, T]` per token.
     loss_mask: `bool[B, T]`, True at response tokens that carry the loss.
     config: the loss hyper-parameters.
     normalizer: the aggregation's denominator over the whole mini-batch (`f32[]`).
+    segments: `int32[B, T]` sequence ids (`token_logprobs`'); None: one sequence a row.
     entropy: `float32[B, T]` per-token entropy; needed when `config.entropy_coeff` > 0,
       else only reported.
     ref_logprobs: `float32[B, T]` under the reference policy; needed when
@@ -297,8 +321,9 @@ def policy_loss(
   """
   agg = AGGREGATIONS[config.aggregation]
   mask = loss_mask.astype(bool)
+  segments = mask if segments is None else segments
   pg, clipped, dual = per_token_pg_loss(logprobs, old_logprobs, advantages, config)
-  total = agg.total(pg, mask)
+  total = agg.total(pg, mask, segments)
   sums = {
     "tokens": jnp.sum(mask, dtype=jnp.float32),
     "pg_loss": _token_sum(pg, mask),
@@ -312,13 +337,13 @@ def policy_loss(
   if config.entropy_coeff:
     if entropy is None:
       raise ValueError("LossConfig.entropy_coeff > 0 needs the per-token entropy")
-    total = total - config.entropy_coeff * agg.total(entropy, mask)
+    total = total - config.entropy_coeff * agg.total(entropy, mask, segments)
   if config.kl_coeff:
     if ref_logprobs is None:
       raise ValueError("LossConfig.kl_coeff > 0 needs reference log-probs")
     kl = k3_kl(logprobs, ref_logprobs)
     sums["kl"] = _token_sum(kl, mask)
-    total = total + config.kl_coeff * agg.total(kl, mask)
+    total = total + config.kl_coeff * agg.total(kl, mask, segments)
   return total / normalizer, sums
 
 

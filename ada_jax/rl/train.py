@@ -145,14 +145,21 @@ class TrainState:
 
 @struct.dataclass
 class TrainBatch:
-  """One (mini-)batch of sequences, prompt and response in one row.
+  """One (mini-)batch of sequences (prompt then response), one or several packed in a row.
+
+  `update.make_train_batch` lays one sequence in a row (its prompt left-padded to the
+  bucket, its response right-padded); `packing.pack` packs a mini-batch's sequences
+  one after another into as few rows as hold them, which computes the same update
+  (`layers.causal_attend` keeps each sequence to its own keys; the loss aggregates per
+  sequence id).
 
   Attributes:
-    tokens: `int32[B, L]`, left-padded prompt then response then right padding.
-    positions: `int32[B, L]` RoPE positions.
-    attention_mask: `bool[B, L]`, True at real (prompt or response) tokens.
+    tokens: `int32[B, L]`, each sequence's prompt then response, padding elsewhere.
+    positions: `int32[B, L]` RoPE positions, from 0 at each sequence's first token.
+    segments: `int32[B, L]` sequence ids: 1, 2, ... for the row's sequences in order, 0
+      at padding.
     loss_mask: `bool[B, L]`, True at response tokens that carry the loss.
-    advantages: `float32[B]`, one per sequence.
+    advantages: `float32[B, L]`, each token's sequence's advantage (0 at padding).
     old_logprobs: `float32[B, L]`, log-prob of `tokens[:, t]` under the sampling policy
       (0 outside the response), aligned as `losses.token_logprobs`.
     ref_logprobs: `float32[B, L]` under the reference policy, or None (then the KL term,
@@ -161,7 +168,7 @@ class TrainBatch:
 
   tokens: jax.Array
   positions: jax.Array
-  attention_mask: jax.Array
+  segments: jax.Array
   loss_mask: jax.Array
   advantages: jax.Array
   old_logprobs: jax.Array
@@ -243,6 +250,24 @@ def state_shardings(
   return jax.tree.map(lambda s: s.sharding, state)
 
 
+def _placed_copy(tree, shardings):
+  """The tree on `shardings` in buffers of its own. The jitted step donates the state,
+  which must not delete the caller's arrays (nor hold one buffer twice when ref_params is
+  params); `device_put(may_alias=False)` alone still hands back the caller's buffer for a
+  replicated leaf on some meshes (JAX 0.10.2: a 2 x 1 x 2 mesh over a single-device
+  array), so a leaf that shares one is copied."""
+
+  def own(src, dst):
+    if not isinstance(src, jax.Array):
+      return dst
+    held = {s.data.unsafe_buffer_pointer() for s in src.addressable_shards}
+    if any(s.data.unsafe_buffer_pointer() in held for s in dst.addressable_shards):
+      return jnp.copy(dst)
+    return dst
+
+  return jax.tree.map(own, tree, jax.device_put(tree, shardings, may_alias=False))
+
+
 def init_train_state(
   model_config: ModelConfig,
   config: TrainConfig,
@@ -261,12 +286,9 @@ def init_train_state(
     ref_params: frozen reference params for the KL term, or None.
   """
   shardings = state_shardings(model_config, config, mesh, with_ref=ref_params is not None)
-  # Copies, never aliases: the jitted step donates the state, which must not delete the
-  # caller's arrays (nor hold one buffer twice when ref_params is params).
-  place = lambda tree, sh: jax.device_put(tree, sh, may_alias=False)
-  params = place(params, shardings.params)
+  params = _placed_copy(params, shardings.params)
   if ref_params is not None:
-    ref_params = place(ref_params, shardings.ref_params)
+    ref_params = _placed_copy(ref_params, shardings.ref_params)
   opt_state = jax.jit(_optimizer(config).init, out_shardings=shardings.opt_state)(params)
   step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
   return TrainState(step=step, params=params, opt_state=opt_state, ref_params=ref_params)
@@ -351,7 +373,7 @@ def loss_and_grads(
     )
   num_micro = rows // micro
   # Computed over the whole mini-batch, so that micro-batches and devices share it.
-  normalizer = losses.loss_normalizer(batch.loss_mask, loss_cfg.aggregation)
+  normalizer = losses.loss_normalizer(batch.loss_mask, loss_cfg.aggregation, batch.segments)
   need_ref = loss_cfg.kl_coeff > 0 and batch.ref_logprobs is None
   if need_ref and ref_params is None:
     raise ValueError(
@@ -366,7 +388,7 @@ def loss_and_grads(
       params,
       mb.tokens,
       mb.positions,
-      mb.attention_mask,
+      mb.segments,
       temperature=config.temperature,
       remat=config.remat,
     )
@@ -378,7 +400,7 @@ def loss_and_grads(
         ref_p,
         mb.tokens,
         mb.positions,
-        mb.attention_mask,
+        mb.segments,
         temperature=config.temperature,
       )
       ref = jax.lax.stop_gradient(ref)
@@ -389,6 +411,7 @@ def loss_and_grads(
       mb.loss_mask,
       config=loss_cfg,
       normalizer=normalizer,
+      segments=mb.segments,
       entropy=entropy,
       ref_logprobs=ref,
     )

@@ -1,6 +1,7 @@
 """One RL step's policy update: the selected responses laid out as a fixed-shape batch
-(`make_train_batch`), the RL batch cut into k mini-batches and k optimizer updates
-of the jitted train step (`train.make_train_step`), metrics fetched to the host once.
+(`make_train_batch`), the RL batch cut into k mini-batches, each packed into as few rows
+as hold its sequences (`packing.pack`), and k optimizer updates of the jitted train step
+(`train.make_train_step`), metrics fetched to the host once.
 
 k is `TrainConfig.num_minibatches`, which a run derives as verl does from the mini-batch
 size in prompts (`train.mini_batch_prompts` × n rows; released: 128 × 4 of 2,048 rows, 4
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,38 +26,46 @@ from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.models.tokenizer import pad_left
-from ada_jax.rl import losses
+from ada_jax.rl import losses, packing
 from ada_jax.rl import train as train_lib
 from ada_jax.rl.pools import StepResult
 from ada_jax.rl.train import TrainBatch, TrainConfig, TrainState, check_batch_layout
 
 
-def minibatches(batch: Any, num: int, mesh: Mesh) -> list[Any]:
+def minibatches(batch: TrainBatch, num: int, mesh: Mesh, unit: int) -> list[TrainBatch]:
   """This process's rows of each of the `num` consecutive mini-batches of a batch that
-  every process holds whole: mini-batch j is rows [j·b, (j+1)·b) (b = rows / num), of
+  every process holds whole, each packed (`packing.pack`): mini-batch j is the sequences
+  of rows [j·b, (j+1)·b) (b = rows / num), packed into S_j rows (a multiple of `unit`), of
   which this process keeps the ones its devices hold under `sharding.batch_sharding`
   (`sharding.local_rows`), as `sharding.place_batch` expects. With one process each
   mini-batch is whole.
 
   Args:
-    batch: pytree of host arrays with the same leading row count R.
+    batch: the RL batch, one sequence a row (`make_train_batch`), host arrays.
     num: k, mini-batches.
     mesh: the training mesh.
+    unit: packed rows' granularity: a micro-batch's rows (a multiple of data × fsdp).
 
   Returns:
-    k pytrees of `b / process_count` rows per leaf.
+    k `TrainBatch`es of `S_j / process_count` rows per leaf.
 
   Raises:
-    ValueError: R is not divisible by `num`.
+    ValueError: R is not divisible by `num`, or a mini-batch by `unit`.
   """
-  rows = jax.tree.leaves(batch)[0].shape[0]
+  rows = batch.rows
   if rows % num:
     raise ValueError(f"{rows} rows are not divisible into {num} mini-batches")
   size = rows // num
-  if jax.process_count() == 1:
-    return [jax.tree.map(lambda x, i=i: x[i * size : (i + 1) * size], batch) for i in range(num)]
-  own = sharding_lib.local_rows(size, mesh)
-  return [jax.tree.map(lambda x, i=i: np.asarray(x)[i * size + own], batch) for i in range(num)]
+  out = []
+  for i in range(num):
+    mini = packing.pack(
+      jax.tree.map(lambda x, i=i: np.asarray(x)[i * size : (i + 1) * size], batch), unit
+    )
+    if jax.process_count() > 1:
+      own = sharding_lib.local_rows(mini.rows, mesh)
+      mini = jax.tree.map(lambda x, own=own: x[own], mini)
+    out.append(mini)
+  return out
 
 
 def logprob_step(
@@ -69,8 +77,7 @@ def logprob_step(
   rows = batch.tokens.shape[0]
   num = rows // (config.micro_batch_size or rows)
   stacked = [
-    train_lib._micro_batches(x, num, mesh)
-    for x in (batch.tokens, batch.positions, batch.attention_mask)
+    train_lib._micro_batches(x, num, mesh) for x in (batch.tokens, batch.positions, batch.segments)
   ]
   params = sharding_lib.gather_embedding(params, mesh)
 
@@ -115,7 +122,8 @@ def update_policy(
       which replaces every mini-batch's old log-probs by it before the first update.
 
   Returns:
-    (new state, metrics averaged over the k updates, 'tokens' summed, and
+    (new state, metrics averaged over the k updates, 'tokens' summed, 'positions' (the
+    token positions the packed mini-batches computed, padding included), and
     'old_logprob_gap': mean |log π_trainer − log π_old| over the first mini-batch's
     response tokens before any update, i.e. the sampler–trainer mismatch; 0 up to
     rounding under 'recompute'), fetched to the host once.
@@ -124,11 +132,10 @@ def update_policy(
     ValueError: the batch does not split into mini- and micro-batches over the mesh, or
       'recompute' without `logprob_fn`.
   """
-  check_batch_layout(jax.tree.leaves(batch)[0].shape[0], config, mesh)
-  minis = (
-    sharding_lib.place_batch(mini, mesh, "mini-batch")
-    for mini in minibatches(batch, config.num_minibatches, mesh)
-  )
+  mini_rows, num_micro = check_batch_layout(batch.rows, config, mesh)
+  minis = minibatches(batch, config.num_minibatches, mesh, unit=mini_rows // num_micro)
+  positions = sum(m.tokens.size for m in minis) * jax.process_count()
+  minis = [sharding_lib.place_batch(mini, mesh, "mini-batch") for mini in minis]
   if config.old_logprobs == "recompute":
     if logprob_fn is None:
       raise ValueError("TrainConfig.old_logprobs='recompute' needs update_policy's logprob_fn")
@@ -141,6 +148,7 @@ def update_policy(
   history = jax.device_get(history)
   out = {name: float(np.mean([m[name] for m in history])) for name in history[0]}
   out["tokens"] = float(np.sum([m["tokens"] for m in history]))
+  out["positions"] = float(positions)
   out["old_logprob_gap"] = float(history[0]["abs_log_ratio"])
   return state, out
 
@@ -159,7 +167,8 @@ def make_train_batch(
   Row i: its prompt left-padded to the bucket Lp (`tokenizer.pad_left`), then its response
   (Lr tokens, mask after the stop token); rows beyond the selection are padding with an
   empty loss mask (they add nothing to a token mean). Old log-probs sit at the response
-  tokens' columns, as `losses.token_logprobs` aligns them.
+  tokens' columns, as `losses.token_logprobs` aligns them. `update_policy` packs each
+  mini-batch of these rows (`packing.pack`) before it trains on it.
 
   Args:
     result: the controller's selection (handles: row ids, indexing `responses`).
@@ -189,19 +198,19 @@ def make_train_batch(
   attention = np.zeros((rows, lp + lr), bool)
   loss_mask = np.zeros((rows, lp + lr), bool)
   old = np.zeros((rows, lp + lr), np.float32)
-  adv = np.zeros((rows,), np.float32)
+  adv = np.zeros((rows, lp + lr), np.float32)
   n = len(sel)
   if n:
     tokens[:n, :lp], attention[:n, :lp] = prompt_ids, prompt_mask
     tokens[:n, lp:] = responses["tokens"][sel]
     attention[:n, lp:] = loss_mask[:n, lp:] = responses["mask"][sel]
     old[:n, lp:] = responses["logprobs"][sel]
-    adv[:n] = result.advantages
+    adv[:n] = np.where(attention[:n], np.asarray(result.advantages, np.float32)[:, None], 0.0)
   positions = model_lib.positions_from_mask(attention)
   return TrainBatch(
     tokens=tokens,
     positions=positions,
-    attention_mask=attention,
+    segments=attention.astype(np.int32),
     loss_mask=loss_mask,
     advantages=adv,
     old_logprobs=old,
