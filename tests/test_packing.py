@@ -66,7 +66,7 @@ def test_row_counts_are_a_bounded_ladder_of_unit_multiples(rows_in_units, unit):
   # Every count up to 16 units, then at most 1/8 of a count is rounding.
   first = min(16, rows_in_units)
   assert counts[:first] == [unit * m for m in range(1, first + 1)]
-  assert all(b - a <= max(unit, a // 8) for a, b in zip(counts, counts[1:]))
+  assert all(b - a <= max(unit, a // 8) for a, b in zip(counts, counts[1:], strict=False))
   assert len(counts) <= 16 + 8 * max(0, int(np.ceil(np.log2(rows_in_units / 16))))
 
 
@@ -109,7 +109,7 @@ def test_pack_moves_every_sequence_whole_into_its_own_segment(
     if not cols.size:
       continue
     spots = [by_token[int(t)] for t in batch.tokens[i, cols]]
-    (row,), (segment,) = {s[0] for s in spots}, {s[2] for s in spots}
+    (row,), (_,) = {s[0] for s in spots}, {s[2] for s in spots}
     got = np.asarray([s[1] for s in spots])
     np.testing.assert_array_equal(got, got[0] + np.arange(len(cols)))  # contiguous, in order
     for field in ("positions", "loss_mask", "advantages", "old_logprobs", "ref_logprobs"):
