@@ -6,6 +6,7 @@ cache copy that comes back into the loop changes them (issue 51).
 """
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -214,6 +215,34 @@ def test_matmul_flops_count_every_trip_of_a_loop(target):
     assert hlo_walk.matmul_flops(program.hlo) == trips * one
   if target == "v5e-8":
     assert program.cost["flops"] < 2 * one  # why the walk exists
+
+
+EINSUMS = [  # the model's contractions, at small sizes with distinct extents
+  ("btd,kghd->btkgh", {"b": 3, "t": 40, "d": 64, "k": 2, "g": 5, "h": 16}),
+  ("btkgh,bksh->bkgts", {"b": 3, "t": 40, "k": 2, "g": 5, "h": 16, "s": 24}),
+  ("bkgts,bksh->btkgh", {"b": 3, "t": 40, "k": 2, "g": 5, "h": 16, "s": 24}),
+  ("btd,gdf->btgf", {"b": 3, "t": 40, "d": 64, "g": 2, "f": 96}),
+  ("btnh,nhd->btd", {"b": 3, "t": 40, "n": 10, "h": 16, "d": 64}),
+]
+
+
+@pytest.mark.parametrize("target", ["h200x1", "v5e-8"])
+@pytest.mark.parametrize("spec,sizes", EINSUMS)
+def test_matmul_flops_of_a_contraction_and_its_gradient(target, spec, sizes):
+  """2 · the product of every extent for the contraction, 3 times that with both
+  gradients, however the compiler writes them (XLA:TPU: convolutions whose padded,
+  reversed windows carry batch dimensions, one real tap per output)."""
+  device = targets.devices_for(targets.target(target))[0]
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  ins, out = spec.split("->")
+  shape = lambda letters: tuple(sizes[c] for c in letters)
+  a, b = (jax.ShapeDtypeStruct(shape(x), jnp.float32, sharding=sharding) for x in ins.split(","))
+  c = jax.ShapeDtypeStruct(shape(out), jnp.float32, sharding=sharding)
+  loss = lambda a, b, c: jnp.sum(jnp.einsum(spec, a, b) * c)
+  one = 2 * math.prod(sizes.values())
+  for fn, times in ((loss, 1), (jax.value_and_grad(loss, argnums=(0, 1)), 3)):
+    program = compiler.compile_program(jax.jit(fn), a, b, c, what=spec, keep_hlo=True)
+    assert hlo_walk.matmul_flops(program.hlo) == times * one
 
 
 def test_a_loop_of_unknown_trips_is_refused():

@@ -35,6 +35,8 @@ import functools
 import math
 import re
 
+import numpy as np
+
 # Bytes per element of HLO's primitive types (sub-byte types rounded up per element).
 DTYPE_BYTES = {
   "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
@@ -306,6 +308,41 @@ def _dims(type_text: str) -> list[int]:
   return [int(n) for n in arrays[0][1].split(",") if n] if arrays else []
 
 
+def _window(attrs: str, key: str, spatial: int, default: int) -> list[int]:
+  """One field of a convolution's `window={...}` per spatial dimension."""
+  m = re.search(rf"\b{key}=([\d_x]+)", re.search(r"window=\{([^}]*)\}", attrs).group(1))
+  return [default] * spatial if m is None else [int(v.split("_")[0]) for v in m.group(1).split("x")]
+
+
+def _convolution_macs(inst: Instruction, lhs: list[int], rhs: list[int]) -> int:
+  """Multiply-adds of a convolution that touch a real input element: output batch ×
+  output features × input features per group × per spatial dimension the (output
+  position, kernel tap) pairs that land on an input element, not on padding or a dilation
+  hole. XLA:TPU writes matmuls as convolutions whose spatial dimensions carry batch or
+  contracting dimensions, some through a padded, reversed window of which one tap per
+  output is real: output × window would count every tap."""
+  out = _dims(inst.type)
+  lhs_l, rhs_l, out_l = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", inst.attrs).groups()
+  spatial = sum(ch.isdigit() for ch in lhs_l)
+  macs = out[out_l.index("b")] * out[out_l.index("f")] * rhs[rhs_l.index("i")]
+  if not spatial:
+    return macs
+  size = _window(inst.attrs, "size", spatial, 1)
+  stride = _window(inst.attrs, "stride", spatial, 1)
+  lhs_dilate = _window(inst.attrs, "lhs_dilate", spatial, 1)
+  rhs_dilate = _window(inst.attrs, "rhs_dilate", spatial, 1)
+  pads = re.search(r"\bpad=([\d_x-]+)", inst.attrs)
+  low = [int(p.split("_")[0]) for p in pads.group(1).split("x")] if pads else [0] * spatial
+  for d in range(spatial):
+    n_in, n_out = lhs[lhs_l.index(str(d))], out[out_l.index(str(d))]
+    at = (
+      np.arange(n_out)[:, None] * stride[d] + np.arange(size[d])[None, :] * rhs_dilate[d] - low[d]
+    )
+    real = (at >= 0) & (at <= (n_in - 1) * lhs_dilate[d]) & (at % lhs_dilate[d] == 0)
+    macs *= int(real.sum())
+  return macs
+
+
 def _matmul_flops(inst: Instruction, types: dict[str, str]) -> int:
   """2 · output elements · contracted size of a dot, a convolution or a library GEMM."""
   out = math.prod(_dims(inst.type))
@@ -315,8 +352,7 @@ def _matmul_flops(inst: Instruction, types: dict[str, str]) -> int:
     contracted = [int(d) for d in m.group(1).split(",") if d] if m else []
     return 2 * out * math.prod(lhs[d] for d in contracted)
   if inst.opcode == "convolution":
-    kernel = re.search(r"dim_labels=\w+_(\w+)->\w+", inst.attrs).group(1)
-    return 2 * out * math.prod(n for n, a in zip(rhs, kernel, strict=True) if a != "o")
+    return 2 * _convolution_macs(inst, lhs, rhs)
   m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', inst.attrs)  # cuBLAS
   if m is None:
     raise ValueError(f"{inst.name}: a library GEMM without its dot dimensions")
@@ -346,11 +382,15 @@ def trip_count(comps: dict[str, Computation], parent: Computation, loop: Instruc
     return int(known.group(1))
   cond, body = comps[loop.called("condition")[0]], comps[loop.called("body")[0]]
   root = cond.root
-  index = lambda c, n: (
-    int(re.search(r"index=(\d+)", c.by_name[n].attrs).group(1))
-    if n in c.by_name and c.by_name[n].opcode == "get-tuple-element"
-    else None
-  )
+
+  def index(c: Computation, n: str) -> int | None:  # the tuple element n is, through copies
+    inst = c.by_name.get(n)
+    while inst is not None and inst.opcode in ("copy", "bitcast", "convert") and inst.operands:
+      inst = c.by_name.get(inst.operands[0])
+    if inst is None or inst.opcode != "get-tuple-element":
+      return None
+    return int(re.search(r"index=(\d+)", inst.attrs).group(1))
+
   if root.opcode == "compare" and len(root.operands) == 2:
     (a, b), direction = root.operands, re.search(r"direction=(\w+)", root.attrs).group(1)
     if index(cond, a) is None:
