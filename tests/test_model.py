@@ -296,6 +296,28 @@ def test_blocked_causal_attention_equals_the_whole(block):
   np.testing.assert_allclose(got[valid], want[valid], atol=1e-6)
 
 
+@pytest.mark.parametrize("block", [1, 4, 12])
+def test_packed_sequences_attend_as_each_alone(block):
+  """Sequences packed one after another in a row (segment ids 1, 2, ..., 0 at padding)
+  get, at every real token, the attention each gets alone in a row of its own, whatever
+  the query block."""
+  from ada_jax.models.layers import causal_attend
+
+  ks = jax.random.split(jax.random.key(7), 3)
+  lengths = [5, 3, 2]  # then 2 positions of padding
+  t = sum(lengths) + 2
+  q = jax.random.normal(ks[0], (1, t, 4, 8))
+  k, v = (jax.random.normal(x, (1, 2, t, 8)) for x in ks[1:])
+  segments = jnp.asarray([np.repeat([1, 2, 3, 0], lengths + [2])])
+  got = causal_attend(q, k, v, segments, block)
+  start = 0
+  for n in lengths:
+    cut = slice(start, start + n)
+    alone = causal_attend(q[:, cut], k[:, :, cut], v[:, :, cut], jnp.ones((1, n), bool), n)
+    np.testing.assert_allclose(got[:, cut], alone, atol=1e-6)
+    start += n
+
+
 def test_a_width_of_two_is_fused_gdf_whatever_the_layout_asked():
   """With D = 2, `[D, 2, F]` has `[2, D, F]`'s shape, so a tree's layout could not be read
   back: 'dgf' is made 'gdf' (`layers.gate_up_layout`), and the fused tree is taken as it is

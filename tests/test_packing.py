@@ -152,14 +152,22 @@ def _mesh(data, fsdp, tensor):
   return sharding.make_mesh(data, fsdp, tensor, devices=jax.devices()[: data * fsdp * tensor])
 
 
-@pytest.mark.parametrize("aggregation", sorted(losses.AGGREGATIONS))
-def test_a_packed_step_is_the_padded_step(aggregation):
+@pytest.mark.parametrize(
+  "aggregation,query_block",
+  [(a, None) for a in sorted(losses.AGGREGATIONS)] + [("token-mean", 4)],
+)
+def test_a_packed_step_is_the_padded_step(aggregation, query_block, monkeypatch):
   """The same update on 8 fake devices in micro-batches: loss, metrics, gradient norm and
-  params after the step within float32 round-off; the token count exactly."""
+  params after the step within float32 round-off; the token count exactly. With queries
+  in blocks of 4 (`layers.QUERY_BLOCK`: no block above the diagonal computed) too."""
+  from ada_jax.models import layers
+
   batch = _batch([6, 1, 3, 5, 2, 6, 4, 1] * 2, [10, 1, 4, 7, 0, 10, 2, 3] * 2, seed=4)
   config = train.TrainConfig(
     loss=losses.LossConfig(aggregation=aggregation, entropy_coeff=0.01),
-    optim=train.OptimConfig(learning_rate=1e-3, warmup_steps=0),
+    # Adam's eps well above round-off: an update then moves with its gradient, not with
+    # the sign of a gradient that is 0 up to round-off (the first step's lr · g / |g|).
+    optim=train.OptimConfig(learning_rate=1e-3, warmup_steps=0, eps=1e-3),
     num_minibatches=1,
     micro_batch_size=4,
   )
@@ -168,12 +176,20 @@ def test_a_packed_step_is_the_padded_step(aggregation):
   assert packed.rows == 12  # 130 tokens need 9 rows of 16 positions: 12, in units of 4
   out = {}
   for name, b in (("padded", batch), ("packed", packed)):
+    if name == "packed" and query_block:
+      monkeypatch.setattr(layers, "QUERY_BLOCK", query_block)
     state = train.init_train_state(CONFIG, config, PARAMS, mesh)
+    grads = jax.jit(
+      lambda p, b: train.loss_and_grads(p, b, model_config=CONFIG, config=config, mesh=mesh)[1]
+    )(state.params, sharding.place_batch(b, mesh))
     state, metrics = train.make_train_step(CONFIG, config, mesh)(
       state, sharding.place_batch(b, mesh)
     )
-    out[name] = jax.device_get(metrics), jax.device_get(state.params)
-  (m_pad, p_pad), (m_pack, p_pack) = out["padded"], out["packed"]
+    out[name] = jax.device_get((metrics, state.params, grads))
+  (m_pad, p_pad, g_pad), (m_pack, p_pack, g_pack) = out["padded"], out["packed"]
+  largest = max(float(np.max(np.abs(g))) for g in jax.tree.leaves(g_pad))
+  for a, b in zip(jax.tree.leaves(g_pad), jax.tree.leaves(g_pack), strict=True):
+    assert float(np.max(np.abs(a - b))) <= 1e-5 * largest
   assert m_pack["tokens"] == m_pad["tokens"] == batch.loss_mask.sum()
   for key in ("loss", "grad_norm", "entropy", "clip_frac", "approx_kl", "pg_loss_token_mean"):
     assert m_pack[key] == pytest.approx(m_pad[key], rel=1e-5, abs=1e-6), key
