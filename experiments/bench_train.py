@@ -34,6 +34,7 @@ ARGS.add_argument("--config", default="smollm2_arith_pos")
 ARGS.add_argument("--pairs", type=int, default=8)
 ARGS.add_argument("--out", default="")
 ARGS = ARGS.parse_args()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CPU path, whatever plugins are installed
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
@@ -121,7 +122,7 @@ def main() -> None:
       times[name].append(time.perf_counter() - start)
     print(f"pair {pair}: " + ", ".join(f"{n} {times[n][-1]:.2f} s" for n in arms), flush=True)
   ratios = [a / b for a, b in zip(times["padded"], times["packed"], strict=True)]
-  minis = update.minibatches(batch, k, mesh, unit=tcfg.micro_batch_size or size)
+  minis = update.minibatches(batch, tcfg, mesh)
   result = {
     "what": "one RL step's update (k mini-batch train steps, metrics on the host) on a "
     "real SmolLM2 batch: padded rows vs packed rows, interleaved in one process, seconds",

@@ -133,8 +133,7 @@ def measure(entry: str, lengths: np.ndarray, rng) -> dict:
   mesh = programs.mesh_for(cfg, targets.devices_for(target))
   batch = rl_batch(cfg, lengths, rng)
   k, b = cfg.train.num_minibatches, cfg.mini_batch_rows
-  unit = cfg.train.micro_batch_size or b
-  minis = update.minibatches(batch, k, mesh, unit=unit)
+  minis = update.minibatches(batch, cfg.train, mesh)
   width = batch.tokens.shape[1]
   packed_rows = [m.rows for m in minis]
   figures = {}

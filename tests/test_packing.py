@@ -209,7 +209,7 @@ def test_update_policy_packs_each_mini_batch_and_reports_positions():
     micro_batch_size=2,
   )
   mesh = _mesh(2, 1, 2)
-  minis = update.minibatches(batch, 2, mesh, unit=2)
+  minis = update.minibatches(batch, config, mesh)
   for j, mini in enumerate(minis):
     assert mini.loss_mask.sum() == batch.loss_mask[8 * j : 8 * j + 8].sum()
     assert mini.rows in packing.row_counts(8, 2) and mini.rows < 8
@@ -224,3 +224,18 @@ def test_update_policy_packs_each_mini_batch_and_reports_positions():
     ref, _ = step(ref, sharding.place_batch(mini, mesh))
   diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), *jax.device_get((state, ref)))
   assert max(jax.tree.leaves(diffs.params)) <= 1e-6
+
+
+def test_a_mini_batch_of_one_micro_batch_packs_in_units_of_the_devices():
+  """`micro_batch_size=0` (the mini-batch at once): the packed row count is a multiple of
+  data × fsdp, not of the mini-batch, so its sequences do take fewer rows."""
+  batch = _batch([6, 1, 3, 5, 2, 6, 4, 1] * 2, [10, 1, 4, 7, 0, 10, 2, 3] * 2, seed=6)
+  mesh = _mesh(2, 1, 2)
+  (mini,) = update.minibatches(batch, train.TrainConfig(num_minibatches=1), mesh)
+  assert mini.rows == 10  # 130 tokens in rows of 16: 9 rows, in units of 2
+  step = train.make_train_step(CONFIG, train.TrainConfig(num_minibatches=1), mesh)
+  state = train.init_train_state(CONFIG, train.TrainConfig(num_minibatches=1), PARAMS, mesh)
+  _, metrics = update.update_policy(
+    step, state, batch, config=train.TrainConfig(num_minibatches=1), mesh=mesh
+  )
+  assert metrics["positions"] == 10 * 16

@@ -135,7 +135,7 @@ def test_update_policy_compiles_once_per_packed_row_count(no_implicit_transfers)
   # long ones (8 packed rows a mini-batch), short ones (4), then one mini-batch of each.
   lengths = [[10] * 16, [1] * 16, [10] * 8 + [2] * 8]
   batches = [_batch(r, seed=s) for s, r in enumerate(lengths)]
-  packed = [[m.rows for m in update.minibatches(b, 2, mesh, unit=4)] for b in batches]
+  packed = [[m.rows for m in update.minibatches(b, config, mesh)] for b in batches]
   assert packed == [[8, 8], [4, 4], [8, 4]]
   compiles = []
   listener = lambda event, duration, **kw: compiles.append(event)
@@ -167,7 +167,8 @@ def test_minibatches_are_consecutive_cuts_of_this_process_rows(monkeypatch):
   mini-batches."""
   mesh = _mesh(2, 2, 2)
   batch = _batch([10] * 32, seed=1)
-  whole = update.minibatches(batch, 4, mesh, unit=4)
+  config = train.TrainConfig(num_minibatches=4, micro_batch_size=4)
+  whole = update.minibatches(batch, config, mesh)
   for j, mini in enumerate(whole):  # the sequences of rows 8j .. 8j + 7, and only those
     rows = jax.tree.map(lambda x, j=j: x[8 * j : 8 * j + 8], batch)
     np.testing.assert_array_equal(
@@ -176,12 +177,12 @@ def test_minibatches_are_consecutive_cuts_of_this_process_rows(monkeypatch):
   np.testing.assert_array_equal(sharding.local_rows(8, mesh), np.arange(8))  # one process
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   monkeypatch.setattr(sharding, "local_rows", lambda rows, mesh: np.arange(rows // 2, rows))
-  halves = update.minibatches(batch, 4, mesh, unit=4)
+  halves = update.minibatches(batch, config, mesh)
   for mine, all_rows in zip(halves, whole, strict=True):
     assert mine.rows == all_rows.rows // 2
     np.testing.assert_array_equal(mine.tokens, all_rows.tokens[all_rows.rows // 2 :])
   with pytest.raises(ValueError, match="not divisible into 3 mini-batches"):
-    update.minibatches(batch, 3, mesh, unit=4)
+    update.minibatches(batch, train.TrainConfig(num_minibatches=3), mesh)
 
 
 def test_bad_layout_fails_before_compiling():

@@ -32,26 +32,28 @@ from ada_jax.rl.pools import StepResult
 from ada_jax.rl.train import TrainBatch, TrainConfig, TrainState, check_batch_layout
 
 
-def minibatches(batch: TrainBatch, num: int, mesh: Mesh, unit: int) -> list[TrainBatch]:
-  """This process's rows of each of the `num` consecutive mini-batches of a batch that
-  every process holds whole, each packed (`packing.pack`): mini-batch j is the sequences
-  of rows [j·b, (j+1)·b) (b = rows / num), packed into S_j rows (a multiple of `unit`), of
-  which this process keeps the ones its devices hold under `sharding.batch_sharding`
-  (`sharding.local_rows`), as `sharding.place_batch` expects. With one process each
-  mini-batch is whole.
+def minibatches(batch: TrainBatch, config: TrainConfig, mesh: Mesh) -> list[TrainBatch]:
+  """This process's rows of each of the k = `config.num_minibatches` consecutive
+  mini-batches of a batch that every process holds whole, each packed (`packing.pack`):
+  mini-batch j is the sequences of rows [j·b, (j+1)·b) (b = rows / k), packed into S_j
+  rows, a multiple of a micro-batch (`config.micro_batch_size`, or data × fsdp when the
+  mini-batch is one micro-batch), of which this process keeps the ones its devices hold
+  under `sharding.batch_sharding` (`sharding.local_rows`), as `sharding.place_batch`
+  expects. With one process each mini-batch is whole.
 
   Args:
     batch: the RL batch, one sequence a row (`make_train_batch`), host arrays.
-    num: k, mini-batches.
+    config: the training configuration (k and the micro-batch).
     mesh: the training mesh.
-    unit: packed rows' granularity: a micro-batch's rows (a multiple of data × fsdp).
 
   Returns:
     k `TrainBatch`es of `S_j / process_count` rows per leaf.
 
   Raises:
-    ValueError: R is not divisible by `num`, or a mini-batch by `unit`.
+    ValueError: R is not divisible by k, or a mini-batch by the micro-batch.
   """
+  num = config.num_minibatches
+  unit = config.micro_batch_size or sharding_lib.data_parallel_size(mesh)
   rows = batch.rows
   if rows % num:
     raise ValueError(f"{rows} rows are not divisible into {num} mini-batches")
@@ -132,8 +134,8 @@ def update_policy(
     ValueError: the batch does not split into mini- and micro-batches over the mesh, or
       'recompute' without `logprob_fn`.
   """
-  mini_rows, num_micro = check_batch_layout(batch.rows, config, mesh)
-  minis = minibatches(batch, config.num_minibatches, mesh, unit=mini_rows // num_micro)
+  check_batch_layout(batch.rows, config, mesh)
+  minis = minibatches(batch, config, mesh)
   positions = sum(m.tokens.size for m in minis) * jax.process_count()
   minis = [sharding_lib.place_batch(mini, mesh, "mini-batch") for mini in minis]
   if config.old_logprobs == "recompute":
