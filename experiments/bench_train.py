@@ -80,6 +80,7 @@ def real_batch(cfg, model_cfg, tok, params, mesh) -> train.TrainBatch:
 
 
 def main() -> None:
+  commit = metrics.git_commit()  # the code that runs, whatever is edited meanwhile
   c = importlib.import_module(f"configs.{ARGS.config}").get_config()
   c.model.hf_dir = ARGS.model
   cfg = config_lib.parse(c)
@@ -138,7 +139,7 @@ def main() -> None:
     "median_s": {n: round(statistics.median(t), 3) for n, t in times.items()},
     "median_ratio_padded_over_packed": round(statistics.median(ratios), 3),
     "ratios": [round(r, 3) for r in ratios],
-    "git_commit": metrics.git_commit(),
+    "git_commit": commit,
     "jax": jax.__version__,
     "cpu_count": os.cpu_count(),
     "run_config": config_lib.as_dict(cfg),

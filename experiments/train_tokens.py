@@ -52,7 +52,7 @@ from ada_jax import metrics  # noqa: E402
 from ada_jax.data import prompts as prompts_lib  # noqa: E402
 from ada_jax.models import decoder as model_lib  # noqa: E402
 from ada_jax.models.tokenizer import Tokenizer  # noqa: E402
-from ada_jax.plan import hlo_walk, programs, targets  # noqa: E402
+from ada_jax.plan import programs, targets  # noqa: E402
 from ada_jax.rl import simulate_stream, update  # noqa: E402
 from ada_jax.rl.train import TrainBatch  # noqa: E402
 
@@ -140,7 +140,7 @@ def measure(entry: str, lengths: np.ndarray, rng) -> dict:
   for name, rows in (("padded", b), ("packed", max(packed_rows))):
     start = time.perf_counter()
     p = programs.train_program(cfg, model_cfg, mesh, rows=rows, keep_hlo=True)
-    flops = hlo_walk.matmul_flops(p.program.hlo) * mesh.size
+    flops = p.matmul_flops * mesh.size
     figures[name] = {
       "rows": rows,
       "matmul_flops": flops,

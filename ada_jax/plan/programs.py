@@ -88,17 +88,25 @@ def rollout_params(model_cfg: model_lib.ModelConfig, mesh) -> model_lib.Params:
 @dataclasses.dataclass(frozen=True)
 class TrainProgram:
   """The train step compiled on one mini-batch of `mini_batch_rows` rows of `seq_len`
-  tokens (prompt bucket + response budget)."""
+  tokens (prompt bucket + response budget); `matmul_flops` its matrix multiplications per
+  device, read from its optimized HLO (`hlo_walk.matmul_flops`: XLA:TPU's cost analysis
+  counts each scan's body once), when it was kept."""
 
   program: Program
   mini_batch_rows: int
   seq_len: int
+  matmul_flops: int | None = None
 
   def figures(self) -> dict:
-    """JSON-ready: the program's figures and the batch's shape."""
+    """JSON-ready: the program's figures, the batch's shape and the matmul FLOPs per
+    device and per row (a packed mini-batch's step costs its rows times that, plus the
+    optimizer's few)."""
+    rows = self.mini_batch_rows
     return self.program.as_dict() | {
-      "mini_batch_rows": self.mini_batch_rows,
+      "mini_batch_rows": rows,
       "seq_len": self.seq_len,
+      "matmul_flops": self.matmul_flops,
+      "matmul_flops_per_row": None if self.matmul_flops is None else self.matmul_flops / rows,
     }
 
 
@@ -107,7 +115,7 @@ def train_program(
 ) -> TrainProgram:
   """The train step on one mini-batch, compiled: of the mini-batch's own rows (the most a
   packed mini-batch takes: every sequence its own row, `packing.row_counts`) or `rows`
-  packed ones; with `keep_hlo` its optimized HLO kept (`hlo_walk.matmul_flops`). Raises
+  packed ones; with `keep_hlo` its optimized HLO kept and its matmul FLOPs read. Raises
   `compiler.OutOfMemory` when the compiler refuses it, ValueError when the batch does not
   divide over the mesh."""
   with_ref = cfg.loss.kl_coeff > 0
@@ -127,7 +135,8 @@ def train_program(
   )
   step = train.make_train_step(model_cfg, cfg.train, mesh, with_ref=with_ref)
   program = compiler.compile_program(step, state, batch, what="train step", keep_hlo=keep_hlo)
-  return TrainProgram(program, rows, length)
+  flops = hlo_walk.matmul_flops(program.hlo) if keep_hlo else None
+  return TrainProgram(program, rows, length, flops)
 
 
 def rollout_sampler(

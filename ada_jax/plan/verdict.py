@@ -194,7 +194,7 @@ class Setting:
 
 def train_phase(s: Setting) -> tuple[Phase, programs.TrainProgram | None]:
   """The train step's phase (its arguments are the train state) and program."""
-  out = s.timed("train", lambda: programs.train_program(s.cfg, s.model_cfg, s.mesh))
+  out = s.timed("train", lambda: programs.train_program(s.cfg, s.model_cfg, s.mesh, keep_hlo=True))
   if isinstance(out, OutOfMemory):
     return Phase(None, s.usable_gib, str(out)), None
   return Phase(out.program.peak, s.usable_gib, largest_temps=tuple(out.program.largest)), out
