@@ -111,7 +111,10 @@ def test_tiny_train_rl_agreement(tiny_report):
     rl = p["rl"][schedule]
     assert rl["ok"] and rl["run_config"]["ada"]["schedule"] == schedule
     assert [s["step"] for s in rl["steps"]] == [1, 2]
-    assert rl["compiles_step_1"] >= 1 and rl["compiles_after_step_1"] == 0
+    assert rl["compiles_step_1"] >= 1
+    # Only the train step at a packed row count no earlier step took compiles later.
+    assert rl["compiles_after_step_1"] == rl["new_packed_row_counts_after_step_1"]
+    assert all("positions" in s for s in rl["steps"])
     for key in ("time_sample_s", "time_grade_wait_s", "time_train_s"):  # each step measures all
       assert _is_num(rl["after_step_1_mean_s"][key]) and rl["after_step_1_mean_s"][key] > 0
   a = p["agreement"]
@@ -120,7 +123,7 @@ def test_tiny_train_rl_agreement(tiny_report):
   # float32 masters (the trainer casts them where it uses them), the sampler their bf16 copy.
   assert a["dtypes"] == {"params": "float32", "compute": "bfloat16", "logits": "float32"}
   goals = tiny_report["goals"]
-  assert goals["compiles_after_step_1==0"] == {"value": [0, 0], "met": True}
+  assert goals["recompiles_after_step_1==0"] == {"value": [0, 0], "met": True}
   assert goals["bf16_gap_mean<=1e-3"]["value"] == a["gap_mean"]
   assert goals["train_mfu>=0.35"] == {"value": None, "met": None}
 
