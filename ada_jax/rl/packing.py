@@ -7,10 +7,10 @@ forward and backward pass cost grows with positions, not tokens. `pack` moves ea
 real tokens (one contiguous run: prompt then response) into rows of the same width
 Lp + Lr, one sequence after another (first-fit, longest first), each sequence a segment
 of its row: `segments` numbers them 1, 2, ... (0 at padding), positions move with their
-tokens (from 0 in each sequence),
-and `layers.causal_attend` keeps every query to its own segment's keys, so each token's
-log-prob, the loss (aggregated per sequence id, `losses.AGGREGATIONS`) and the gradient
-are the padded batch's up to float32 summation order (tests/test_packing.py).
+tokens (from 0 in each sequence), and `layers.causal_attend` keeps every query to its own
+segment's keys, so each token's log-prob, the loss (aggregated per sequence id,
+`losses.AGGREGATIONS`) and the gradient are the padded batch's up to float32 summation
+order (tests/test_packing.py).
 
 The packed row count is static per compile: it is rounded up to `row_counts`' ladder of
 multiples of a unit (the micro-batch, so micro-batches stay whole and spread over the
