@@ -140,6 +140,8 @@ def measure(entry: str, lengths: np.ndarray, rng) -> dict:
   for name, rows in (("padded", b), ("packed", max(packed_rows))):
     start = time.perf_counter()
     p = programs.train_program(cfg, model_cfg, mesh, rows=rows, keep_hlo=True)
+    if p.matmul_flops is None:
+      raise SystemExit(f"{entry} {name}: the train step's matmul FLOPs could not be counted")
     flops = p.matmul_flops * mesh.size
     figures[name] = {
       "rows": rows,

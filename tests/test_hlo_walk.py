@@ -245,6 +245,58 @@ def test_matmul_flops_of_a_contraction_and_its_gradient(target, spec, sizes):
     assert hlo_walk.matmul_flops(program.hlo) == times * one
 
 
+def _module(body: str, step: int = 1, direction: str = "LT") -> str:
+  """An entry that runs `body`'s one instruction (operands %a f32[8,16], %b f32[16,4]) in
+  a loop of a counter from 0 by `step` while `counter <direction> 3`."""
+  return f"""
+HloModule m
+
+%body (s: (s32[], f32[8,16], f32[16,4])) -> (s32[], f32[8,16], f32[16,4]) {{
+  %s = (s32[], f32[8,16]{{1,0}}, f32[16,4]{{1,0}}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %a = f32[8,16]{{1,0}} get-tuple-element(%s), index=1
+  %b = f32[16,4]{{1,0}} get-tuple-element(%s), index=2
+  {body}
+  %one = s32[] constant({step})
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[8,16]{{1,0}}, f32[16,4]{{1,0}}) tuple(%next, %a, %b)
+}}
+
+%cond (c: (s32[], f32[8,16], f32[16,4])) -> pred[] {{
+  %c = (s32[], f32[8,16]{{1,0}}, f32[16,4]{{1,0}}) parameter(0)
+  %j = s32[] get-tuple-element(%c), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%j, %n), direction={direction}
+}}
+
+ENTRY %main (a0: f32[8,16], b0: f32[16,4]) -> (s32[], f32[8,16], f32[16,4]) {{
+  %a0 = f32[8,16]{{1,0}} parameter(0)
+  %b0 = f32[16,4]{{1,0}} parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8,16]{{1,0}}, f32[16,4]{{1,0}}) tuple(%zero, %a0, %b0)
+  ROOT %loop = (s32[], f32[8,16]{{1,0}}, f32[16,4]{{1,0}}) while(%init), condition=%cond, body=%body
+}}
+"""
+
+
+DOT = "%d = f32[8,4]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}"
+
+
+def test_matmul_flops_refuse_what_they_cannot_count():
+  """A counted loop of a dot: 3 trips of 2 · 8 · 4 · 16. An output type the walk cannot
+  read, a computing custom call (cuDNN, a Pallas kernel), a counter stepping away from its
+  bound: each raises rather than count too little."""
+  assert hlo_walk.matmul_flops(_module(DOT)) == 3 * 2 * 8 * 4 * 16
+  with pytest.raises(ValueError, match="an HLO array type this walk cannot read"):
+    hlo_walk.matmul_flops(_module(DOT.replace("f32[8,4]", "f8e3m4[8,4]")))
+  cudnn = '%d = f32[8,4]{1,0} custom-call(%a, %b), custom_call_target="__cudnn$convForward"'
+  with pytest.raises(ValueError, match="whose FLOPs this walk cannot count"):
+    hlo_walk.matmul_flops(_module(cudnn))
+  with pytest.raises(ValueError, match="trip count is neither known nor"):
+    hlo_walk.matmul_flops(_module(DOT, step=-1))
+  assert hlo_walk.matmul_flops(_module(DOT, direction="NE")) == 3 * 2 * 8 * 4 * 16
+
+
 def test_a_loop_of_unknown_trips_is_refused():
   """HAND's loop runs until its condition says (no counter): its FLOPs are unknown."""
   with pytest.raises(ValueError, match="while loop: its trip count is neither known nor"):

@@ -133,6 +133,16 @@ def test_pack_refuses_a_row_it_cannot_pack():
     packing.pack(holey, 1)
   with pytest.raises(ValueError, match="this batch is packed"):
     packing.pack(batch.replace(segments=batch.segments * 2), 1)
+  on_padding = batch.replace(loss_mask=batch.loss_mask.copy())
+  on_padding.loss_mask[1, 6] = True  # row 1 holds columns 1-4: column 6 is padding
+  with pytest.raises(ValueError, match="row 1 has loss tokens on padding"):
+    packing.pack(on_padding, 1)
+  first = batch.replace(loss_mask=batch.loss_mask.copy())
+  first.loss_mask[0, 2] = True  # row 0's first token (columns 2-7), a prompt token
+  with pytest.raises(ValueError, match="row 0's first token carries the loss"):
+    packing.pack(first, 1)
+  with pytest.raises(ValueError, match=r"advantages has shape \(2,\): pack takes one per token"):
+    packing.pack(batch.replace(advantages=np.ones(2, np.float32)), 1)
 
 
 def test_packed_log_probs_equal_the_padded_ones_at_every_real_token():
@@ -228,16 +238,17 @@ def test_update_policy_packs_each_mini_batch_and_reports_positions():
   assert max(jax.tree.leaves(diffs.params)) <= 1e-6
 
 
-def test_a_mini_batch_of_one_micro_batch_packs_in_units_of_the_devices():
-  """`micro_batch_size=0` (the mini-batch at once): the packed row count is a multiple of
-  data × fsdp, not of the mini-batch, so its sequences do take fewer rows."""
+@pytest.mark.parametrize("micro", [0, 16])
+def test_a_mini_batch_of_one_micro_batch_packs_in_units_of_the_devices(micro):
+  """A mini-batch of one micro-batch (`micro_batch_size` 0, or all its 16 rows): the
+  packed row count is a multiple of data × fsdp, not of the mini-batch, so its sequences
+  do take fewer rows, and the step takes them as one micro-batch."""
   batch = _batch([6, 1, 3, 5, 2, 6, 4, 1] * 2, [10, 1, 4, 7, 0, 10, 2, 3] * 2, seed=6)
   mesh = _mesh(2, 1, 2)
-  (mini,) = update.minibatches(batch, train.TrainConfig(num_minibatches=1), mesh)
+  config = train.TrainConfig(num_minibatches=1, micro_batch_size=micro)
+  (mini,) = update.minibatches(batch, config, mesh)
   assert mini.rows == 10  # 130 tokens in rows of 16: 9 rows, in units of 2
-  step = train.make_train_step(CONFIG, train.TrainConfig(num_minibatches=1), mesh)
-  state = train.init_train_state(CONFIG, train.TrainConfig(num_minibatches=1), PARAMS, mesh)
-  _, metrics = update.update_policy(
-    step, state, batch, config=train.TrainConfig(num_minibatches=1), mesh=mesh
-  )
-  assert metrics["positions"] == 10 * 16
+  step = train.make_train_step(CONFIG, config, mesh)
+  state = train.init_train_state(CONFIG, config, PARAMS, mesh)
+  _, metrics = update.update_policy(step, state, batch, config=config, mesh=mesh)
+  assert metrics["positions"] == 10 * 16 and metrics["tokens"] == batch.loss_mask.sum()

@@ -54,6 +54,9 @@ FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after
 # Ops inside a fusion that read a part of their operand.
 _READS_PART = {"slice", "dynamic-slice", "gather"}
 _LIBRARY = ("matmul", "gemm", "cublas", "cudnn")
+# Custom calls that compute (cuDNN, Pallas kernels on TPU and GPU): `matmul_flops` refuses a
+# program with one rather than count it as nothing.
+_COMPUTING_CALLS = ("cudnn", "tpu_custom_call", "triton", "mosaic")
 
 
 def type_bytes(text: str) -> int:
@@ -303,14 +306,22 @@ def walk_loop(text: str, top: int = 12) -> StepWalk:
 
 
 def _dims(type_text: str) -> list[int]:
-  """The first array's dimensions in an HLO type's text."""
+  """The first array's dimensions in an HLO type's text.
+
+  Raises:
+    ValueError: the text holds an array this module cannot read (an unknown element type,
+      a dynamic `<=` dimension): its size would be miscounted.
+  """
   arrays = _ARRAY.findall(type_text)
+  if not arrays and "[" in type_text:
+    raise ValueError(f"an HLO array type this walk cannot read: {type_text[:80]!r}")
   return [int(n) for n in arrays[0][1].split(",") if n] if arrays else []
 
 
 def _window(attrs: str, key: str, spatial: int, default: int) -> list[int]:
   """One field of a convolution's `window={...}` per spatial dimension."""
-  m = re.search(rf"\b{key}=([\d_x]+)", re.search(r"window=\{([^}]*)\}", attrs).group(1))
+  window = re.search(r"window=\{([^}]*)\}", attrs)
+  m = re.search(rf"\b{key}=([\d_x]+)", window.group(1)) if window else None
   return [default] * spatial if m is None else [int(v.split("_")[0]) for v in m.group(1).split("x")]
 
 
@@ -331,7 +342,8 @@ def _convolution_macs(inst: Instruction, lhs: list[int], rhs: list[int]) -> int:
   stride = _window(inst.attrs, "stride", spatial, 1)
   lhs_dilate = _window(inst.attrs, "lhs_dilate", spatial, 1)
   rhs_dilate = _window(inst.attrs, "rhs_dilate", spatial, 1)
-  pads = re.search(r"\bpad=([\d_x-]+)", inst.attrs)
+  window = re.search(r"window=\{([^}]*)\}", inst.attrs)
+  pads = re.search(r"\bpad=([\d_x-]+)", window.group(1)) if window else None
   low = [int(p.split("_")[0]) for p in pads.group(1).split("x")] if pads else [0] * spatial
   for d in range(spatial):
     n_in, n_out = lhs[lhs_l.index(str(d))], out[out_l.index(str(d))]
@@ -398,16 +410,20 @@ def trip_count(comps: dict[str, Computation], parent: Computation, loop: Instruc
       direction = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE"}.get(direction, direction)
     i, bound = index(cond, a), _constant(cond, b)
     init_tuple = parent.by_name.get(loop.operands[0])
+    if init_tuple is not None and init_tuple.opcode != "tuple":
+      init_tuple = None  # a loop state passed whole: its counter's start is not in sight
     step_inst = body.root.operands[i] if i is not None and body.root.opcode == "tuple" else ""
     step_inst = body.by_name.get(step_inst)
     if None not in (i, bound, init_tuple, step_inst) and step_inst.opcode == "add":
       start = _constant(parent, init_tuple.operands[i])
       x, y = step_inst.operands
       step = _constant(body, y) if index(body, x) == i else _constant(body, x)
-      if start is not None and step:
+      # Counting up towards an upper bound (LT, LE, NE) or down towards a lower one.
+      up = direction in ("LT", "LE", "NE")
+      if start is not None and step and (step > 0) == up:
         span = {"LT": bound - start, "LE": bound - start + 1, "NE": bound - start}.get(direction)
         span = {"GT": start - bound, "GE": start - bound + 1}.get(direction, span)
-        if span is not None:
+        if span is not None and (direction != "NE" or span % step == 0):
           return max(0, -(-span // abs(step)))
   raise ValueError(f"while {loop.name}: its trip count is neither known nor a counted loop's")
 
@@ -424,8 +440,9 @@ def matmul_flops(text: str) -> int:
   counted (a few per cent of a transformer step).
 
   Raises:
-    ValueError: `text` has no entry computation, or a while's trips are unknown
-      (`trip_count`).
+    ValueError: `text` has no entry computation, a while's trips are unknown
+      (`trip_count`), an array type it cannot read, or a computing custom call (cuDNN, a
+      Pallas kernel) whose FLOPs it cannot count.
   """
   comps, entry = parse(text)
 
@@ -446,10 +463,15 @@ def matmul_flops(text: str) -> int:
         total += max(run(b) for b in branches)
       elif op in ("fusion", "call", "async-start"):
         total += sum(run(c) for c in inst.called("calls") + inst.called("to_apply"))
-      elif op in ("dot", "convolution") or (
-        op == "custom-call" and any(k in inst.attrs.lower() for k in ("gemm", "matmul"))
-      ):
+      elif op in ("dot", "convolution"):
         total += _matmul_flops(inst, types)
+      elif op == "custom-call":
+        target = re.search(r'custom_call_target="([^"]*)"', inst.attrs)
+        target = target.group(1).lower() if target else ""
+        if any(k in target for k in ("gemm", "matmul")):  # cuBLAS
+          total += _matmul_flops(inst, types)
+        elif any(k in target for k in _COMPUTING_CALLS):
+          raise ValueError(f"{inst.name}: a {target} call, whose FLOPs this walk cannot count")
     return total
 
   return run(entry)

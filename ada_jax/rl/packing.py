@@ -16,7 +16,8 @@ The packed row count is static per compile: it is rounded up to `row_counts`' la
 multiples of a unit (the micro-batch, so micro-batches stay whole and spread over the
 mesh): every count up to 16 units, then 8 per octave (at most 1/8 of the rows padding),
 never more than the mini-batch's own rows. So a run compiles the train step at most
-`len(row_counts(rows, unit))` times. Same scheme as MaxText's and tunix's sequence
+`len(row_counts(rows, unit))` times (and the log-prob step of `train.old_logprobs=
+'recompute'` as often). Same scheme as MaxText's and tunix's sequence
 packing (segment ids, per-segment positions); verl removes the padding instead.
 """
 
@@ -66,6 +67,26 @@ def sequence_spans(segments: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   return first, lengths
 
 
+def _check_loss_mask(batch: TrainBatch, first: np.ndarray, lengths: np.ndarray) -> None:
+  """Raises ValueError where packing would change the update: per-row advantages (a
+  packed row holds several), a loss token on padding (it would be dropped), or a
+  sequence whose first token carries the loss (packed, it would be predicted from the
+  sequence before it)."""
+  if np.ndim(batch.advantages) != 2:
+    raise ValueError(
+      f"TrainBatch.advantages has shape {np.shape(batch.advantages)}: pack takes one per "
+      "token, [B, L]"
+    )
+  loss = np.asarray(batch.loss_mask, bool)
+  if (bad := np.flatnonzero((loss & (np.asarray(batch.segments) == 0)).any(1))).size:
+    raise ValueError(f"row {bad[0]} has loss tokens on padding (segments 0)")
+  starts = loss[np.arange(len(first)), first] & (lengths > 0)
+  if (bad := np.flatnonzero(starts)).size:
+    raise ValueError(
+      f"row {bad[0]}'s first token carries the loss: a sequence starts with its prompt"
+    )
+
+
 def pack(batch: TrainBatch, unit: int) -> TrainBatch:
   """Packs a mini-batch laid one sequence a row into fewer rows of the same width.
 
@@ -85,11 +106,13 @@ def pack(batch: TrainBatch, unit: int) -> TrainBatch:
     log-probs, moved together; segment ids 1, 2, ... in each row's column order.
 
   Raises:
-    ValueError: a row's real tokens are not contiguous, or B is not a multiple of `unit`.
+    ValueError: a row's real tokens are not contiguous, B is not a multiple of `unit`,
+      advantages per row, a loss token on padding or at a sequence's first token.
   """
   rows, width = batch.tokens.shape
   counts = row_counts(rows, unit)
   first, lengths = sequence_spans(batch.segments)
+  _check_loss_mask(batch, first, lengths)
   order = np.argsort(-lengths, kind="stable")
   order = order[lengths[order] > 0]
   free = np.full(rows, width)  # a sequence fits in a row alone, so B rows always suffice

@@ -366,7 +366,8 @@ def loss_and_grads(
   """
   loss_cfg = config.loss
   rows = batch.tokens.shape[0]
-  micro = config.micro_batch_size or rows
+  # A packed mini-batch can hold fewer rows than a micro-batch: it is then one.
+  micro = min(config.micro_batch_size or rows, rows)
   if rows % micro:  # shapes are static: this fires while tracing, before any compile
     raise ValueError(
       f"a mini-batch of {rows} rows is not divisible by TrainConfig.micro_batch_size ({micro})"

@@ -37,9 +37,9 @@ def minibatches(batch: TrainBatch, config: TrainConfig, mesh: Mesh) -> list[Trai
   mini-batches of a batch that every process holds whole, each packed (`packing.pack`):
   mini-batch j is the sequences of rows [j·b, (j+1)·b) (b = rows / k), packed into S_j
   rows, a multiple of a micro-batch (`config.micro_batch_size`, or data × fsdp when the
-  mini-batch is one micro-batch), of which this process keeps the ones its devices hold
-  under `sharding.batch_sharding` (`sharding.local_rows`), as `sharding.place_batch`
-  expects. With one process each mini-batch is whole.
+  mini-batch is one micro-batch: size 0 or all its rows), of which this process keeps the
+  ones its devices hold under `sharding.batch_sharding` (`sharding.local_rows`), as
+  `sharding.place_batch` expects. With one process each mini-batch is whole.
 
   Args:
     batch: the RL batch, one sequence a row (`make_train_batch`), host arrays.
@@ -53,11 +53,14 @@ def minibatches(batch: TrainBatch, config: TrainConfig, mesh: Mesh) -> list[Trai
     ValueError: R is not divisible by k, or a mini-batch by the micro-batch.
   """
   num = config.num_minibatches
-  unit = config.micro_batch_size or sharding_lib.data_parallel_size(mesh)
   rows = batch.rows
   if rows % num:
     raise ValueError(f"{rows} rows are not divisible into {num} mini-batches")
   size = rows // num
+  micro = config.micro_batch_size
+  # A mini-batch of one micro-batch (micro_batch_size 0, or all of its rows) packs in
+  # units of the devices: it stays one micro-batch, of fewer rows.
+  unit = micro if 0 < micro < size else sharding_lib.data_parallel_size(mesh)
   out = []
   for i in range(num):
     mini = packing.pack(
@@ -77,7 +80,7 @@ def logprob_step(
   mask (as the sampler's), rows over ('data', 'fsdp') as the batch's, in micro-batches of
   `config.micro_batch_size` rows (`make_logprob_step` jits it)."""
   rows = batch.tokens.shape[0]
-  num = rows // (config.micro_batch_size or rows)
+  num = rows // min(config.micro_batch_size or rows, rows)
   stacked = [
     train_lib._micro_batches(x, num, mesh) for x in (batch.tokens, batch.positions, batch.segments)
   ]
