@@ -82,6 +82,12 @@ class Instruction:
   root: bool = False
   args: str = ""  # the text between its parentheses (a constant's literal)
 
+  def branches(self) -> list[str]:
+    """A conditional's branch computations (indexed, or true / false)."""
+    return self.called("branch_computations") or (
+      self.called("true_computation") + self.called("false_computation")
+    )
+
   def called(self, key: str) -> list[str]:
     """The computations named by attribute `key` (`calls`, `body`, `branch_computations`)."""
     m = re.search(rf"\b{key}=(\{{[^}}]*\}}|%?[\w.\-]+)", self.attrs)
@@ -247,9 +253,7 @@ def _walk(comps: dict[str, Computation], comp: Computation) -> _Tally:
       tally.add(_trip(comps, inst), int(trips.group(1)) if trips else 1)
       continue
     if op == "conditional":
-      branches = inst.called("branch_computations") or (
-        inst.called("true_computation") + inst.called("false_computation")
-      )
+      branches = inst.branches()
       walks = [_walk(comps, comps[b]) for b in branches]
       tally.add(max(walks, key=lambda w: (w.bytes, w.kernels)))
       tally.conditionals += 1
@@ -319,9 +323,10 @@ def _dims(type_text: str) -> list[int]:
 
 
 def _window(attrs: str, key: str, spatial: int, default: int) -> list[int]:
-  """One field of a convolution's `window={...}` per spatial dimension."""
+  """One field of a convolution's `window={...}` per spatial dimension (for `pad`, the
+  low side's)."""
   window = re.search(r"window=\{([^}]*)\}", attrs)
-  m = re.search(rf"\b{key}=([\d_x]+)", window.group(1)) if window else None
+  m = re.search(rf"\b{key}=([\d_x-]+)", window.group(1)) if window else None
   return [default] * spatial if m is None else [int(v.split("_")[0]) for v in m.group(1).split("x")]
 
 
@@ -342,9 +347,7 @@ def _convolution_macs(inst: Instruction, lhs: list[int], rhs: list[int]) -> int:
   stride = _window(inst.attrs, "stride", spatial, 1)
   lhs_dilate = _window(inst.attrs, "lhs_dilate", spatial, 1)
   rhs_dilate = _window(inst.attrs, "rhs_dilate", spatial, 1)
-  window = re.search(r"window=\{([^}]*)\}", inst.attrs)
-  pads = re.search(r"\bpad=([\d_x-]+)", window.group(1)) if window else None
-  low = [int(p.split("_")[0]) for p in pads.group(1).split("x")] if pads else [0] * spatial
+  low = _window(inst.attrs, "pad", spatial, 0)
   for d in range(spatial):
     n_in, n_out = lhs[lhs_l.index(str(d))], out[out_l.index(str(d))]
     at = (
@@ -371,11 +374,17 @@ def _matmul_flops(inst: Instruction, types: dict[str, str]) -> int:
   return 2 * out * math.prod(lhs[int(d)] for d in re.findall(r"\d+", m.group(1)))
 
 
-def _constant(comp: Computation, name: str) -> int | None:
-  """The integer a scalar operand holds, through copies and converts; None if not one."""
+def _through_copies(comp: Computation, name: str) -> Instruction | None:
+  """The instruction `name` holds the value of, through copies, converts and bitcasts."""
   inst = comp.by_name.get(name)
   while inst is not None and inst.opcode in ("copy", "convert", "bitcast") and inst.operands:
     inst = comp.by_name.get(inst.operands[0])
+  return inst
+
+
+def _constant(comp: Computation, name: str) -> int | None:
+  """The integer a scalar operand holds, through copies and converts; None if not one."""
+  inst = _through_copies(comp, name)
   if inst is None or inst.opcode != "constant" or not re.fullmatch(r"-?\d+", inst.args.strip()):
     return None
   return int(inst.args)
@@ -396,9 +405,7 @@ def trip_count(comps: dict[str, Computation], parent: Computation, loop: Instruc
   root = cond.root
 
   def index(c: Computation, n: str) -> int | None:  # the tuple element n is, through copies
-    inst = c.by_name.get(n)
-    while inst is not None and inst.opcode in ("copy", "bitcast", "convert") and inst.operands:
-      inst = c.by_name.get(inst.operands[0])
+    inst = _through_copies(c, n)
     if inst is None or inst.opcode != "get-tuple-element":
       return None
     return int(re.search(r"index=(\d+)", inst.attrs).group(1))
@@ -457,9 +464,7 @@ def matmul_flops(text: str) -> int:
         trips = trip_count(comps, comp, inst)
         total += trips * (run(inst.called("body")[0]) + run(inst.called("condition")[0]))
       elif op == "conditional":
-        branches = inst.called("branch_computations") or (
-          inst.called("true_computation") + inst.called("false_computation")
-        )
+        branches = inst.branches()
         total += max(run(b) for b in branches)
       elif op in ("fusion", "call", "async-start"):
         total += sum(run(c) for c in inst.called("calls") + inst.called("to_apply"))
