@@ -108,6 +108,8 @@ def _train(cfg, workdir: str, stop: runstate.StopRequest, stack: contextlib.Exit
   """The run's phases in order: set-up (nothing written), start (the workdir held, the
   state restored or made), the evaluation before RL, the RL loop, the close-out."""
   setup = _set_up(cfg, workdir)
+  if setup.evaluator is not None:  # its verifier pools serve every held-out evaluation
+    stack.callback(setup.evaluator.close)
   started = _start(setup, stop, stack)
   if isinstance(started, dict):  # already finished with these settings
     return started

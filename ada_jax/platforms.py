@@ -29,13 +29,18 @@ class Platform:
       `decode_kernel_gpu`), '' for XLA's form (the kernels then only in Pallas'
       interpreter).
     gate_up_layout: the rollout copy's fused MLP weights (`layers.fuse_gate_up`): 'gdf'
-      `[2, D, F]` (XLA:TPU's tiles), 'dgf' `[D, 2, F]` (what a cuBLAS gemm reads as it
-      is; XLA:GPU re-lays `[2, D, F]` out in the decode loop, every layer and step).
+      `[2, D, F]` (XLA:TPU's tiles), 'dgf' `[D, 2, F]` (what a cuBLAS gemm and XLA:CPU's
+      dot read as it is; XLA:GPU and XLA:CPU re-lay `[2, D, F]` out in the decode loop,
+      every layer and step).
     shared_prompt: how XLA's form of decode attention reads a prompt its live rows share
       (`slots.slot_attention`): 'grouped', once per prompt-cache entry for all its rows
       (`shared_prompt.attend`: the bytes of a memory-bound step), or 'per row', each
       slot's query over a gathered copy (`shared_prompt.per_row_piece`: S queries' score
       work, not P·R, where the step is bound by its arithmetic: XLA:CPU).
+    key_axes: the KV caches' key axis order (`slots.cache_axes`) where it is not
+      `slots.KV_AXES`, '' where it is. XLA:CPU: 'bkhs', the head dim before the columns,
+      which its decode score dot reads as it lies; over `[.., S, H]` keys that dot ran
+      4x slower (experiments/README.md, "Where the CPU's time goes").
     compile_options: XLA options every ahead-of-time compile for it takes, (name, value).
     topology: `jax.experimental.topologies`' platform name for compile-only devices, or ''.
     packages: what to install for its compile-only devices, the compiler's own first.
@@ -49,6 +54,7 @@ class Platform:
   decode_kernel: str = ""
   gate_up_layout: str = "gdf"
   shared_prompt: str = "grouped"
+  key_axes: str = ""
   compile_options: tuple[tuple[str, object], ...] = ()
   topology: str = ""
   packages: tuple[str, ...] = ()
@@ -86,7 +92,7 @@ PLATFORMS = {
       topology="cuda",
       packages=("jax-cuda12-plugin", "nvidia-cuda-nvcc-cu12"),
     ),
-    Platform("cpu", "XLA:CPU", shared_prompt="per row"),
+    Platform("cpu", "XLA:CPU", gate_up_layout="dgf", shared_prompt="per row", key_axes="bkhs"),
   )
 }
 

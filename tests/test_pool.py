@@ -2,6 +2,7 @@
 tokens that do not depend on the schedule (pool size, refill, queue length)."""
 
 import collections
+import dataclasses
 import pathlib
 
 import hypothesis
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 
-from ada_jax import testing
+from ada_jax import platforms, testing
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding
 from ada_jax.rollout import sampler as sampler_lib
@@ -189,17 +190,24 @@ def test_kv_shardings_fit_a_real_cache(tiny):
   assert kv.spec == P(("data", "fsdp"), "tensor", None, None)
   assert mask.spec == P(("data", "fsdp"), None)
   cache = slots_lib.init_slot_cache(config, 8, 4, mesh)
-  assert {s.data.shape for s in cache.k[1].addressable_shards} == {(2, 1, 4, 16)}
+  assert {s.data.shape for s in cache.v[1].addressable_shards} == {(2, 1, 4, 16)}
+  assert slots_lib.cache_axes(mesh) == ("bkhs", "bksh")  # XLA:CPU's keys: head dim first
+  assert {s.data.shape for s in cache.k[1].addressable_shards} == {(2, 1, 16, 4)}
   assert slots_lib.kv_shardings(config, mesh, 6, 16)[0].spec[0] is None
 
 
-@pytest.mark.parametrize("mesh_shape, order", [(None, "sbhk"), ((2, 2, 2), "khbs")])
-def test_another_cache_layout_draws_the_same_tokens(tiny, monkeypatch, mesh_shape, order):
-  """The caches' axis order is `slots.KV_AXES` alone: set to another order, every cache
-  array is laid out in it (sharded by it on a mesh, the prompt cache's rows too) and the
-  pool draws the same tokens, with the same log-probs, through refills, ring wrap-around
-  and windowed reads; on the mesh also
-  through the Pallas kernel (interpreted off TPU), which reads its own order."""
+@pytest.mark.parametrize(
+  "mesh_shape, order, key_order", [(None, "sbhk", ""), ((2, 2, 2), "khbs", "shkb")]
+)
+def test_another_cache_layout_draws_the_same_tokens(
+  tiny, monkeypatch, mesh_shape, order, key_order
+):
+  """The caches' axis orders are `slots.KV_AXES` and the platform's `key_axes` alone: set
+  to others (keys in `KV_AXES` order where the platform has none, or in their own), every
+  cache array is laid out in them (sharded by them on a mesh, the prompt cache's rows too)
+  and the pool draws the same tokens as in XLA:CPU's own orders, with the same log-probs,
+  through refills, ring wrap-around and windowed reads; on the mesh also through the
+  Pallas kernel (interpreted off TPU), which reads its own order."""
   config, params = tiny
   mesh = sharding.make_mesh(*mesh_shape) if mesh_shape else None
   rows = np.random.default_rng(2).integers(0, 4, 16)
@@ -211,8 +219,12 @@ def test_another_cache_layout_draws_the_same_tokens(tiny, monkeypatch, mesh_shap
   )
   want, want_stats = draw()
   monkeypatch.setattr(slots_lib, "KV_AXES", order)
+  cpu = dataclasses.replace(platforms.PLATFORMS["cpu"], key_axes=key_order)
+  monkeypatch.setitem(platforms.PLATFORMS, "cpu", cpu)
   sizes = dict(b=4, k=config.num_kv_heads, s=12, h=config.head_dim)
-  assert slots_lib.init_slot_cache(config, 4, 12).k[0].shape == tuple(sizes[a] for a in order)
+  cache = slots_lib.init_slot_cache(config, 4, 12)
+  assert cache.v[0].shape == tuple(sizes[a] for a in order)
+  assert cache.k[0].shape == tuple(sizes[a] for a in key_order or order)
   if mesh is not None:  # 4 prompt entries over data x fsdp: the entries' axis is sharded
     assert slots_lib.kv_shardings(config, mesh, 4, 8)[0].spec[order.index("b")] is not None
   got, stats = draw()
@@ -355,12 +367,14 @@ def test_prefill_in_steps_and_query_blocks_fills_the_cache_of_one_forward(
   )
   np.testing.assert_allclose(hidden, want_hidden[:, 0], atol=1e-5)
   real = np.asarray(mask)
+  as_model = lambda keys: jnp.einsum(f"{slots_lib.cache_axes(mesh)[0]}->bksh", keys)
   for row, entry in enumerate(np.asarray(entries)):
     if entry >= 8:
       continue
     cols = real[row]
     np.testing.assert_array_equal(np.asarray(filled.mask[entry]), cols)
     for layer, (k, v) in enumerate(kvs):
-      np.testing.assert_allclose(filled.k[layer][entry][:, cols], k[row][:, cols], atol=1e-5)
+      keys = as_model(filled.k[layer])[entry]
+      np.testing.assert_allclose(keys[:, cols], k[row][:, cols], atol=1e-5)
       np.testing.assert_allclose(filled.v[layer][entry][:, cols], v[row][:, cols], atol=1e-5)
   assert not np.asarray(filled.mask[4]).any()  # entry 4 was given no prompt

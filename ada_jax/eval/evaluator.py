@@ -24,7 +24,6 @@ config field (one line), 1 a failure.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -103,13 +102,17 @@ def report_name(
 class Evaluator:
   """An evaluation set up once (`make`): every check done, the benchmarks read and
   tokenized, the samplers built (they compile on the first `run`), so that repeated runs
-  (the training loop's held-out evaluations) read no data and compile nothing again.
+  (the training loop's held-out evaluations) read no data and compile nothing again; its
+  verifier pools start with the first `run` and serve the next ones (starting a pool's
+  processes took seconds per evaluation: experiments/README.md, "Where the CPU's time
+  goes") until `close`, or the end of a `with` block.
 
   Attributes:
     config: the settings.
     model_config, tokenizer: the model's architecture and tokenizer.
     benchmarks: `config.benchmarks`, tokenized (`benchmarks.load_benchmark`).
     samplers: the `EvalSamplers` every run generates with.
+    pools: the verifier pool of each judge a run has used.
   """
 
   config: EvalConfig
@@ -117,6 +120,18 @@ class Evaluator:
   tokenizer: Tokenizer
   benchmarks: tuple[benchmarks_lib.Benchmark, ...]
   samplers: eval_sampling.EvalSamplers
+  pools: dict[str, Verifier] = dataclasses.field(default_factory=dict, compare=False)
+
+  def close(self) -> None:
+    """Stops the verifier pools (idempotent; a later `run` starts new ones)."""
+    while self.pools:
+      self.pools.popitem()[1].close()
+
+  def __enter__(self) -> Evaluator:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
   @classmethod
   def make(
@@ -195,21 +210,21 @@ class Evaluator:
     out_dir = pathlib.Path(workdir) / "eval"
     start = time.perf_counter()
     rng = jax.random.key(config.seed) if rng is None else rng
-    with contextlib.ExitStack() as stack:
-      scorers = {}
-      for judge in sorted({b.judge for b in self.benchmarks}):
-        pool = Verifier(dataclasses.replace(config.verifier, judge=judge))
-        scorers[judge] = stack.enter_context(pool).score
-      # One file per process: each process must find the same finished batches on resume
-      # (every process launches the same sampler calls), even without a shared file system.
-      suffix = f".p{jax.process_index()}" if jax.process_count() > 1 else ""
-      cache = benchmarks_lib.ResultCache(out_dir / f"cache{suffix}.jsonl")
-      records: dict[str, list[dict]] = {}
-      cache_tag = f"{model_tag}|stop_ids={stops['stop_ids']}|pad_id={stops['pad_id']}"
-      kw = dict(cache=cache, model_tag=cache_tag, progress=progress, records=records)
-      results = eval_sampling.evaluate(
-        params, self.samplers, self.tokenizer, self.benchmarks, config, rng, scorers, **kw
-      )
+    scorers = {}
+    for judge in sorted({b.judge for b in self.benchmarks}):
+      if judge not in self.pools:
+        self.pools[judge] = Verifier(dataclasses.replace(config.verifier, judge=judge))
+      scorers[judge] = self.pools[judge].score
+    # One file per process: each process must find the same finished batches on resume
+    # (every process launches the same sampler calls), even without a shared file system.
+    suffix = f".p{jax.process_index()}" if jax.process_count() > 1 else ""
+    cache = benchmarks_lib.ResultCache(out_dir / f"cache{suffix}.jsonl")
+    records: dict[str, list[dict]] = {}
+    cache_tag = f"{model_tag}|stop_ids={stops['stop_ids']}|pad_id={stops['pad_id']}"
+    kw = dict(cache=cache, model_tag=cache_tag, progress=progress, records=records)
+    results = eval_sampling.evaluate(
+      params, self.samplers, self.tokenizer, self.benchmarks, config, rng, scorers, **kw
+    )
     settings = {**dataclasses.asdict(config), "tokenizer": stops}
     name = report_name(out_dir, name, model_tag, settings)
     report = {
@@ -247,8 +262,10 @@ def run(
   Raises:
     ConfigError: as `Evaluator.make`, before anything compiles.
   """
-  evaluator = Evaluator.make(config, model_config, tokenizer, mesh)
-  return evaluator.run(workdir, params, name=name, model_tag=model_tag, rng=rng, progress=progress)
+  with Evaluator.make(config, model_config, tokenizer, mesh) as evaluator:
+    return evaluator.run(
+      workdir, params, name=name, model_tag=model_tag, rng=rng, progress=progress
+    )
 
 
 # --------------------------------------------------------------------------- CLI

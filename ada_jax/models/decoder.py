@@ -210,11 +210,28 @@ def fuse(params: Params, layout: str = "gdf") -> Params:
   return {k: layer(v) if k.startswith("layer_") else v for k, v in params.items()}
 
 
+@functools.lru_cache(maxsize=16)
+def _abstract(config: ModelConfig, fused: str) -> tuple[Params, Params]:
+  """(`param_shapes`, `logical_axes`) of `config`, traced once per architecture and layout:
+  each trace builds the whole model abstractly (0.1-1 s on a CPU host), and the samplers
+  ask for the rollout copy's shardings at every RL step and evaluation."""
+  shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+  if fused:
+    shapes = jax.eval_shape(lambda p: fuse(p, fused), shapes)
+  abstract = nnx.eval_shape(lambda: Transformer(config, nnx.Rngs(0), fused))
+  axes = nnx.to_pure_dict(nnx.state(abstract), lambda v: tuple(v.get_metadata()["axes"]))
+  return shapes, axes
+
+
+def _copy(tree: Params) -> Params:
+  """A new nested dict of the same leaves (a cached tree is never handed out to be edited)."""
+  return {k: _copy(v) if isinstance(v, dict) else v for k, v in tree.items()}
+
+
 def param_shapes(config: ModelConfig, fused: str = "") -> Params:
   """`jax.ShapeDtypeStruct` of every parameter (of the tree `fuse`d in layout `fused`, if
   one is named), with no allocation."""
-  shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
-  return jax.eval_shape(lambda p: fuse(p, fused), shapes) if fused else shapes
+  return _copy(_abstract(config, fused)[0])
 
 
 def logical_axes(config: ModelConfig, fused: str = "") -> Params:
@@ -224,8 +241,7 @@ def logical_axes(config: ModelConfig, fused: str = "") -> Params:
   Names: 'vocab', 'embed', 'heads', 'kv_heads', 'head_dim', 'mlp'. `sharding.py` maps them
   to mesh axes with one rule table.
   """
-  abstract = nnx.eval_shape(lambda: Transformer(config, nnx.Rngs(0), fused))
-  return nnx.to_pure_dict(nnx.state(abstract), lambda v: tuple(v.get_metadata()["axes"]))
+  return _copy(_abstract(config, fused)[1])
 
 
 def check_vocab(config: ModelConfig, tokenizer_vocab_size: int) -> None:

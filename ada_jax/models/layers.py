@@ -229,21 +229,49 @@ def fuse_gate_up(gate: jax.Array, up: jax.Array, layout: str = "gdf") -> jax.Arr
   return jnp.stack([gate, up], axis=layout.index("g"))
 
 
-def _scores(q: jax.Array, pieces, kv_axes: str) -> jax.Array:
-  """`float32[B, K, G, T, sum S_i]`: each piece's scaled scores in the piece's own dtype
-  with float32 accumulation, `MASK_VALUE` where its mask is False, concatenated."""
+def _queries(q: jax.Array, kv_heads: int) -> jax.Array:
+  """`[B, T, N, H]` queries as `[B, K, T·G, H]`: each kv head's T·G queries on one axis."""
+  b, t, n, h = q.shape
+  return jnp.swapaxes(q.reshape(b, t, kv_heads, n // kv_heads, h), 1, 2).reshape(b, kv_heads, -1, h)
+
+
+def _orders(kv_axes) -> tuple[str, str]:
+  """(keys' axis order, values') from `attend`'s `kv_axes`: one order for both, or a pair."""
+  return (kv_axes, kv_axes) if isinstance(kv_axes, str) else tuple(kv_axes)
+
+
+def _scores(q: jax.Array, pieces, kv_axes) -> jax.Array:
+  """`float32[B, K, T, G, sum S_i]`: each piece's scaled scores in the piece's own dtype
+  with float32 accumulation, `MASK_VALUE` where its mask is False, concatenated.
+
+  Both contractions (here and `_weighted_values`) take each kv head's queries on one axis
+  (`_queries`): with T and G apart, or an output order other than dot_general's own,
+  XLA:CPU lays every key and value out transposed for the dot, a copy of the whole cache
+  per decode step (experiments/README.md, "Where the CPU's time goes")."""
   b, t, _, h = q.shape
-  q = q.reshape(b, t, pieces[0][0].shape[kv_axes.index("k")], -1, h)
+  key_axes = _orders(kv_axes)[0]
+  kv_heads = pieces[0][0].shape[key_axes.index("k")]
+  q = _queries(q, kv_heads)
   scores = []
   for k, _, mask in pieces:
     s = jnp.einsum(
-      f"btkgh,{kv_axes}->bkgts", q.astype(k.dtype), k, preferred_element_type=jnp.float32
+      f"bkqh,{key_axes}->bkqs", q.astype(k.dtype), k, preferred_element_type=jnp.float32
     )
-    scores.append(jnp.where(mask[:, None, None], s / math.sqrt(h), MASK_VALUE))
+    s = s.reshape(b, kv_heads, t, -1, s.shape[-1])
+    scores.append(jnp.where(mask[:, None, :, None], s / math.sqrt(h), MASK_VALUE))
   return jnp.concatenate(scores, -1)
 
 
-def attend(q: jax.Array, pieces, kv_axes: str = "bksh") -> jax.Array:
+def _weighted_values(weights: jax.Array, v: jax.Array, kv_axes, **kwargs) -> jax.Array:
+  """`[B, K, T, G, S]` weights times values (`kv_axes`' order): `[B, T, K, G, H]`."""
+  b, kv_heads, t, g, s = weights.shape
+  out = jnp.einsum(
+    f"bkqs,{_orders(kv_axes)[1]}->bkqh", weights.reshape(b, kv_heads, t * g, s), v, **kwargs
+  )
+  return jnp.swapaxes(out.reshape(b, kv_heads, t, g, -1), 1, 2)
+
+
+def attend(q: jax.Array, pieces, kv_axes: str | tuple[str, str] = "bksh") -> jax.Array:
   """Attention of queries over keys held in several pieces, with one softmax over all.
 
   A cache can keep its keys in parts (a row's prompt and its response ring, or a window of
@@ -256,27 +284,28 @@ def attend(q: jax.Array, pieces, kv_axes: str = "bksh") -> jax.Array:
     pieces: sequence of (k, v, mask `bool[B, T, S_i]`), keys and values laid out as
       `kv_axes` says, True where query t may attend to key s.
     kv_axes: the keys' and values' axis order in the letters b (row), k (kv head), s
-      (column), h (head dim): the order of the cache that holds them
-      (`rollout.slots.KV_AXES`), `[B, K, S_i, H]` by default (`Attention`'s own).
+      (column), h (head dim), or a pair (keys' order, values'): the order of the cache
+      that holds them (`rollout.slots.cache_axes`), `[B, K, S_i, H]` by default
+      (`Attention`'s own).
 
   Returns:
     `[B, T, N, H]` in v's dtype.
   """
   b, t, n, h = q.shape
-  columns = kv_axes.index("s")
+  columns = _orders(kv_axes)[0].index("s")
   probs = jax.nn.softmax(_scores(q, pieces, kv_axes), axis=-1)
   outs, start = [], 0
   for k, v, _ in pieces:
     # In v's dtype (XLA:CPU has no bf16 x bf16 -> f32 kernel for this dot); the pieces'
     # partial sums are added in float32.
     p = probs[..., start : start + k.shape[columns]].astype(v.dtype)
-    outs.append(jnp.einsum(f"bkgts,{kv_axes}->btkgh", p, v))
+    outs.append(_weighted_values(p, v, kv_axes))
     start += k.shape[columns]
   out = outs[0] if len(outs) == 1 else sum(o.astype(jnp.float32) for o in outs)
   return out.astype(pieces[0][1].dtype).reshape(b, t, n, h)
 
 
-def attend_partial(q: jax.Array, pieces, kv_axes: str = "bksh"):
+def attend_partial(q: jax.Array, pieces, kv_axes: str | tuple[str, str] = "bksh"):
   """`attend`'s softmax over some of a query's keys, kept open for `merge_partials`.
 
   Shared-prompt decode attends to a prompt's columns once for all the rows that share it
@@ -293,16 +322,16 @@ def attend_partial(q: jax.Array, pieces, kv_axes: str = "bksh"):
     scoring `MASK_VALUE` as in `attend`.
   """
   b, t, n, h = q.shape
-  columns = kv_axes.index("s")
+  columns = _orders(kv_axes)[0].index("s")
   scores = _scores(q, pieces, kv_axes)
   top = scores.max(-1, keepdims=True)
   weights = jnp.exp(scores - top)
   acc, start = 0.0, 0
   for k, v, _ in pieces:
     w = weights[..., start : start + k.shape[columns]]
-    acc = acc + jnp.einsum(f"bkgts,{kv_axes}->btkgh", w, v, preferred_element_type=jnp.float32)
+    acc = acc + _weighted_values(w, v, kv_axes, preferred_element_type=jnp.float32)
     start += k.shape[columns]
-  heads = lambda x: jnp.moveaxis(x[..., 0], 3, 1).reshape(b, t, n)  # [B, K, G, T] -> [B, T, N]
+  heads = lambda x: jnp.swapaxes(x[..., 0], 1, 2).reshape(b, t, n)  # [B, K, T, G, 1] first
   return acc.reshape(b, t, n, h), heads(top), heads(weights.sum(-1, keepdims=True))
 
 

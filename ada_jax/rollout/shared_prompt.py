@@ -43,7 +43,7 @@ def group_by_entry(entry: jax.Array, live: jax.Array, entries: int, rows: int):
   return members, rank
 
 
-def attend(q, prompt, entry, rank, members, own, kv_axes: str = "bksh") -> jax.Array:
+def attend(q, prompt, entry, rank, members, own, kv_axes="bksh") -> jax.Array:
   """One decode step's attention of every slot over its entry's prompt columns, read once
   per entry, and its own response columns.
 
@@ -57,7 +57,7 @@ def attend(q, prompt, entry, rank, members, own, kv_axes: str = "bksh") -> jax.A
       Lp]`), keys and values in `kv_axes` order.
     entry, rank, members: the slots' entries and `group_by_entry` of them.
     own: the slots' softmax over their own columns, open (`layers.attend_partial`).
-    kv_axes: the caches' axis order (`slots.KV_AXES`).
+    kv_axes: the caches' axis order, or (keys', values') (`slots.cache_axes`).
 
   Returns:
     `[S, 1, N, H]` in the prompt values' dtype; a free slot's row is some finite value.
@@ -70,12 +70,13 @@ def attend(q, prompt, entry, rank, members, own, kv_axes: str = "bksh") -> jax.A
   return layers_lib.merge_partials([mine, own], pv.dtype)
 
 
-def per_row_piece(prompt, entry, kv_axes: str = "bksh"):
+def per_row_piece(prompt, entry, kv_axes="bksh"):
   """Each slot's gathered copy of its entry's prompt, an `layers.attend` piece (keys,
-  values `[S, ...]` in `kv_axes` order, mask `bool[S, 1, Lp]`): the per-row form of the
+  values `[S, ...]` in `kv_axes`' order(s), mask `bool[S, 1, Lp]`): the per-row form of the
   same attention, S queries' score work rather than the grouped form's P·R, at the cost
   of the copy; for a compiler whose decode step is bound by its arithmetic, not by the
   bytes it reads (XLA:CPU, `platforms.Platform.shared_prompt`)."""
   pk, pv, pm = prompt
-  rows = lambda x: jnp.take(x, entry, axis=kv_axes.index("b"), mode="clip")
-  return rows(pk), rows(pv), pm[entry][:, None, :]
+  key_axes, value_axes = (kv_axes, kv_axes) if isinstance(kv_axes, str) else kv_axes
+  rows = lambda x, axes: jnp.take(x, entry, axis=axes.index("b"), mode="clip")
+  return rows(pk, key_axes), rows(pv, value_axes), pm[entry][:, None, :]

@@ -1,6 +1,6 @@
 """The rollout pool's two KV caches, owned here whole: the prompt cache (`PromptCache`, one
-entry per prefilled prompt) and the slots' cache (`SlotCache`), their axis order
-(`KV_AXES`), shapes, shardings, the store of prefilled prompts, the row shards that keep
+entry per prefilled prompt) and the slots' cache (`SlotCache`), their axis orders
+(`cache_axes`), shapes, shardings, the store of prefilled prompts, the row shards that keep
 a row beside its prompt (`row_shards`), the one write per decode step and the bounded
 read. No other module
 indexes a cache array: the model hands keys and values over in its own order and the
@@ -39,11 +39,12 @@ from ada_jax.rollout import decode_kernel, decode_kernel_gpu, shared_prompt
 # ----------------------------------------------------------------------------- layout
 
 # Both caches' axis order in `layers.attend`'s letters: b row (a slot, or a prompt entry),
-# k kv head, s column, h head dim. Every shape, write, read and sharding below derives from
-# it, so another order is a change of this line alone (tests/test_pool.py decodes the same
-# tokens in two others). This one is what the model hands over and the kernel reads
-# (`MODEL_AXES`: no transposes) and what XLA:TPU writes in place; another order costs the
-# TPU kernel path a transposed copy of every layer's cache per decode step (`_on_shards`).
+# k kv head, s column, h head dim; the keys' where the platform has no order of its own
+# (`cache_axes`). Every shape, write, read and sharding below derives from them, so another
+# order is a change of this line alone (tests/test_pool.py decodes the same tokens in two
+# others). This one is what the model hands over and the kernel reads (`MODEL_AXES`: no
+# transposes) and what XLA:TPU writes in place; another order costs the TPU kernel path a
+# transposed copy of every layer's cache per decode step (`_on_shards`).
 KV_AXES = "bksh"
 # Describes, does not set: the order of `layers.Attention`'s new keys and values and of
 # `decode_kernel`'s blocks.
@@ -51,43 +52,56 @@ MODEL_AXES = "bksh"
 _LOGICAL = {"b": "batch", "k": "kv_heads", "s": "length", "h": "head_dim"}
 
 
-def _axis(letter: str) -> int:
-  """Where `letter` (b, k, s or h) sits in `KV_AXES` (read when traced, never cached)."""
-  return KV_AXES.index(letter)
+def cache_axes(mesh: jax.sharding.Mesh | None) -> tuple[str, str]:
+  """(the keys' axis order, the values') of both caches on the mesh's platform (JAX's
+  default backend without a mesh): `KV_AXES`, the keys in the platform's own order where
+  it has one (`platforms.Platform.key_axes`: XLA:CPU's score dot reads `[.., H, S]` keys
+  as they lie). Read when traced, never cached."""
+  return sharding_lib.platform(mesh).key_axes or KV_AXES, KV_AXES
 
 
 def _relayout(x: jax.Array, src: str, dst: str) -> jax.Array:
   return x if src == dst else jnp.einsum(f"{src}->{dst}", x)
 
 
-def kv_shape(config: ModelConfig, rows: int, columns: int) -> tuple[int, ...]:
-  """One layer's keys (or values) of `rows` rows and `columns` columns, in `KV_AXES` order."""
+def kv_shape(config: ModelConfig, rows: int, columns: int, axes: str = "") -> tuple[int, ...]:
+  """One layer's keys or values of `rows` rows and `columns` columns in `axes` order
+  (`KV_AXES` by default)."""
   sizes = {"b": rows, "k": config.num_kv_heads, "s": columns, "h": config.head_dim}
-  return tuple(sizes[a] for a in KV_AXES)
+  return tuple(sizes[a] for a in axes or KV_AXES)
 
 
-def _empty(config: ModelConfig, rows: int, columns: int):
-  """(keys, values) per layer, zeros in the compute dtype, and an all-False `bool[rows,
-  columns]` mask."""
-  zeros = lambda: tuple(
-    jnp.zeros(kv_shape(config, rows, columns), config.compute_dtype)
+def _empty(config: ModelConfig, rows: int, columns: int, mesh):
+  """(keys, values) per layer in `cache_axes(mesh)` order, zeros in the compute dtype, and
+  an all-False `bool[rows, columns]` mask."""
+  zeros = lambda axes: tuple(
+    jnp.zeros(kv_shape(config, rows, columns, axes), config.compute_dtype)
     for _ in range(config.num_layers)
   )
-  return zeros(), zeros(), jnp.zeros((rows, columns), bool)
+  key_axes, value_axes = cache_axes(mesh)
+  return zeros(key_axes), zeros(value_axes), jnp.zeros((rows, columns), bool)
 
 
 def kv_shardings(
-  config: ModelConfig, mesh: jax.sharding.Mesh, rows: int, columns: int
+  config: ModelConfig, mesh: jax.sharding.Mesh, rows: int, columns: int, axes: str = ""
 ) -> tuple[NamedSharding, NamedSharding]:
-  """(one layer's keys or values, the `bool[rows, columns]` mask) sharded: rows over the
-  data axes, kv heads over 'tensor' (each replicated when not divisible), columns and
-  head dim whole (`sharding.model_rules`)."""
+  """(one layer's keys or values in `axes` order, `KV_AXES` by default; the `bool[rows,
+  columns]` mask) sharded: rows over the data axes, kv heads over 'tensor' (each
+  replicated when not divisible), columns and head dim whole (`sharding.model_rules`)."""
   rules = sharding_lib.model_rules(config, mesh)
-  spec = lambda axes, shape: NamedSharding(
-    mesh, sharding_lib.logical_to_spec(axes, shape, mesh, rules=rules)
+  spec = lambda names, shape: NamedSharding(
+    mesh, sharding_lib.logical_to_spec(names, shape, mesh, rules=rules)
   )
-  kv = spec(tuple(_LOGICAL[a] for a in KV_AXES), kv_shape(config, rows, columns))
+  axes = axes or KV_AXES
+  kv = spec(tuple(_LOGICAL[a] for a in axes), kv_shape(config, rows, columns, axes))
   return kv, spec(("batch", "length"), (rows, columns))
+
+
+def _kv_shardings(config, mesh, rows: int, columns: int):
+  """(keys' sharding, values', the mask's) of a cache of `rows` rows on `mesh`."""
+  key_axes, value_axes = cache_axes(mesh)
+  k, mask = kv_shardings(config, mesh, rows, columns, key_axes)
+  return k, kv_shardings(config, mesh, rows, columns, value_axes)[0], mask
 
 
 def row_shards(
@@ -122,8 +136,8 @@ class SlotCache:
   step (`column`), live or not: a dead slot's column is masked out.
 
   Attributes:
-    k, v: per layer `dtype[S, K, Lr, H]` (in `KV_AXES` order), the response ring (keys
-      after RoPE).
+    k, v: per layer `dtype[S, K, Lr, H]` (in `cache_axes` order), the response ring
+      (keys after RoPE).
     mask: `bool[S, Lr]`, True at ring columns that hold the slot's row's response tokens.
     column: `int32[]`, the ring column the next decode step writes.
   """
@@ -139,10 +153,10 @@ def slot_cache_shardings(
 ) -> SlotCache:
   """Shardings of a `SlotCache`: slots over ('data', 'fsdp'), kv heads over 'tensor'
   (`kv_shardings`), the ring column replicated."""
-  kv, mask = kv_shardings(config, mesh, slots, max_new_tokens)
+  k, v, mask = _kv_shardings(config, mesh, slots, max_new_tokens)
   layers = config.num_layers
   return SlotCache(
-    k=(kv,) * layers, v=(kv,) * layers, mask=mask, column=sharding_lib.replicated(mesh)
+    k=(k,) * layers, v=(v,) * layers, mask=mask, column=sharding_lib.replicated(mesh)
   )
 
 
@@ -151,7 +165,7 @@ def init_slot_cache(
 ) -> SlotCache:
   """An empty cache of `slots` slots of `max_new_tokens` ring columns each, the ring at
   column 0 (sharded by `slot_cache_shardings` with a mesh)."""
-  k, v, mask = _empty(config, slots, max_new_tokens)
+  k, v, mask = _empty(config, slots, max_new_tokens, mesh)
   return constrain(config, SlotCache(k, v, mask, jnp.zeros((), jnp.int32)), mesh)
 
 
@@ -168,8 +182,8 @@ class PromptCache:
   """Prefilled prompts, one entry per distinct prompt (P entries).
 
   Attributes:
-    k: per layer, keys after RoPE `dtype[P, K, Lp, H]` (in `KV_AXES` order).
-    v: per layer, values `dtype[P, K, Lp, H]` (in `KV_AXES` order).
+    k: per layer, keys after RoPE `dtype[P, K, Lp, H]` (in `cache_axes` order).
+    v: per layer, values `dtype[P, K, Lp, H]` (in `cache_axes` order).
     mask: `bool[P, Lp]`, True at real (non-padding) prompt tokens; prompts left-padded.
     hidden: `float32[P, D]`, the final-normed hidden state at each prompt's last token
       (its next-token logits are `decoder.unembed` of it).
@@ -187,11 +201,11 @@ def constrain_prompts(config: ModelConfig, prompts: PromptCache, mesh) -> Prompt
   20 GiB on every device."""
   if mesh is None:
     return prompts
-  kv, mask = kv_shardings(config, mesh, *prompts.mask.shape)
+  k, v, mask = _kv_shardings(config, mesh, *prompts.mask.shape)
   fit = jax.lax.with_sharding_constraint
   return prompts.replace(
-    k=tuple(fit(x, kv) for x in prompts.k),
-    v=tuple(fit(x, kv) for x in prompts.v),
+    k=tuple(fit(x, k) for x in prompts.k),
+    v=tuple(fit(x, v) for x in prompts.v),
     mask=fit(prompts.mask, mask),
   )
 
@@ -201,7 +215,7 @@ def empty_prompt_cache(
 ) -> PromptCache:
   """A prompt cache of `entries` empty entries of `prompt_len` columns (sharded like the
   slot cache when `mesh` is given)."""
-  k, v, mask = _empty(config, entries, prompt_len)
+  k, v, mask = _empty(config, entries, prompt_len, mesh)
   prompts = PromptCache(k, v, mask, jnp.zeros((entries, config.embed_dim), jnp.float32))
   return constrain_prompts(config, prompts, mesh)
 
@@ -213,15 +227,16 @@ def store_prompts(
   holding N prefilled prompts: per layer their (keys, values) as the model returns them
   (`MODEL_AXES`, `[N, K, Lp, H]`), their `bool[N, Lp]` mask and `float32[N, D]` last
   hidden states (`pool.prefill_prompts`)."""
-  rows = (slice(None),) * _axis("b") + (entries,)
+  key_axes, value_axes = cache_axes(mesh)
 
-  def put(old, new):
-    return old.at[rows].set(_relayout(new, MODEL_AXES, KV_AXES).astype(old.dtype), mode="drop")
+  def put(old, new, axes):
+    rows = (slice(None),) * axes.index("b") + (entries,)
+    return old.at[rows].set(_relayout(new, MODEL_AXES, axes).astype(old.dtype), mode="drop")
 
   at = lambda old, new: old.at[entries].set(new.astype(old.dtype), mode="drop")
   updated = PromptCache(
-    k=tuple(put(old, k) for old, (k, _) in zip(prompts.k, kvs, strict=True)),
-    v=tuple(put(old, v) for old, (_, v) in zip(prompts.v, kvs, strict=True)),
+    k=tuple(put(old, k, key_axes) for old, (k, _) in zip(prompts.k, kvs, strict=True)),
+    v=tuple(put(old, v, value_axes) for old, (_, v) in zip(prompts.v, kvs, strict=True)),
     mask=at(prompts.mask, mask),
     hidden=at(prompts.hidden, hidden),
   )
@@ -307,11 +322,12 @@ def slot_attention(
   c, ring = cache.column, cache.mask.shape[1]
   prompt_len = prompts.mask.shape[1]
   entry, live, entry_rows = rows
-  write = lambda old, new: jax.lax.dynamic_update_slice_in_dim(
-    old, _relayout(new, MODEL_AXES, KV_AXES).astype(old.dtype), c, _axis("s")
+  axes = cache_axes(mesh)
+  write = lambda old, new, order: jax.lax.dynamic_update_slice_in_dim(
+    old, _relayout(new, MODEL_AXES, order).astype(old.dtype), c, order.index("s")
   )
   kernel = uses_kernel(mesh)
-  head_dim = cache.k[0].shape[_axis("h")]
+  head_dim = cache.v[0].shape[KV_AXES.index("h")]
   if kernel and not KERNELS[kernel].applies(prompt_len, ring, head_dim):
     # Once per compile: a bucket or budget off the kernel's grid costs every layer a switch.
     logging.warning(
@@ -333,7 +349,7 @@ def slot_attention(
           projections = (qkv[:, 0], positions[:, 0], inv_freq)
           return on_shards(projections, prompt, (entry, live), ring, c, window)
         q, k, v = layers_lib.split_heads(qkv, positions, inv_freq)
-        ring = (write(ring[0], k), write(ring[1], v), mask)
+        ring = (write(ring[0], k, axes[0]), write(ring[1], v, axes[1]), mask)
         return on_shards((q,), prompt, (entry, live), ring, c, window), ring[:2]
 
       return write_and_read
@@ -352,9 +368,9 @@ def slot_attention(
   def attention(layer):
     def write_and_read(*projections):
       q, k, v = layers_lib.split_heads(*projections)
-      ring_k, ring_v = write(cache.k[layer], k), write(cache.v[layer], v)
+      ring_k, ring_v = write(cache.k[layer], k, axes[0]), write(cache.v[layer], v, axes[1])
       prompt = (prompts.k[layer], prompts.v[layer], prompts.mask)
-      own = lambda pieces: layers_lib.attend_partial(q, pieces, KV_AXES)  # the ring's part
+      own = lambda pieces: layers_lib.attend_partial(q, pieces, axes)  # the ring's part
       whole = lambda: own([(ring_k, ring_v, rows(mask))])
 
       def window_of(n):
@@ -362,13 +378,13 @@ def slot_attention(
           return whole
 
         def straight():
-          cut = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, c - n + 1, n, axis)
-          return own([(cut(ring_k, _axis("s")), cut(ring_v, _axis("s")), rows(cut(mask, 1)))])
+          cut = lambda x, order: jax.lax.dynamic_slice_in_dim(x, c - n + 1, n, order.index("s"))
+          return own([(cut(ring_k, axes[0]), cut(ring_v, axes[1]), rows(cut(mask, "bs")))])
 
         def two_ends():
           part = lambda a, b: tuple(
-            jax.lax.slice_in_dim(x, a, b, axis=axis)
-            for x, axis in ((ring_k, _axis("s")), (ring_v, _axis("s")), (mask, 1))
+            jax.lax.slice_in_dim(x, a, b, axis=order.index("s"))
+            for x, order in ((ring_k, axes[0]), (ring_v, axes[1]), (mask, "bs"))
           )
           return own([(k, v, rows(m)) for k, v, m in (part(0, n), part(ring - n, ring))])
 
@@ -376,11 +392,11 @@ def slot_attention(
 
       ring_part = jax.lax.switch(index, [window_of(n) for n in lengths])
       if per_row:  # the prompt's part outside the switch: its copy is not passed into it
-        copy = shared_prompt.per_row_piece(prompt, entry, KV_AXES)
-        prompt_part = layers_lib.attend_partial(q, [copy], KV_AXES)
+        copy = shared_prompt.per_row_piece(prompt, entry, axes)
+        prompt_part = layers_lib.attend_partial(q, [copy], axes)
         out = layers_lib.merge_partials([prompt_part, ring_part], prompt[1].dtype)
       else:
-        out = shared_prompt.attend(q, prompt, entry, *groups[::-1], ring_part, KV_AXES)
+        out = shared_prompt.attend(q, prompt, entry, *groups[::-1], ring_part, axes)
       return out, (ring_k, ring_v)
 
     return write_and_read
@@ -397,7 +413,7 @@ def _on_shards(config, mesh, kernel, queries, prompt, rows, ring, column, window
   `queries`: (the roped q `[S, 1, N, H]`,) for a kernel that reads the written ring
   (`decode_attention`; returns the attention), or (qkv `[S, K, G + 2, H]`, positions
   `int32[S]`, inv_freq) for one that rotates and writes it (`WRITES_RING`: `decode_step`;
-  returns (the attention, (the ring's keys, values) in `KV_AXES` order)). `rows`: the
+  returns (the attention, (the ring's keys, values) in `cache_axes` order)). `rows`: the
   slots' entries and live flags (`int32[S]`, `bool[S]`).
   """
   module = KERNELS[kernel]
@@ -412,7 +428,12 @@ def _on_shards(config, mesh, kernel, queries, prompt, rows, ring, column, window
       *queries, prompt, local, ring, c, w, entry_rows=entry_rows, interpret=interpret
     )
 
-  view = lambda k, v, m: (_relayout(k, KV_AXES, MODEL_AXES), _relayout(v, KV_AXES, MODEL_AXES), m)
+  key_axes, value_axes = cache_axes(mesh)
+  view = lambda k, v, m: (
+    _relayout(k, key_axes, MODEL_AXES),
+    _relayout(v, value_axes, MODEL_AXES),
+    m,
+  )
   prompt, ring = view(*prompt), view(*ring)
   if mesh is None:
     out = run(queries, prompt, rows, ring, column, window)
@@ -444,7 +465,7 @@ def _on_shards(config, mesh, kernel, queries, prompt, rows, ring, column, window
   if not writes:
     return out
   attention, k, v = out
-  return attention, (_relayout(k, MODEL_AXES, KV_AXES), _relayout(v, MODEL_AXES, KV_AXES))
+  return attention, (_relayout(k, MODEL_AXES, key_axes), _relayout(v, MODEL_AXES, value_axes))
 
 
 def _spec(config, mesh, rows: int, columns: int) -> dict:

@@ -1,0 +1,154 @@
+"""Where one RL step's time goes on XLA:CPU (issue 55): a `jax.profiler` trace of one RL
+step and of one held-out evaluation of a real run (`loop.run`), both after their programs
+have compiled, summed per compiled program.
+
+  python experiments/profile_cpu.py [--config=configs/tiny_arith_pos.py] [--model=DIR]
+      [--out=experiments/results/profile_cpu_<config>.json]
+
+The run is the config's own with 3 RL steps and an evaluation every 2 (DIR: a Hugging Face
+folder for a config that loads one, e.g. SmolLM2's). RL step 3 and the evaluation at step 2
+are traced. For each, per program (`hlo_module`): the seconds XLA:CPU's threads spent in
+its operations (the time inside each leaf thunk, summed over threads), thunks run, and of
+those the copies and transposes (a thunk whose name says copy or transpose: XLA:CPU's
+relayouts) and the dots (library matmul calls); beside them the window's wall seconds and
+the part of it in which no XLA thread ran an operation (the host: Python, the driver,
+grading, transfers). The step's own timers (`time_*_s`) come from its metrics row.
+Prints one JSON object (git commit, config, arguments) and writes it to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import importlib.util
+import json
+import os
+import pathlib
+import sys
+import tempfile
+import time
+
+ARGS = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+ARGS.add_argument("--config", default="configs/tiny_arith_pos.py")
+ARGS.add_argument("--model", default="", help="Hugging Face folder, for configs that load one")
+ARGS.add_argument("--out", default="")
+ARGS = ARGS.parse_args()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+from jax.profiler import ProfileData  # noqa: E402
+
+from ada_jax import loop, metrics  # noqa: E402
+
+RELAYOUT = ("copy", "transpose")
+
+
+def _leaf_times(plane_lines) -> list[tuple[str, str, int, int]]:
+  """(module, op, start ns, self ns) of every operation on XLA's threads."""
+  out = []
+  for line in plane_lines:
+    if not line.name.startswith("tf_XLAEigen"):
+      continue
+    for e in line.events:
+      stats = dict(e.stats)
+      if "hlo_module" in stats and not e.name.startswith("end:"):
+        out.append((stats["hlo_module"], stats["hlo_op"], e.start_ns, e.duration_ns))
+  return out
+
+
+def summarize(trace_dir: str, wall_s: float) -> dict:
+  """Per program: op seconds, thunks, relayout thunks, dot thunks; and the host's share."""
+  path = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))[-1]
+  lines = [line for plane in ProfileData.from_file(path).planes for line in plane.lines]
+  ops = _leaf_times(lines)
+  # An op that runs other ops (a while, a conditional) holds its own time minus theirs.
+  per = collections.defaultdict(lambda: collections.Counter())
+  intervals = []
+  for module, op, start, dur in ops:
+    c = per[module]
+    c["thunks"] += 1
+    c["op_ns"] += dur
+    c["relayouts"] += any(op.startswith(r) or f"_{r}" in op for r in RELAYOUT)
+    c["dots"] += op.startswith(("ynn_fusion", "dot", "custom-call"))
+    intervals.append((start, start + dur))
+  intervals.sort()
+  busy, end = 0, -1
+  for a, b in intervals:  # the union of the XLA threads' busy time
+    if b > end:
+      busy += b - max(a, end)
+      end = b
+  programs = {
+    m.removeprefix("jit_"): {
+      "op_s": round(c["op_ns"] / 1e9, 3),
+      "thunks": c["thunks"],
+      "relayout_thunks": c["relayouts"],
+      "dot_thunks": c["dots"],
+    }
+    for m, c in sorted(per.items(), key=lambda kv: -kv[1]["op_ns"])
+    if c["op_ns"] > 1e6
+  }
+  return {
+    "wall_s": round(wall_s, 3),
+    "host_only_s": round(wall_s - busy / 1e9, 3),
+    "programs": programs,
+  }
+
+
+def traced(fn, name: str, results: dict):
+  """`fn` that traces its call into `results[name]`."""
+
+  def call(*args, **kwargs):
+    directory = tempfile.mkdtemp(prefix=f"profile_{name}_")
+    jax.profiler.start_trace(directory)
+    start = time.perf_counter()
+    out = fn(*args, **kwargs)
+    jax.block_until_ready(out)
+    wall = time.perf_counter() - start
+    jax.profiler.stop_trace()
+    results[name] = summarize(directory, wall)
+    return out
+
+  return call
+
+
+def main() -> None:
+  commit = metrics.git_commit()
+  spec = importlib.util.spec_from_file_location("config", ROOT / ARGS.config)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  c = module.get_config()
+  if ARGS.model:
+    c.model.hf_dir = ARGS.model
+  c.rl.steps, c.eval.every_steps = 3, 2
+  results: dict = {}
+  rl_step, heldout = loop.rl_step, loop._heldout_eval
+
+  def step(ctx, n, *args):
+    out = (traced(rl_step, "rl_step", results) if n == 3 else rl_step)(ctx, n, *args)
+    if n == 3:
+      results["rl_step"]["step_timers"] = {
+        k: round(v, 3) for k, v in out[2].as_dict().items() if k.startswith("time_")
+      }
+    return out
+
+  def evaluate(evaluator, workdir, params, n, rng):
+    fn = traced(heldout, "evaluation", results) if n == 2 else heldout
+    return fn(evaluator, workdir, params, n, rng)
+
+  loop.rl_step, loop._heldout_eval = step, evaluate
+  with tempfile.TemporaryDirectory() as workdir:
+    loop.run(c, workdir)
+  name = pathlib.Path(ARGS.config).stem
+  result = {"git_commit": commit, "config": ARGS.config, "args": vars(ARGS), **results}
+  result["config_full"] = json.loads(c.to_json_best_effort())
+  text = json.dumps(result, indent=1)
+  print(text)
+  out = ARGS.out or ROOT / f"experiments/results/profile_cpu_{name}.json"
+  pathlib.Path(out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+  main()
