@@ -7,7 +7,7 @@ have compiled, summed per compiled program.
 
 The run is the config's own with 3 RL steps and an evaluation every 2 (DIR: a Hugging Face
 folder for a config that loads one, e.g. SmolLM2's). RL step 3 and the evaluation at step 2
-are traced. For each, per program (`hlo_module`): the seconds XLA:CPU's threads spent in
+are traced; the run stops after RL step 3. For each, per program (`hlo_module`): the seconds XLA:CPU's threads spent in
 its operations (the time inside each leaf thunk, summed over threads), thunks run, and of
 those the copies and transposes (a thunk whose name says copy or transpose: XLA:CPU's
 relayouts) and the dots (library matmul calls); beside them the window's wall seconds and
@@ -44,6 +44,10 @@ from jax.profiler import ProfileData  # noqa: E402
 from ada_jax import loop, metrics  # noqa: E402
 
 RELAYOUT = ("copy", "transpose")
+
+
+class _Traced(Exception):
+  """Both windows traced: the run stops here."""
 
 
 def _leaf_times(plane_lines) -> list[tuple[str, str, int, int]]:
@@ -132,6 +136,7 @@ def main() -> None:
       results["rl_step"]["step_timers"] = {
         k: round(v, 3) for k, v in out[2].as_dict().items() if k.startswith("time_")
       }
+      raise _Traced  # the evaluation after RL would only cost time
     return out
 
   def evaluate(evaluator, workdir, params, n, rng):
@@ -140,7 +145,10 @@ def main() -> None:
 
   loop.rl_step, loop._heldout_eval = step, evaluate
   with tempfile.TemporaryDirectory() as workdir:
-    loop.run(c, workdir)
+    try:
+      loop.run(c, workdir)
+    except _Traced:
+      pass
   name = pathlib.Path(ARGS.config).stem
   result = {"git_commit": commit, "config": ARGS.config, "args": vars(ARGS), **results}
   result["config_full"] = json.loads(c.to_json_best_effort())
