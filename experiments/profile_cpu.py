@@ -7,12 +7,12 @@ have compiled, summed per compiled program.
 
 The run is the config's own with 3 RL steps and an evaluation every 2 (DIR: a Hugging Face
 folder for a config that loads one, e.g. SmolLM2's). RL step 3 and the evaluation at step 2
-are traced; the run stops after RL step 3. For each, per program (`hlo_module`): the seconds XLA:CPU's threads spent in
-its operations (the time inside each leaf thunk, summed over threads), thunks run, and of
-those the copies and transposes (a thunk whose name says copy or transpose: XLA:CPU's
-relayouts) and the dots (library matmul calls); beside them the window's wall seconds and
-the part of it in which no XLA thread ran an operation (the host: Python, the driver,
-grading, transfers). The step's own timers (`time_*_s`) come from its metrics row.
+are traced; the run stops after RL step 3. For each, per program (`hlo_module`): the
+seconds XLA:CPU's threads spent in its operations (the time inside each leaf thunk, summed
+over threads), thunks run, and of those the copies and transposes (a thunk whose name says
+copy or transpose: XLA:CPU's relayouts) and the dots (library matmul calls); beside them
+the window's wall seconds and the part of it in which no XLA thread ran an operation (the
+host: Python, the driver, grading, transfers). The step's own timers (`time_*_s`) come from its metrics row.
 Prints one JSON object (git commit, config, arguments) and writes it to `--out`.
 """
 
