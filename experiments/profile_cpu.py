@@ -12,8 +12,9 @@ seconds XLA:CPU's threads spent in its operations (the time inside each leaf thu
 over threads), thunks run, and of those the copies and transposes (a thunk whose name says
 copy or transpose: XLA:CPU's relayouts) and the dots (library matmul calls); beside them
 the window's wall seconds and the part of it in which no XLA thread ran an operation (the
-host: Python, the driver, grading, transfers). The step's own timers (`time_*_s`) come from its metrics row.
-Prints one JSON object (git commit, config, arguments) and writes it to `--out`.
+host: Python, the driver, grading, transfers). The step's own timers (`time_*_s`) come
+from its metrics row. Prints one JSON object (git commit, config, arguments) and writes it
+to `--out`.
 """
 
 from __future__ import annotations
