@@ -229,46 +229,41 @@ def fuse_gate_up(gate: jax.Array, up: jax.Array, layout: str = "gdf") -> jax.Arr
   return jnp.stack([gate, up], axis=layout.index("g"))
 
 
-def _queries(q: jax.Array, kv_heads: int) -> jax.Array:
-  """`[B, T, N, H]` queries as `[B, K, T·G, H]`: each kv head's T·G queries on one axis."""
-  b, t, n, h = q.shape
-  return jnp.swapaxes(q.reshape(b, t, kv_heads, n // kv_heads, h), 1, 2).reshape(b, kv_heads, -1, h)
-
-
 def _orders(kv_axes) -> tuple[str, str]:
   """(keys' axis order, values') from `attend`'s `kv_axes`: one order for both, or a pair."""
   return (kv_axes, kv_axes) if isinstance(kv_axes, str) else tuple(kv_axes)
 
 
 def _scores(q: jax.Array, pieces, kv_axes) -> jax.Array:
-  """`float32[B, K, T, G, sum S_i]`: each piece's scaled scores in the piece's own dtype
+  """`float32[B, K, G, T, sum S_i]`: each piece's scaled scores in the piece's own dtype
   with float32 accumulation, `MASK_VALUE` where its mask is False, concatenated.
 
-  Both contractions (here and `_weighted_values`) take each kv head's queries on one axis
-  (`_queries`): with T and G apart, or an output order other than dot_general's own,
-  XLA:CPU lays every key and value out transposed for the dot, a copy of the whole cache
-  per decode step (experiments/README.md, "Where the CPU's time goes")."""
+  One query a row (a decode step) contracts without the T axis, here and in
+  `_weighted_values`: with it, XLA:CPU lays every key and value out transposed for the
+  dot, a copy of the whole cache per decode step (experiments/README.md, "Where the CPU's
+  time goes"). More queries (prefill, training) keep the form XLA:TPU's and XLA:GPU's plans
+  were measured with."""
   b, t, _, h = q.shape
   key_axes = _orders(kv_axes)[0]
-  kv_heads = pieces[0][0].shape[key_axes.index("k")]
-  q = _queries(q, kv_heads)
+  q = q.reshape(b, t, pieces[0][0].shape[key_axes.index("k")], -1, h)
   scores = []
   for k, _, mask in pieces:
-    s = jnp.einsum(
-      f"bkqh,{key_axes}->bkqs", q.astype(k.dtype), k, preferred_element_type=jnp.float32
-    )
-    s = s.reshape(b, kv_heads, t, -1, s.shape[-1])
-    scores.append(jnp.where(mask[:, None, :, None], s / math.sqrt(h), MASK_VALUE))
+    kw = dict(preferred_element_type=jnp.float32)
+    if t == 1:
+      s = jnp.einsum(f"bkgh,{key_axes}->bkgs", q[:, 0].astype(k.dtype), k, **kw)[..., None, :]
+    else:
+      s = jnp.einsum(f"btkgh,{key_axes}->bkgts", q.astype(k.dtype), k, **kw)
+    scores.append(jnp.where(mask[:, None, None], s / math.sqrt(h), MASK_VALUE))
   return jnp.concatenate(scores, -1)
 
 
 def _weighted_values(weights: jax.Array, v: jax.Array, kv_axes, **kwargs) -> jax.Array:
-  """`[B, K, T, G, S]` weights times values (`kv_axes`' order): `[B, T, K, G, H]`."""
-  b, kv_heads, t, g, s = weights.shape
-  out = jnp.einsum(
-    f"bkqs,{_orders(kv_axes)[1]}->bkqh", weights.reshape(b, kv_heads, t * g, s), v, **kwargs
-  )
-  return jnp.swapaxes(out.reshape(b, kv_heads, t, g, -1), 1, 2)
+  """`[B, K, G, T, S]` weights times values (`kv_axes`' order): `[B, T, K, G, H]` (one query
+  a row without the T axis, as `_scores`)."""
+  value_axes = _orders(kv_axes)[1]
+  if weights.shape[3] == 1:
+    return jnp.einsum(f"bkgs,{value_axes}->bkgh", weights[:, :, :, 0], v, **kwargs)[:, None]
+  return jnp.einsum(f"bkgts,{value_axes}->btkgh", weights, v, **kwargs)
 
 
 def attend(q: jax.Array, pieces, kv_axes: str | tuple[str, str] = "bksh") -> jax.Array:
@@ -331,7 +326,7 @@ def attend_partial(q: jax.Array, pieces, kv_axes: str | tuple[str, str] = "bksh"
     w = weights[..., start : start + k.shape[columns]]
     acc = acc + _weighted_values(w, v, kv_axes, preferred_element_type=jnp.float32)
     start += k.shape[columns]
-  heads = lambda x: jnp.swapaxes(x[..., 0], 1, 2).reshape(b, t, n)  # [B, K, T, G, 1] first
+  heads = lambda x: jnp.moveaxis(x[..., 0], 3, 1).reshape(b, t, n)  # [B, K, G, T] -> [B, T, N]
   return acc.reshape(b, t, n, h), heads(top), heads(weights.sum(-1, keepdims=True))
 
 
