@@ -171,6 +171,24 @@ def test_results_are_of_the_tokenizer_stop_and_pad_ids_too(tmp_path):
   ]
 
 
+def test_an_evaluator_keeps_its_verifier_pool_across_runs_until_closed(tmp_path):
+  """The loop's held-out evaluations grade with one pool (its processes start once), and
+  `close` (or the end of a `with` block) stops them; a later run starts a new one."""
+  from ada_jax.data import arith
+
+  config, params = _tiny_params(0)
+  with evaluate.Evaluator.make(_arith_eval_config(), config, arith.load_tokenizer()) as ev:
+    first = ev.run(tmp_path, params, name="a", model_tag="m0", progress=False)
+    (pool,) = ev.pools.values()
+    pids = pool.worker_pids
+    second = ev.run(tmp_path, params, name="b", model_tag="m1", progress=False)
+    assert list(ev.pools.values()) == [pool] and pool.worker_pids == pids
+    assert first["results"] == second["results"]  # same weights, same key: same draws
+  assert not ev.pools
+  with pytest.raises(RuntimeError):  # a closed pool grades nothing
+    pool.score(["\\boxed{1}"], ["1"])
+
+
 # --------------------------------------------------------------------------- CLI
 
 

@@ -330,3 +330,18 @@ def test_a_width_of_two_is_fused_gdf_whatever_the_layout_asked():
   assert model_lib.fuse(fused, "dgf") is fused and model_lib.fuse(fused, "gdf") is fused
   shapes = jax.tree.map(lambda x: x.shape, model_lib.param_shapes(config, fused="dgf"))
   assert shapes == jax.tree.map(lambda x: x.shape, fused)
+
+
+def test_param_shapes_traced_once_per_architecture_and_handed_out_fresh():
+  """The samplers ask for the rollout copy's shapes and axes at every RL step: traced once
+  per (architecture, layout), each caller gets its own tree (editing it changes no other)."""
+  config = model_lib.preset("tiny-llama", vocab_size=64, embed_dim=32, num_layers=1)
+  model_lib._abstract.cache_clear()
+  shapes = model_lib.param_shapes(config, "dgf")
+  shapes["layer_0"]["mlp"]["gate_up"] = None
+  again = model_lib.param_shapes(config, "dgf")
+  axes = model_lib.logical_axes(config, "dgf")
+  assert model_lib._abstract.cache_info().misses == 1
+  assert again["layer_0"]["mlp"]["gate_up"].shape == (32, 2, config.mlp_dim)
+  assert axes["layer_0"]["mlp"]["gate_up"] == ("embed", None, "mlp")
+  assert model_lib.param_shapes(config)["layer_0"]["mlp"]["gate"].shape == (32, config.mlp_dim)

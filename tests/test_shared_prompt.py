@@ -97,3 +97,39 @@ def test_pool_draws_the_same_tokens_grouped_and_per_row(monkeypatch, mesh_shape)
   np.testing.assert_array_equal(forms["grouped"]["tokens"], forms["per row"]["tokens"])
   np.testing.assert_array_equal(forms["grouped"]["lengths"], forms["per row"]["lengths"])
   np.testing.assert_allclose(forms["grouped"]["logprobs"], forms["per row"]["logprobs"], atol=1e-5)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+  kv_heads=st.integers(1, 3),
+  groups=st.integers(1, 3),
+  widths=st.lists(st.integers(1, 6), min_size=1, max_size=3),
+  key_axes=st.permutations("bksh").map("".join),
+  value_axes=st.permutations("bksh").map("".join),
+  seed=st.integers(0, 2**16),
+)
+def test_one_query_a_row_attends_as_among_others(
+  kv_heads, groups, widths, key_axes, value_axes, seed
+):
+  """A decode step's one query a row (`layers._scores` without the T axis, XLA:CPU's form)
+  gets what the same query gets among others (prefill's form), keys and values in any two
+  orders, in `attend` and in `attend_partial`'s open parts."""
+  b, h = 3, 8
+  ks = iter(jax.random.split(jax.random.key(seed), 16))
+  normal = lambda shape: jax.random.normal(next(ks), shape, jnp.float32)
+  order = lambda x, axes: jnp.einsum(f"bksh->{axes}", x)
+  q = normal((b, 2, kv_heads * groups, h))
+  pieces = []
+  for w in widths:
+    k, v = normal((b, kv_heads, w, h)), normal((b, kv_heads, w, h))
+    mask = (jax.random.uniform(next(ks), (b, 2, w)) < 0.7).at[:, :, 0].set(True)
+    pieces.append((order(k, key_axes), order(v, value_axes), mask))
+  axes = (key_axes, value_axes)
+  first = [(k, v, m[:, :1]) for k, v, m in pieces]
+  np.testing.assert_allclose(
+    layers.attend(q[:, :1], first, axes), layers.attend(q, pieces, axes)[:, :1], atol=1e-5
+  )
+  for one, both in zip(
+    layers.attend_partial(q[:, :1], first, axes), layers.attend_partial(q, pieces, axes)
+  ):
+    np.testing.assert_allclose(one, both[:, :1], atol=1e-5, rtol=1e-5)
