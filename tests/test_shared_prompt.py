@@ -130,6 +130,8 @@ def test_one_query_a_row_attends_as_among_others(
     layers.attend(q[:, :1], first, axes), layers.attend(q, pieces, axes)[:, :1], atol=1e-5
   )
   for one, both in zip(
-    layers.attend_partial(q[:, :1], first, axes), layers.attend_partial(q, pieces, axes)
+    layers.attend_partial(q[:, :1], first, axes),
+    layers.attend_partial(q, pieces, axes),
+    strict=True,
   ):
     np.testing.assert_allclose(one, both[:, :1], atol=1e-5, rtol=1e-5)
