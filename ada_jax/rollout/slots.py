@@ -370,11 +370,7 @@ def slot_attention(
       q, k, v = layers_lib.split_heads(*projections)
       ring_k, ring_v = write(cache.k[layer], k, axes[0]), write(cache.v[layer], v, axes[1])
       prompt = (prompts.k[layer], prompts.v[layer], prompts.mask)
-      if per_row:  # one softmax over the row's copy of its prompt and its ring's window
-        copy = shared_prompt.per_row_piece(prompt, entry, axes)
-        own = lambda pieces: layers_lib.attend(q, [copy, *pieces], axes)
-      else:  # the ring's part, merged with its entry's below
-        own = lambda pieces: layers_lib.attend_partial(q, pieces, axes)
+      own = lambda pieces: layers_lib.attend_partial(q, pieces, axes)  # the ring's part
       whole = lambda: own([(ring_k, ring_v, rows(mask))])
 
       def window_of(n):
@@ -394,9 +390,13 @@ def slot_attention(
 
         return lambda: jax.lax.cond(c >= n - 1, straight, whole if 2 * n > ring else two_ends)
 
-      out = jax.lax.switch(index, [window_of(n) for n in lengths])
-      if not per_row:
-        out = shared_prompt.attend(q, prompt, entry, *groups[::-1], out, axes)
+      ring_part = jax.lax.switch(index, [window_of(n) for n in lengths])
+      if per_row:  # the prompt's part outside the switch: its copy is not passed into it
+        copy = shared_prompt.per_row_piece(prompt, entry, axes)
+        prompt_part = layers_lib.attend_partial(q, [copy], axes)
+        out = layers_lib.merge_partials([prompt_part, ring_part], prompt[1].dtype)
+      else:
+        out = shared_prompt.attend(q, prompt, entry, *groups[::-1], ring_part, axes)
       return out, (ring_k, ring_v)
 
     return write_and_read
