@@ -4,6 +4,8 @@ have compiled, summed per compiled program.
 
   python experiments/profile_cpu.py [--config=configs/tiny_arith_pos.py] [--model=DIR]
       [--out=experiments/results/profile_cpu_<config>.json]
+  python experiments/profile_cpu.py --vs=COMMIT [--alternations=3] [--config=...]
+      [--out=experiments/results/profile_cpu_<config>_vs_<COMMIT>.json]
 
 The run is the config's own with 3 RL steps and an evaluation every 2 (DIR: a Hugging Face
 folder for a config that loads one, e.g. SmolLM2's). RL step 3 and the evaluation at step 2
@@ -15,6 +17,11 @@ the window's wall seconds and the part of it in which no XLA thread ran an opera
 host: Python, the driver, grading, transfers). The step's own timers (`time_*_s`) come
 from its metrics row. Prints one JSON object (git commit, config, arguments) and writes it
 to `--out`.
+
+`--vs=COMMIT`: the same two windows timed without the profiler (`--no_trace`), this tree
+against COMMIT's (its code from git, this script beside it), each run its own process,
+alternating (`--alternations` pairs, the order flipped every pair): wall seconds per arm,
+medians, and the median of the per-pair ratios COMMIT / this (a speed-up above 1).
 """
 
 from __future__ import annotations
@@ -34,6 +41,9 @@ ARGS = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 ARGS.add_argument("--config", default="configs/tiny_arith_pos.py")
 ARGS.add_argument("--model", default="", help="Hugging Face folder, for configs that load one")
 ARGS.add_argument("--out", default="")
+ARGS.add_argument("--vs", default="", metavar="COMMIT", help="time against COMMIT's tree")
+ARGS.add_argument("--alternations", type=int, default=3)
+ARGS.add_argument("--no_trace", action="store_true", help="time the windows, no profiler")
 ARGS = ARGS.parse_args()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -107,19 +117,72 @@ def traced(fn, name: str, results: dict):
 
   def call(*args, **kwargs):
     directory = tempfile.mkdtemp(prefix=f"profile_{name}_")
-    jax.profiler.start_trace(directory)
+    if not ARGS.no_trace:
+      jax.profiler.start_trace(directory)
     start = time.perf_counter()
     out = fn(*args, **kwargs)
     jax.block_until_ready(out)
     wall = time.perf_counter() - start
-    jax.profiler.stop_trace()
-    results[name] = summarize(directory, wall)
+    if ARGS.no_trace:
+      results[name] = {"wall_s": round(wall, 3)}
+    else:
+      jax.profiler.stop_trace()
+      results[name] = summarize(directory, wall)
     return out
 
   return call
 
 
+def versus() -> dict:
+  """`--vs`: this tree against COMMIT's, one process per run, alternating."""
+  import shutil
+  import statistics
+  import subprocess
+
+  base = pathlib.Path(tempfile.mkdtemp(prefix="profile_vs_"))
+  archive = subprocess.run(
+    ["git", "-C", str(ROOT), "archive", ARGS.vs, "ada_jax", "configs"],
+    check=True,
+    capture_output=True,
+  ).stdout
+  subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
+  (base / "experiments").mkdir(exist_ok=True)
+  shutil.copy(__file__, base / "experiments")
+  trees = {"baseline": base, "this": ROOT}
+  runs = {name: [] for name in trees}
+  for k in range(ARGS.alternations):
+    for name in trees if k % 2 == 0 else reversed(list(trees)):
+      out = base / f"{name}_{k}.json"
+      flags = [f"--config={ARGS.config}", f"--model={ARGS.model}", f"--out={out}", "--no_trace"]
+      script = trees[name] / "experiments" / pathlib.Path(__file__).name
+      subprocess.run(
+        [sys.executable, str(script), *flags], cwd=trees[name], check=True, capture_output=True
+      )
+      runs[name].append(json.loads(out.read_text()))
+      print(name, {w: runs[name][-1][w]["wall_s"] for w in ("rl_step", "evaluation")}, flush=True)
+  result = {"git_commit": metrics.git_commit(), "baseline_commit": ARGS.vs, "args": vars(ARGS)}
+  for window in ("rl_step", "evaluation"):
+    wall = {n: [r[window]["wall_s"] for r in runs[n]] for n in trees}
+    ratios = [a / b for a, b in zip(wall["baseline"], wall["this"], strict=True)]
+    result[window] = {
+      "wall_s": wall,
+      "wall_s_median": {n: statistics.median(w) for n, w in wall.items()},
+      "speedup_median": round(statistics.median(ratios), 3),
+    }
+  result["step_timers"] = {n: [r["rl_step"]["step_timers"] for r in runs[n]] for n in trees}
+  shutil.rmtree(base, ignore_errors=True)
+  return result
+
+
 def main() -> None:
+  if ARGS.vs:
+    result = versus()
+    text = json.dumps(result, indent=1)
+    print(text)
+    name = f"{pathlib.Path(ARGS.config).stem}_vs_{ARGS.vs}"
+    out = ARGS.out or ROOT / f"experiments/results/profile_cpu_{name}.json"
+    pathlib.Path(out).write_text(text + "\n")
+    return
   commit = metrics.git_commit()
   spec = importlib.util.spec_from_file_location("config", ROOT / ARGS.config)
   module = importlib.util.module_from_spec(spec)
