@@ -12,7 +12,9 @@ folder for a config that loads one, e.g. SmolLM2's). RL step 3 and the evaluatio
 are traced; the run stops after RL step 3. For each, per program (`hlo_module`): the
 seconds XLA:CPU's threads spent in its operations (the time inside each leaf thunk, summed
 over threads), thunks run, and of those the copies and transposes (a thunk whose name says
-copy or transpose: XLA:CPU's relayouts) and the dots (library matmul calls); beside them
+copy or transpose: XLA:CPU's relayouts), the dots (library matmul calls) and the op kinds
+that took the most time (an op's name without its number: `ynn_fusion` the library's
+dots, `gather_bitcast_fusion` a gather, `copy_bitcast_fusion` a relayout); beside them
 the window's wall seconds and the part of it in which no XLA thread ran an operation (the
 host: Python, the driver, grading, transfers). The step's own timers (`time_*_s`) come
 from its metrics row. Prints one JSON object (git commit, config, arguments) and writes it
@@ -81,11 +83,13 @@ def summarize(trace_dir: str, wall_s: float) -> dict:
   ops = _leaf_times(lines)
   # An op that runs other ops (a while, a conditional) holds its own time minus theirs.
   per = collections.defaultdict(lambda: collections.Counter())
+  kinds = collections.defaultdict(lambda: collections.Counter())
   intervals = []
   for module, op, start, dur in ops:
     c = per[module]
     c["thunks"] += 1
     c["op_ns"] += dur
+    kinds[module][op.split(".")[0]] += dur
     c["relayouts"] += any(op.startswith(r) or f"_{r}" in op for r in RELAYOUT)
     c["dots"] += op.startswith(("ynn_fusion", "dot", "custom-call"))
     intervals.append((start, start + dur))
@@ -101,6 +105,7 @@ def summarize(trace_dir: str, wall_s: float) -> dict:
       "thunks": c["thunks"],
       "relayout_thunks": c["relayouts"],
       "dot_thunks": c["dots"],
+      "top_op_kinds_s": {k: round(ns / 1e9, 3) for k, ns in kinds[m].most_common(6) if ns > 1e6},
     }
     for m, c in sorted(per.items(), key=lambda kv: -kv[1]["op_ns"])
     if c["op_ns"] > 1e6
