@@ -63,15 +63,21 @@ class _Traced(Exception):
   """Both windows traced: the run stops here."""
 
 
+# Ops that run other ops: their time is their ops' (counted there), not their own.
+CONTAINERS = ("while", "cond", "conditional", "call")
+
+
 def _leaf_times(plane_lines) -> list[tuple[str, str, int, int]]:
-  """(module, op, start ns, self ns) of every operation on XLA's threads."""
+  """(module, op, start ns, ns) of every operation on XLA's threads but `CONTAINERS`."""
   out = []
   for line in plane_lines:
     if not line.name.startswith("tf_XLAEigen"):
       continue
     for e in line.events:
       stats = dict(e.stats)
-      if "hlo_module" in stats and not e.name.startswith("end:"):
+      if "hlo_module" not in stats or e.name.startswith("end:"):
+        continue
+      if stats["hlo_op"].split(".")[0] not in CONTAINERS:
         out.append((stats["hlo_module"], stats["hlo_op"], e.start_ns, e.duration_ns))
   return out
 
@@ -81,7 +87,6 @@ def summarize(trace_dir: str, wall_s: float) -> dict:
   path = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))[-1]
   lines = [line for plane in ProfileData.from_file(path).planes for line in plane.lines]
   ops = _leaf_times(lines)
-  # An op that runs other ops (a while, a conditional) holds its own time minus theirs.
   per = collections.defaultdict(lambda: collections.Counter())
   kinds = collections.defaultdict(lambda: collections.Counter())
   intervals = []
