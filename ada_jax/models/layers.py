@@ -229,7 +229,7 @@ def fuse_gate_up(gate: jax.Array, up: jax.Array, layout: str = "gdf") -> jax.Arr
   return jnp.stack([gate, up], axis=layout.index("g"))
 
 
-def _orders(kv_axes) -> tuple[str, str]:
+def kv_orders(kv_axes) -> tuple[str, str]:
   """(keys' axis order, values') from `attend`'s `kv_axes`: one order for both, or a pair."""
   return (kv_axes, kv_axes) if isinstance(kv_axes, str) else tuple(kv_axes)
 
@@ -244,7 +244,7 @@ def _scores(q: jax.Array, pieces, kv_axes) -> jax.Array:
   time goes"). More queries (prefill, training) keep the form XLA:TPU's and XLA:GPU's plans
   were measured with."""
   b, t, _, h = q.shape
-  key_axes = _orders(kv_axes)[0]
+  key_axes = kv_orders(kv_axes)[0]
   q = q.reshape(b, t, pieces[0][0].shape[key_axes.index("k")], -1, h)
   scores = []
   for k, _, mask in pieces:
@@ -260,7 +260,7 @@ def _scores(q: jax.Array, pieces, kv_axes) -> jax.Array:
 def _weighted_values(weights: jax.Array, v: jax.Array, kv_axes, **kwargs) -> jax.Array:
   """`[B, K, G, T, S]` weights times values (`kv_axes`' order): `[B, T, K, G, H]` (one query
   a row without the T axis, as `_scores`)."""
-  value_axes = _orders(kv_axes)[1]
+  value_axes = kv_orders(kv_axes)[1]
   if weights.shape[3] == 1:
     return jnp.einsum(f"bkgs,{value_axes}->bkgh", weights[:, :, :, 0], v, **kwargs)[:, None]
   return jnp.einsum(f"bkgts,{value_axes}->btkgh", weights, v, **kwargs)
@@ -287,7 +287,7 @@ def attend(q: jax.Array, pieces, kv_axes: str | tuple[str, str] = "bksh") -> jax
     `[B, T, N, H]` in v's dtype.
   """
   b, t, n, h = q.shape
-  columns = _orders(kv_axes)[0].index("s")
+  columns = kv_orders(kv_axes)[0].index("s")
   probs = jax.nn.softmax(_scores(q, pieces, kv_axes), axis=-1)
   outs, start = [], 0
   for k, v, _ in pieces:
@@ -317,7 +317,7 @@ def attend_partial(q: jax.Array, pieces, kv_axes: str | tuple[str, str] = "bksh"
     scoring `MASK_VALUE` as in `attend`.
   """
   b, t, n, h = q.shape
-  columns = _orders(kv_axes)[0].index("s")
+  columns = kv_orders(kv_axes)[0].index("s")
   scores = _scores(q, pieces, kv_axes)
   top = scores.max(-1, keepdims=True)
   weights = jnp.exp(scores - top)

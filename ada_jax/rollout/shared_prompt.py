@@ -77,6 +77,6 @@ def per_row_piece(prompt, entry, kv_axes="bksh"):
   of the copy; for a compiler whose decode step is bound by its arithmetic, not by the
   bytes it reads (XLA:CPU, `platforms.Platform.shared_prompt`)."""
   pk, pv, pm = prompt
-  key_axes, value_axes = (kv_axes, kv_axes) if isinstance(kv_axes, str) else kv_axes
+  key_axes, value_axes = layers_lib.kv_orders(kv_axes)
   rows = lambda x, axes: jnp.take(x, entry, axis=axes.index("b"), mode="clip")
   return rows(pk, key_axes), rows(pv, value_axes), pm[entry][:, None, :]
