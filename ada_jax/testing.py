@@ -7,7 +7,9 @@ requirements), which are test oracles only.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,19 @@ from ada_jax.data import arith
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding, weights
 from ada_jax.rl import controller, losses, train
+
+EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
+
+
+def load_experiment(name: str, module_name: str = ""):
+  """The script `experiments/<name>.py` of this checkout, imported as module `module_name`
+  (default `name`) and registered in `sys.modules` (dataclasses look their module up
+  there). Raises FileNotFoundError when the checkout has no such script."""
+  spec = importlib.util.spec_from_file_location(module_name or name, EXPERIMENTS / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module
+  spec.loader.exec_module(module)
+  return module
 
 
 def tiny_hf_config(family: str) -> dict:

@@ -2,7 +2,6 @@
 writes one JSON object whose fields and types are checked here (not its speeds); the
 peak table matches device kinds; a failing part is recorded without losing the others."""
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -11,17 +10,15 @@ import sys
 
 import pytest
 
+from ada_jax import testing
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "accelerator_check.py"
 
 
 @pytest.fixture(scope="module")
 def script():
-  spec = importlib.util.spec_from_file_location("accelerator_check", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # dataclasses look their module up there
-  spec.loader.exec_module(module)
-  return module
+  return testing.load_experiment("accelerator_check")
 
 
 @pytest.fixture(scope="module")

@@ -1,25 +1,15 @@
 """experiments/comparison_stats.py on cases whose answer is known: the seed-clustered mean
 and t interval, slopes, the paired per-step difference and the two-level bootstrap."""
 
-import importlib.util
-import pathlib
-import sys
-
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from ada_jax import testing
 
 
 @pytest.fixture(scope="module")
 def cs():
-  spec = importlib.util.spec_from_file_location(
-    "comparison_stats", ROOT / "experiments" / "comparison_stats.py"
-  )
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module
-  spec.loader.exec_module(module)
-  return module
+  return testing.load_experiment("comparison_stats")
 
 
 def test_clustered_mean_is_the_mean_of_seed_means_with_their_spread(cs):

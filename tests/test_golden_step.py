@@ -14,28 +14,20 @@ Re-record (`python experiments/record_golden.py`) only for an intended behaviour
 named as such in the commit (docs/design.md "One RL step").
 """
 
-import importlib.util
 import json
 import math
 import pathlib
 
 import pytest
 
+from ada_jax import testing
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GOLDEN = json.loads((ROOT / "tests" / "data" / "golden_step.json").read_text())
 TOLERANCE = 1e-6
 
 
-def _load_recorder():
-  spec = importlib.util.spec_from_file_location(
-    "record_golden", ROOT / "experiments" / "record_golden.py"
-  )
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-record_golden = _load_recorder()
+record_golden = testing.load_experiment("record_golden")
 
 
 def differences(golden, new, path="") -> list[str]:

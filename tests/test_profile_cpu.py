@@ -2,27 +2,16 @@
 program, a loop's or conditional's time counted once (in its ops), relayouts and dots
 named, the host's share the window's time with no op running."""
 
-import importlib.util
-import pathlib
 import time
 
 import jax
 import jax.numpy as jnp
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _script():
-  spec = importlib.util.spec_from_file_location(
-    "profile_cpu", ROOT / "experiments" / "profile_cpu.py"
-  )
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+from ada_jax import testing
 
 
 def test_a_trace_is_summed_per_program_with_loops_counted_once(tmp_path):
-  profile_cpu = _script()
+  profile_cpu = testing.load_experiment("profile_cpu")
 
   @jax.jit
   def looped(x, w):

@@ -2,9 +2,7 @@
 the two schedules against each other and against the Bernoulli simulator."""
 
 import dataclasses
-import importlib.util
 import json
-import pathlib
 import subprocess
 import sys
 
@@ -13,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ada_jax import testing
 from ada_jax.rl import simulate as sim
 from ada_jax.rl import simulate_stream as ss
 from ada_jax.rl.rules import AdaConfig, EstConfig, SeqConfig
@@ -150,12 +149,7 @@ def test_dapo_stream_fills_the_batch_sooner():
 
 
 def _experiment():
-  spec = importlib.util.spec_from_file_location(
-    "simulate_stream_cli", pathlib.Path(__file__).parents[1] / "experiments" / "simulate_stream.py"
-  )
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return testing.load_experiment("simulate_stream", "simulate_stream_cli")
 
 
 def test_goal_check_and_table():

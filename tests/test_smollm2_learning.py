@@ -3,12 +3,13 @@
 runs are skipped; a run's progress lines and wall time come from a stand-in job; workdir
 names, overrides and the shared before-RL cache."""
 
-import importlib.util
 import json
 import pathlib
 import sys
 
 import pytest
+
+from ada_jax import testing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "smollm2_learning.py"
@@ -17,11 +18,7 @@ AVG, BOXED = "eval/arith_text/avg@4", "eval/arith_text/boxed_rate"
 
 @pytest.fixture(scope="module")
 def script():
-  spec = importlib.util.spec_from_file_location("smollm2_learning", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module
-  spec.loader.exec_module(module)
-  return module
+  return testing.load_experiment("smollm2_learning")
 
 
 def _line(step, **kw):
