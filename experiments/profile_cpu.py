@@ -125,18 +125,18 @@ def traced(fn, name: str, results: dict):
   """`fn` that traces its call into `results[name]`."""
 
   def call(*args, **kwargs):
-    directory = tempfile.mkdtemp(prefix=f"profile_{name}_")
-    if not ARGS.no_trace:
-      jax.profiler.start_trace(directory)
-    start = time.perf_counter()
-    out = fn(*args, **kwargs)
-    jax.block_until_ready(out)
-    wall = time.perf_counter() - start
-    if ARGS.no_trace:
-      results[name] = {"wall_s": round(wall, 3)}
-    else:
-      jax.profiler.stop_trace()
-      results[name] = summarize(directory, wall)
+    with tempfile.TemporaryDirectory(prefix=f"profile_{name}_") as directory:
+      if not ARGS.no_trace:
+        jax.profiler.start_trace(directory)
+      start = time.perf_counter()
+      out = fn(*args, **kwargs)
+      jax.block_until_ready(out)
+      wall = time.perf_counter() - start
+      if ARGS.no_trace:
+        results[name] = {"wall_s": round(wall, 3)}
+      else:  # summed here, then the trace (hundreds of MB for SmolLM2) is removed
+        jax.profiler.stop_trace()
+        results[name] = summarize(directory, wall)
     return out
 
   return call
