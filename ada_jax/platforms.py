@@ -41,6 +41,9 @@ class Platform:
       `slots.KV_AXES`, '' where it is. XLA:CPU: 'bkhs', the head dim before the columns,
       which its decode score dot reads as it lies; over `[.., S, H]` keys that dot ran
       4x slower (experiments/README.md, "Where the CPU's time goes").
+    self_attention: the causal self-attention of training rows and prompts: '' XLA's
+      blocked form (`layers.causal_attend`), 'splash' JAX's Pallas TPU splash-attention
+      kernel (`flash`: the scores never in HBM, blocks above the diagonal skipped).
     compile_options: XLA options every ahead-of-time compile for it takes, (name, value).
     topology: `jax.experimental.topologies`' platform name for compile-only devices, or ''.
     packages: what to install for its compile-only devices, the compiler's own first.
@@ -55,6 +58,7 @@ class Platform:
   gate_up_layout: str = "gdf"
   shared_prompt: str = "grouped"
   key_axes: str = ""
+  self_attention: str = ""
   compile_options: tuple[tuple[str, object], ...] = ()
   topology: str = ""
   packages: tuple[str, ...] = ()
@@ -76,6 +80,7 @@ PLATFORMS = {
       refuses_oversize=True,
       decode_traffic="cost analysis",
       decode_kernel="tpu",
+      self_attention="splash",
       topology="tpu",
       packages=("libtpu",),
     ),

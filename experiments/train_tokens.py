@@ -14,8 +14,10 @@ bucket dropped as `data.prompts.build_prompts` drops them; each prompt's rows (t
 512, 3 % at the budget, cut at `sampler.max_new_tokens`). Each mini-batch is packed as
 `update.minibatches` packs it; the train step is compiled at the mini-batch's own rows and
 at the largest packed count, and its FLOPs are the matrix multiplications of the optimized
-HLO (`plan.hlo_walk.matmul_flops`: loops counted by their trips), linear in the rows
-between the two (each micro-batch the same program), summed over the step's mini-batches.
+HLO (`plan.hlo_walk.matmul_flops`: loops counted by their trips; on TPU the splash
+attention kernel's calls by the blocks each computes, `flash.KERNEL_FLOPS`), linear in
+the rows between the two (each micro-batch the same program), summed over the step's
+mini-batches.
 
 The model's own FLOPs per real token: 6 · matmul params (8 with remat: the forward runs
 twice) plus causal attention over each token's real context (4 · context · heads ·
@@ -51,6 +53,7 @@ from ada_jax import config as config_lib  # noqa: E402
 from ada_jax import metrics  # noqa: E402
 from ada_jax.data import prompts as prompts_lib  # noqa: E402
 from ada_jax.models import decoder as model_lib  # noqa: E402
+from ada_jax.models import sharding as sharding_lib  # noqa: E402
 from ada_jax.models.tokenizer import Tokenizer  # noqa: E402
 from ada_jax.plan import programs, targets  # noqa: E402
 from ada_jax.rl import simulate_stream, update  # noqa: E402
@@ -167,6 +170,7 @@ def measure(entry: str, lengths: np.ndarray, rng) -> dict:
   return {
     "entry": entry,
     "settings_changed": changed,
+    "attention": sharding_lib.platform(mesh).self_attention or "XLA's blocked form",
     "mini_batches": k,
     "mini_batch_rows": b,
     "row_width": width,

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from ada_jax.models import flash
 from ada_jax.plan import compiler, hlo_walk, programs, targets
 
 HAND = """
@@ -295,6 +296,27 @@ def test_matmul_flops_refuse_what_they_cannot_count():
   with pytest.raises(ValueError, match="trip count is neither known nor"):
     hlo_walk.matmul_flops(_module(DOT, step=-1))
   assert hlo_walk.matmul_flops(_module(DOT, direction="NE")) == 3 * 2 * 8 * 4 * 16
+
+
+def test_a_kernel_counts_by_its_name_even_over_lines():
+  """A Pallas call whose metadata runs over lines (XLA:TPU prints a splash kernel's so,
+  with lines that start with a brace) stays one instruction of its loop's body; it counts
+  where `kernels` names it, from its operands (`flash.KERNEL_FLOPS`: a causal 2 x 2 block
+  mask of 128-token blocks computes 3 blocks), and is refused where nothing does."""
+  call = (
+    "%splash_mqa_fwd_segmented.1 = f32[2,3,256,16]{3,2,1,0} custom-call(%a, %b), "
+    'custom_call_target="tpu_custom_call", operand_layout_constraints={s8[1,2,2]{2,1,0}, '
+    "s8[1,2,2]{2,1,0}, bf16[2,3,256,16]{3,2,1,0}, bf16[2,256,16]{2,1,0}}, "
+    'frontend_attributes={kernel_metadata={\n"xprof_metadata":"{\\"block_q\\": 128}"\n}}, '
+    'metadata={op_name="splash"}'
+  )
+  comps, _ = hlo_walk.parse(_module(call))
+  (inst,) = (i for i in comps["body"].instructions if i.name.startswith("splash"))
+  assert hlo_walk.operand_dims(inst) == [[1, 2, 2], [1, 2, 2], [2, 3, 256, 16], [2, 256, 16]]
+  per_call = 2 * 2 * 128 * 128 * 16 * 3 * 2 * 3  # 2 matmuls, 3 blocks, V 2, G 3
+  assert hlo_walk.matmul_flops(_module(call), flash.KERNEL_FLOPS) == 3 * per_call
+  with pytest.raises(ValueError, match="whose FLOPs this walk cannot count"):
+    hlo_walk.matmul_flops(_module(call))
 
 
 def test_a_loop_of_unknown_trips_is_refused():

@@ -78,22 +78,25 @@ class Transformer(nnx.Module):
     last_only: bool = False,
     head: bool = True,
     attention: Callable[[int], Callable] | None = None,
+    self_attend: Callable | None = None,
   ):
     """Returns (logits `float32[B, T, V]` (`[B, 1, V]` if last_only), per layer the (k, v)
     `layers.Attention` returned). With `head=False` the first output is the final-normed
     hidden state `[B, T, D]` (compute dtype) instead of the logits. `attention(layer)` gives that
     layer's cache write and read (`layers.Attention`); None attends causally over the T
-    tokens within their `segments` (`layers.causal_attend`)."""
+    tokens within their `segments` (`layers.causal_attend`, or `self_attend(q, k, v,
+    segments)` where given: `flash.self_attend`)."""
     c = self.config
     x = jnp.take(self.embed.value, tokens, axis=0).astype(c.compute_dtype)
     inv_freq = rope_frequencies(c)
     kvs = []
     if remat and attention is None:
-      x = self._scan_blocks(x, positions, inv_freq, segments)
+      x = self._scan_blocks(x, positions, inv_freq, segments, self_attend)
     else:
       for i in range(c.num_layers):
         layer_attention = None if attention is None else attention(i)
-        x, kv = getattr(self, f"layer_{i}")(x, positions, inv_freq, segments, layer_attention)
+        layer = getattr(self, f"layer_{i}")
+        x, kv = layer(x, positions, inv_freq, segments, layer_attention, self_attend)
         kvs.append(kv)
     if last_only:  # prefill for sampling: skip the [B, T, V] logits of the prompt
       x = x[:, -1:]
@@ -102,7 +105,7 @@ class Transformer(nnx.Module):
       return x, kvs
     return unembed(c, self.output_embedding(), x), kvs
 
-  def _scan_blocks(self, x, positions, inv_freq, segments):
+  def _scan_blocks(self, x, positions, inv_freq, segments, self_attend):
     """The blocks as one `lax.scan` over their stacked parameters, each rematerialised.
 
     Why a scan: with the blocks unrolled, XLA is free to schedule every block's recomputed
@@ -118,7 +121,7 @@ class Transformer(nnx.Module):
 
     @jax.checkpoint
     def body(x, layer_state):
-      y, _ = nnx.merge(graphdef, layer_state)(x, positions, inv_freq, segments)
+      y, _ = nnx.merge(graphdef, layer_state)(x, positions, inv_freq, segments, None, self_attend)
       return y, None
 
     return jax.lax.scan(body, x, stacked)[0]
@@ -298,6 +301,7 @@ def hidden_states(
   segments: jax.Array | None = None,
   *,
   remat: bool = False,
+  self_attend: Callable | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Full causal forward without a cache, stopping before the output projection.
 
@@ -308,7 +312,7 @@ def hidden_states(
   Args:
     as `logits`; `segments` as its `attention_mask`, or `int32[B, T]` ids of sequences
     packed in a row (0 at padding; `layers.causal_attend`), positions counting from 0 in
-    each.
+    each; `self_attend` as `Transformer`'s.
 
   Returns:
     (final-normed hidden states `[B, T, D]` in the compute dtype, the output projection
@@ -317,7 +321,7 @@ def hidden_states(
   if segments is None:
     segments = jnp.ones(tokens.shape, bool)
   module = _module(config, params)
-  hidden, _ = module(tokens, positions, segments, remat=remat, head=False)
+  hidden, _ = module(tokens, positions, segments, remat=remat, head=False, self_attend=self_attend)
   return hidden, module.output_embedding()
 
 

@@ -122,13 +122,14 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(h, c.rms_norm_eps, "head_dim", pd)
     self.config, self.fused = config, fused
 
-  def __call__(self, x, positions, inv_freq, segments, attention=None):
+  def __call__(self, x, positions, inv_freq, segments, attention=None, self_attend=None):
     """x: `[B, T, D]`. Returns (out `[B, T, D]`, (keys, values)): the T tokens' own
     `[B, K, T, H]` without `attention`, else what `attention` returned (the cache's arrays,
     in its own order).
 
     Without `attention`, the T tokens attend causally to each other within their
-    `segments` (`causal_attend`: a padding mask or packed sequences' ids).
+    `segments` (`causal_attend`: a padding mask or packed sequences' ids), or as
+    `self_attend(q, k, v, segments)` where given (a kernel's form, `flash.self_attend`).
     `attention(qkv, positions, inv_freq) -> (out, (keys, values))` replaces that with a
     KV cache's own write and read: qkv `[B, T, K, G + 2, H]` the projections before RoPE
     (`split_heads` gives the rotated q, k and v; a decode kernel may rotate them itself,
@@ -154,7 +155,11 @@ class Attention(nnx.Module):
       qkv = jnp.concatenate([q, k, qkv[:, :, :, g + 1 :]], axis=3)
     if attention is None:
       q, k, v = split_heads(qkv, positions, inv_freq)
-      out, kv = causal_attend(q, k, v, segments, block=min(t, QUERY_BLOCK)), (k, v)
+      if self_attend is None:
+        out = causal_attend(q, k, v, segments, block=min(t, QUERY_BLOCK))
+      else:
+        out = self_attend(q, k, v, segments)
+      kv = (k, v)
     else:
       out, kv = attention(qkv, positions, inv_freq)
     y = jnp.einsum("btnh,nhd->btd", out, self.o.value.astype(dt))
@@ -422,7 +427,7 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(config.embed_dim, config.rms_norm_eps, "embed", config.weight_dtype)
     self.mlp = MLP(config, rngs, fused)
 
-  def __call__(self, x, positions, inv_freq, segments, attention=None):
-    y, kv = self.attn(self.attn_norm(x), positions, inv_freq, segments, attention)
+  def __call__(self, x, positions, inv_freq, segments, attention=None, self_attend=None):
+    y, kv = self.attn(self.attn_norm(x), positions, inv_freq, segments, attention, self_attend)
     x = x + y
     return x + self.mlp(self.mlp_norm(x)), kv

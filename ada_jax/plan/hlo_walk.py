@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import math
 import re
+from collections.abc import Callable
 
 import numpy as np
 
@@ -125,11 +126,13 @@ def parse(text: str) -> tuple[dict[str, Computation], str]:
       continue
     if name is None:
       continue
-    if line.startswith("}"):
+    if line.rstrip() == "}":
       comps[name], name = Computation(name, tuple(body)), None
       continue
     m = _INSTRUCTION.match(line)
-    if m:
+    if not m and body:  # an attribute running over lines (a Pallas kernel's metadata)
+      body[-1] = dataclasses.replace(body[-1], attrs=f"{body[-1].attrs}\n{line}")
+    elif m:
       root, inst, type_text, opcode, rest = m.groups()
       depth, end = 1, len(rest)
       for k, ch in enumerate(rest):  # the operand list ends at its closing parenthesis
@@ -435,11 +438,28 @@ def trip_count(comps: dict[str, Computation], parent: Computation, loop: Instruc
   raise ValueError(f"while {loop.name}: its trip count is neither known nor a counted loop's")
 
 
-def matmul_flops(text: str) -> int:
+def operand_dims(inst: Instruction) -> list[list[int]]:
+  """The dims of a custom call's operands, from its `operand_layout_constraints`."""
+  start = inst.attrs.find("operand_layout_constraints={")
+  if start < 0:
+    return []
+  depth, text = 0, inst.attrs[start + len("operand_layout_constraints=") :]
+  end = len(text)
+  for k, ch in enumerate(text):  # to the brace that closes the list
+    depth += {"{": 1, "}": -1}.get(ch, 0)
+    if depth == 0:
+      end = k
+      break
+  return [_dims(t) for t in re.findall(r"\w+\[[\d,]*\]", text[:end])]
+
+
+def matmul_flops(text: str, kernels: dict[str, Callable] | None = None) -> int:
   """The matrix multiplications' FLOPs of one run of HLO module `text` (optimized HLO, as
   `walk_loop` reads it): every dot and convolution, fused or not, and every library GEMM
   (cuBLAS), as 2 · output elements · contracted size; a while's body times its known trip
-  count, a conditional's largest branch.
+  count, a conditional's largest branch. A Pallas kernel's call counts where `kernels`
+  maps a prefix of its name to its FLOPs, a function of its operands' dims
+  (`flash.KERNEL_FLOPS`).
 
   Why not XLA's cost analysis: XLA:TPU's counts a while's body once whatever its trip
   count (a scan of 16 matmuls reported as one), and the train step is loops: micro-
@@ -449,7 +469,7 @@ def matmul_flops(text: str) -> int:
   Raises:
     ValueError: `text` has no entry computation, a while's trips are unknown
       (`trip_count`), an array type it cannot read, or a computing custom call (cuDNN, a
-      Pallas kernel) whose FLOPs it cannot count.
+      Pallas kernel) whose FLOPs it cannot count (none of `kernels`).
   """
   comps, entry = parse(text)
 
@@ -476,7 +496,10 @@ def matmul_flops(text: str) -> int:
         if any(k in target for k in ("gemm", "matmul")):  # cuBLAS
           total += _matmul_flops(inst, types)
         elif any(k in target for k in _COMPUTING_CALLS):
-          raise ValueError(f"{inst.name}: a {target} call, whose FLOPs this walk cannot count")
+          count = next((f for p, f in (kernels or {}).items() if inst.name.startswith(p)), None)
+          if count is None:
+            raise ValueError(f"{inst.name}: a {target} call, whose FLOPs this walk cannot count")
+          total += count(operand_dims(inst))
     return total
 
   return run(entry)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from ada_jax import config as config_lib
 from ada_jax.eval import sampling as eval_sampling
 from ada_jax.models import decoder as model_lib
+from ada_jax.models import flash
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.architecture import HUB_PRESETS
 from ada_jax.plan import compiler, hlo_walk
@@ -138,7 +139,7 @@ def train_program(
   flops = None
   if keep_hlo:
     try:
-      flops = hlo_walk.matmul_flops(program.hlo)
+      flops = hlo_walk.matmul_flops(program.hlo, flash.KERNEL_FLOPS)
     except ValueError as e:  # an extra figure: the program's verdict stands without it
       print(f"train step matmul FLOPs not counted: {e}", flush=True)
   return TrainProgram(program, rows, length, flops)

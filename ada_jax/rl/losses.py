@@ -156,6 +156,7 @@ def token_logprobs(
   temperature: float = 1.0,
   remat: bool = False,
   block_size: int = 256,
+  self_attend=None,
 ) -> tuple[jax.Array, jax.Array]:
   """Log-probabilities and entropies of each token given its prefix, under softmax(z / T),
   computed block by block over the sequence so that the `[B, T, V]` logits never exist
@@ -185,6 +186,8 @@ def token_logprobs(
       `logprob_temperature`.
     remat: rematerialise each block in the backward pass.
     block_size: positions per logits block (static; memory `B × block_size × V` float32).
+    self_attend: the rows' causal attention where it is a kernel's (`flash.self_attend`);
+      None for XLA's form (`layers.causal_attend`).
 
   Returns:
     (logprobs `float32[B, T]`, entropy `float32[B, T]`) where `logprobs[:, t]` is
@@ -199,7 +202,9 @@ def token_logprobs(
     raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}")
   if block_size < 1:
     raise ValueError(f"token_logprobs: block_size must be >= 1, got {block_size}")
-  hidden, table = model_lib.hidden_states(config, params, tokens, positions, segments, remat=remat)
+  hidden, table = model_lib.hidden_states(
+    config, params, tokens, positions, segments, remat=remat, self_attend=self_attend
+  )
   picked, entropy = _blockwise_logprobs(
     config, hidden[:, :-1], table, tokens[:, 1:], temperature, block_size
   )

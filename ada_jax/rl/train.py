@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ada_jax import bounds
+from ada_jax.models import flash
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.rl import losses
@@ -381,29 +382,22 @@ def loss_and_grads(
       "LossConfig.kl_coeff > 0 needs TrainBatch.ref_logprobs or TrainState.ref_params"
     )
 
+  logprobs_of = functools.partial(
+    losses.token_logprobs,
+    model_config,
+    temperature=config.temperature,
+    self_attend=flash.self_attend(model_config, mesh, batch.tokens.shape[1]),  # None: XLA's
+  )
+
   def micro_loss(params, mb: TrainBatch):
     if mesh is not None:
       params = sharding_lib.gather_embedding(params, mesh)
-    logprobs, entropy = losses.token_logprobs(
-      model_config,
-      params,
-      mb.tokens,
-      mb.positions,
-      mb.segments,
-      temperature=config.temperature,
-      remat=config.remat,
-    )
+    rows = (mb.tokens, mb.positions, mb.segments)
+    logprobs, entropy = logprobs_of(params, *rows, remat=config.remat)
     ref = mb.ref_logprobs
     if need_ref:
       ref_p = ref_params if mesh is None else sharding_lib.gather_embedding(ref_params, mesh)
-      ref, _ = losses.token_logprobs(
-        model_config,
-        ref_p,
-        mb.tokens,
-        mb.positions,
-        mb.segments,
-        temperature=config.temperature,
-      )
+      ref, _ = logprobs_of(ref_p, *rows)
       ref = jax.lax.stop_gradient(ref)
     return losses.policy_loss(
       logprobs,

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from ada_jax.models import decoder as model_lib
+from ada_jax.models import flash
 from ada_jax.models import layers as layers_lib
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.decoder import ModelConfig, Params
@@ -130,7 +131,8 @@ def prefill_prompts(
 
   With a mesh the N prompts go through the model in N / (data x fsdp) steps of one prompt
   per data-parallel device (a `lax.scan`), each step's keys and values stored before the
-  next starts, and causal attention runs `PREFILL_QUERY_BLOCK` queries at a time: the
+  next starts, and causal attention runs `PREFILL_QUERY_BLOCK` queries at a time (or as
+  the platform's kernel, `flash.self_attend`, whose scores stay in VMEM): the
   launch's temporaries are one prompt's activations and one block's scores per device,
   not every prompt's at once (XLA:TPU, docs/tpu.md section 7). Without a mesh all N run
   in one step.
@@ -156,6 +158,7 @@ def prefill_prompts(
   if n % group:
     group = n
   positions = model_lib.positions_from_mask(mask)
+  kernel = flash.self_attend(config, mesh, tokens.shape[1])  # None: XLA's form
 
   def step(prompts, inputs):
     tokens, mask, positions, entries = inputs
@@ -165,6 +168,8 @@ def prefill_prompts(
 
     def causal(*projections):
       q, k, v = layers_lib.split_heads(*projections)
+      if kernel is not None:
+        return kernel(q, k, v, mask), (k, v)
       return layers_lib.causal_attend(q, k, v, mask, PREFILL_QUERY_BLOCK), (k, v)
 
     hidden, kvs = model_lib.forward(
