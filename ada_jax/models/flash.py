@@ -42,6 +42,8 @@ def applies(length: int) -> bool:
 def _kernel(length: int, group: int, interpret: bool):
   """The multi-query kernel for `group` query heads of one kv head over `length` tokens."""
   b = next(b for b in BLOCKS if length % b == 0)
+  # One backward kernel for dq, dk and dv: each block's scores and dP made once, not once
+  # per gradient kernel (5 block matmuls, not 7); its dq comes as one partial per key block.
   sizes = splash.BlockSizes(
     block_q=b,
     block_kv=b,
@@ -49,8 +51,7 @@ def _kernel(length: int, group: int, interpret: bool):
     block_q_dkv=b,
     block_kv_dkv=b,
     block_kv_dkv_compute=b,
-    block_q_dq=b,
-    block_kv_dq=b,
+    use_fused_bwd_kernel=True,
   )
   mask = masks.MultiHeadMask([masks.CausalMask((length, length))] * group)
   # Its block-mask tables as constants, not as values of the trace that first asks for it
@@ -141,9 +142,8 @@ def _kernel_flops(matmuls: int, operands: list[list[int]]) -> int:
 
 
 # The kernels' FLOPs by the prefix of their calls' names in the optimized HLO: forward
-# (scores, weighted values), dq (scores, dP, dQ) and dkv (scores, dV, dP, dK).
+# (scores, weighted values) and the fused backward (scores, dP, dV, dK, dQ).
 KERNEL_FLOPS = {
   "splash_mqa_fwd": functools.partial(_kernel_flops, 2),
-  "splash_mqa_dq": functools.partial(_kernel_flops, 3),
-  "splash_mqa_dkv": functools.partial(_kernel_flops, 4),
+  "splash_mqa_dkv": functools.partial(_kernel_flops, 5),
 }
