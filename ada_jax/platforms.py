@@ -64,6 +64,12 @@ class Platform:
   packages: tuple[str, ...] = ()
 
   @property
+  def runs_mosaic(self) -> bool:
+    """Pallas' Mosaic TPU kernels compile natively (XLA:TPU); elsewhere they run only in
+    Pallas' interpreter (tests)."""
+    return self.decode_kernel == "tpu"
+
+  @property
   def cost_analysis(self) -> bool:
     """The compiled executable's cost analysis counts every byte a program moves (XLA:TPU,
     whose decode traffic comes from it); XLA:GPU gives none, and XLA:CPU's counts no

@@ -102,7 +102,7 @@ def self_attend(config: ModelConfig, mesh: Mesh | None, length: int) -> Callable
   platform = sharding_lib.platform(mesh)
   if platform.self_attention != "splash" or not applies(length):
     return None
-  return on_mesh(config, mesh, interpret=platform.name != "tpu")
+  return on_mesh(config, mesh, interpret=not platform.runs_mosaic)
 
 
 def on_mesh(config: ModelConfig, mesh: Mesh | None, *, interpret: bool = False) -> Callable:

@@ -34,7 +34,6 @@ import dataclasses
 import functools
 import math
 import re
-from collections.abc import Callable
 
 import numpy as np
 
@@ -111,6 +110,15 @@ class Computation:
     return next(i for i in self.instructions if i.root)
 
 
+def _closing(text: str, pair: str, depth: int = 0) -> int:
+  """Where `text` closes its `pair` ('()', '{}'), `depth` open before it; len(text): not."""
+  for k, ch in enumerate(text):
+    depth += {pair[0]: 1, pair[1]: -1}.get(ch, 0)
+    if depth == 0:
+      return k
+  return len(text)
+
+
 def parse(text: str) -> tuple[dict[str, Computation], str]:
   """(computations by name, the entry computation's name) of an HLO module's text.
 
@@ -134,12 +142,7 @@ def parse(text: str) -> tuple[dict[str, Computation], str]:
       body[-1] = dataclasses.replace(body[-1], attrs=f"{body[-1].attrs}\n{line}")
     elif m:
       root, inst, type_text, opcode, rest = m.groups()
-      depth, end = 1, len(rest)
-      for k, ch in enumerate(rest):  # the operand list ends at its closing parenthesis
-        depth += {"(": 1, ")": -1}.get(ch, 0)
-        if depth == 0:
-          end = k
-          break
+      end = _closing(rest, "()", depth=1)  # the operand list's closing parenthesis
       operands = tuple(_NAME.findall(re.sub(r"/\*.*?\*/", "", rest[:end])))
       body.append(
         Instruction(inst, type_text, opcode, operands, rest[end + 1 :], bool(root), rest[:end])
@@ -441,19 +444,11 @@ def trip_count(comps: dict[str, Computation], parent: Computation, loop: Instruc
 def operand_dims(inst: Instruction) -> list[list[int]]:
   """The dims of a custom call's operands, from its `operand_layout_constraints`."""
   start = inst.attrs.find("operand_layout_constraints={")
-  if start < 0:
-    return []
-  depth, text = 0, inst.attrs[start + len("operand_layout_constraints=") :]
-  end = len(text)
-  for k, ch in enumerate(text):  # to the brace that closes the list
-    depth += {"{": 1, "}": -1}.get(ch, 0)
-    if depth == 0:
-      end = k
-      break
-  return [_dims(t) for t in re.findall(r"\w+\[[\d,]*\]", text[:end])]
+  text = inst.attrs[start + len("operand_layout_constraints=") :] if start >= 0 else ""
+  return [_dims(t) for t in re.findall(r"\w+\[[\d,]*\]", text[: _closing(text, "{}")])]
 
 
-def matmul_flops(text: str, kernels: dict[str, Callable] | None = None) -> int:
+def matmul_flops(text: str, kernels: dict | None = None) -> int:
   """The matrix multiplications' FLOPs of one run of HLO module `text` (optimized HLO, as
   `walk_loop` reads it): every dot and convolution, fused or not, and every library GEMM
   (cuBLAS), as 2 · output elements · contracted size; a while's body times its known trip
