@@ -130,15 +130,16 @@ def on_mesh(config: ModelConfig, mesh: Mesh | None, *, interpret: bool = False) 
   return run
 
 
-def _kernel_flops(matmuls: int, operands: list[list[int]]) -> int:
-  """FLOPs of one splash call from its operands' dims (`hlo_walk.operand_dims`): the
-  block mask `[1, nb, nb]` and the queries `[V, G, T, H]` (V the vmapped rows and kv
-  heads); `matmuls` `[block, block] x [block, H]` products per computed block and head.
-  The mask is causal (`_kernel`'s): nb (nb + 1) / 2 blocks computed of nb²."""
-  nb = next(d for d in operands if len(d) == 3)[-1]
-  v, g, t, h = next(d for d in operands if len(d) == 4)
+def _kernel_flops(matmuls: int, operands: list[tuple[str, list[int]]]) -> int:
+  """FLOPs of one splash call from its operands (`hlo_walk.operand_types`): the int8 block
+  mask `[.., nb, nb]` and the queries `[.., T, H]`, the leading dims the vmapped rows, kv
+  heads and the G heads of each (XLA drops those of size 1); `matmuls` `[block, block] x
+  [block, H]` products per computed block and head. The mask is causal (`_kernel`'s):
+  nb (nb + 1) / 2 blocks computed of nb²."""
+  nb = next(dims for kind, dims in operands if kind == "s8")[-1]
+  *heads, t, h = next(dims for kind, dims in operands if kind in ("bf16", "f32"))
   block = t // nb
-  return 2 * matmuls * block * block * h * (nb * (nb + 1) // 2) * v * g
+  return 2 * matmuls * block * block * h * (nb * (nb + 1) // 2) * math.prod(heads)
 
 
 # The kernels' FLOPs by the prefix of their calls' names in the optimized HLO: forward

@@ -441,20 +441,20 @@ def trip_count(comps: dict[str, Computation], parent: Computation, loop: Instruc
   raise ValueError(f"while {loop.name}: its trip count is neither known nor a counted loop's")
 
 
-def operand_dims(inst: Instruction) -> list[list[int]]:
-  """The dims of a custom call's operands, from its `operand_layout_constraints`."""
+def operand_types(inst: Instruction) -> list[tuple[str, list[int]]]:
+  """(element type, dims) of a custom call's operands, from its operand constraints."""
   start = inst.attrs.find("operand_layout_constraints={")
   text = inst.attrs[start + len("operand_layout_constraints=") :] if start >= 0 else ""
-  return [_dims(t) for t in re.findall(r"\w+\[[\d,]*\]", text[: _closing(text, "{}")])]
+  found = re.findall(r"(\w+)(\[[\d,]*\])", text[: _closing(text, "{}")])
+  return [(kind, _dims(kind + dims)) for kind, dims in found]
 
 
 def matmul_flops(text: str, kernels: dict | None = None) -> int:
   """The matrix multiplications' FLOPs of one run of HLO module `text` (optimized HLO, as
   `walk_loop` reads it): every dot and convolution, fused or not, and every library GEMM
   (cuBLAS), as 2 · output elements · contracted size; a while's body times its known trip
-  count, a conditional's largest branch. A Pallas kernel's call counts where `kernels`
-  maps a prefix of its name to its FLOPs, a function of its operands' dims
-  (`flash.KERNEL_FLOPS`).
+  count, a conditional's largest branch; a Pallas kernel's call where `kernels` maps its
+  name's prefix to its FLOPs from its `operand_types` (`flash.KERNEL_FLOPS`).
 
   Why not XLA's cost analysis: XLA:TPU's counts a while's body once whatever its trip
   count (a scan of 16 matmuls reported as one), and the train step is loops: micro-
@@ -494,7 +494,7 @@ def matmul_flops(text: str, kernels: dict | None = None) -> int:
           count = next((f for p, f in (kernels or {}).items() if inst.name.startswith(p)), None)
           if count is None:
             raise ValueError(f"{inst.name}: a {target} call, whose FLOPs this walk cannot count")
-          total += count(operand_dims(inst))
+          total += count(operand_types(inst))
     return total
 
   return run(entry)
