@@ -401,46 +401,65 @@ def read_run(workdir: pathlib.Path, steps: int) -> dict:
 
 def previous_runs(path: pathlib.Path) -> dict[tuple[str, int], dict]:
   """(label, seed) -> run record of the report at `path` (the committed JSON) for each run
-  that had started, marked with the report's commit in `read_from` and its arm's config file
-  and overrides in `arm`; empty when there is no report. How a comparison outlives its
-  workdirs (another machine, a cleared cache) and a run of some seeds or arms keeps the
-  others' records."""
+  that had started, marked with the commit its runs ran at in `read_from` and its arm's
+  config file and overrides in `arm`; empty when there is no report. How a comparison
+  outlives its workdirs (another machine, a cleared cache) and a run of some seeds or arms
+  keeps the others' records.
+
+  Raises:
+    SystemExit: the file is there but is not such a report (it would be overwritten).
+  """
   try:
     report = json.loads(path.read_text())
-  except (OSError, json.JSONDecodeError):
+    out = {}
+    for label, row in report["arms"].items():
+      arm = {k: v for k, v in row.items() if k != "runs"}
+      for r in row["runs"]:
+        if r["status"] != "not started":
+          read_from = r.get("read_from", f"the report of runs at {report['git_commit']}")
+          out[label, r["seed"]] = {"read_from": read_from, **r, "arm": arm}
+    return out
+  except FileNotFoundError:
     return {}
-  out = {}
-  for label, row in report.get("arms", {}).items():
-    arm = {k: v for k, v in row.items() if k != "runs"}
-    for r in row.get("runs", []):
-      if r.get("status", "not started") != "not started":
-        out[label, r["seed"]] = {
-          "read_from": r.get("read_from", f"report at {report.get('git_commit')}"),
-          **r,
-          "arm": arm,
-        }
-  return out
+  except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    raise SystemExit(
+      f"{path}: not a report this script wrote ({type(e).__name__}: {e}); restore it (git "
+      "checkout) or move it aside: it would be overwritten"
+    ) from e
+
+
+def _setting(config: dict, seed: bool = True) -> dict:
+  """What makes two runs the same run: the full config without the machine's model folder
+  and, unless `seed`, the seed."""
+  model = {k: v for k, v in config.get("model", {}).items() if k != "hf_dir"}
+  return {k: v for k, v in {**config, "model": model}.items() if seed or k != "seed"}
 
 
 def run_record(label: str, spec: dict, steps: int, previous: dict) -> dict:
   """One run's record: `read_run` of its workdir plus its seed, full config and command;
-  for a run whose workdir holds nothing, the previous report's record of the same command
-  where there is one (its figures as they were measured, `read_from` naming the report)."""
-  cmd = shlex.join(command(spec["workdir"], spec["config"], spec["overrides"])[1:])
+  for a run whose workdir holds nothing, the previous report's record of the same run
+  (`_setting`) where there is one (its figures as they were measured, `read_from` naming
+  the commit they ran at)."""
   r = read_run(spec["workdir"], steps)
   old = previous.get((label, spec["seed"]))
-  if r["status"] == "not started" and old is not None and old["command"] == cmd:
+  if (
+    r["status"] == "not started"
+    and old
+    and _setting(old["config"]) == _setting(spec["full_config"])
+  ):
     return {k: v for k, v in old.items() if k != "arm"}
   r["seed"] = spec["seed"]
   r["equal_compute_step"] = equal_compute_step(spec["workdir"])
   r["config"] = spec["full_config"]
-  r["command"] = cmd
+  r["command"] = shlex.join(command(spec["workdir"], spec["config"], spec["overrides"])[1:])
   return r
 
 
 def summarize(specs: dict[tuple[str, int], dict], steps: int, previous: dict) -> dict:
   """Per label: its config file, overrides and runs, by seed: `run_record` of each spec,
-  and the previous report's records of the runs not asked for this time."""
+  and the previous report's records of the runs not asked for this time where they are
+  the same arm's (`_setting` but the seed; a record of another setting is left out, said
+  so, rather than pooled with this arm's runs)."""
   out = {}
   for (label, _), spec in specs.items():
     row = out.setdefault(
@@ -452,10 +471,15 @@ def summarize(specs: dict[tuple[str, int], dict], steps: int, previous: dict) ->
       },
     )
     row["runs"].append(run_record(label, spec, steps, previous))
+  arms = {label: spec["full_config"] for (label, _), spec in specs.items()}
   for (label, seed), old in previous.items():
-    if (label, seed) not in specs:
-      row = out.setdefault(label, {**old["arm"], "runs": []})
-      row["runs"].append({k: v for k, v in old.items() if k != "arm"})
+    if (label, seed) in specs:
+      continue
+    if label in arms and _setting(old["config"], False) != _setting(arms[label], False):
+      print(f"{label} seed {seed}: left out, its recorded run has other settings", flush=True)
+      continue
+    row = out.setdefault(label, {**old["arm"], "runs": []})
+    row["runs"].append({k: v for k, v in old.items() if k != "arm"})
   for row in out.values():
     row["runs"].sort(key=lambda r: r["seed"])
   return out
@@ -766,7 +790,9 @@ def write_outputs(args, specs, out: pathlib.Path, previous: dict) -> dict:
     "arms": results,
   }
   out.parent.mkdir(parents=True, exist_ok=True)
-  out.with_suffix(".json").write_text(json.dumps(_strict(report), indent=1) + "\n")
+  tmp = out.with_suffix(".json.tmp")  # a killed write leaves the last report whole
+  tmp.write_text(json.dumps(_strict(report), indent=1) + "\n")
+  os.replace(tmp, out.with_suffix(".json"))
   what = f"learning-rate sweep, {SWEEP_ARM}" if args.sweep else "GRPO vs Reinforce-Ada"
   plot(
     results, ends, out.with_suffix(".png"), f"SmolLM2-135M-Instruct on the calibrated task: {what}"

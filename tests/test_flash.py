@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from ada_jax import platforms, testing
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import flash, layers, sharding
-from ada_jax.rl import losses, packing, train
+from ada_jax.rl import losses, packing, train, update
 
 
 def _segments(lengths, width):
@@ -88,8 +88,8 @@ def _kernel_on_cpu(monkeypatch):
 
 
 def test_a_step_with_the_kernel_is_the_step_without(monkeypatch):
-  """Packed rows of 128 positions on 8 fake devices, remat's scan included: loss, metrics
-  and gradients within float32 round-off of XLA's attention."""
+  """Packed rows of 128 positions on 8 fake devices, remat's scan included: loss, metrics,
+  gradients and the recomputed old log-probs within float32 round-off of XLA's attention."""
   config = model_lib.preset("tiny-llama")
   params = model_lib.init_params(config, jax.random.key(0))
   prompts, responses = [30, 3, 17, 40, 9, 28, 22, 5] * 2, [60, 90, 11, 70, 4, 88, 33, 1] * 2
@@ -101,14 +101,22 @@ def test_a_step_with_the_kernel_is_the_step_without(monkeypatch):
     loss=losses.LossConfig(entropy_coeff=0.01), micro_batch_size=4, num_minibatches=1, remat=True
   )
   placed = sharding.place_batch(packed, mesh)
-  out = {}
+  out, logprobs = {}, {}
   for name in ("xla", "kernel"):
     if name == "kernel":
       _kernel_on_cpu(monkeypatch)
       assert flash.self_attend(config, mesh, 128) is not None
     step = lambda p, b: train.loss_and_grads(p, b, model_config=config, config=tc, mesh=mesh)
     out[name] = jax.device_get(jax.jit(step)(params, placed))
+    recompute = update.make_logprob_step(config, tc, mesh)
+    logprobs[name] = jax.device_get(recompute(params, placed))
+    # The kernel is in both programs exactly when the platform takes it.
+    for fn in (step, recompute):
+      assert ("pallas_call" in str(jax.make_jaxpr(fn)(params, placed))) == (name == "kernel")
   (loss_x, grads_x, sums_x), (loss_k, grads_k, sums_k) = out["xla"], out["kernel"]
+  # The recomputed old log-probs take the same attention as the step (a ratio of 1).
+  np.testing.assert_allclose(logprobs["kernel"], logprobs["xla"], atol=1e-5)
+  assert np.abs(logprobs["xla"]).sum() > 0
   assert loss_k == pytest.approx(loss_x, rel=1e-5, abs=1e-6)
   for key in sums_x:
     assert sums_k[key] == pytest.approx(sums_x[key], rel=1e-5, abs=1e-5), key
@@ -117,26 +125,31 @@ def test_a_step_with_the_kernel_is_the_step_without(monkeypatch):
     assert float(np.max(np.abs(a - b))) <= 1e-4 * largest
 
 
-def test_prefill_with_the_kernel_is_the_prefill_without(monkeypatch):
+@pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)])
+def test_prefill_with_the_kernel_is_the_prefill_without(monkeypatch, mesh_shape):
+  """One launch of 4 prompts (on the mesh one per data-parallel device per step of its
+  scan): the same cache at every real column and the same last hidden states."""
   from ada_jax.rollout import pool as pool_lib
   from ada_jax.rollout import slots as slots_lib
 
   config = model_lib.preset("tiny-llama", dtype="float32")
   params = model_lib.init_params(config, jax.random.key(1))
+  mesh = sharding.make_mesh(*mesh_shape) if mesh_shape else None
   tokens, mask = testing.left_padded_batch([128, 1, 70, 3], 128, config.vocab_size)
   entries = jnp.array([2, 0, 3, 1])
   prefill = lambda: jax.jit(
-    lambda c, t, m, e: pool_lib.prefill_prompts(config, params, c, t, m, e)
-  )(slots_lib.empty_prompt_cache(config, 4, 128), tokens, mask, entries)
+    lambda c, t, m, e: pool_lib.prefill_prompts(config, params, c, t, m, e, mesh)
+  )(slots_lib.empty_prompt_cache(config, 4, 128, mesh), tokens, mask, entries)
   want = jax.device_get(prefill())
   _kernel_on_cpu(monkeypatch)
+  assert flash.self_attend(config, mesh, 128) is not None
   got = jax.device_get(prefill())
   np.testing.assert_allclose(got[1], want[1], atol=1e-5)  # last hidden states
   cache_x, cache_k = want[0], got[0]
   np.testing.assert_array_equal(cache_k.mask, cache_x.mask)
   real = cache_x.mask[:, None, :, None]  # the prompts' real columns, [P, 1, Lp, 1]
   for axes, got_kv, want_kv in zip(
-    slots_lib.cache_axes(None), (cache_k.k, cache_k.v), (cache_x.k, cache_x.v), strict=True
+    slots_lib.cache_axes(mesh), (cache_k.k, cache_k.v), (cache_x.k, cache_x.v), strict=True
   ):
     as_model = lambda x, axes=axes: np.where(real, np.einsum(f"{axes}->bksh", x), 0)
     for a, b in zip(got_kv, want_kv, strict=True):

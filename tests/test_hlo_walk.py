@@ -300,14 +300,15 @@ def test_matmul_flops_refuse_what_they_cannot_count():
 
 def test_a_kernel_counts_by_its_name_even_over_lines():
   """A Pallas call whose metadata runs over lines (XLA:TPU prints a splash kernel's so,
-  with lines that start with a brace) stays one instruction of its loop's body; it counts
-  where `kernels` names it, from its operands (`flash.KERNEL_FLOPS`: a causal 2 x 2 block
-  mask of 128-token blocks computes 3 blocks), and is refused where nothing does."""
+  with lines that start with a brace, one a brace alone) stays one instruction of its
+  loop's body; it counts where `kernels` names it, from its operands
+  (`flash.KERNEL_FLOPS`: a causal 2 x 2 block mask of 128-token blocks computes 3 blocks),
+  and is refused where nothing does, as is a call without its operands' types."""
   call = (
     "%splash_mqa_fwd_segmented.1 = f32[2,3,256,16]{3,2,1,0} custom-call(%a, %b), "
     'custom_call_target="tpu_custom_call", operand_layout_constraints={s8[1,2,2]{2,1,0}, '
     "s8[1,2,2]{2,1,0}, bf16[2,3,256,16]{3,2,1,0}, bf16[2,256,16]{2,1,0}}, "
-    'frontend_attributes={kernel_metadata={\n"xprof_metadata":"{\\"block_q\\": 128}"\n}}, '
+    'frontend_attributes={kernel_metadata={\n"xprof_metadata":"{\\"block_q\\": 128}"\n}\n}, '
     'metadata={op_name="splash"}'
   )
   comps, _ = hlo_walk.parse(_module(call))
@@ -325,6 +326,9 @@ def test_a_kernel_counts_by_its_name_even_over_lines():
   assert hlo_walk.matmul_flops(_module(one), flash.KERNEL_FLOPS) == 3 * per_call // 2
   with pytest.raises(ValueError, match="whose FLOPs this walk cannot count"):
     hlo_walk.matmul_flops(_module(call))
+  bare = call[: call.index("operand_layout_constraints")] + 'metadata={op_name="splash"}'
+  with pytest.raises(ValueError, match="without its block mask or queries"):
+    hlo_walk.matmul_flops(_module(bare), flash.KERNEL_FLOPS)
 
 
 def test_a_loop_of_unknown_trips_is_refused():

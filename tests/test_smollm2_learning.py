@@ -207,7 +207,7 @@ def test_a_report_outlives_its_workdirs(script, tmp_path, monkeypatch):
   report = json.loads(out.with_suffix(".json").read_text())
   balance = report["arms"]["Ada-balance"]["runs"][0]
   old = first["arms"]["Ada-balance"]["runs"][0]
-  assert balance["read_from"] == f"report at {first['git_commit']}"
+  assert balance["read_from"] == f"the report of runs at {first['git_commit']}"
   assert {k: v for k, v in balance.items() if k != "read_from"} == old
   assert report["arms"]["Ada-pos"]["runs"][1]["status"] == "partial"  # kept as it was
   assert first["arms"]["Ada-pos"]["runs"][1]["status"] == "partial"
@@ -219,6 +219,22 @@ def test_a_report_outlives_its_workdirs(script, tmp_path, monkeypatch):
     script.previous_runs(out.with_suffix(".json"))["Ada-balance", 0]["read_from"]
     == (balance["read_from"])
   )
+  # Another machine's model folder is the same run; another learning rate is not, and its
+  # records are left out of the arm rather than pooled with it.
+  elsewhere = [a.replace("/model", "/other_model") for a in args]
+  script.main(["--report", *elsewhere, "--eval_every=2", "--seeds", "0", "1"])
+  moved = json.loads(out.with_suffix(".json").read_text())
+  assert moved["arms"]["Ada-balance"]["runs"][0]["read_from"] == balance["read_from"]
+  script.main(
+    ["--report", *args, "--eval_every=2", "--seeds", "1", "--set", "optim.learning_rate=3e-6"]
+  )
+  other = json.loads(out.with_suffix(".json").read_text())
+  assert [r["seed"] for r in other["arms"]["Ada-balance"]["runs"]] == [1]
+  assert other["arms"]["Ada-balance"]["runs"][0]["status"] == "not started"
+  # A report cut short is refused, not read as none and overwritten.
+  out.with_suffix(".json").write_text(out.with_suffix(".json").read_text()[:100])
+  with pytest.raises(SystemExit, match="not a report this script wrote"):
+    script.main(["--report", *args, "--eval_every=2", "--seeds", "0"])
 
 
 def test_names_overrides_and_skipping(script, tmp_path):

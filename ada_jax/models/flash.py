@@ -31,6 +31,9 @@ from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.architecture import ModelConfig
 
 BLOCKS = (512, 256, 128)  # query and key block sizes tried, largest first; 128 is a lane
+# One backward kernel for dq, dk and dv: each block's scores and dP made once, not once per
+# gradient kernel (5 block matmuls, not 7); its dq comes as one partial per key block.
+FUSED_BACKWARD = True
 
 
 def applies(length: int) -> bool:
@@ -42,8 +45,6 @@ def applies(length: int) -> bool:
 def _kernel(length: int, group: int, interpret: bool):
   """The multi-query kernel for `group` query heads of one kv head over `length` tokens."""
   b = next(b for b in BLOCKS if length % b == 0)
-  # One backward kernel for dq, dk and dv: each block's scores and dP made once, not once
-  # per gradient kernel (5 block matmuls, not 7); its dq comes as one partial per key block.
   sizes = splash.BlockSizes(
     block_q=b,
     block_kv=b,
@@ -51,7 +52,8 @@ def _kernel(length: int, group: int, interpret: bool):
     block_q_dkv=b,
     block_kv_dkv=b,
     block_kv_dkv_compute=b,
-    use_fused_bwd_kernel=True,
+    use_fused_bwd_kernel=FUSED_BACKWARD,
+    **({} if FUSED_BACKWARD else dict(block_q_dq=b, block_kv_dq=b)),
   )
   mask = masks.MultiHeadMask([masks.CausalMask((length, length))] * group)
   # Its block-mask tables as constants, not as values of the trace that first asks for it
@@ -86,8 +88,9 @@ def splash_attend(
     raise ValueError(f"splash attention takes rows of a multiple of 128 tokens, not {t}")
   kernel = _kernel(t, n // heads, interpret)
   ids = segments.astype(jnp.int32)
-  # The kernel does not scale the scores, so the queries are scaled: in bf16 they round
-  # once more than in `layers.attend`, which scales the float32 scores (not measured on TPU).
+  # The kernel does not scale the scores, so the queries are scaled: in bf16 they round once
+  # more than in `layers.attend`, which scales the float32 scores, and the kernel weighs the
+  # values by float32 probabilities where XLA's form rounds them to bf16 (not measured on TPU).
   grouped = (q * (1.0 / math.sqrt(h))).astype(k.dtype).reshape(b, t, heads, n // heads, h)
   grouped = grouped.transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
   one = lambda q, k, v, s: kernel(q, k, v, splash.SegmentIds(s, s))
@@ -134,18 +137,27 @@ def on_mesh(config: ModelConfig, mesh: Mesh | None, *, interpret: bool = False) 
 def _kernel_flops(matmuls: int, operands: list[tuple[str, list[int]]]) -> int:
   """FLOPs of one splash call from its operands (`hlo_walk.operand_types`): the int8 block
   mask `[.., nb, nb]` and the queries `[.., T, H]`, the leading dims the vmapped rows, kv
-  heads and the G heads of each (XLA drops those of size 1); `matmuls` `[block, block] x
-  [block, H]` products per computed block and head. The mask is causal (`_kernel`'s):
-  nb (nb + 1) / 2 blocks computed of nb²."""
-  nb = next(dims for kind, dims in operands if kind == "s8")[-1]
-  *heads, t, h = next(dims for kind, dims in operands if kind in ("bf16", "f32"))
+  heads and the G heads of each (Pallas' vmap drops those of size 1); `matmuls` `[block,
+  block] x [block, H]` products per computed block and head. The mask is causal
+  (`_kernel`'s): nb (nb + 1) / 2 blocks computed of nb².
+
+  Raises:
+    ValueError: no int8 mask or floating queries among `operands`.
+  """
+  mask = next((dims for kind, dims in operands if kind == "s8"), None)
+  queries = next((dims for kind, dims in operands if kind in ("bf16", "f32")), None)
+  if mask is None or queries is None:
+    raise ValueError(f"a splash call's operands without its block mask or queries: {operands}")
+  nb, (*heads, t, h) = mask[-1], queries
   block = t // nb
   return 2 * matmuls * block * block * h * (nb * (nb + 1) // 2) * math.prod(heads)
 
 
 # The kernels' FLOPs by the prefix of their calls' names in the optimized HLO: forward
-# (scores, weighted values) and the fused backward (scores, dP, dV, dK, dQ).
+# (scores, weighted values); backward fused (scores, dP, dV, dK, dQ) or as dkv (scores, dP,
+# dV, dK) and dq (scores, dP, dQ).
 KERNEL_FLOPS = {
   "splash_mqa_fwd": functools.partial(_kernel_flops, 2),
-  "splash_mqa_dkv": functools.partial(_kernel_flops, 5),
+  "splash_mqa_dkv": functools.partial(_kernel_flops, 5 if FUSED_BACKWARD else 4),
+  "splash_mqa_dq": functools.partial(_kernel_flops, 3),
 }

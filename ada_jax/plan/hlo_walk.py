@@ -134,12 +134,11 @@ def parse(text: str) -> tuple[dict[str, Computation], str]:
       continue
     if name is None:
       continue
-    if line.rstrip() == "}":
-      comps[name], name = Computation(name, tuple(body)), None
-      continue
     m = _INSTRUCTION.match(line)
-    if not m and body:  # an attribute running over lines (a Pallas kernel's metadata)
-      body[-1] = dataclasses.replace(body[-1], attrs=f"{body[-1].attrs}\n{line}")
+    if not m and body and body[-1].attrs.count("{") > body[-1].attrs.count("}"):
+      body[-1] = dataclasses.replace(body[-1], attrs=f"{body[-1].attrs}\n{line}")  # metadata
+    elif line.rstrip() == "}":
+      comps[name], name = Computation(name, tuple(body)), None
     elif m:
       root, inst, type_text, opcode, rest = m.groups()
       end = _closing(rest, "()", depth=1)  # the operand list's closing parenthesis

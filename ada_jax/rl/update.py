@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ada_jax.models import decoder as model_lib
+from ada_jax.models import flash
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.models.tokenizer import pad_left
@@ -85,9 +86,12 @@ def logprob_step(
     train_lib._micro_batches(x, num, mesh) for x in (batch.tokens, batch.positions, batch.segments)
   ]
   params = sharding_lib.gather_embedding(params, mesh)
+  # The train step's attention (`flash.self_attend`), so that unchanged weights give a ratio of 1.
+  self_attend = flash.self_attend(model_config, mesh, batch.tokens.shape[1])
 
   def one(mb):
-    return losses.token_logprobs(model_config, params, *mb, temperature=config.temperature)[0]
+    kw = dict(temperature=config.temperature, self_attend=self_attend)
+    return losses.token_logprobs(model_config, params, *mb, **kw)[0]
 
   out = jax.lax.map(one, stacked)  # [num, b / num, L]: micro-batch j = rows j, j + num, ...
   out = out.swapaxes(0, 1).reshape(rows, -1)
