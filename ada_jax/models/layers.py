@@ -10,6 +10,7 @@ softmax in fp32.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -155,11 +156,8 @@ class Attention(nnx.Module):
       qkv = jnp.concatenate([q, k, qkv[:, :, :, g + 1 :]], axis=3)
     if attention is None:
       q, k, v = split_heads(qkv, positions, inv_freq)
-      if self_attend is None:
-        out = causal_attend(q, k, v, segments, block=min(t, QUERY_BLOCK))
-      else:
-        out = self_attend(q, k, v, segments)
-      kv = (k, v)
+      attend = self_attend or functools.partial(causal_attend, block=min(t, QUERY_BLOCK))
+      out, kv = attend(q, k, v, segments), (k, v)
     else:
       out, kv = attention(qkv, positions, inv_freq)
     y = jnp.einsum("btnh,nhd->btd", out, self.o.value.astype(dt))

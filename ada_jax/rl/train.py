@@ -338,6 +338,17 @@ def _micro_batches(x: jax.Array, num: int, mesh: Mesh | None) -> jax.Array:
   return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, spec))
 
 
+def logprobs_fn(model_config: ModelConfig, config: TrainConfig, mesh: Mesh | None, length: int):
+  """`losses.token_logprobs` as the trainer takes it on rows of `length` tokens (the train
+  step and `update.logprob_step` alike): its temperature, the platform's attention."""
+  return functools.partial(
+    losses.token_logprobs,
+    model_config,
+    temperature=config.temperature,
+    self_attend=flash.self_attend(model_config, mesh, length),
+  )
+
+
 def loss_and_grads(
   params: Params,
   batch: TrainBatch,
@@ -382,12 +393,7 @@ def loss_and_grads(
       "LossConfig.kl_coeff > 0 needs TrainBatch.ref_logprobs or TrainState.ref_params"
     )
 
-  logprobs_of = functools.partial(
-    losses.token_logprobs,
-    model_config,
-    temperature=config.temperature,
-    self_attend=flash.self_attend(model_config, mesh, batch.tokens.shape[1]),  # None: XLA's
-  )
+  logprobs_of = logprobs_fn(model_config, config, mesh, batch.tokens.shape[1])
 
   def micro_loss(params, mb: TrainBatch):
     if mesh is not None:

@@ -23,11 +23,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ada_jax.models import decoder as model_lib
-from ada_jax.models import flash
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.decoder import ModelConfig, Params
 from ada_jax.models.tokenizer import pad_left
-from ada_jax.rl import losses, packing
+from ada_jax.rl import packing
 from ada_jax.rl import train as train_lib
 from ada_jax.rl.pools import StepResult
 from ada_jax.rl.train import TrainBatch, TrainConfig, TrainState, check_batch_layout
@@ -86,12 +85,10 @@ def logprob_step(
     train_lib._micro_batches(x, num, mesh) for x in (batch.tokens, batch.positions, batch.segments)
   ]
   params = sharding_lib.gather_embedding(params, mesh)
-  # The train step's attention (`flash.self_attend`), so that unchanged weights give a ratio of 1.
-  self_attend = flash.self_attend(model_config, mesh, batch.tokens.shape[1])
+  logprobs_of = train_lib.logprobs_fn(model_config, config, mesh, batch.tokens.shape[1])
 
   def one(mb):
-    kw = dict(temperature=config.temperature, self_attend=self_attend)
-    return losses.token_logprobs(model_config, params, *mb, **kw)[0]
+    return logprobs_of(params, *mb)[0]
 
   out = jax.lax.map(one, stacked)  # [num, b / num, L]: micro-batch j = rows j, j + num, ...
   out = out.swapaxes(0, 1).reshape(rows, -1)

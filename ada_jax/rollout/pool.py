@@ -22,6 +22,7 @@ The prompt and slot caches, their layouts, writes and reads are `slots.py`'s.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -158,7 +159,10 @@ def prefill_prompts(
   if n % group:
     group = n
   positions = model_lib.positions_from_mask(mask)
-  kernel = flash.self_attend(config, mesh, tokens.shape[1])  # None: XLA's form
+  # The platform's kernel, else XLA's form a block of queries at a time.
+  attend = flash.self_attend(config, mesh, tokens.shape[1]) or functools.partial(
+    layers_lib.causal_attend, block=PREFILL_QUERY_BLOCK
+  )
 
   def step(prompts, inputs):
     tokens, mask, positions, entries = inputs
@@ -168,9 +172,7 @@ def prefill_prompts(
 
     def causal(*projections):
       q, k, v = layers_lib.split_heads(*projections)
-      if kernel is not None:
-        return kernel(q, k, v, mask), (k, v)
-      return layers_lib.causal_attend(q, k, v, mask, PREFILL_QUERY_BLOCK), (k, v)
+      return attend(q, k, v, mask), (k, v)
 
     hidden, kvs = model_lib.forward(
       config, params, tokens, positions, lambda layer: causal, last_only=True, head=False
