@@ -24,7 +24,7 @@ class Platform:
       `plan.hlo_walk`: XLA:GPU), '' (none: XLA:CPU, whose library calls no walk sees).
     cache_in_place_under_cond: a buffer passed through a `lax.cond` stays in place
       (XLA:TPU, XLA:CPU); XLA:GPU copies it into the branch (`slots.in_place_under_cond`).
-    decode_kernel: the Pallas kernel decode attention runs as natively (`slots.KERNELS`:
+    decode_kernel: the Pallas kernel decode attention runs as natively (`attention.KERNELS`:
       'tpu' the Mosaic TPU kernel `decode_kernel`, 'gpu' the Triton one
       `decode_kernel_gpu`), '' for XLA's form (the kernels then only in Pallas'
       interpreter).
@@ -33,10 +33,11 @@ class Platform:
       dot read as it is; XLA:GPU and XLA:CPU re-lay `[2, D, F]` out in the decode loop,
       every layer and step).
     shared_prompt: how XLA's form of decode attention reads a prompt its live rows share
-      (`slots.slot_attention`): 'grouped', once per prompt-cache entry for all its rows
-      (`shared_prompt.attend`: the bytes of a memory-bound step), or 'per row', each
-      slot's query over a gathered copy (`shared_prompt.per_row_piece`: S queries' score
-      work, not P·R, where the step is bound by its arithmetic: XLA:CPU).
+      (`attention.slot_attention`): 'grouped', once per prompt-cache entry for all its rows
+      (`shared_prompt.attend`: the bytes of a memory-bound step), or 'slot copy', each
+      slot over its own copy of its row's prompt, made once when the row starts
+      (`slots.copies_prompts`, `slots.admit`: S queries' score work, not P·R, and no
+      per-step gather, where the step is bound by its arithmetic: XLA:CPU).
     key_axes: the KV caches' key axis order (`slots.cache_axes`) where it is not
       `slots.KV_AXES`, '' where it is. XLA:CPU: 'bkhs', the head dim before the columns,
       which its decode score dot reads as it lies; over `[.., S, H]` keys that dot ran
@@ -103,7 +104,7 @@ PLATFORMS = {
       topology="cuda",
       packages=("jax-cuda12-plugin", "nvidia-cuda-nvcc-cu12"),
     ),
-    Platform("cpu", "XLA:CPU", gate_up_layout="dgf", shared_prompt="per row", key_axes="bkhs"),
+    Platform("cpu", "XLA:CPU", gate_up_layout="dgf", shared_prompt="slot copy", key_axes="bkhs"),
   )
 }
 

@@ -45,10 +45,10 @@ from ada_jax import config as config_lib  # noqa: E402
 from ada_jax import metrics  # noqa: E402
 from ada_jax.models import sharding as sharding_lib  # noqa: E402
 from ada_jax.plan import compiler, programs, roofline, targets  # noqa: E402
-from ada_jax.rollout import slots as slots_lib  # noqa: E402
+from ada_jax.rollout import attention as attention_lib  # noqa: E402
 
 SHIPPED_LAYOUT = sharding_lib.rollout_param_shardings
-SHIPPED_KERNEL = slots_lib.uses_kernel
+SHIPPED_KERNEL = attention_lib.uses_kernel
 
 
 def params_layout(config, mesh):
@@ -59,7 +59,7 @@ def params_layout(config, mesh):
 
 def measure(cfg, target, devices, slots, layout, kernel):
   sharding_lib.rollout_param_shardings = SHIPPED_LAYOUT if layout == "decode" else params_layout
-  slots_lib.uses_kernel = SHIPPED_KERNEL if kernel else (lambda mesh: "")
+  attention_lib.uses_kernel = SHIPPED_KERNEL if kernel else (lambda mesh: "")
   model_cfg = programs.model_of(cfg)
   mesh = programs.mesh_for(cfg, devices)
   smp = programs.rollout_sampler(cfg, model_cfg, mesh, slots)

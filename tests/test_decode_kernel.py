@@ -10,9 +10,8 @@ import pytest
 
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import layers, sharding
-from ada_jax.rollout import decode_kernel, decode_kernel_gpu
+from ada_jax.rollout import attention, decode_kernel, decode_kernel_gpu
 from ada_jax.rollout import sampler as sampler_lib
-from ada_jax.rollout import slots as slots_lib
 
 S, K, G, H, LP, LR = 8, 2, 3, 128, 256, 1024
 # The slots' prompt-cache entries (of 5; entries 1 and 4 have no live row, slot 6 is free):
@@ -122,8 +121,8 @@ def test_pool_draws_the_same_tokens_through_the_kernel(monkeypatch, kernel, mesh
     params, prompts, rows, jax.random.key(5)
   )
   xla, _ = draw()
-  monkeypatch.setattr(slots_lib, "uses_kernel", lambda mesh: kernel)
-  module, calls = slots_lib.KERNELS[kernel], []
+  monkeypatch.setattr(attention, "uses_kernel", lambda mesh: kernel)
+  module, calls = attention.KERNELS[kernel], []
   entry = "decode_step" if module.WRITES_RING else "decode_attention"
   run = getattr(module, entry)
   monkeypatch.setattr(module, entry, lambda *a, **k: calls.append(1) or run(*a, **k))
@@ -143,7 +142,7 @@ def test_a_ring_the_gpu_kernel_does_not_take_keeps_xlas_form(tiny, monkeypatch):
   config, params = tiny
   said = []
   monkeypatch.setattr(logging, "warning", lambda msg, *args: said.append(msg % args))
-  monkeypatch.setattr(slots_lib, "uses_kernel", lambda mesh: "gpu")
+  monkeypatch.setattr(attention, "uses_kernel", lambda mesh: "gpu")
   calls = []
   monkeypatch.setattr(decode_kernel_gpu, "decode_step", lambda *a, **k: calls.append(1))
   kw = dict(

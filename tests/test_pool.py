@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from ada_jax import platforms, testing
 from ada_jax.models import decoder as model_lib
 from ada_jax.models import sharding
+from ada_jax.rollout import attention as attention_lib
 from ada_jax.rollout import sampler as sampler_lib
 from ada_jax.rollout import slots as slots_lib
 
@@ -137,7 +138,7 @@ def test_rows_decode_in_their_prompts_row_shard(tiny, monkeypatch):
   row shards (data x fsdp): every live row sits in a slot of its entry's shard, at every
   segment, and draws what it draws on one device (entries spread over the shards)."""
   config, params = tiny
-  monkeypatch.setattr(slots_lib, "uses_kernel", lambda mesh: "tpu" if mesh else "")
+  monkeypatch.setattr(attention_lib, "uses_kernel", lambda mesh: "tpu" if mesh else "")
   mesh = sharding.make_mesh(2, 2, 2)
   rows = np.random.default_rng(3).integers(0, 4, 40)
   kw = dict(max_new_tokens=6, stop_ids=STOPS, prompt_buckets=(8,), segment_steps=2)
@@ -232,7 +233,7 @@ def test_another_cache_layout_draws_the_same_tokens(
   _assert_same_draw(got, want, atol=1e-5)
   assert (stats.kv_read, stats.kv_useful) == (want_stats.kv_read, want_stats.kv_useful)
   if mesh is not None:
-    monkeypatch.setattr(slots_lib, "uses_kernel", lambda mesh: "tpu")
+    monkeypatch.setattr(attention_lib, "uses_kernel", lambda mesh: "tpu")
     kernel, _ = draw()
     _assert_same_draw(kernel, want, atol=1e-4)
 

@@ -15,6 +15,7 @@ from ada_jax.models import decoder as model_lib
 from ada_jax.models import layers, sharding
 from ada_jax.rollout import sampler as sampler_lib
 from ada_jax.rollout import shared_prompt
+from ada_jax.rollout import slots as slots_lib
 
 
 @st.composite
@@ -65,17 +66,14 @@ def test_attention_read_once_per_entry_equals_each_rows_own_copy(case):
   ref = layers.attend(q, [copies, (rk, rv, rm)])
   np.testing.assert_allclose(np.asarray(out)[live], np.asarray(ref)[live], atol=2e-5, rtol=2e-5)
   assert np.isfinite(np.asarray(out)).all()
-  piece = shared_prompt.per_row_piece((pk, pv, pm), jnp.asarray(entry))
-  per_row = layers.attend(q, [piece, (rk, rv, rm)])
-  np.testing.assert_allclose(np.asarray(per_row)[live], np.asarray(ref)[live], atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)])
-def test_pool_draws_the_same_tokens_grouped_and_per_row(monkeypatch, mesh_shape):
+def test_pool_draws_the_same_tokens_grouped_and_from_slot_copies(monkeypatch, mesh_shape):
   """XLA's two forms of the shared prompt read (`platforms.Platform.shared_prompt`): each
-  entry once for its rows as the query axis (GPU's, where no kernel applies) or each row
-  over a gathered copy (CPU's): the same tokens through the pool, with refills; on a
-  2 x 2 x 2 mesh too."""
+  entry once for its rows as the query axis (GPU's, where no kernel applies) or each slot
+  over its own copy, made when its row starts (CPU's): the same tokens through the pool,
+  with refills; on a 2 x 2 x 2 mesh too."""
   config = model_lib.preset("tiny-llama")
   params = model_lib.init_params(config, jax.random.key(0))
   mesh = sharding.make_mesh(*mesh_shape) if mesh_shape else None
@@ -84,19 +82,62 @@ def test_pool_draws_the_same_tokens_grouped_and_per_row(monkeypatch, mesh_shape)
   kw = dict(max_new_tokens=10, stop_ids=tuple(range(3, 512, 16)), prompt_buckets=(8,))
   kw |= dict(chunk_rows=8, prompts_per_chunk=4, segment_steps=4, entry_rows=3)
   kw |= dict(rule=sampler_lib.SamplingRule(temperature=1.0))
-  draw = lambda: sampler_lib.Sampler(config, mesh=mesh, **kw).generate(
-    params, prompts, rows, jax.random.key(6)
-  )[0]
   cpu = sharding.platform(mesh)
-  forms = {}
-  for form in ("per row", "grouped"):
+  forms, copies = {}, {}
+  for form in ("slot copy", "grouped"):
     traits = dataclasses.replace(cpu, shared_prompt=form)
     monkeypatch.setattr(sharding, "platform", lambda mesh, traits=traits: traits)
-    forms[form] = draw()
+    smp = sampler_lib.Sampler(config, mesh=mesh, **kw)
+    forms[form] = smp.generate(params, prompts, rows, jax.random.key(6))[0]
+    copies[form] = smp.programs(8).init().cache.prompt_mask is not None
+  assert copies == {"slot copy": True, "grouped": False}
   assert len(set(forms["grouped"]["lengths"].tolist())) > 2
-  np.testing.assert_array_equal(forms["grouped"]["tokens"], forms["per row"]["tokens"])
-  np.testing.assert_array_equal(forms["grouped"]["lengths"], forms["per row"]["lengths"])
-  np.testing.assert_allclose(forms["grouped"]["logprobs"], forms["per row"]["logprobs"], atol=1e-5)
+  np.testing.assert_array_equal(forms["grouped"]["tokens"], forms["slot copy"]["tokens"])
+  np.testing.assert_array_equal(forms["grouped"]["lengths"], forms["slot copy"]["lengths"])
+  np.testing.assert_allclose(
+    forms["grouped"]["logprobs"], forms["slot copy"]["logprobs"], atol=1e-5
+  )
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+  take=st.lists(st.booleans(), min_size=6, max_size=6),
+  entry=st.lists(st.integers(0, 3), min_size=6, max_size=6),
+)
+def test_admit_copies_the_starting_slots_prompts_only(take, entry):
+  """`slots.admit` on XLA:CPU: each starting slot's copy is its entry's keys, values and
+  mask (in the platform's key order); every other slot's copy and every ring are as
+  they were; the starting slots' rings are masked."""
+  config = model_lib.preset("tiny-llama")
+  cache = slots_lib.init_slot_cache(config, 6, 5, prompt_len=4)
+  assert cache.prompt_mask is not None  # XLA:CPU keeps copies
+  fill = lambda x, seed: jax.random.normal(jax.random.key(seed), x.shape, x.dtype)
+  cache = cache.replace(
+    prompt_k=tuple(fill(x, i) for i, x in enumerate(cache.prompt_k)),
+    prompt_v=tuple(fill(x, 50 + i) for i, x in enumerate(cache.prompt_v)),
+    prompt_mask=jnp.ones_like(cache.prompt_mask),
+    mask=jnp.ones_like(cache.mask),
+  )
+  prompts = slots_lib.empty_prompt_cache(config, 4, 4)
+  prompts = prompts.replace(
+    k=tuple(fill(x, 100 + i) for i, x in enumerate(prompts.k)),
+    v=tuple(fill(x, 150 + i) for i, x in enumerate(prompts.v)),
+    mask=jax.random.uniform(jax.random.key(7), prompts.mask.shape) < 0.5,
+  )
+  take, entry = np.asarray(take), np.asarray(entry, np.int32)
+  out = jax.jit(slots_lib.admit)(cache, jnp.asarray(take), prompts, jnp.asarray(entry))
+  key_axes, value_axes = slots_lib.cache_axes(None)
+  checks = [(out.prompt_mask, cache.prompt_mask, prompts.mask, "bs")]
+  for layer in range(config.num_layers):
+    checks.append((out.prompt_k[layer], cache.prompt_k[layer], prompts.k[layer], key_axes))
+    checks.append((out.prompt_v[layer], cache.prompt_v[layer], prompts.v[layer], value_axes))
+  for new, old, src, axes in checks:
+    b = axes.index("b")
+    new, old, src = (np.moveaxis(np.asarray(x), b, 0) for x in (new, old, src))
+    np.testing.assert_array_equal(new[take], src[entry[take]])
+    np.testing.assert_array_equal(new[~take], old[~take])
+  np.testing.assert_array_equal(np.asarray(out.mask), np.broadcast_to(~take[:, None], (6, 5)))
+  np.testing.assert_array_equal(np.asarray(out.k[0]), np.asarray(cache.k[0]))
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -237,7 +237,7 @@ def decode_attention(
   """One decode step's attention of every slot over its prompt and its ring window.
 
   Equal, up to rounding, to `layers.attend(q, [the slot's prompt, ring window piece])` as
-  `slots.slot_attention` reads them. Two calls: `prompt_attention` (each prompt read once
+  `attention.slot_attention` reads them. Two calls: `prompt_attention` (each prompt read once
   for its live rows), then the ring's blocks continue that softmax from its output and
   log-sum-exp. Runs on one device's shard (`slots` maps it over the mesh with
   `shard_map`: the shard's slots and the entries they read).

@@ -5,7 +5,7 @@ XLA:GPU's formulation (`layers.attend` over the cache's pieces) costs every laye
 decode step: a concatenation of the prompt keys and the ring window into a new buffer
 (XLA's dot merger), float32 scores written to HBM and read back by the softmax and the
 value sum, several small kernels, and a `lax.switch` over window lengths (a conditional
-per layer, `slots.slot_attention`). Here one kernel per layer reads the layer's q, k and v
+per layer, `attention.slot_attention`). Here one kernel per layer reads the layer's q, k and v
 projections as the qkv gemm wrote them, rotates q and the new key (RoPE), writes the new
 key and value into the ring column in place (the ring arrays are aliased to its outputs),
 and reads each slot's keys and values once in bf16, keeping the scores in registers (an
@@ -150,7 +150,7 @@ def decode_step(
 
   Equal, up to rounding, to `layers.split_heads`, the ring's `dynamic_update_slice` at
   `column` and `layers.attend(q, [prompt piece, ring window piece])` as
-  `slots.slot_attention` computes them in XLA's form. Runs on one device's shard; the ring
+  `attention.slot_attention` computes them in XLA's form. Runs on one device's shard; the ring
   arrays are updated in place (aliased to the outputs).
 
   Args:

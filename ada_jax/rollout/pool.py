@@ -4,7 +4,7 @@ S slots decode at once. A queue of pending rows (each: its prompt's entry in a p
 cache, its output position, its row id) feeds them: when a row ends (stop token or the
 token budget), the next pending row takes its slot at the next step. `prefill_prompts`
 fills the prompt cache once per distinct prompt, and a row reads its prompt there: decode
-attention reads each entry once per step for all its live rows (`slots.slot_attention`,
+attention reads each entry once per step for all its live rows (`attention.slot_attention`,
 `shared_prompt`), and the response columns only up to the longest live row; a row's
 tokens depend only on (rollout key, row id, token index), never on its slot, the pool
 size or the device count.
@@ -33,6 +33,7 @@ from ada_jax.models import flash
 from ada_jax.models import layers as layers_lib
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.decoder import ModelConfig, Params
+from ada_jax.rollout import attention as attention_lib
 from ada_jax.rollout import slots as slots_lib
 from ada_jax.rollout.rule import SamplingRule
 from ada_jax.rollout.slots import PromptCache
@@ -196,11 +197,13 @@ def init_pool(
   slots: int,
   outputs: int,
   max_new_tokens: int,
+  prompt_len: int,
   mesh: jax.sharding.Mesh | None = None,
 ) -> SlotState:
   """An empty pool: S = `slots` free slots, `outputs` output positions, a `SlotCache` of
-  `max_new_tokens` ring columns per slot."""
-  cache = slots_lib.init_slot_cache(config, slots, max_new_tokens, mesh)
+  `max_new_tokens` ring columns per slot (and `prompt_len` prompt columns where the slots
+  keep their prompt's copy, `slots.copies_prompts`)."""
+  cache = slots_lib.init_slot_cache(config, slots, max_new_tokens, mesh, prompt_len)
   zeros = lambda shape, dtype=jnp.int32: jnp.zeros(shape, dtype)
   return SlotState(
     cache=cache,
@@ -250,10 +253,11 @@ def _start_rows(config, params, s: SlotState, prompts: PromptCache, queue: Queue
 
 def _refill(config, params, s: SlotState, prompts: PromptCache, queue: Queue, take, qi, mesh):
   """Slots `take` (bool[S]) start queue rows `qi` (int32[S]), when any does: their ring
-  masked (outside the conditional: XLA:GPU copies a cache passed through one,
-  `slots.in_place_under_cond`) and their bookkeeping reset (`_start_rows`)."""
+  masked and their prompt copied in where slots keep copies (`slots.admit`, outside the
+  conditional: XLA:GPU copies a cache passed through one, `slots.in_place_under_cond`)
+  and their bookkeeping reset (`_start_rows`)."""
   start = lambda r: _start_rows(config, params, r, prompts, queue, take, qi)
-  cache = slots_lib.admit(s.cache, take)
+  cache = slots_lib.admit(s.cache, take, prompts, queue.prompt[qi], mesh)
   rest = jax.lax.cond(jnp.any(take), start, lambda r: r, s.replace(cache=None))
   return rest.replace(cache=cache)
 
@@ -285,7 +289,7 @@ def decode_step(
     prompts: the prompt cache the slots' rows point into (`s.entry`).
     token: `int32[S]` the token each slot drew.
     still: `bool[S]` slots whose row goes on (its token is decoded; others are masked).
-    attention_block: ring window granularity (`slots.ring_windows`).
+    attention_block: ring window granularity (`attention.ring_windows`).
     entry_rows: the most live rows a prompt-cache entry has (`shared_prompt.group_by_entry`).
     mesh: when given, the cache keeps `slots.slot_cache_shardings`.
   """
@@ -293,7 +297,7 @@ def decode_step(
   c = s.cache
   mask = jax.lax.dynamic_update_slice(c.mask, still[:, None], (0, c.column))
   window = jnp.max(jnp.where(still, s.length, 1))  # ring columns of the longest live row
-  attention, read = slots_lib.slot_attention(
+  attention, read = attention_lib.slot_attention(
     c, prompts, (s.entry, still, entry_rows), mask, window, attention_block, config, mesh
   )
   logits, kvs = model_lib.forward(
@@ -392,7 +396,7 @@ def run_segment(
 
   Each step: free slots take the next queued rows (in queue order among the rows of
   their row shard: a row decodes on the devices that hold its prompt's entry,
-  `slots.row_shards`), then `draw_and_decode`: every live slot draws one token, rows
+  `attention.row_shards`), then `draw_and_decode`: every live slot draws one token, rows
   that drew a stop token or reached the budget Lr finish, and one decode step runs for
   the slots still live, attending over the cache blocks up to the longest of them.
 
@@ -417,7 +421,7 @@ def run_segment(
   """
 
   n_slots, n_queue = state.live.shape[0], queue.prompt.shape[0]
-  d = slots_lib.row_shards(config, mesh, n_slots, prompts.mask.shape[0])
+  d = attention_lib.row_shards(config, mesh, n_slots, prompts.mask.shape[0])
   shard, rank, count = _queue_by_shard(queue, prompts.mask.shape[0] // d, d)
   order = jnp.zeros((d, n_queue), jnp.int32).at[shard, rank].set(jnp.arange(n_queue), mode="drop")
 
@@ -455,7 +459,7 @@ def run_segment(
 
 
 def _queue_by_shard(queue: Queue, entries_per_shard: int, shards: int):
-  """Each queued row's row shard (its entry's: `slots.row_shards`; `shards` for padding),
+  """Each queued row's row shard (its entry's: `attention.row_shards`; `shards` for padding),
   its place in queue order among its shard's rows, and `int32[D]` rows per shard."""
   real = jnp.arange(queue.prompt.shape[0]) < queue.count
   shard = jnp.where(real, queue.prompt // entries_per_shard, shards)

@@ -24,6 +24,7 @@ from ada_jax.models import decoder as model_lib
 from ada_jax.models import layers as layers_lib
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.decoder import ModelConfig, Params
+from ada_jax.rollout import attention as attention_lib
 from ada_jax.rollout import pool as pool_lib
 from ada_jax.rollout import slots as slots_lib
 from ada_jax.rollout.queue import SlotDriver, response_arrays
@@ -81,7 +82,7 @@ class SlotPrograms:
     entry_rows: R, rows of one entry queued or live at once at most (the driver's
       admission keeps to it; decode attention groups them for their prompt).
     row_shards: D, the blocks of slots and of entries on the same devices
-      (`slots.row_shards`): a row decodes in its entry's block.
+      (`attention.row_shards`): a row decodes in its entry's block.
     prompts_per_chunk: prompts per prefill launch.
     max_new_tokens: Lr, the response budget (tokens).
     pad_id: the padding token.
@@ -330,6 +331,7 @@ class Sampler:
           slots=self.slots,
           outputs=self.slots + self.queue_rows,
           max_new_tokens=self.max_new_tokens,
+          prompt_len=prompt_len,
           mesh=mesh,
         ),
         "init_pool",
@@ -375,7 +377,7 @@ class Sampler:
       queue_rows=self.queue_rows,
       prompt_entries=self.prompt_entries,
       entry_rows=self.entry_rows,
-      row_shards=slots_lib.row_shards(cfg, mesh, self.slots, self.prompt_entries),
+      row_shards=attention_lib.row_shards(cfg, mesh, self.slots, self.prompt_entries),
       prompts_per_chunk=self.prompts_per_chunk,
       max_new_tokens=self.max_new_tokens,
       pad_id=self.pad_id,

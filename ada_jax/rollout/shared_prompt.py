@@ -49,7 +49,7 @@ def attend(q, prompt, entry, rank, members, own, kv_axes="bksh") -> jax.Array:
 
   XLA cannot skip an entry with no live row: this reads all P entries and scores P·R
   query rows (about (Q + 2 S)·R / rows per prompt), so where R is small it can read more
-  than the rows' own copies would (`per_row_piece`); the kernels skip dead entries.
+  than the rows' own copies would (`slots.copies_prompts`); the kernels skip dead entries.
 
   Args:
     q: `[S, 1, N, H]` queries (after RoPE).
@@ -68,15 +68,3 @@ def attend(q, prompt, entry, rank, members, own, kv_axes="bksh") -> jax.Array:
   shared = layers_lib.attend_partial(grouped, [(pk, pv, pm[:, None, :])], kv_axes)
   mine = tuple(x[entry, jnp.minimum(rank, rows - 1)][:, None] for x in shared)
   return layers_lib.merge_partials([mine, own], pv.dtype)
-
-
-def per_row_piece(prompt, entry, kv_axes="bksh"):
-  """Each slot's gathered copy of its entry's prompt, an `layers.attend` piece (keys,
-  values `[S, ...]` in `kv_axes`' order(s), mask `bool[S, 1, Lp]`): the per-row form of the
-  same attention, S queries' score work rather than the grouped form's P·R, at the cost
-  of the copy; for a compiler whose decode step is bound by its arithmetic, not by the
-  bytes it reads (XLA:CPU, `platforms.Platform.shared_prompt`)."""
-  pk, pv, pm = prompt
-  key_axes, value_axes = layers_lib.kv_orders(kv_axes)
-  rows = lambda x, axes: jnp.take(x, entry, axis=axes.index("b"), mode="clip")
-  return rows(pk, key_axes), rows(pv, value_axes), pm[entry][:, None, :]

@@ -1,40 +1,29 @@
-"""The rollout pool's two KV caches, owned here whole: the prompt cache (`PromptCache`, one
-entry per prefilled prompt) and the slots' cache (`SlotCache`), their axis orders
-(`cache_axes`), shapes, shardings, the store of prefilled prompts, the row shards that keep
-a row beside its prompt (`row_shards`), the one write per decode step and the bounded
-read. No other module
-indexes a cache array: the model hands keys and values over in its own order and the
-Pallas kernel reads its own (both `MODEL_AXES`), and this module converts.
+"""The rollout pool's two KV caches, owned here: the prompt cache (`PromptCache`, one entry
+per prefilled prompt) and the slots' cache (`SlotCache`), their axis orders (`cache_axes`),
+shapes, shardings, the store of prefilled prompts and a row's admission. Only this module
+and the decode step's read of them (`attention`) index a cache array: the model hands keys
+and values over in its own order and the Pallas kernels read their own (both
+`MODEL_AXES`), and `relayout` converts.
 
-A slot holds only its row's response: a ring of Lr columns that every slot writes at one
+A slot holds its row's response: a ring of Lr columns that every slot writes at one
 shared column per decode step, a `dynamic_update_slice`, which XLA:TPU performs in place
 (per-row write positions, a scatter, made it hold a second copy of the cache, and a
 `[B, K, H, S]` key layout a transposed one). Keys carry their RoPE positions, so where a
 key sits does not change attention; a per-slot mask says which ring columns are the row's.
-The row's prompt stays in its prompt-cache entry (`SlotState.entry`). Decode attention
-reads each entry's prompt once for all its live rows and the window of the ring that the
-longest live row has written: in Pallas kernels where the platform has them
-(`decode_kernel` on TPU, `decode_kernel_gpu` on GPU), on each device's row shard
-(`row_shards`), elsewhere `shared_prompt.attend` and `layers.attend_partial` over the
-pieces (one softmax, merged exactly).
+The row's prompt stays in its prompt-cache entry (`SlotState.entry`), read once per entry
+for all its live rows; XLA:CPU, whose decode step is bound by arithmetic, not bytes, gives
+each slot a copy of its prompt when its row starts instead (`copies_prompts`).
 """
 
 from __future__ import annotations
 
-import functools
-import math
-
 import jax
 import jax.numpy as jnp
-from absl import logging
 from flax import struct
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from ada_jax.models import layers as layers_lib
 from ada_jax.models import sharding as sharding_lib
 from ada_jax.models.decoder import ModelConfig
-from ada_jax.rollout import decode_kernel, decode_kernel_gpu, shared_prompt
 
 # ----------------------------------------------------------------------------- layout
 
@@ -44,7 +33,7 @@ from ada_jax.rollout import decode_kernel, decode_kernel_gpu, shared_prompt
 # order is a change of this line alone (tests/test_pool.py decodes the same tokens in two
 # others). This one is what the model hands over and the kernel reads (`MODEL_AXES`: no
 # transposes) and what XLA:TPU writes in place; another order costs the TPU kernel path a
-# transposed copy of every layer's cache per decode step (`_on_shards`).
+# transposed copy of every layer's cache per decode step (`attention._on_shards`).
 KV_AXES = "bksh"
 # Describes, does not set: the order of `layers.Attention`'s new keys and values and of
 # `decode_kernel`'s blocks.
@@ -60,7 +49,7 @@ def cache_axes(mesh: jax.sharding.Mesh | None) -> tuple[str, str]:
   return sharding_lib.platform(mesh).key_axes or KV_AXES, KV_AXES
 
 
-def _relayout(x: jax.Array, src: str, dst: str) -> jax.Array:
+def relayout(x: jax.Array, src: str, dst: str) -> jax.Array:
   return x if src == dst else jnp.einsum(f"{src}->{dst}", x)
 
 
@@ -104,31 +93,12 @@ def _kv_shardings(config, mesh, rows: int, columns: int):
   return k, kv_shardings(config, mesh, rows, columns, value_axes)[0], mask
 
 
-def row_shards(
-  config: ModelConfig, mesh: jax.sharding.Mesh | None, slots: int, entries: int
-) -> int:
-  """D, the shards the mesh's row axes split both the slots and the prompt-cache entries
-  into (`kv_shardings`) where decode attention is a Pallas kernel (`uses_kernel`), which
-  runs on each device's shard: slot block i (S / D slots) holds the rows of entry block i
-  (P / D entries), so the kernel reads a prompt on the devices that hold it. 1 without a
-  mesh, in XLA's form (XLA partitions its reads of another device's entries itself, and
-  any slot takes any row), or when either cache is replicated (the prompt cache then is
-  whole on every device)."""
-  if mesh is None or not uses_kernel(mesh):
-    return 1
-  ways = lambda rows: kv_shardings(config, mesh, rows, 1)[1].spec[0]
-  axes = ways(slots)
-  if axes is None or axes != ways(entries):
-    return 1
-  axes = (axes,) if isinstance(axes, str) else axes
-  return math.prod(mesh.shape[a] for a in axes)
-
-
 @struct.dataclass
 class SlotCache:
   """The pool's own KV cache: each slot's ring of response columns. A slot's prompt is read
   from its row's prompt-cache entry, once per decode step for all the rows that share it
-  (`shared_prompt`, issue 52).
+  (`shared_prompt`, issue 52), or, where the platform keeps one (`copies_prompts`), from
+  the slot's own copy of it, made once when its row starts (`admit`).
 
   Response token j of a row that started when the ring stood at column c0 sits at ring
   column (c0 + j) mod Lr; a row writes at most Lr - 1 of them (its last token is never
@@ -140,40 +110,74 @@ class SlotCache:
       (keys after RoPE).
     mask: `bool[S, Lr]`, True at ring columns that hold the slot's row's response tokens.
     column: `int32[]`, the ring column the next decode step writes.
+    prompt_k, prompt_v: per layer `dtype[S, K, Lp, H]` (in `cache_axes` order), each slot's
+      copy of its row's prompt-cache entry, or None where the platform reads the entry.
+    prompt_mask: `bool[S, Lp]` the copied entries' masks, or None.
   """
 
   k: tuple[jax.Array, ...]
   v: tuple[jax.Array, ...]
   mask: jax.Array
   column: jax.Array
+  prompt_k: tuple[jax.Array, ...] | None = None
+  prompt_v: tuple[jax.Array, ...] | None = None
+  prompt_mask: jax.Array | None = None
+
+
+def copies_prompts(mesh: jax.sharding.Mesh | None) -> bool:
+  """Whether each slot keeps a copy of its row's prompt (`platforms.Platform.shared_prompt`
+  'slot copy': XLA:CPU, whose decode step is bound by its arithmetic, not by the bytes it
+  reads, and which the per-step gather of every row's prompt cost a quarter of its
+  decode time, experiments/README.md "Where the CPU's time goes")."""
+  traits = sharding_lib.platform(mesh)
+  return traits.shared_prompt == "slot copy" and not traits.decode_kernel
 
 
 def slot_cache_shardings(
-  config: ModelConfig, mesh: jax.sharding.Mesh, slots: int, max_new_tokens: int
+  config: ModelConfig,
+  mesh: jax.sharding.Mesh,
+  slots: int,
+  max_new_tokens: int,
+  prompt_len: int = 0,
 ) -> SlotCache:
   """Shardings of a `SlotCache`: slots over ('data', 'fsdp'), kv heads over 'tensor'
-  (`kv_shardings`), the ring column replicated."""
+  (`kv_shardings`), the ring column replicated; the slots' prompt copies (`prompt_len`
+  columns, 0 for none) as the ring."""
   k, v, mask = _kv_shardings(config, mesh, slots, max_new_tokens)
   layers = config.num_layers
+  copies = {}
+  if prompt_len:
+    pk, pv, pm = _kv_shardings(config, mesh, slots, prompt_len)
+    copies = dict(prompt_k=(pk,) * layers, prompt_v=(pv,) * layers, prompt_mask=pm)
   return SlotCache(
-    k=(k,) * layers, v=(v,) * layers, mask=mask, column=sharding_lib.replicated(mesh)
+    k=(k,) * layers, v=(v,) * layers, mask=mask, column=sharding_lib.replicated(mesh), **copies
   )
 
 
 def init_slot_cache(
-  config: ModelConfig, slots: int, max_new_tokens: int, mesh: jax.sharding.Mesh | None = None
+  config: ModelConfig,
+  slots: int,
+  max_new_tokens: int,
+  mesh: jax.sharding.Mesh | None = None,
+  prompt_len: int = 0,
 ) -> SlotCache:
   """An empty cache of `slots` slots of `max_new_tokens` ring columns each, the ring at
-  column 0 (sharded by `slot_cache_shardings` with a mesh)."""
+  column 0 (sharded by `slot_cache_shardings` with a mesh), with empty prompt copies of
+  `prompt_len` columns where the platform keeps them (`copies_prompts`)."""
   k, v, mask = _empty(config, slots, max_new_tokens, mesh)
-  return constrain(config, SlotCache(k, v, mask, jnp.zeros((), jnp.int32)), mesh)
+  copies = {}
+  if prompt_len and copies_prompts(mesh):
+    pk, pv, pm = _empty(config, slots, prompt_len, mesh)
+    copies = dict(prompt_k=pk, prompt_v=pv, prompt_mask=pm)
+  return constrain(config, SlotCache(k, v, mask, jnp.zeros((), jnp.int32), **copies), mesh)
 
 
 def constrain(config: ModelConfig, cache: SlotCache, mesh) -> SlotCache:
   """`cache` constrained to `slot_cache_shardings` inside jit (unchanged without a mesh)."""
   if mesh is None:
     return cache
-  sh = slot_cache_shardings(config, mesh, *cache.mask.shape)
+  prompt_len = 0 if cache.prompt_mask is None else cache.prompt_mask.shape[1]
+  sh = slot_cache_shardings(config, mesh, *cache.mask.shape, prompt_len)
   return jax.tree.map(jax.lax.with_sharding_constraint, cache, sh)
 
 
@@ -231,7 +235,7 @@ def store_prompts(
 
   def put(old, new, axes):
     rows = (slice(None),) * axes.index("b") + (entries,)
-    return old.at[rows].set(_relayout(new, MODEL_AXES, axes).astype(old.dtype), mode="drop")
+    return old.at[rows].set(relayout(new, MODEL_AXES, axes).astype(old.dtype), mode="drop")
 
   at = lambda old, new: old.at[entries].set(new.astype(old.dtype), mode="drop")
   updated = PromptCache(
@@ -243,10 +247,37 @@ def store_prompts(
   return constrain_prompts(config, updated, mesh)
 
 
-def admit(cache: SlotCache, take: jax.Array) -> SlotCache:
-  """The slot cache with slots `take` (`bool[S]`) starting new rows: their ring masked (the
-  prompt stays in the prompt cache)."""
-  return cache.replace(mask=cache.mask & ~take[:, None])
+def admit(
+  cache: SlotCache, take: jax.Array, prompts: PromptCache, entry: jax.Array, mesh=None
+) -> SlotCache:
+  """The slot cache with slots `take` (`bool[S]`) starting new rows of prompt-cache entries
+  `entry` (`int32[S]`, read where `take`): their ring masked, and where the slots keep
+  prompt copies (`copies_prompts`) their entries copied in, one slot at a time in a loop
+  of as many trips as slots start (a gather of every slot would copy S prompts at every
+  step that refills one)."""
+  cache = cache.replace(mask=cache.mask & ~take[:, None])
+  if cache.prompt_mask is None:
+    return cache
+  n = take.shape[0]
+  starting = jnp.nonzero(take, size=n, fill_value=n)[0]
+  key_axes, value_axes = cache_axes(mesh)
+
+  def copy_one(i, copies):
+    slot = starting[i]
+    src = entry[slot]
+    move = lambda dst, new, axis: jax.lax.dynamic_update_slice_in_dim(
+      dst, jax.lax.dynamic_slice_in_dim(new, src, 1, axis), slot, axis
+    )
+    pk, pv, pm = copies
+    return (
+      tuple(move(d, x, key_axes.index("b")) for d, x in zip(pk, prompts.k, strict=True)),
+      tuple(move(d, x, value_axes.index("b")) for d, x in zip(pv, prompts.v, strict=True)),
+      move(pm, prompts.mask, 0),
+    )
+
+  copies = (cache.prompt_k, cache.prompt_v, cache.prompt_mask)
+  pk, pv, pm = jax.lax.fori_loop(0, take.sum(), copy_one, copies)
+  return cache.replace(prompt_k=pk, prompt_v=pv, prompt_mask=pm)
 
 
 def in_place_under_cond(mesh: jax.sharding.Mesh | None) -> bool:
@@ -261,214 +292,3 @@ def in_place_under_cond(mesh: jax.sharding.Mesh | None) -> bool:
   the tokens are the same (tests/test_pool.py).
   """
   return sharding_lib.platform(mesh).cache_in_place_under_cond
-
-
-def ring_windows(ring: int, block: int) -> tuple[int, ...]:
-  """The ring window lengths decode attention can read: multiples of `block` up to Lr."""
-  return tuple(sorted({min(ring, block * i) for i in range(1, -(-ring // block) + 1)}))
-
-
-# The Pallas decode-attention kernels by `platforms.Platform.decode_kernel` name.
-KERNELS = {"tpu": decode_kernel, "gpu": decode_kernel_gpu}
-
-
-def uses_kernel(mesh: jax.sharding.Mesh | None) -> str:
-  """The `KERNELS` name of the mesh platform's Pallas decode-attention kernel (where XLA's
-  formulation writes every layer's float32 scores to HBM and reads them back), or '' for
-  `layers.attend` over the pieces (XLA:CPU). `slot_attention` uses it where the kernel
-  `applies` to the cache's shapes, else XLA's form."""
-  return sharding_lib.platform(mesh).decode_kernel
-
-
-def slot_attention(
-  cache: SlotCache,
-  prompts: PromptCache,
-  rows: tuple[jax.Array, jax.Array, int],
-  mask: jax.Array,
-  window: jax.Array,
-  block: int,
-  config: ModelConfig | None = None,
-  mesh: jax.sharding.Mesh | None = None,
-):
-  """Each layer's write and read of one decode step (`decoder.forward(attention=...)`).
-
-  The new keys and values go to ring column `cache.column` of every slot; attention reads
-  the slot's prompt from its prompt-cache entry, once per entry for all its live rows
-  (issue 52), and a window of the ring that ends at that column and covers `window`
-  columns (the longest live row's response so far), so the bytes read follow the longest
-  live row. In XLA's form the prompt part is `shared_prompt.attend` and the window is the
-  smallest of `ring_windows(Lr, block)` that covers it, a `lax.switch` over those lengths,
-  a window that wraps past column 0 read as its two static ends (or the whole ring, when
-  those would overlap). In a Pallas kernel (`uses_kernel`: `decode_kernel` on TPU,
-  `decode_kernel_gpu` on GPU, where the kernel `applies` to the shapes) the window is read
-  block by block inside the kernel, whole blocks of its column block, on each device's
-  slots and the entries they read (`row_shards`).
-
-  Args:
-    cache: the slot cache before this step's write.
-    prompts: the prompt cache the slots' rows point into.
-    rows: (`entry` `int32[S]` each slot's entry, `live` `bool[S]` slots whose row goes on,
-      R the most live rows an entry has: `shared_prompt.group_by_entry`).
-    mask: `bool[S, Lr]` the ring mask after this step's write.
-    window: `int32[]` ring columns the longest live row has written, this step's included.
-    block: the XLA path's window granularity (`sampler.attention_block`).
-    config, mesh: the model and the mesh the cache is sharded on (`slot_cache_shardings`);
-      the kernel runs on each device's shard.
-
-  Returns:
-    (`attention(layer)` for `decoder.forward`, prompt and ring columns each slot reads
-    `int32[]`).
-  """
-  c, ring = cache.column, cache.mask.shape[1]
-  prompt_len = prompts.mask.shape[1]
-  entry, live, entry_rows = rows
-  axes = cache_axes(mesh)
-  write = lambda old, new, order: jax.lax.dynamic_update_slice_in_dim(
-    old, _relayout(new, MODEL_AXES, order).astype(old.dtype), c, order.index("s")
-  )
-  kernel = uses_kernel(mesh)
-  head_dim = cache.v[0].shape[KV_AXES.index("h")]
-  if kernel and not KERNELS[kernel].applies(prompt_len, ring, head_dim):
-    # Once per compile: a bucket or budget off the kernel's grid costs every layer a switch.
-    logging.warning(
-      "decode attention: the %s kernel does not take %d prompt / %d ring columns at head dim"
-      " %d; XLA's form instead (`%s.applies`)",
-      kernel, prompt_len, ring, head_dim, KERNELS[kernel].__name__,
-    )  # fmt: skip
-    kernel = ""
-  if kernel:
-    window = jnp.clip(window, 1, ring)
-    read = KERNELS[kernel].columns_read(c, window, ring)
-    on_shards = functools.partial(_on_shards, config, mesh, kernel, entry_rows=entry_rows)
-
-    def kernel_attention(layer):
-      def write_and_read(qkv, positions, inv_freq):
-        prompt = (prompts.k[layer], prompts.v[layer], prompts.mask)
-        ring = (cache.k[layer], cache.v[layer], mask)
-        if KERNELS[kernel].WRITES_RING:
-          projections = (qkv[:, 0], positions[:, 0], inv_freq)
-          return on_shards(projections, prompt, (entry, live), ring, c, window)
-        q, k, v = layers_lib.split_heads(qkv, positions, inv_freq)
-        ring = (write(ring[0], k, axes[0]), write(ring[1], v, axes[1]), mask)
-        return on_shards((q,), prompt, (entry, live), ring, c, window), ring[:2]
-
-      return write_and_read
-
-    return kernel_attention, prompt_len + read
-  per_row = sharding_lib.platform(mesh).shared_prompt == "per row"
-  if not per_row:
-    groups = shared_prompt.group_by_entry(entry, live, prompts.mask.shape[0], entry_rows)
-  lengths = ring_windows(ring, block)
-  index = jnp.searchsorted(jnp.asarray(lengths), jnp.clip(window, 1, ring))
-  n_read = jnp.asarray(lengths)[index]
-  wraps = c < n_read - 1
-  read = jnp.where(wraps & (n_read < ring), jnp.where(2 * n_read > ring, ring, 2 * n_read), n_read)
-  rows = lambda m: m[:, None, :]  # [S, 1 query, columns]
-
-  def attention(layer):
-    def write_and_read(*projections):
-      q, k, v = layers_lib.split_heads(*projections)
-      ring_k, ring_v = write(cache.k[layer], k, axes[0]), write(cache.v[layer], v, axes[1])
-      prompt = (prompts.k[layer], prompts.v[layer], prompts.mask)
-      own = lambda pieces: layers_lib.attend_partial(q, pieces, axes)  # the ring's part
-      whole = lambda: own([(ring_k, ring_v, rows(mask))])
-
-      def window_of(n):
-        if n == ring:
-          return whole
-
-        def straight():
-          cut = lambda x, order: jax.lax.dynamic_slice_in_dim(x, c - n + 1, n, order.index("s"))
-          return own([(cut(ring_k, axes[0]), cut(ring_v, axes[1]), rows(cut(mask, "bs")))])
-
-        def two_ends():
-          part = lambda a, b: tuple(
-            jax.lax.slice_in_dim(x, a, b, axis=order.index("s"))
-            for x, order in ((ring_k, axes[0]), (ring_v, axes[1]), (mask, "bs"))
-          )
-          return own([(k, v, rows(m)) for k, v, m in (part(0, n), part(ring - n, ring))])
-
-        return lambda: jax.lax.cond(c >= n - 1, straight, whole if 2 * n > ring else two_ends)
-
-      ring_part = jax.lax.switch(index, [window_of(n) for n in lengths])
-      if per_row:  # the prompt's part outside the switch: its copy is not passed into it
-        copy = shared_prompt.per_row_piece(prompt, entry, axes)
-        prompt_part = layers_lib.attend_partial(q, [copy], axes)
-        out = layers_lib.merge_partials([prompt_part, ring_part], prompt[1].dtype)
-      else:
-        out = shared_prompt.attend(q, prompt, entry, *groups[::-1], ring_part, axes)
-      return out, (ring_k, ring_v)
-
-    return write_and_read
-
-  return attention, prompt_len + read
-
-
-def _on_shards(config, mesh, kernel, queries, prompt, rows, ring, column, window, *, entry_rows):
-  """`KERNELS[kernel]` on each device's slots and kv heads and the prompt-cache entries
-  those slots read (a Pallas call is not partitioned by XLA; `row_shards`), or whole
-  without a mesh; in Pallas' interpreter off the platform it is written for. The kernel
-  reads `MODEL_AXES` blocks: the caches' pieces are handed over in that order.
-
-  `queries`: (the roped q `[S, 1, N, H]`,) for a kernel that reads the written ring
-  (`decode_attention`; returns the attention), or (qkv `[S, K, G + 2, H]`, positions
-  `int32[S]`, inv_freq) for one that rotates and writes it (`WRITES_RING`: `decode_step`;
-  returns (the attention, (the ring's keys, values) in `cache_axes` order)). `rows`: the
-  slots' entries and live flags (`int32[S]`, `bool[S]`).
-  """
-  module = KERNELS[kernel]
-  writes = module.WRITES_RING
-  entry_point = module.decode_step if writes else module.decode_attention
-  interpret = sharding_lib.platform(mesh).decode_kernel != kernel
-
-  def run(queries, prompt, rows, ring, c, w):
-    entry, live = rows
-    local = (entry % prompt[2].shape[0], live)  # a row's entry is in its slots' shard
-    return entry_point(
-      *queries, prompt, local, ring, c, w, entry_rows=entry_rows, interpret=interpret
-    )
-
-  key_axes, value_axes = cache_axes(mesh)
-  view = lambda k, v, m: (
-    _relayout(k, key_axes, MODEL_AXES),
-    _relayout(v, value_axes, MODEL_AXES),
-    m,
-  )
-  prompt, ring = view(*prompt), view(*ring)
-  if mesh is None:
-    out = run(queries, prompt, rows, ring, column, window)
-  else:
-    slot_spec = _spec(config, mesh, *ring[2].shape)
-    rows_axes, heads = slot_spec["b"], slot_spec["k"]
-    entries = prompt[2].shape[0]
-    prompt_spec = _spec(config, mesh, entries, prompt[2].shape[1])
-    if row_shards(config, mesh, ring[2].shape[0], entries) == 1:
-      prompt_spec["b"] = None  # every device reads any entry
-    kv = lambda spec: P(*(spec[a] for a in MODEL_AXES))
-    m = lambda spec: P(spec["b"], None)
-    attention = P(rows_axes, None, heads, None)
-    query_spec = (P(rows_axes, heads, None, None), P(rows_axes), P()) if writes else (attention,)
-    out = jax.shard_map(
-      run,
-      mesh=mesh,
-      in_specs=(
-        query_spec,
-        (kv(prompt_spec), kv(prompt_spec), m(prompt_spec)),
-        (P(rows_axes), P(rows_axes)),
-        (kv(slot_spec), kv(slot_spec), m(slot_spec)),
-        P(),
-        P(),
-      ),
-      out_specs=(attention, kv(slot_spec), kv(slot_spec)) if writes else attention,
-      check_vma=False,
-    )(queries, prompt, rows, ring, column, window)
-  if not writes:
-    return out
-  attention, k, v = out
-  return attention, (_relayout(k, MODEL_AXES, key_axes), _relayout(v, MODEL_AXES, value_axes))
-
-
-def _spec(config, mesh, rows: int, columns: int) -> dict:
-  """The mesh axes of each `KV_AXES` letter of a cache of `rows` rows (`kv_shardings`)."""
-  spec = kv_shardings(config, mesh, rows, columns)[0].spec
-  return dict(zip(KV_AXES, tuple(spec) + (None,) * 4, strict=False))
