@@ -28,10 +28,13 @@ class Platform:
       'tpu' the Mosaic TPU kernel `decode_kernel`, 'gpu' the Triton one
       `decode_kernel_gpu`), '' for XLA's form (the kernels then only in Pallas'
       interpreter).
-    gate_up_layout: the rollout copy's fused MLP weights (`layers.fuse_gate_up`): 'gdf'
-      `[2, D, F]` (XLA:TPU's tiles), 'dgf' `[D, 2, F]` (what a cuBLAS gemm and XLA:CPU's
-      dot read as it is; XLA:GPU and XLA:CPU re-lay `[2, D, F]` out in the decode loop,
-      every layer and step).
+    fused_layout: the rollout copy's fused projections (`decoder.fuse`, a
+      `layers.made_layout` name): the MLP's `gate_up` 'gdf' `[2, D, F]` (XLA:TPU's tiles)
+      or 'dgf' `[D, 2, F]` (what a cuBLAS gemm and XLA:CPU's dot read as it is; XLA:GPU
+      and XLA:CPU re-lay `[2, D, F]` out in the decode loop, every layer and step); with
+      '-dkgh' the attention's `qkv` `[D, K, G + 2, H]`, not `[K, G + 2, H, D]`, and o
+      `[H, N, D]`, not `[N, H, D]` (`layers.fuse_qkv`: the orders XLA:CPU's dots read; from
+      the others it re-laid both out at every layer of every decode step).
     shared_prompt: how XLA's form of decode attention reads a prompt its live rows share
       (`attention.slot_attention`): 'grouped', once per prompt-cache entry for all its rows
       (`shared_prompt.attend`: the bytes of a memory-bound step), or 'slot copy', each
@@ -56,7 +59,7 @@ class Platform:
   decode_traffic: str = ""
   cache_in_place_under_cond: bool = True
   decode_kernel: str = ""
-  gate_up_layout: str = "gdf"
+  fused_layout: str = "gdf"
   shared_prompt: str = "grouped"
   key_axes: str = ""
   self_attention: str = ""
@@ -97,14 +100,14 @@ PLATFORMS = {
       decode_traffic="optimized HLO",
       cache_in_place_under_cond=False,
       decode_kernel="gpu",
-      gate_up_layout="dgf",
+      fused_layout="dgf",
       # Triton gemm fusions need the autotuner, which needs a device ("Couldn't find output
       # tile sizes"): compile-only devices use cuBLAS.
       compile_options=(("xla_gpu_enable_triton_gemm", False),),
       topology="cuda",
       packages=("jax-cuda12-plugin", "nvidia-cuda-nvcc-cu12"),
     ),
-    Platform("cpu", "XLA:CPU", gate_up_layout="dgf", shared_prompt="slot copy", key_axes="bkhs"),
+    Platform("cpu", "XLA:CPU", fused_layout="dgf-dkgh", shared_prompt="slot copy", key_axes="bkhs"),
   )
 }
 

@@ -53,7 +53,7 @@ SHIPPED_KERNEL = attention_lib.uses_kernel
 
 def params_layout(config, mesh):
   """The rollout copy on the parameters' own specs (split over 'fsdp' too)."""
-  specs = sharding_lib.param_specs(config, mesh, fused=sharding_lib.platform(mesh).gate_up_layout)
+  specs = sharding_lib.param_specs(config, mesh, fused=sharding_lib.platform(mesh).fused_layout)
   return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 

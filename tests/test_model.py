@@ -5,9 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import struct
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ada_jax import testing
 from ada_jax.models import decoder as model_lib
+from ada_jax.models import layers
 from ada_jax.models.layers import attend, causal_attend, split_heads
 
 TINY = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
@@ -229,27 +232,40 @@ def test_float32_masters_compute_exactly_as_their_compute_dtype_copy(preset):
   assert hidden.dtype == jnp.bfloat16
 
 
-@pytest.mark.parametrize("layout", ["gdf", "dgf"])
+LAYOUTS = ["gdf", "dgf", "dgf-dkgh", "gdf-dkgh"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("preset", TINY)
 def test_fused_tree_computes_what_the_separate_weights_compute(preset, layout):
-  """`decoder.fuse` (the rollout copy's q, k, v and gate, up each one array, gate and up
-  in either platform's layout) holds the same weights: the same logits from either tree,
-  every leaf accounted for, and its logical axes and shapes describe it (what
+  """`decoder.fuse` (the rollout copy's q, k, v and gate, up each one array, in each
+  platform's layout) holds the same weights: the same logits from either tree, every leaf
+  accounted for, and its logical axes and shapes describe it (what
   `sharding.rollout_param_shardings` reads); a tree fused in one layout is not silently
-  taken for the other."""
+  taken for another."""
   config = model_lib.preset(preset)
   params = model_lib.init_params(config, jax.random.key(4))
   fused = model_lib.fuse(params, layout)
   assert model_lib.fused_layout(fused) == layout and model_lib.fused_layout(params) == ""
   assert model_lib.fuse(fused, layout) is fused
-  other = {"gdf": "dgf", "dgf": "gdf"}[layout]
-  with pytest.raises(ValueError, match=f"fused with gate_up '{layout}', asked for '{other}'"):
-    model_lib.fuse(fused, other)
+  for other in set(LAYOUTS) - {layout}:
+    with pytest.raises(ValueError, match=f"fused in layout '{layout}', asked for '{other}'"):
+      model_lib.fuse(fused, other)
   d, f = config.embed_dim, config.mlp_dim
+  gate_up_order, qkv_order = layers.split_layout(layout)
   gate_up = fused["layer_0"]["mlp"]["gate_up"]
-  assert gate_up.shape == {"gdf": (2, d, f), "dgf": (d, 2, f)}[layout]
+  assert gate_up.shape == {"gdf": (2, d, f), "dgf": (d, 2, f)}[gate_up_order]
   np.testing.assert_array_equal(
-    np.take(np.asarray(gate_up), 1, axis=layout.index("g")), params["layer_0"]["mlp"]["up"]
+    np.take(np.asarray(gate_up), 1, axis=gate_up_order.index("g")), params["layer_0"]["mlp"]["up"]
+  )
+  k, g, h = config.num_kv_heads, config.num_heads // config.num_kv_heads, config.head_dim
+  qkv = np.asarray(fused["layer_0"]["attn"]["qkv"])
+  assert qkv.shape == {"kghd": (k, g + 2, h, d), "dkgh": (d, k, g + 2, h)}[qkv_order]
+  values = np.moveaxis(qkv, [qkv_order.index(a) for a in "dkgh"], range(4))[:, :, g + 1]
+  np.testing.assert_array_equal(values, params["layer_0"]["attn"]["v"])
+  o = np.asarray(fused["layer_0"]["attn"]["o"])
+  np.testing.assert_array_equal(
+    o.transpose(1, 0, 2) if qkv_order == "dkgh" else o, params["layer_0"]["attn"]["o"]
   )
   n = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
   assert n(fused) == n(params)
@@ -264,7 +280,14 @@ def test_fused_tree_computes_what_the_separate_weights_compute(preset, layout):
     == {
       "gdf": (None, "embed", "mlp"),
       "dgf": ("embed", None, "mlp"),
-    }[layout]
+    }[gate_up_order]
+  )
+  assert (
+    axes["layer_0"]["attn"]["qkv"]
+    == {
+      "kghd": ("kv_heads", None, "head_dim", "embed"),
+      "dkgh": ("embed", "kv_heads", None, "head_dim"),
+    }[qkv_order]
   )
   tokens = jax.random.randint(jax.random.key(5), (2, 7), 1, config.vocab_size)
   positions = jnp.broadcast_to(jnp.arange(7), (2, 7))
@@ -275,10 +298,12 @@ def test_fused_tree_computes_what_the_separate_weights_compute(preset, layout):
   )
 
 
-def test_an_unknown_gate_up_layout_is_refused():
+def test_an_unknown_fused_layout_is_refused():
   params = model_lib.init_params(model_lib.preset(TINY[0]), jax.random.key(4))
   with pytest.raises(ValueError, match="gate_up layout 'fdg' is not one of"):
     model_lib.fuse(params, "fdg")
+  with pytest.raises(ValueError, match="qkv layout 'hgkd' is not one of"):
+    model_lib.fuse(params, "dgf-hgkd")
 
 
 @pytest.mark.parametrize("block", [1, 3, 4])
@@ -320,7 +345,7 @@ def test_packed_sequences_attend_as_each_alone(block):
 
 def test_a_width_of_two_is_fused_gdf_whatever_the_layout_asked():
   """With D = 2, `[D, 2, F]` has `[2, D, F]`'s shape, so a tree's layout could not be read
-  back: 'dgf' is made 'gdf' (`layers.gate_up_layout`), and the fused tree is taken as it is
+  back: 'dgf' is made 'gdf' (`layers.made_layout`), and the fused tree is taken as it is
   when fused again in either layout (a GPU sampler does not copy it again)."""
   import dataclasses
 
@@ -330,6 +355,32 @@ def test_a_width_of_two_is_fused_gdf_whatever_the_layout_asked():
   assert model_lib.fuse(fused, "dgf") is fused and model_lib.fuse(fused, "gdf") is fused
   shapes = jax.tree.map(lambda x: x.shape, model_lib.param_shapes(config, fused="dgf"))
   assert shapes == jax.tree.map(lambda x: x.shape, fused)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+  embed_dim=st.sampled_from([2, 3, 4, 8]),
+  kv_heads=st.integers(1, 4),
+  groups=st.integers(1, 3),
+  head_dim=st.sampled_from([2, 4, 8]),
+  layout=st.sampled_from(LAYOUTS),
+)
+def test_a_fused_layout_reads_back_from_its_shapes(embed_dim, kv_heads, groups, head_dim, layout):
+  """Whatever the widths, the layout a tree is fused in (`layers.made_layout`: a part whose
+  shape the other order shares is made in its first order) is the one
+  `decoder.fused_layout` reads back from its shapes."""
+  import dataclasses
+
+  config = dataclasses.replace(
+    model_lib.preset("tiny-llama", vocab_size=16, num_layers=1),
+    embed_dim=embed_dim,
+    num_kv_heads=kv_heads,
+    num_heads=kv_heads * groups,
+    head_dim=head_dim,
+  )
+  made = layers.made_layout(layout, embed_dim, kv_heads, head_dim)
+  assert made.split("-")[0] == ("gdf" if embed_dim == 2 else layout.split("-")[0])
+  assert model_lib.fused_layout(model_lib.param_shapes(config, layout)) == made
 
 
 def test_param_shapes_traced_once_per_architecture_and_handed_out_fresh():

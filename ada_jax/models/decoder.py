@@ -43,8 +43,8 @@ Params = dict[str, Any]
 class Transformer(nnx.Module):
   """The decoder. Layers are attributes `layer_0 ... layer_{L-1}` so that parameter paths
   are plain strings (orbax and safetensors keys stay stable). `fused`: each layer's
-  projections in the layout their matmuls read (`fuse`), the samplers' rollout copy, with
-  the MLP's `gate_up` in that layout (`layers.GATE_UP_LAYOUTS`); '' for separate ones."""
+  projections in the layout their matmuls read (`fuse`), the samplers' rollout copy, in
+  that fused layout (`layers.made_layout`); '' for separate ones."""
 
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs, fused: str = ""):
     pd = config.weight_dtype
@@ -149,14 +149,18 @@ def _graphdef(config: ModelConfig, fused: str = ""):
 
 
 def fused_layout(params: Params) -> str:
-  """The `gate_up` layout of a fused tree (`fuse`: the layers' q, k, v as one `qkv`),
-  read from its shape: 'dgf' where it is `[D, 2, F]` with D != 2, else 'gdf' (a stack of
-  D = 2 is made 'gdf', `layers.gate_up_layout`); '' for a tree of separate projections."""
+  """The layout of a fused tree (`fuse`: the layers' q, k, v as one `qkv`, gate and up as
+  one `gate_up`), read from its shapes: `gate_up` 'dgf' where it is `[D, 2, F]` with D !=
+  2, else 'gdf'; `qkv` 'dkgh' where it is `[D, K, G + 2, H]` with H != D, else 'kghd'
+  (`layers.made_layout` makes the two alike-shaped cases the first); '' for a tree of
+  separate projections."""
   layer = params.get("layer_0", {})
   if "qkv" not in layer.get("attn", {}):
     return ""
   shape = layer["mlp"]["gate_up"].shape
-  return "dgf" if shape[1] == 2 and shape[0] != 2 else "gdf"
+  gate_up = "dgf" if shape[1] == 2 and shape[0] != 2 else "gdf"
+  width, qkv = shape[gate_up.index("d")], layer["attn"]["qkv"].shape
+  return f"{gate_up}-dkgh" if qkv[-1] != width else gate_up
 
 
 def _module(config: ModelConfig, params: Params) -> Transformer:
@@ -181,33 +185,40 @@ _BIASES = ("q_bias", "k_bias", "v_bias")
 
 
 def fuse(params: Params, layout: str = "gdf") -> Params:
-  """The same weights with each layer's projections in the layout their matmuls read:
-  `attn.qkv` `[K, G + 2, H, D]` (`layers.fuse_qkv`) for q, k, v (their biases, if any,
-  `attn.qkv_bias` `[K, G + 2, H]`, `layers.fuse_qkv_bias`) and `mlp.gate_up` in
-  `layout` (`layers.fuse_gate_up`: 'gdf' `[2, D, F]`, 'dgf' `[D, 2, F]`; with D = 2 the
-  two read alike and 'gdf' is made) for gate, up; every other leaf as it is. Every
-  function here takes either tree. The samplers' rollout copy is fused once per RL step
-  (`Sampler.rollout_params`, in its platform's `gate_up_layout`): from separate weights a
-  decode loop stacks them itself, and XLA hoists that stack out of the loop as a copy of
-  them all. A tree fused in `layout` is returned as it is.
+  """The same weights with each layer's projections in the layout their matmuls read
+  (`layers.made_layout` of `layout`, a fused layout name): `attn.qkv` (`layers.fuse_qkv`:
+  'kghd' `[K, G + 2, H, D]`, 'dkgh' `[D, K, G + 2, H]` and o `[H, N, D]`) for q, k, v
+  (their biases, if any, `attn.qkv_bias` `[K, G + 2, H]`, `layers.fuse_qkv_bias`) and
+  `mlp.gate_up` (`layers.fuse_gate_up`: 'gdf' `[2, D, F]`, 'dgf' `[D, 2, F]`) for gate,
+  up; every other leaf as it is. Every function here takes either tree. The samplers' rollout copy is
+  fused once per RL step (`Sampler.rollout_params`, in its platform's `fused_layout`): from
+  separate weights a decode loop stacks them itself, and XLA hoists that stack out of the
+  loop as a copy of them all. A tree fused in `layout` is returned as it is.
 
   Raises:
     ValueError: an unknown layout, or a tree already fused in another one.
   """
+  _, d = params["embed"].shape
   have = fused_layout(params)
   if have:
-    width = params["layer_0"]["mlp"]["gate_up"].shape[have.index("d")]
-    if have != layers_lib.gate_up_layout(layout, width):
-      raise ValueError(f"params are fused with gate_up {have!r}, asked for {layout!r}")
+    qkv = params["layer_0"]["attn"]["qkv"].shape
+    k, h = (qkv[0], qkv[2]) if qkv[-1] == d else (qkv[1], qkv[3])
+    if have != layers_lib.made_layout(layout, d, k, h):
+      raise ValueError(f"params are fused in layout {have!r}, asked for {layout!r}")
     return params
+  _, k, h = params["layer_0"]["attn"]["k"].shape
+  made = layers_lib.made_layout(layout, d, k, h)
+  gate_up, qkv_order = layers_lib.split_layout(made)
 
   def layer(p):
     attn = {k: v for k, v in p["attn"].items() if k not in ("q", "k", "v") + _BIASES}
     mlp = {k: v for k, v in p["mlp"].items() if k not in ("gate", "up")}
-    attn["qkv"] = layers_lib.fuse_qkv(p["attn"]["q"], p["attn"]["k"], p["attn"]["v"])
+    attn["qkv"] = layers_lib.fuse_qkv(p["attn"]["q"], p["attn"]["k"], p["attn"]["v"], qkv_order)
+    if qkv_order == "dkgh":
+      attn["o"] = p["attn"]["o"].transpose(1, 0, 2)  # [H, N, D], `layers.Attention`
     if "q_bias" in p["attn"]:
       attn["qkv_bias"] = layers_lib.fuse_qkv_bias(*(p["attn"][b] for b in _BIASES))
-    mlp["gate_up"] = layers_lib.fuse_gate_up(p["mlp"]["gate"], p["mlp"]["up"], layout)
+    mlp["gate_up"] = layers_lib.fuse_gate_up(p["mlp"]["gate"], p["mlp"]["up"], gate_up)
     return {**p, "attn": attn, "mlp": mlp}
 
   return {k: layer(v) if k.startswith("layer_") else v for k, v in params.items()}

@@ -95,24 +95,33 @@ class RMSNorm(nnx.Module):
 class Attention(nnx.Module):
   """Grouped-query self-attention with optional q/k/v bias and per-head q/k RMSNorm.
 
-  `fused`: the q, k and v projections held as one `qkv` `[K, G + 2, H, D]` (each kv head's
-  G query heads, then its key and value), the layout its matmul reads (`fuse_qkv`), and
-  their biases as one `qkv_bias` `[K, G + 2, H]` (`fuse_qkv_bias`: stacked inside a decode
-  loop, XLA:GPU re-stacked and broadcast them every layer of every step)."""
+  `fused` (a fused layout name, `made_layout`; '' for none): the q, k and v projections
+  held as one `qkv` in the layout's `QKV_LAYOUTS` order, `[K, G + 2, H, D]` or `[D, K, G +
+  2, H]` (each kv head's G query heads, then its key and value: `fuse_qkv`; with the
+  second, o `[H, N, D]` instead of `[N, H, D]`), and their
+  biases as one `qkv_bias` `[K, G + 2, H]` (`fuse_qkv_bias`: stacked inside a decode loop,
+  XLA:GPU re-stacked and broadcast them every layer of every step)."""
 
-  def __init__(self, config: ModelConfig, rngs: nnx.Rngs, fused: bool = False):
+  def __init__(self, config: ModelConfig, rngs: nnx.Rngs, fused: str = ""):
     c = config
     d, n, k, h, pd = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim, c.weight_dtype
     std = 1.0 / math.sqrt(d)
-    if fused:
-      shape, axes = (k, n // k + 2, h, d), ("kv_heads", None, "head_dim", "embed")
+    qkv_order = split_layout(made_layout(fused, d, k, h))[1] if fused else ""
+    if qkv_order:
+      sizes = {"k": k, "g": n // k + 2, "h": h, "d": d}
+      names = {"k": "kv_heads", "g": None, "h": "head_dim", "d": "embed"}
+      shape, axes = (tuple(m[a] for a in qkv_order) for m in (sizes, names))
       self.qkv = make_param(rngs, shape, axes, pd, std)
     else:
       self.q = make_param(rngs, (d, n, h), ("embed", "heads", "head_dim"), pd, std)
       self.k = make_param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd, std)
       self.v = make_param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd, std)
-    self.o = make_param(rngs, (n, h, d), ("heads", "head_dim", "embed"), pd, 1.0 / math.sqrt(n * h))
-    if c.qkv_bias and fused:
+    # `fuse_qkv`'s 'dkgh' takes o as `[H, N, D]`: the order XLA:CPU's dot reads it in.
+    self.o_order = "hnd" if qkv_order == "dkgh" else "nhd"
+    sizes, names = {"n": n, "h": h, "d": d}, {"n": "heads", "h": "head_dim", "d": "embed"}
+    shape, axes = (tuple(m[a] for a in self.o_order) for m in (sizes, names))
+    self.o = make_param(rngs, shape, axes, pd, 1.0 / math.sqrt(n * h))
+    if c.qkv_bias and qkv_order:
       self.qkv_bias = make_param(rngs, (k, n // k + 2, h), ("kv_heads", None, "head_dim"), pd)
     elif c.qkv_bias:
       self.q_bias = make_param(rngs, (n, h), ("heads", "head_dim"), pd)
@@ -121,7 +130,7 @@ class Attention(nnx.Module):
     if c.qk_norm:
       self.q_norm = RMSNorm(h, c.rms_norm_eps, "head_dim", pd)
       self.k_norm = RMSNorm(h, c.rms_norm_eps, "head_dim", pd)
-    self.config, self.fused = config, fused
+    self.config, self.fused = config, qkv_order
 
   def __call__(self, x, positions, inv_freq, segments, attention=None, self_attend=None):
     """x: `[B, T, D]`. Returns (out `[B, T, D]`, (keys, values)): the T tokens' own
@@ -141,8 +150,11 @@ class Attention(nnx.Module):
     # One matmul for q, k and v (fewer, larger ops: faster at decode sizes on CPU).
     b, t, _ = x.shape
     g = c.num_heads // c.num_kv_heads
-    weights = self.qkv.value if self.fused else fuse_qkv(self.q.value, self.k.value, self.v.value)
-    qkv = jnp.einsum("btd,kghd->btkgh", x, weights.astype(dt))
+    if self.fused:
+      weights, order = self.qkv.value, self.fused
+    else:
+      weights, order = fuse_qkv(self.q.value, self.k.value, self.v.value), "kghd"
+    qkv = jnp.einsum(f"btd,{order}->btkgh", x, weights.astype(dt))
     if c.qkv_bias:
       bias = (
         self.qkv_bias.value
@@ -160,7 +172,7 @@ class Attention(nnx.Module):
       out, kv = attend(q, k, v, segments), (k, v)
     else:
       out, kv = attention(qkv, positions, inv_freq)
-    y = jnp.einsum("btnh,nhd->btd", out, self.o.value.astype(dt))
+    y = jnp.einsum(f"btnh,{self.o_order}->btd", out, self.o.value.astype(dt))
     return y, kv
 
 
@@ -182,18 +194,23 @@ def split_heads(qkv: jax.Array, positions: jax.Array, inv_freq: jax.Array):
 
 
 GATE_UP_LAYOUTS = ("gdf", "dgf")
+QKV_LAYOUTS = ("kghd", "dkgh")
 
 
-def fuse_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-  """`[K, G + 2, H, D]`: each kv head's G query heads (of q `[D, N, H]`), then its key and
-  value (k, v `[D, K, H]`), stacked on a new axis so that the kv-head axis keeps its
-  tensor-parallel shards aligned. H and D minor, D last: the tiles XLA:TPU's matmuls read
-  in the prefill and the decode loop alike (laid out `[D, K, G + 2, H]` the copy was
-  re-laid out for both, `[K, G + 2, D, H]` for the prefill: every layer's copy, hoisted
-  out of the loop as temporaries of the weights' size)."""
+def fuse_qkv(q: jax.Array, k: jax.Array, v: jax.Array, order: str = "kghd") -> jax.Array:
+  """Each kv head's G query heads (of q `[D, N, H]`), then its key and value (k, v `[D, K,
+  H]`), stacked on a new axis so that the kv-head axis keeps its tensor-parallel shards
+  aligned, in `order` (`QKV_LAYOUTS`): 'kghd' `[K, G + 2, H, D]`, H and D minor, D last:
+  the tiles XLA:TPU's matmuls read in the prefill and the decode loop alike (laid out `[D,
+  K, G + 2, H]` the copy was re-laid out for both, `[K, G + 2, D, H]` for the prefill:
+  every layer's copy, hoisted out of the loop as temporaries of the weights' size); 'dkgh'
+  `[D, K, G + 2, H]`, the operand XLA:CPU's dot reads as it lies (from 'kghd' it re-laid
+  every layer's weights out at every decode step: 2.2 MB a layer at SmolLM2's size), the
+  layout's o then `[H, N, D]` (`decoder.fuse`), which that dot reads as it lies too (from
+  `[N, H, D]`: 1.3 MB a layer a step)."""
   d, nk, h = k.shape
   qkv = jnp.concatenate([q.reshape(d, nk, -1, h), k[:, :, None], v[:, :, None]], axis=2)
-  return qkv.transpose(1, 2, 3, 0)
+  return jnp.einsum(f"dkgh->{order}", qkv)
 
 
 def fuse_qkv_bias(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -203,17 +220,35 @@ def fuse_qkv_bias(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
   return jnp.concatenate([q.reshape(nk, -1, h), k[:, None], v[:, None]], axis=1)
 
 
-def gate_up_layout(layout: str, embed_dim: int) -> str:
-  """The layout a stack of width D = `embed_dim` is made in: `layout`, but 'gdf' where
-  D = 2 ('dgf' `[D, 2, F]` then has `[2, D, F]`'s shape, and a tree's layout is read from
-  its shape, `decoder.fused_layout`).
+def split_layout(layout: str) -> tuple[str, str]:
+  """(gate_up's einsum letters, qkv's) of a fused layout name: a `GATE_UP_LAYOUTS` name
+  alone (qkv 'kghd'), or it and a `QKV_LAYOUTS` name joined by '-' ('dgf-dkgh').
 
   Raises:
-    ValueError: a layout not in `GATE_UP_LAYOUTS`.
+    ValueError: a part not in its list.
   """
-  if layout not in GATE_UP_LAYOUTS:
-    raise ValueError(f"gate_up layout {layout!r} is not one of {GATE_UP_LAYOUTS}")
-  return "gdf" if embed_dim == 2 else layout
+  gate_up, _, qkv = layout.partition("-")
+  qkv = qkv or "kghd"
+  if gate_up not in GATE_UP_LAYOUTS:
+    raise ValueError(f"gate_up layout {gate_up!r} is not one of {GATE_UP_LAYOUTS}")
+  if qkv not in QKV_LAYOUTS:
+    raise ValueError(f"qkv layout {qkv!r} is not one of {QKV_LAYOUTS}")
+  return gate_up, qkv
+
+
+def made_layout(layout: str, embed_dim: int, kv_heads: int, head_dim: int) -> str:
+  """The fused layout a model of width D = `embed_dim` is made in: `layout`, but each part
+  in its first order where the other would have the same shape, since a tree's layout is
+  read from its shapes (`decoder.fused_layout`): gate_up 'gdf' where D = 2, qkv 'kghd'
+  where D is the kv heads K or the head dim H.
+
+  Raises:
+    ValueError: an unknown layout (`split_layout`).
+  """
+  gate_up, qkv = split_layout(layout)
+  gate_up = "gdf" if embed_dim == 2 else gate_up
+  qkv = "kghd" if embed_dim in (kv_heads, head_dim) else qkv
+  return gate_up if qkv == "kghd" else f"{gate_up}-{qkv}"
 
 
 def fuse_gate_up(gate: jax.Array, up: jax.Array, layout: str = "gdf") -> jax.Array:
@@ -223,12 +258,12 @@ def fuse_gate_up(gate: jax.Array, up: jax.Array, layout: str = "gdf") -> jax.Arr
   the operand a cuBLAS gemm reads as it is (from `[2, D, F]` XLA:GPU re-lays the weights
   out inside the decode loop, every layer and step). Stacked, not concatenated along F,
   which keeps F's tensor-parallel shards aligned. The platform chooses
-  (`platforms.Platform.gate_up_layout`); D = 2 is always 'gdf' (`gate_up_layout`).
+  (`platforms.Platform.fused_layout`); D = 2 is always 'gdf' (`made_layout`).
 
   Raises:
     ValueError: an unknown layout.
   """
-  layout = gate_up_layout(layout, gate.shape[0])
+  layout = split_layout(made_layout(layout, gate.shape[0], 0, 0))[0]
   return jnp.stack([gate, up], axis=layout.index("g"))
 
 
@@ -383,12 +418,13 @@ def causal_attend(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array,
 
 
 class MLP(nnx.Module):
-  """SwiGLU: down(silu(gate(x)) * up(x)). `fused` (a `GATE_UP_LAYOUTS` name, '' for
-  none): gate and up held as one `gate_up` in that layout (`fuse_gate_up`)."""
+  """SwiGLU: down(silu(gate(x)) * up(x)). `fused` (a fused layout name, `made_layout`; ''
+  for none): gate and up held as one `gate_up` in its `GATE_UP_LAYOUTS` part
+  (`fuse_gate_up`)."""
 
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs, fused: str = ""):
     d, f, pd = config.embed_dim, config.mlp_dim, config.weight_dtype
-    fused = gate_up_layout(fused, d) if fused else ""
+    fused = split_layout(made_layout(fused, d, 0, 0))[0] if fused else ""
     if fused:
       shape = {"g": 2, "d": d, "f": f}
       axes = {"g": None, "d": "embed", "f": "mlp"}
@@ -421,7 +457,7 @@ class Block(nnx.Module):
 
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs, fused: str = ""):
     self.attn_norm = RMSNorm(config.embed_dim, config.rms_norm_eps, "embed", config.weight_dtype)
-    self.attn = Attention(config, rngs, bool(fused))
+    self.attn = Attention(config, rngs, fused)
     self.mlp_norm = RMSNorm(config.embed_dim, config.rms_norm_eps, "embed", config.weight_dtype)
     self.mlp = MLP(config, rngs, fused)
 

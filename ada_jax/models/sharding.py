@@ -225,12 +225,12 @@ def rollout_param_shardings(config: ModelConfig, mesh: Mesh) -> Params:
 
   Returns:
     A params-shaped tree of `NamedSharding`s, `decoder.fuse`d in the mesh platform's
-    `gate_up_layout`.
+    `fused_layout`.
   """
   no_fsdp = lambda s: P(*(None if axis == "fsdp" else axis for axis in s))
   return jax.tree.map(
     lambda s: NamedSharding(mesh, no_fsdp(s)),
-    param_specs(config, mesh, fused=platform(mesh).gate_up_layout),
+    param_specs(config, mesh, fused=platform(mesh).fused_layout),
     is_leaf=lambda x: isinstance(x, P),
   )
 

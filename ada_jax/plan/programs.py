@@ -81,7 +81,7 @@ def rollout_params(model_cfg: model_lib.ModelConfig, mesh) -> model_lib.Params:
   compute dtype, on `sharding.rollout_param_shardings`) as sharded `ShapeDtypeStruct`s."""
   shapes = jax.tree.map(
     lambda x: x.update(dtype=model_cfg.compute_dtype),
-    model_lib.param_shapes(model_cfg, sharding_lib.platform(mesh).gate_up_layout),
+    model_lib.param_shapes(model_cfg, sharding_lib.platform(mesh).fused_layout),
   )
   return compiler.placed(shapes, sharding_lib.rollout_param_shardings(model_cfg, mesh))
 

@@ -408,8 +408,9 @@ class Sampler:
       `params` already was that copy.
     """
     dtype = self.config.compute_dtype
-    layout = layers_lib.gate_up_layout(
-      sharding_lib.platform(self.mesh).gate_up_layout, self.config.embed_dim
+    c = self.config
+    layout = layers_lib.made_layout(
+      sharding_lib.platform(self.mesh).fused_layout, c.embed_dim, c.num_kv_heads, c.head_dim
     )
     shardings = None
     if self.mesh is not None:
