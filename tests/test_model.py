@@ -378,7 +378,7 @@ def test_a_fused_layout_reads_back_from_its_shapes(embed_dim, kv_heads, groups, 
     num_heads=kv_heads * groups,
     head_dim=head_dim,
   )
-  made = layers.made_layout(layout, embed_dim, kv_heads, head_dim)
+  made = layers.made_layout(layout, embed_dim, head_dim)
   assert made.split("-")[0] == ("gdf" if embed_dim == 2 else layout.split("-")[0])
   assert model_lib.fused_layout(model_lib.param_shapes(config, layout)) == made
 

@@ -152,7 +152,7 @@ def fused_layout(params: Params) -> str:
   """The layout of a fused tree (`fuse`: the layers' q, k, v as one `qkv`, gate and up as
   one `gate_up`), read from its shapes: `gate_up` 'dgf' where it is `[D, 2, F]` with D !=
   2, else 'gdf'; `qkv` 'dkgh' where it is `[D, K, G + 2, H]` with H != D, else 'kghd'
-  (`layers.made_layout` makes the two alike-shaped cases the first); '' for a tree of
+  (`layers.made_layout` makes the cases it cannot tell apart the first); '' for a tree of
   separate projections."""
   layer = params.get("layer_0", {})
   if "qkv" not in layer.get("attn", {}):
@@ -190,10 +190,11 @@ def fuse(params: Params, layout: str = "gdf") -> Params:
   'kghd' `[K, G + 2, H, D]`, 'dkgh' `[D, K, G + 2, H]` and o `[H, N, D]`) for q, k, v
   (their biases, if any, `attn.qkv_bias` `[K, G + 2, H]`, `layers.fuse_qkv_bias`) and
   `mlp.gate_up` (`layers.fuse_gate_up`: 'gdf' `[2, D, F]`, 'dgf' `[D, 2, F]`) for gate,
-  up; every other leaf as it is. Every function here takes either tree. The samplers' rollout copy is
-  fused once per RL step (`Sampler.rollout_params`, in its platform's `fused_layout`): from
-  separate weights a decode loop stacks them itself, and XLA hoists that stack out of the
-  loop as a copy of them all. A tree fused in `layout` is returned as it is.
+  up; every other leaf as it is. Every function here takes either tree. The samplers'
+  rollout copy is fused once per RL step (`Sampler.rollout_params`, in its platform's
+  `fused_layout`): from separate weights a decode loop stacks them itself, and XLA hoists
+  that stack out of the loop as a copy of them all. A tree fused in `layout` is returned
+  as it is.
 
   Raises:
     ValueError: an unknown layout, or a tree already fused in another one.
@@ -201,13 +202,12 @@ def fuse(params: Params, layout: str = "gdf") -> Params:
   _, d = params["embed"].shape
   have = fused_layout(params)
   if have:
-    qkv = params["layer_0"]["attn"]["qkv"].shape
-    k, h = (qkv[0], qkv[2]) if qkv[-1] == d else (qkv[1], qkv[3])
-    if have != layers_lib.made_layout(layout, d, k, h):
+    qkv = params["layer_0"]["attn"]["qkv"].shape  # [K, G + 2, H, D] or [D, K, G + 2, H]
+    h = qkv[3] if have.endswith("-dkgh") else qkv[2]
+    if have != layers_lib.made_layout(layout, d, h):
       raise ValueError(f"params are fused in layout {have!r}, asked for {layout!r}")
     return params
-  _, k, h = params["layer_0"]["attn"]["k"].shape
-  made = layers_lib.made_layout(layout, d, k, h)
+  made = layers_lib.made_layout(layout, d, params["layer_0"]["attn"]["k"].shape[2])
   gate_up, qkv_order = layers_lib.split_layout(made)
 
   def layer(p):

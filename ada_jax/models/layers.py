@@ -106,7 +106,7 @@ class Attention(nnx.Module):
     c = config
     d, n, k, h, pd = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim, c.weight_dtype
     std = 1.0 / math.sqrt(d)
-    qkv_order = split_layout(made_layout(fused, d, k, h))[1] if fused else ""
+    qkv_order = split_layout(made_layout(fused, d, h))[1] if fused else ""
     if qkv_order:
       sizes = {"k": k, "g": n // k + 2, "h": h, "d": d}
       names = {"k": "kv_heads", "g": None, "h": "head_dim", "d": "embed"}
@@ -236,18 +236,18 @@ def split_layout(layout: str) -> tuple[str, str]:
   return gate_up, qkv
 
 
-def made_layout(layout: str, embed_dim: int, kv_heads: int, head_dim: int) -> str:
+def made_layout(layout: str, embed_dim: int, head_dim: int) -> str:
   """The fused layout a model of width D = `embed_dim` is made in: `layout`, but each part
-  in its first order where the other would have the same shape, since a tree's layout is
-  read from its shapes (`decoder.fused_layout`): gate_up 'gdf' where D = 2, qkv 'kghd'
-  where D is the kv heads K or the head dim H.
+  in its first order where the other could be read for it, since a tree's layout is read
+  from its shapes (`decoder.fused_layout`): gate_up 'gdf' where D = 2, qkv 'kghd' where
+  D is the head dim H (both orders then end in D).
 
   Raises:
     ValueError: an unknown layout (`split_layout`).
   """
   gate_up, qkv = split_layout(layout)
   gate_up = "gdf" if embed_dim == 2 else gate_up
-  qkv = "kghd" if embed_dim in (kv_heads, head_dim) else qkv
+  qkv = "kghd" if embed_dim == head_dim else qkv
   return gate_up if qkv == "kghd" else f"{gate_up}-{qkv}"
 
 
@@ -263,7 +263,7 @@ def fuse_gate_up(gate: jax.Array, up: jax.Array, layout: str = "gdf") -> jax.Arr
   Raises:
     ValueError: an unknown layout.
   """
-  layout = split_layout(made_layout(layout, gate.shape[0], 0, 0))[0]
+  layout = split_layout(made_layout(layout, gate.shape[0], 0))[0]
   return jnp.stack([gate, up], axis=layout.index("g"))
 
 
@@ -424,7 +424,7 @@ class MLP(nnx.Module):
 
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs, fused: str = ""):
     d, f, pd = config.embed_dim, config.mlp_dim, config.weight_dtype
-    fused = split_layout(made_layout(fused, d, 0, 0))[0] if fused else ""
+    fused = split_layout(made_layout(fused, d, 0))[0] if fused else ""
     if fused:
       shape = {"g": 2, "d": d, "f": f}
       axes = {"g": None, "d": "embed", "f": "mlp"}

@@ -410,7 +410,7 @@ class Sampler:
     dtype = self.config.compute_dtype
     c = self.config
     layout = layers_lib.made_layout(
-      sharding_lib.platform(self.mesh).fused_layout, c.embed_dim, c.num_kv_heads, c.head_dim
+      sharding_lib.platform(self.mesh).fused_layout, c.embed_dim, c.head_dim
     )
     shardings = None
     if self.mesh is not None:
