@@ -44,10 +44,13 @@ class Transformer(nnx.Module):
   """The decoder. Layers are attributes `layer_0 ... layer_{L-1}` so that parameter paths
   are plain strings (orbax and safetensors keys stay stable). `fused`: each layer's
   projections in the layout their matmuls read (`fuse`), the samplers' rollout copy, in
-  that fused layout (`layers.made_layout`); '' for separate ones."""
+  that fused layout as made for the config's widths (`layers.made_layout`, here once for
+  every layer); '' for separate ones."""
 
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs, fused: str = ""):
     pd = config.weight_dtype
+    if fused:
+      fused = layers_lib.made_layout(fused, config.embed_dim, config.head_dim)
     self.embed = make_param(
       rngs,
       (config.vocab_size, config.embed_dim),

@@ -95,7 +95,7 @@ class RMSNorm(nnx.Module):
 class Attention(nnx.Module):
   """Grouped-query self-attention with optional q/k/v bias and per-head q/k RMSNorm.
 
-  `fused` (a fused layout name, `made_layout`; '' for none): the q, k and v projections
+  `fused` (a fused layout name as `made_layout` makes it; '' for none): the q, k and v projections
   held as one `qkv` in the layout's `QKV_LAYOUTS` order, `[K, G + 2, H, D]` or `[D, K, G +
   2, H]` (each kv head's G query heads, then its key and value: `fuse_qkv`; with the
   second, o `[H, N, D]` instead of `[N, H, D]`), and their
@@ -106,7 +106,7 @@ class Attention(nnx.Module):
     c = config
     d, n, k, h, pd = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim, c.weight_dtype
     std = 1.0 / math.sqrt(d)
-    qkv_order = split_layout(made_layout(fused, d, h))[1] if fused else ""
+    qkv_order = split_layout(fused)[1] if fused else ""
     if qkv_order:
       sizes = {"k": k, "g": n // k + 2, "h": h, "d": d}
       names = {"k": "kv_heads", "g": None, "h": "head_dim", "d": "embed"}
@@ -418,13 +418,13 @@ def causal_attend(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array,
 
 
 class MLP(nnx.Module):
-  """SwiGLU: down(silu(gate(x)) * up(x)). `fused` (a fused layout name, `made_layout`; ''
-  for none): gate and up held as one `gate_up` in its `GATE_UP_LAYOUTS` part
+  """SwiGLU: down(silu(gate(x)) * up(x)). `fused` (a fused layout name as `made_layout`
+  makes it; '' for none): gate and up held as one `gate_up` in its `GATE_UP_LAYOUTS` part
   (`fuse_gate_up`)."""
 
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs, fused: str = ""):
     d, f, pd = config.embed_dim, config.mlp_dim, config.weight_dtype
-    fused = split_layout(made_layout(fused, d, 0))[0] if fused else ""
+    fused = split_layout(fused)[0] if fused else ""
     if fused:
       shape = {"g": 2, "d": d, "f": f}
       axes = {"g": None, "d": "embed", "f": "mlp"}
@@ -453,7 +453,7 @@ class MLP(nnx.Module):
 
 class Block(nnx.Module):
   """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). `fused`: the
-  projections fused, the MLP's in that layout (`MLP`)."""
+  projections fused in that layout, as `made_layout` makes it (`Attention`, `MLP`)."""
 
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs, fused: str = ""):
     self.attn_norm = RMSNorm(config.embed_dim, config.rms_norm_eps, "embed", config.weight_dtype)
